@@ -1,0 +1,28 @@
+# Two commands: `make demo` and `make test`. Each creates .venv when missing and installs
+# the project into it (torch resolves to the wheel on local disk where pip is capped).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-slow install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/prunepipe demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Entry points: the `prunepipe` command line and multi-node launching; nothing else."""

@@ -1,0 +1,152 @@
+"""Shard index and raw shard reading: `index.json` (url and sample count per shard, dense ids
+0..N-1 in index order) and an iterator of (position, undecoded sample) for one shard.
+
+Nothing here decodes an image: pruned samples must cost their bytes and nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Iterator
+from urllib.parse import urlparse
+
+import numpy as np
+import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+INDEX_NAME = "index.json"
+
+
+class BadInputError(RuntimeError):
+    """A shard or sample that cannot be used; the message names the shard url and key."""
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One bad-input event: what went wrong and how many samples it cost."""
+
+    message: str
+    samples_lost: int = 1
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The shards of one split, in id order: shard i holds ids first_ids[i] .. first_ids[i]+counts[i]-1."""
+
+    urls: tuple[str, ...]
+    counts: np.ndarray  # int64 [S]
+    path: str = ""  # where the index was read from, for messages
+
+    @property
+    def first_ids(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.sum())
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    @classmethod
+    def load(cls, location: str) -> "ShardIndex":
+        """Read `index.json` from a folder (or the file itself); relative urls resolve beside it."""
+        path = os.path.join(location, INDEX_NAME) if os.path.isdir(location) else location
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"no shard index at {path}: write shards with `prunepipe shards write` or index "
+                f"existing ones with `prunepipe shards index`"
+            )
+        with open(path) as f:
+            raw = json.load(f)
+        try:
+            shards = raw["shards"]
+            urls = tuple(_resolve(s["url"], os.path.dirname(os.path.abspath(path))) for s in shards)
+            counts = np.array([int(s["num_samples"]) for s in shards], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}: expected {{'shards': [{{'url': str, 'num_samples': int}}, ...]}}: {e!r}"
+            ) from e
+        if len(urls) == 0 or (counts < 0).any():
+            raise ValueError(f"{path}: an index needs at least one shard and non-negative counts")
+        return cls(urls, counts, path)
+
+    @staticmethod
+    def write(folder: str, entries: list[tuple[str, int]], **meta) -> str:
+        """Write `index.json` in `folder`; urls of files inside the folder are stored relative."""
+        folder_abs = os.path.abspath(folder)
+        shards = []
+        for url, count in entries:
+            if _is_local(url) and os.path.dirname(os.path.abspath(url)) == folder_abs:
+                url = os.path.basename(url)
+            shards.append({"url": url, "num_samples": int(count)})
+        path = os.path.join(folder, INDEX_NAME)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"shards": shards, **meta}, f, indent=1)
+        os.replace(tmp, path)
+        return path
+
+
+def _is_local(url: str) -> bool:
+    return urlparse(url).scheme in ("", "file")
+
+
+def _resolve(url: str, base: str) -> str:
+    if _is_local(url) and not url.startswith("file:") and not os.path.isabs(url):
+        return os.path.join(base, url)
+    return url
+
+
+def read_shard(url: str) -> Iterator[tuple[int, dict]]:
+    """Yield (position, sample) for each sample of one shard, members grouped by key.
+
+    A sample is webdataset's dict: `__key__`, `__url__` and one undecoded `bytes` field per
+    extension. Raises BadInputError naming the url (and the last good key) when the shard is
+    missing, corrupt or truncated; samples yielded before that point are valid.
+    """
+    try:
+        stream = wds.gopen(url, "rb")
+    except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
+        raise BadInputError(f"shard {url}: cannot open: {e}") from e
+    last_key = None
+    finished = False
+    try:
+        members = tar_file_iterator(stream)
+        for position, sample in enumerate(group_by_keys(_with_url(members, url))):
+            last_key = sample["__key__"]
+            yield position, sample
+        finished = True
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        where = f"after key {last_key!r}" if last_key is not None else "before its first sample"
+        raise BadInputError(f"shard {url}: corrupt or truncated tar {where}: {_first_line(e)}") from e
+    finally:
+        try:
+            stream.close()  # a `pipe:` or http stream reports a failed command here
+        except Exception as e:  # noqa: BLE001
+            if finished:  # otherwise the error being raised already names the shard
+                raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
+
+
+def _with_url(members, url):
+    for member in members:
+        member["__url__"] = url
+        yield member
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e.args[0]) if e.args else repr(e)
+    return text.split(" @ ")[0].splitlines()[0] if text else repr(e)
+
+
+def count_samples(url: str) -> tuple[int, list[str]]:
+    """Samples in a shard and the sorted field names seen; reads the shard once."""
+    fields: set[str] = set()
+    n = 0
+    for position, sample in read_shard(url):
+        fields.update(k for k in sample if not k.startswith("__"))
+        n = position + 1
+    return n, sorted(fields)

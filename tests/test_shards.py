@@ -1,0 +1,158 @@
+"""Shards from other writers (plain `tar`, webdataset's TarWriter), other url schemes, and every
+kind of bad input: each names the shard and key, and every lost sample is counted."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import os
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from pipelines.data import ShardStream
+from pipelines.decode import SampleDecoder
+from pipelines.shards import BadInputError, ShardIndex, read_shard
+from tools.shards import index_shards, inspect_shards
+
+
+def jpeg_bytes(seed: int, size: int = 16) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def write_tarwriter_shard(path: str, n: int, start: int = 0, broken: dict | None = None) -> str:
+    """n samples written by webdataset's TarWriter; `broken` maps a position to a replacement sample."""
+    with wds.TarWriter(path) as sink:
+        for i in range(start, start + n):
+            sample = {"__key__": f"s{i:05d}", "jpg": jpeg_bytes(i), "cls": str(i % 3)}
+            if broken and i - start in broken:
+                sample = {"__key__": f"s{i:05d}", **broken[i - start]}
+            sink.write(sample)
+    return path
+
+
+def read_all(index: ShardIndex, policy: str, batch_size: int = 1):
+    stream = ShardStream(index, batch_size=batch_size, decoder=SampleDecoder(resolution=16),
+                         on_bad_sample=policy, shuffle_buffer=1)
+    return list(stream.pass_loader(0))
+
+
+def test_plain_tar_in_img2dataset_layout_is_indexed_and_read(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    names = []
+    for i in range(7):
+        (files / f"{i:09d}.jpg").write_bytes(jpeg_bytes(i))
+        (files / f"{i:09d}.txt").write_text(f"caption {i}")
+        (files / f"{i:09d}.json").write_text('{"width": 16}')
+        names += [f"{i:09d}.jpg", f"{i:09d}.txt", f"{i:09d}.json"]
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    subprocess.run(["tar", "-cf", str(shard_dir / "00000.tar"), "-C", str(files), *names], check=True)
+    write_tarwriter_shard(str(shard_dir / "00001.tar"), 5, start=100)
+    index = ShardIndex.load(index_shards([str(shard_dir)], str(shard_dir)))
+    assert index.counts.tolist() == [7, 5]
+    batches = read_all(index, "stop")
+    assert sorted(int(b.ids[0]) for b in batches) == list(range(12))
+    labels = sorted(int(b.labels[0]) for b in batches)
+    assert labels.count(-1) == 7, "img2dataset shards carry no class; tarwriter ones do"
+    report = inspect_shards(str(shard_dir), str(tmp_path / "grid.png"))
+    assert report["samples"] == 12 and report["fields"]["jpg"] == 12
+    assert os.path.getsize(tmp_path / "grid.png") > 0
+
+
+def test_pipe_and_http_urls_are_read(tmp_path):
+    shard = write_tarwriter_shard(str(tmp_path / "a.tar"), 6)
+    assert [p for p, _ in read_shard(f"pipe:cat {shard}")] == list(range(6))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.tar"
+        assert [s["__key__"] for _, s in read_shard(url)] == [f"s{i:05d}" for i in range(6)]
+    finally:
+        server.shutdown()
+
+
+def make_case(tmp_path, case: str):
+    """One good shard of 10 and one shard with the named defect; returns (index, bad url, key or None)."""
+    good = write_tarwriter_shard(str(tmp_path / "good.tar"), 10)
+    bad = str(tmp_path / f"{case}.tar")
+    key = None
+    if case == "truncated":
+        write_tarwriter_shard(bad, 10, start=10)
+        data = open(bad, "rb").read()
+        open(bad, "wb").write(data[: len(data) // 2])
+        key = "after key"
+    elif case == "corrupt":
+        open(bad, "wb").write(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif case == "not_an_image":
+        write_tarwriter_shard(bad, 10, start=10, broken={3: {"jpg": b"this is text, not a JPEG"}})
+        key = "s00013"
+    elif case == "no_image_field":
+        write_tarwriter_shard(bad, 10, start=10, broken={5: {"cls": "1"}})
+        key = "s00015"
+    elif case == "missing":
+        pass  # listed in the index, never written
+    index = ShardIndex((good, bad), np.array([10, 10]), path=str(tmp_path / "index.json"))
+    return index, bad, key
+
+
+LOST = {"truncated": None, "corrupt": 10, "not_an_image": 1, "no_image_field": 1, "missing": 10}
+
+
+@pytest.mark.parametrize("case", list(LOST))
+def test_bad_input_stops_with_a_message_naming_shard_and_key(tmp_path, case):
+    index, bad_url, key = make_case(tmp_path, case)
+    with pytest.raises(BadInputError) as error:
+        read_all(index, "stop")
+    message = str(error.value)
+    assert bad_url in message
+    if key:
+        assert key in message
+    assert "on_bad_sample" in message, "the message says how to go on"
+
+
+@pytest.mark.parametrize("case", list(LOST))
+def test_bad_input_skipped_is_counted_never_silent(tmp_path, case):
+    index, bad_url, _ = make_case(tmp_path, case)
+    batches = read_all(index, "skip")
+    assert len(batches) == 20, "equal steps: short workers pad instead of stopping early"
+    delivered = [int(b.ids[0]) for b in batches if int(b.ids[0]) >= 0]
+    lost = sum(e.samples_lost for b in batches for e in b.bad)
+    assert all(bad_url in e.message for b in batches for e in b.bad)
+    assert len(delivered) + lost == index.num_samples, "every sample is delivered or counted as lost"
+    padding = [b for b in batches if int(b.ids[0]) < 0]
+    assert len(padding) == lost and all(float(b.weights[0]) == 0.0 for b in padding)
+    if LOST[case] is not None:
+        assert lost == LOST[case]
+    else:
+        assert 0 < lost < 10
+
+
+def test_index_that_undercounts_a_shard_is_an_error(tmp_path):
+    shard = write_tarwriter_shard(str(tmp_path / "a.tar"), 6)
+    index = ShardIndex((shard,), np.array([4]), path="idx.json")
+    with pytest.raises(BadInputError, match="re-index"):
+        read_all(index, "stop")
+
+
+def test_written_digits_shards_have_dense_ids_and_both_splits(digits_shards):
+    train = ShardIndex.load(os.path.join(digits_shards, "train"))
+    val = ShardIndex.load(os.path.join(digits_shards, "val"))
+    assert train.num_samples + val.num_samples == 1797
+    assert abs(val.num_samples - 180) <= 1
+    assert train.first_ids[0] == 0 and (np.diff(train.first_ids) == train.counts[:-1]).all()
+    moved = os.path.join(digits_shards, "..", "moved_copy")
+    shutil.copytree(os.path.join(digits_shards, "train"), moved, dirs_exist_ok=True)
+    assert ShardIndex.load(moved).num_samples == train.num_samples, "urls are stored relative to the index"

@@ -1,0 +1,1 @@
+"""Programs around a run: write and index shards, encode latents, benchmarks."""

@@ -1,0 +1,133 @@
+"""`prunepipe shards write | index | inspect`: make WebDataset shards, index shards written
+elsewhere, and look at what a shard folder holds.
+
+Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import webdataset as wds
+from braceexpand import braceexpand
+from PIL import Image
+from tqdm import tqdm
+
+from pipelines.shards import ShardIndex, count_samples, read_shard
+from tools.sources import load_source
+
+SPLITS = ("train", "val")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=False)
+    return buffer.getvalue()
+
+
+def write_shards(
+    source: str,
+    out: str,
+    *,
+    size: int = 32,
+    shard_size: int = 500,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    folder: str | None = None,
+    crops_per_photo: int = 250,
+) -> dict[str, str]:
+    """Write train/val shards of `source` with webdataset's ShardWriter; returns index paths."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
+    # A fixed permutation decides the split, so val holds every class in proportion.
+    is_val = np.zeros(len(items), dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
+    written = {}
+    for split in SPLITS:
+        chosen = [item for item, v in zip(items, is_val) if v == (split == "val")]
+        if not chosen:
+            continue
+        folder_out = os.path.join(out, split)
+        os.makedirs(folder_out, exist_ok=True)
+        for stale in glob.glob(os.path.join(folder_out, "shard-*.tar")):
+            os.remove(stale)
+        entries: list[tuple[str, int]] = []
+        pattern = os.path.join(folder_out, "shard-%06d.tar")
+        with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
+            writer.post = lambda fname: entries.append((fname, writer.count))
+            for key, image, label in tqdm(chosen, desc=f"{source}/{split}", unit="img", leave=False):
+                sample = {"__key__": key, "png": png_bytes(image)}
+                if label >= 0:
+                    sample["cls"] = str(label)
+                writer.write(sample)
+        written[split] = ShardIndex.write(folder_out, entries, source=source, size=size, keys=["png", "cls"])
+    return written
+
+
+def shard_urls(sources: list[str]) -> list[str]:
+    """Expand folders (their *.tar), globs and brace patterns into a sorted list of shard urls."""
+    urls: list[str] = []
+    for source in sources:
+        for pattern in braceexpand(source):
+            if os.path.isdir(pattern):
+                urls += sorted(glob.glob(os.path.join(pattern, "*.tar")))
+            elif any(c in pattern for c in "*?[") and "://" not in pattern:
+                urls += sorted(glob.glob(pattern))
+            else:
+                urls.append(pattern)
+    if not urls:
+        raise FileNotFoundError(f"no shards found in {sources}")
+    return urls
+
+
+def index_shards(sources: list[str], out: str) -> str:
+    """Read each shard once and write `out`/index.json (img2dataset and plain-tar layouts)."""
+    entries, keys = [], set()
+    for url in tqdm(shard_urls(sources), desc="indexing", unit="shard"):
+        count, fields = count_samples(url)
+        entries.append((url, count))
+        keys.update(fields)
+    os.makedirs(out, exist_ok=True)
+    return ShardIndex.write(out, entries, keys=sorted(keys))
+
+
+def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
+    """Counts, fields and labels of an indexed shard folder; optionally a PNG grid of images."""
+    from pipelines.decode import SampleDecoder
+
+    index = ShardIndex.load(location)
+    fields, labels = Counter(), Counter()
+    images = []
+    decoder = SampleDecoder(resolution=int(_index_meta(index).get("size", 32)))
+    for url in index.urls:
+        for _, sample in read_shard(url):
+            fields.update(k for k in sample if not k.startswith("__"))
+            if "cls" in sample:
+                labels[int(sample["cls"])] += 1
+            if grid_path and len(images) < grid_count:
+                images.append(decoder(sample, 0, 0)[0])
+    report = {
+        "index": index.path,
+        "shards": len(index),
+        "samples": index.num_samples,
+        "fields": dict(fields),
+        "labels": dict(sorted(labels.items())),
+    }
+    if grid_path and images:
+        import torch
+        from torchvision.utils import save_image
+
+        save_image((torch.stack(images) + 1) / 2, grid_path, nrow=int(np.ceil(np.sqrt(len(images)))))
+        report["grid"] = grid_path
+    return report
+
+
+def _index_meta(index: ShardIndex) -> dict:
+    with open(index.path) as f:
+        return {k: v for k, v in json.load(f).items() if k != "shards"}
