@@ -1,0 +1,17 @@
+"""The pruners: per-sample ids and losses in, keep/skip decisions and weights out.
+
+pruning/ never imports a model or opens a file; torch.distributed appears only in sync.py.
+"""
+
+from .base import FrozenPlan, Pruner, first_full_pass, uniform_coin
+from .full import Full
+from .infobatch import InfoBatch
+from .random_pruner import Random
+from .registry import PRUNERS, build_pruner, hparam_names
+from .sync import gather_ids_losses
+from .ted import TED
+
+__all__ = [
+    "Pruner", "Full", "Random", "InfoBatch", "TED", "build_pruner", "PRUNERS", "hparam_names",
+    "gather_ids_losses", "uniform_coin", "first_full_pass", "FrozenPlan",
+]

@@ -1,0 +1,376 @@
+"""The contract every pruner keeps (DESIGN.md, "Pruners"), the counter-based coin and the frozen plan.
+
+Decisions are pure functions of (seed, epoch, id, plan frozen at the pass start): no global RNG is
+ever seeded or drawn from. pruning/ never imports a model, opens a file or talks to other ranks
+(except pruning/sync.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based coin
+# ----------------------------------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's Weyl increment (odd, so id -> id*gamma is a bijection)
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+
+
+def _mix64_scalar(z: int) -> int:
+    """SplitMix64's finaliser on one python int (exact 64-bit wraparound)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _stream_key(seed: int, epoch: int) -> int:
+    """A 64-bit key per (seed, epoch): the start of one SplitMix64 stream."""
+    return _mix64_scalar(_mix64_scalar(seed) + (epoch & _MASK64) * _GOLDEN_GAMMA)
+
+
+def uniform_coin(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per id, float64, a pure function of (seed, epoch, id).
+
+    The coin of `id` is output number `id` of a SplitMix64 stream keyed by (seed, epoch), so it
+    does not depend on which other ids are asked for, in what order or in which process.
+    """
+    z = np.asarray(ids).astype(np.uint64)  # a fresh array: the in-place steps below may scribble
+    with np.errstate(over="ignore"):  # wraparound is the point of the hash
+        z *= np.uint64(_GOLDEN_GAMMA)
+        z += np.uint64(_stream_key(seed, epoch))
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(_MIX_1)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(_MIX_2)
+        z ^= z >> np.uint64(31)
+    # the top 53 bits fill a double's mantissa exactly: every value is k / 2**53 < 1
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+# ----------------------------------------------------------------------------------------------
+# Annealing: the last passes train on full data
+# ----------------------------------------------------------------------------------------------
+
+
+def first_full_pass(num_epochs: int, delta: float | str | Fraction) -> int:
+    """The first pass trained on full data: the smallest integer >= num_epochs * delta.
+
+    Pass `epoch` is pruned iff epoch < num_epochs * delta (InfoBatch's "annealing": prune during
+    the first delta fraction of training), so exactly num_epochs - ceil(num_epochs * delta)
+    passes are full. The product is taken in exact rational arithmetic on delta as written
+    (str(0.55) == "0.55"), so 100 * 0.55 is 55 and not 55.00000000000001. The reference code
+    compares a pass counter with the float product, so its boundary moves by a pass with rounding
+    (90 * 0.7 == 62.99999999999999) and with how its sampler's counter is driven.
+    """
+    return math.ceil(num_epochs * Fraction(str(delta)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input conversion
+# ----------------------------------------------------------------------------------------------
+
+
+def as_ids(ids: Any) -> np.ndarray:
+    """Ids as a 1-D int64 numpy array (from numpy, torch or a list); never via floats."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point():
+            raise TypeError(f"sample ids must be integers, got a {ids.dtype} tensor")
+        return ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    array = np.asarray(ids)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"sample ids must be integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False).reshape(-1)
+
+
+def as_losses(losses: Any) -> np.ndarray:
+    """Losses as a 1-D float32 numpy array; torch half/bfloat16 go through `.float()` (numpy has no bf16)."""
+    if isinstance(losses, torch.Tensor):
+        return losses.detach().float().cpu().numpy().reshape(-1)
+    return np.asarray(losses, dtype=np.float32).reshape(-1)
+
+
+def unique_last(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop repeated ids, keeping each id's last value (numpy leaves repeated assignment unspecified)."""
+    reversed_ids = ids[::-1]
+    unique_ids, first_in_reversed = np.unique(reversed_ids, return_index=True)
+    if len(unique_ids) == len(ids):
+        return ids, values
+    return unique_ids, values[::-1][first_in_reversed]
+
+
+# ----------------------------------------------------------------------------------------------
+# The frozen plan of one pass
+# ----------------------------------------------------------------------------------------------
+
+
+_COUNT_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FrozenPlan:
+    """The decisions of one pass, frozen at its start.
+
+    Samples outside `candidates` are kept with weight 1. A candidate is kept with probability
+    `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
+    sample's expected weight is 1 and the expected gradient equals the full-data one.
+    `candidates is None` means every sample is a candidate; keep_prob == 1 means full data.
+    """
+
+    seed: int
+    epoch: int
+    num_samples: int
+    keep_prob: float
+    candidates: np.ndarray | None  # bool [num_samples], read-only
+
+    @property
+    def candidate_weight(self) -> np.float32:
+        return np.float32(1.0 / self.keep_prob)
+
+    def weights(self, ids: np.ndarray) -> np.ndarray:
+        ids = as_ids(ids)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
+            bad = ids[(ids < 0) | (ids >= self.num_samples)][0]
+            raise ValueError(f"sample id {bad} is outside 0..{self.num_samples - 1} (num_samples of this pruner)")
+        weights = np.ones(len(ids), dtype=np.float32)
+        if self.keep_prob >= 1.0:
+            return weights
+        if self.candidates is None:
+            weights[:] = np.where(uniform_coin(self.seed, self.epoch, ids) < self.keep_prob, self.candidate_weight, 0.0)
+            return weights
+        is_candidate = self.candidates[ids]
+        coin = uniform_coin(self.seed, self.epoch, ids[is_candidate])
+        weights[is_candidate] = np.where(coin < self.keep_prob, self.candidate_weight, 0.0)
+        return weights
+
+    def count_skipped(self) -> int:
+        """Exactly how many samples this pass skips (the same coins `weights` draws)."""
+        if self.keep_prob >= 1.0:
+            return 0
+        skipped = 0
+        for start in range(0, self.num_samples, _COUNT_CHUNK):  # chunks bound the temporaries at 1e8+ samples
+            stop = min(start + _COUNT_CHUNK, self.num_samples)
+            if self.candidates is None:
+                candidate_ids = np.arange(start, stop, dtype=np.int64)
+            else:
+                candidate_ids = start + np.flatnonzero(self.candidates[start:stop])
+            skipped += int(np.count_nonzero(uniform_coin(self.seed, self.epoch, candidate_ids) >= self.keep_prob))
+        return skipped
+
+    def to_state(self) -> dict:
+        # a copy: torch refuses to wrap the read-only array of a frozen plan
+        candidates = None if self.candidates is None else torch.from_numpy(self.candidates.copy())
+        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": candidates}
+
+    @classmethod
+    def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
+        candidates = state["candidates"]
+        if candidates is not None:
+            candidates = np.array(candidates.numpy(), dtype=np.bool_, copy=True)
+            if candidates.shape != (num_samples,):
+                raise ValueError(f"plan candidates have shape {tuple(candidates.shape)}, expected ({num_samples},)")
+            candidates.flags.writeable = False
+        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates)
+
+
+# ----------------------------------------------------------------------------------------------
+# The contract
+# ----------------------------------------------------------------------------------------------
+
+
+class Pruner(abc.ABC):
+    """Per-sample ids and losses in, keep/skip decisions and weights out (DESIGN.md, "Pruners").
+
+    Subclasses declare their hyper-parameters as keyword-only `__init__` arguments with defaults,
+    keep per-sample state in numpy tables made by `np.zeros` (untouched pages cost no memory),
+    and implement `_freeze(epoch) -> FrozenPlan`, `_record(ids, losses)` and the table lists.
+    """
+
+    name: str = "pruner"
+
+    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, **hparams: Any):
+        if int(num_samples) < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if int(num_epochs) < 1:
+            raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+        self.num_samples = int(num_samples)
+        self.num_epochs = int(num_epochs)
+        self.seed = int(seed)
+        self.hparams: dict[str, Any] = dict(hparams)
+        self._plan: FrozenPlan | None = None
+        self._nonfinite_losses = 0  # losses refused by update(): NaN would poison every threshold
+        self._recorded_losses = 0
+        self._skipped_in_earlier_passes = 0
+        self._skipped_this_pass = 0
+
+    # -- what subclasses provide ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _freeze(self, epoch: int) -> FrozenPlan:
+        """This pass's decisions from the current scores."""
+
+    def _record(self, ids: np.ndarray, losses: np.ndarray) -> None:
+        """Record finite losses at unique, in-range ids (default: nothing to record)."""
+
+    def _tables(self) -> dict[str, np.ndarray]:
+        """The per-sample numpy tables that make up the state (default: none)."""
+        return {}
+
+    def _scalars(self) -> dict[str, Any]:
+        """Plain numbers beyond the tables that make up the state (default: none)."""
+        return {}
+
+    def _load_scalars(self, scalars: dict[str, Any]) -> None:
+        pass
+
+    def _extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    # -- the contract --------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int | None:
+        """The pass whose plan is frozen (None before the first `plan`)."""
+        return None if self._plan is None else self._plan.epoch
+
+    def plan(self, epoch: int) -> None:
+        """Freeze the decisions of pass `epoch` from the current scores; `weights` reads only this."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._plan is not None and self._plan.epoch != epoch:
+            self._skipped_in_earlier_passes += self._skipped_this_pass  # re-planning a pass replaces it
+        self._plan = self._freeze(epoch)
+        self._skipped_this_pass = self._plan.count_skipped()
+
+    def weights(self, ids: np.ndarray) -> np.ndarray:
+        """float32 weight per id for the planned pass; 0.0 = skip (no decode, forward or backward)."""
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__}.weights() before plan(epoch): freeze a pass first")
+        return self._plan.weights(ids)
+
+    def update(self, ids: Any, losses: Any) -> None:
+        """Record per-sample losses (already gathered over ranks). Ids < 0 are padding and ignored;
+        non-finite losses are not recorded and are counted in `stats()["nonfinite_losses"]`."""
+        ids, losses = as_ids(ids), as_losses(losses)
+        if ids.shape != losses.shape:
+            raise ValueError(f"update() got {len(ids)} ids and {len(losses)} losses; they must pair up")
+        real = ids >= 0
+        if len(ids) and ids.max() >= self.num_samples:
+            raise ValueError(f"sample id {int(ids.max())} is outside 0..{self.num_samples - 1} "
+                             "(num_samples of this pruner)")
+        finite = np.isfinite(losses)
+        self._nonfinite_losses += int(np.count_nonzero(real & ~finite))
+        keep = real & finite
+        if not keep.any():
+            return
+        ids, losses = unique_last(ids[keep], losses[keep])
+        self._recorded_losses += len(ids)
+        self._record(ids, losses)
+
+    def on_step(self, lr: float) -> None:
+        """Called after each optimizer step with that step's learning rate (default: unused)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Numbers for the run log: kept fraction of the planned pass, skipped counts, refused losses."""
+        plan = self._plan
+        kept = self.num_samples - self._skipped_this_pass if plan is not None else self.num_samples
+        stats = {
+            "pruner": self.name,
+            "epoch": self.epoch,
+            "kept_fraction": kept / self.num_samples,
+            "kept_this_pass": kept,
+            "skipped_this_pass": self._skipped_this_pass,
+            "pruned_so_far": self._skipped_in_earlier_passes + self._skipped_this_pass,
+            "candidate_keep_prob": 1.0 if plan is None else plan.keep_prob,
+            "recorded_losses": self._recorded_losses,
+            "nonfinite_losses": self._nonfinite_losses,
+        }
+        stats.update(self._extra_stats())
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain numbers only (loads with `torch.load(weights_only=True)`).
+
+        Like `nn.Module.state_dict()`, the tensors share memory with the pruner: copy them if the
+        save runs while training continues.
+        """
+        return {
+            "pruner": self.name,
+            "num_samples": self.num_samples,
+            "num_epochs": self.num_epochs,
+            "seed": self.seed,
+            "hparams": dict(self.hparams),
+            "plan": None if self._plan is None else self._plan.to_state(),
+            "tables": {name: torch.from_numpy(table) for name, table in self._tables().items()},
+            "counters": {
+                "nonfinite_losses": self._nonfinite_losses,
+                "recorded_losses": self._recorded_losses,
+                "skipped_in_earlier_passes": self._skipped_in_earlier_passes,
+                "skipped_this_pass": self._skipped_this_pass,
+            },
+            "scalars": self._scalars(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by the same pruner with the same config (a mismatch raises)."""
+        mine = {"pruner": self.name, "num_samples": self.num_samples, "num_epochs": self.num_epochs,
+                "seed": self.seed, "hparams": self.hparams}
+        differing = [f"{key}: saved {state.get(key)!r}, configured {value!r}"
+                     for key, value in mine.items() if state.get(key) != value]
+        if differing:
+            raise ValueError("pruner state does not match this pruner's config (" + "; ".join(differing) + ")")
+        tables = self._tables()
+        if set(state["tables"]) != set(tables):
+            raise ValueError(f"pruner state has tables {sorted(state['tables'])}, expected {sorted(tables)}")
+        for name, table in tables.items():
+            saved = state["tables"][name].numpy()
+            if saved.shape != table.shape or saved.dtype != table.dtype:
+                raise ValueError(f"pruner state table {name!r} is {saved.dtype}{list(saved.shape)}, "
+                                 f"expected {table.dtype}{list(table.shape)}")
+            table[...] = saved  # copy: two pruners loaded from one state must not share tables
+        counters = state["counters"]
+        self._nonfinite_losses = int(counters["nonfinite_losses"])
+        self._recorded_losses = int(counters["recorded_losses"])
+        self._skipped_in_earlier_passes = int(counters["skipped_in_earlier_passes"])
+        self._skipped_this_pass = int(counters["skipped_this_pass"])
+        plan = state["plan"]
+        self._plan = None if plan is None else FrozenPlan.from_state(plan, self.seed, self.num_samples)
+        self._load_scalars(state["scalars"])
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+
+    def _full_plan(self, epoch: int) -> FrozenPlan:
+        return FrozenPlan(self.seed, epoch, self.num_samples, 1.0, None)
+
+    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: np.ndarray | None) -> FrozenPlan:
+        if candidates is not None:
+            candidates.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
+        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates)
+
+    def __repr__(self) -> str:
+        hparams = ", ".join(f"{key}={value!r}" for key, value in self.hparams.items())
+        return (f"{type(self).__name__}(num_samples={self.num_samples}, num_epochs={self.num_epochs}, "
+                f"seed={self.seed}, {hparams})")
+
+
+def check_range(pruner: str, name: str, value: float, low: float, high: float, *, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """A hyper-parameter in its interval, or a ValueError naming the field and the accepted range."""
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high or not math.isfinite(value):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{pruner}: {name} must be in {interval}, got {value}")
+    return value

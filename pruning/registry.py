@@ -1,0 +1,36 @@
+"""Pruners by config name: `pruner: {name: infobatch, prune_ratio: 0.5, delta: 0.875}` -> an instance.
+
+Only names and hyper-parameters are checked here; each pruner checks the values itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from .base import Pruner
+from .full import Full
+from .infobatch import InfoBatch
+from .random_pruner import Random
+from .ted import TED
+
+PRUNERS: dict[str, type[Pruner]] = {cls.name: cls for cls in (Full, Random, InfoBatch, TED)}
+
+
+def hparam_names(cls: type[Pruner]) -> list[str]:
+    """The hyper-parameters a pruner accepts: its keyword-only arguments other than `seed`."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "seed"]
+
+
+def build_pruner(name: str, num_samples: int, num_epochs: int, seed: int = 0, **hparams: Any) -> Pruner:
+    """The pruner called `name` (case-insensitive), or a ValueError naming the accepted values."""
+    cls = PRUNERS.get(str(name).lower())
+    if cls is None:
+        raise ValueError(f"unknown pruner {name!r}; accepted names: {', '.join(sorted(PRUNERS))}")
+    accepted = hparam_names(cls)
+    unknown = sorted(set(hparams) - set(accepted))
+    if unknown:
+        raise ValueError(f"pruner {cls.name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
+                         f"accepted: {', '.join(accepted) if accepted else 'none'}")
+    return cls(num_samples, num_epochs, seed=seed, **hparams)
