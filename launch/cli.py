@@ -8,6 +8,7 @@ import os
 import sys
 
 DEFAULT_DATA = "data/digits"
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def _shards_write(args) -> None:
@@ -39,13 +40,33 @@ def _shards_inspect(args) -> None:
     print(json.dumps(inspect_shards(args.location, args.grid), indent=1))
 
 
+def _train(args) -> None:
+    from pipelines.config import load_config
+    from pipelines.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    train(cfg)
+    print(f"run folder: {cfg.run_dir}")
+
+
 def _demo(args) -> None:
-    from tools.shards import inspect_shards, write_shards
+    """Digits shards (written once), then a tiny MAE trained with InfoBatch on the CPU."""
+    from pipelines.config import load_config
+    from pipelines.trainer import train
+    from tools.shards import write_shards
 
     if not os.path.exists(os.path.join(args.data, "train", "index.json")):
+        print(f"writing scikit-learn's digits as shards in {args.data} ...")
         write_shards("digits", args.data, size=32, shard_size=300)
-    grid = os.path.join(args.data, "train_grid.png")
-    print(json.dumps(inspect_shards(os.path.join(args.data, "train"), grid), indent=1))
+    config = os.path.join(CONFIGS, "mae_tiny_infobatch.yaml")
+    overrides = [f"data.train={args.data}/train", f"data.val={args.data}/val", f"name={args.name}",
+                 f"passes={args.passes}", *args.overrides]
+    cfg = load_config(config, overrides)
+    print(f"training a tiny MAE with InfoBatch for {cfg.passes} passes ({config}) ...")
+    summary = train(cfg)
+    print(f"\nrun folder: {cfg.run_dir}  (metrics.jsonl, checkpoints/, export/encoder.safetensors)")
+    print(f"samples forwarded: {summary['samples_forwarded']}; continue a stopped run with "
+          f"`prunepipe train {config} name={args.name} checkpoint.resume=latest`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,17 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--grid", help="write a PNG grid of the first images here")
     inspect.set_defaults(func=_shards_inspect)
 
+    train = sub.add_parser("train", help="train from a YAML config with key=value overrides")
+    train.add_argument("config", help="YAML config (see configs/)")
+    train.add_argument("overrides", nargs="*", help="key=value, e.g. pruner.prune_ratio=0.3 data.batch_size=64")
+    train.set_defaults(func=_train)
+
     demo = sub.add_parser("demo", help="the main job on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
+    demo.add_argument("--name", default="demo_mae_infobatch")
+    demo.add_argument("--passes", type=int, default=20)
+    demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipelines.shards import BadInputError
+
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, BadInputError) as e:  # the user can act on these
         print(f"prunepipe: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -21,14 +21,16 @@ class PassPlan:
     weights: np.ndarray  # float32 [N]
 
     @classmethod
-    def from_pruner(cls, pruner, num_samples: int, epoch: int, chunk: int = 1 << 22) -> "PassPlan":
-        """Freeze `pruner`'s decisions for `epoch` (calls `pruner.plan(epoch)` first)."""
-        pruner.plan(epoch)
+    def from_pruner(cls, pruner, num_samples: int, chunk: int = 1 << 22) -> "PassPlan":
+        """Snapshot the pass `pruner` has planned (call `pruner.plan(epoch)` first; a resumed
+        pruner already holds the plan frozen at its pass start, which must not be re-planned)."""
+        if pruner.epoch is None:
+            raise RuntimeError("the pruner has no plan yet: call pruner.plan(epoch) first")
         weights = np.empty(num_samples, dtype=np.float32)
         for start in range(0, num_samples, chunk):  # chunked: bounded temporaries at 1e8+ samples
             ids = np.arange(start, min(start + chunk, num_samples), dtype=np.int64)
             weights[start : start + len(ids)] = pruner.weights(ids)
-        return cls(epoch, weights)
+        return cls(int(pruner.epoch), weights)
 
     @classmethod
     def keep_all(cls, num_samples: int, epoch: int) -> "PassPlan":

@@ -1,0 +1,183 @@
+"""The one config system: typed dataclasses, a YAML file, `key=value` overrides (OmegaConf).
+
+Every mistake (unknown key, wrong type, bad value, missing shard folder, unknown pruner) becomes
+one `ConfigError` line naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from pipelines.data import BAD_SAMPLE_POLICIES
+from pipelines.diffusion import DiffusionConfig
+from pipelines.mae import MAEConfig
+
+TASKS = ("mae", "ldm")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class ConfigError(ValueError):
+    """A config mistake, described in one line that names the field."""
+
+
+@dataclass
+class DataConfig:
+    train: str = MISSING  # folder with index.json (or the index file)
+    val: str = ""  # held-out shards; "" = no held-out evaluation
+    resolution: int = 32
+    channels: int = 3
+    batch_size: int = 32  # per rank and micro-batch
+    num_workers: int = 0
+    shuffle_buffer: int = 1000
+    hflip: bool = False
+    on_bad_sample: str = "stop"  # stop | skip
+    val_batches: int = 8  # held-out batches per evaluation
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, DESIGN principle 6)
+    min_lr: float = 0.0  # cosine decays to this by the last pass
+    grad_clip: float = 1.0  # 0 = off
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # optimizer steps between checkpoints; the run's end always saves
+    keep: int = 3  # newest complete checkpoints kept
+    resume: str = ""  # "" | latest | path of a checkpoint folder
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    runs_dir: str = "runs"
+    task: str = "mae"  # mae | ldm
+    seed: int = 0
+    passes: int = 10
+    mixed_precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    ema_decay: float = 0.999
+    on_nonfinite_loss: str = "stop"  # stop | skip (skipped steps are counted)
+    log_every: int = 10  # optimizer steps between metric lines
+    max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
+    data: DataConfig = field(default_factory=DataConfig)
+    pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mae: MAEConfig = field(default_factory=MAEConfig)
+    ldm: DiffusionConfig = field(default_factory=DiffusionConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.runs_dir, self.name)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
+    """Schema <- YAML file <- `key=value` overrides, then validated."""
+    try:
+        merged = OmegaConf.structured(RunConfig)
+        if path is not None:
+            for layer in _file_layers(path):
+                merged = OmegaConf.merge(merged, layer)
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad[0]!r}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg: RunConfig = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def _file_layers(path: str, seen: tuple[str, ...] = ()) -> list:
+    """A YAML file and, first, the files its `base:` key names (relative to it), recursively."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} does not exist")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"config file {path}: `base:` chain loops back to itself")
+    layer = OmegaConf.load(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [layer]
+    return _file_layers(os.path.join(os.path.dirname(path), str(base)), seen + (os.path.abspath(path),)) + [layer]
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    if isinstance(e, MissingMandatoryValue):
+        return f"config: {key} is required"
+    if isinstance(e, ConfigKeyError):
+        parent, _, leaf = key.rpartition(".")
+        accepted = _accepted_keys(parent)
+        return f"config: unknown key {key!r}; accepted keys{' in ' + parent if parent else ''}: {', '.join(accepted)}"
+    message = str(e).splitlines()[0]
+    return f"config: {key}: {message}"
+
+
+def _accepted_keys(parent: str) -> list[str]:
+    cls: Any = RunConfig
+    for part in filter(None, parent.split(".")):
+        hints = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in hints or not dataclasses.is_dataclass(hints[part].default_factory()):
+            return []
+        cls = type(hints[part].default_factory())
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ConfigError(f"config: {name}={value!r} is not accepted; accepted: {', '.join(accepted)}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Values the type system cannot check."""
+    from pruning import PRUNERS, build_pruner
+
+    _choice("task", cfg.task, TASKS)
+    _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
+    _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
+    _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
+    positive = {
+        "passes": cfg.passes, "data.batch_size": cfg.data.batch_size, "data.resolution": cfg.data.resolution,
+        "optim.grad_accum": cfg.optim.grad_accum, "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.keep": cfg.checkpoint.keep, "log_every": cfg.log_every,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"config: {name} must be >= 1, got {value}")
+    if cfg.optim.lr <= 0 or not 0.0 <= cfg.ema_decay < 1.0:
+        raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
+    for name in ("train", "val"):
+        folder = getattr(cfg.data, name)
+        if folder and not os.path.exists(os.path.join(folder, "index.json") if os.path.isdir(folder) else folder):
+            raise ConfigError(
+                f"config: data.{name}={folder!r} holds no index.json; write shards with "
+                f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
+                f"`prunepipe shards index`"
+            )
+    name = cfg.pruner.get("name")
+    if name not in PRUNERS:
+        raise ConfigError(f"config: pruner.name={name!r} is not accepted; accepted: {', '.join(sorted(PRUNERS))}")
+    hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
+    try:
+        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **hparams)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

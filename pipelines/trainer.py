@@ -1,0 +1,281 @@
+"""The one training loop, for MAE and latent diffusion alike (DESIGN principle 4).
+
+Per pass: freeze the pruner's plan, stream the kept samples, and per step compute per-sample
+losses, take mean(w * loss), step the optimizer and EMA, and feed the globally gathered
+(ids, losses) back to the pruner. Checkpoints are atomic; a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from diffusers.training_utils import EMAModel
+from tqdm.auto import tqdm
+
+from pipelines.checkpoint import TrainingPosition, resolve_resume, save_checkpoint
+from pipelines.config import RunConfig, to_yaml
+from pipelines.data import ShardStream
+from pipelines.decode import SampleDecoder
+from pipelines.shards import ShardIndex
+from pruning import build_pruner, gather_ids_losses
+from pruning.stream import PassPlan
+
+
+class NonFiniteLossError(ValueError):
+    """A batch produced a NaN or infinite loss; the message names the step and sample ids."""
+
+
+# ----------------------------------------------------------------------------- helpers
+def build_task(cfg: RunConfig):
+    """The task of `cfg.task`: owns the model, the per-sample loss, held-out metrics, export."""
+    if cfg.task == "mae":
+        from pipelines.mae import MAETask
+
+        return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels)
+    from pipelines.diffusion import DiffusionTask
+
+    return DiffusionTask(cfg.ldm, image_size=cfg.data.resolution, channels=cfg.data.channels)
+
+
+def learning_rate(cfg: RunConfig, progress: float) -> float:
+    """Linear warmup then cosine, driven by pass progress (epoch + fraction of the pass), so a pass
+    shortened by pruning keeps the schedule aligned with the full run's (DESIGN principle 6)."""
+    o = cfg.optim
+    if progress < o.warmup_passes:
+        return o.lr * progress / o.warmup_passes
+    span = max(cfg.passes - o.warmup_passes, 1e-12)
+    t = min(1.0, (progress - o.warmup_passes) / span)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
+
+
+def noise_seed(seed: int, rank: int, epoch: int, batch_in_pass: int) -> int:
+    """Seed of the mask/noise generator for one micro-batch: derived, so there is no RNG stream
+    to save and a resumed run draws exactly what the uninterrupted one drew."""
+    return int(np.random.SeedSequence([seed, rank, epoch, batch_in_pass]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases, norms and embeddings of one dimension (as MAE and DiT do)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def mixed_precision(cfg: RunConfig) -> str:
+    if cfg.mixed_precision == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return cfg.mixed_precision
+
+
+class MetricsLog:
+    """metrics.jsonl on rank 0 (and TensorBoard when it is installed)."""
+
+    def __init__(self, run_dir: str, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tensorboard = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            step = record.get("optimizer_steps", 0)
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "optimizer_steps":
+                    self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+
+
+def load_held_out(cfg: RunConfig) -> list:
+    """A fixed slice of the val shards (first pass, unshuffled), decoded once."""
+    if not cfg.data.val:
+        return []
+    index = ShardIndex.load(cfg.data.val)
+    batch = min(cfg.data.batch_size, index.num_samples)
+    stream = ShardStream(index, batch_size=batch, shuffle_buffer=1, seed=cfg.seed,
+                         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels))
+    batches = []
+    for b in stream.pass_loader(0):
+        batches.append(b)
+        if len(batches) >= cfg.data.val_batches:
+            break
+    return batches
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(cfg: RunConfig) -> dict:
+    """Train `cfg` to the end (or `max_steps`); returns the last pass summary."""
+    accelerator = Accelerator(mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available())
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+    run_dir = cfg.run_dir
+    if main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+
+    torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
+    task = build_task(cfg)
+    index = ShardIndex.load(cfg.data.train)
+    hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
+    pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **hparams)
+    optimizer = torch.optim.AdamW(parameter_groups(task.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                                  betas=tuple(cfg.optim.betas))
+    model, optimizer = accelerator.prepare(task.model, optimizer)
+    ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
+    ema.to(device)
+    position = TrainingPosition()
+    accelerator.register_for_checkpointing(pruner, ema, position)
+
+    resume_from = resolve_resume(cfg.checkpoint.resume, run_dir)
+    if resume_from is not None:
+        accelerator.load_state(resume_from)
+        if main:
+            print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
+                  f"step {position.optimizer_steps}")
+
+    stream = ShardStream(
+        index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
+        decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed),
+        shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
+    )
+    held_out = load_held_out(cfg) if main else []
+    metrics = MetricsLog(run_dir, main)
+    generator = torch.Generator(device=device)
+    accum = cfg.optim.grad_accum
+    summary: dict = {}
+    last_saved = position.optimizer_steps if resume_from else -1
+    stop = False
+
+    while position.epoch < cfg.passes and not stop:
+        epoch = position.epoch
+        if position.batch_in_pass == 0:
+            pruner.plan(epoch)  # a resumed pass keeps the plan frozen at its start
+        plan = PassPlan.from_pruner(pruner, index.num_samples)
+        loader = stream.pass_loader(epoch, plan, num_workers=cfg.data.num_workers,
+                                    skip_batches=position.batch_in_pass, pin_memory=device.type == "cuda")
+        total = loader.layout.steps
+        pass_start, pass_losses = time.perf_counter(), []
+        bar = tqdm(total=total, initial=position.batch_in_pass, disable=not main, leave=False,
+                   desc=f"pass {epoch + 1}/{cfg.passes}", unit="batch")
+        for batch in loader:
+            micro = position.batch_in_pass
+            is_step = (micro + 1) % accum == 0 or micro + 1 == total
+            lr = learning_rate(cfg, epoch + micro / max(total, 1))
+            batch = batch.to(device, non_blocking=True)
+            generator.manual_seed(noise_seed(cfg.seed, rank, epoch, micro))
+            with accelerator.autocast():
+                losses = task.per_sample_loss(model, batch, generator).float()
+            ids, gathered = gather_ids_losses(batch.ids, losses.detach())
+            real = ids >= 0
+            position.bad_samples += sum(e.samples_lost for e in batch.bad)
+            if not np.isfinite(gathered[real]).all():
+                bad_ids = ids[real & ~np.isfinite(gathered)].tolist()
+                where = f"step {position.optimizer_steps} (pass {epoch}, batch {micro})"
+                if cfg.on_nonfinite_loss == "stop":
+                    raise NonFiniteLossError(f"non-finite loss at {where} for sample ids {bad_ids}; "
+                                             f"set on_nonfinite_loss=skip to skip such batches")
+                position.skipped_nonfinite += 1
+                accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
+            else:
+                loss = (losses * batch.weights).mean() / accum  # mean(w * loss), InfoBatch's rescaling
+                with accelerator.no_sync(model) if not is_step else nullcontext():
+                    accelerator.backward(loss)
+                pruner.update(ids, gathered)
+                position.samples_forwarded += int(real.sum())
+                pass_losses.append(float(gathered[real].mean()))
+            if is_step:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                if cfg.optim.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                ema.step(accelerator.unwrap_model(model).parameters())
+                pruner.on_step(lr)
+                position.optimizer_steps += 1
+            position.batch_in_pass += 1
+            bar.update(1)
+            if is_step:
+                if main and position.optimizer_steps % cfg.log_every == 0 and pass_losses:
+                    record = {"kind": "train", "optimizer_steps": position.optimizer_steps, "epoch": epoch,
+                              "loss": pass_losses[-1], "lr": lr, "samples_forwarded": position.samples_forwarded}
+                    metrics.write(record)
+                    bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{plan.kept_fraction():.0%}")
+                if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
+                    position.wall_seconds += time.perf_counter() - pass_start
+                    pass_start = time.perf_counter()
+                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+                    last_saved = position.optimizer_steps
+                if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
+                    stop = True
+                    break
+        bar.close()
+        position.wall_seconds += time.perf_counter() - pass_start
+        if stop and position.batch_in_pass < total:
+            break
+        summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
+                              pass_losses)
+        metrics.write(summary)
+        if main:
+            print(format_pass(summary, cfg.passes), flush=True)
+        position.epoch += 1
+        position.batch_in_pass = 0
+
+    if position.optimizer_steps != last_saved:
+        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+    if main and position.epoch >= cfg.passes:
+        ema_model = copy.deepcopy(accelerator.unwrap_model(model))
+        ema.copy_to(ema_model.parameters())
+        task.export(accelerator.unwrap_model(model), ema_model, os.path.join(run_dir, "export"))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, held_out, pass_losses) -> dict:
+    steps = layout.steps
+    summary = {
+        "kind": "pass",
+        "epoch": position.epoch,
+        "optimizer_steps": position.optimizer_steps,
+        "steps_in_pass": steps,
+        "kept_fraction": plan.kept_fraction(),
+        "kept_samples": layout.kept,
+        "tail": layout.tail,
+        "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),
+        "samples_forwarded": position.samples_forwarded,
+        "train_loss": float(np.mean(pass_losses)) if pass_losses else float("nan"),
+        "wall_seconds": position.wall_seconds,
+        "skipped_nonfinite": position.skipped_nonfinite,
+        "bad_samples": position.bad_samples,
+        "pruner": {k: v for k, v in pruner.stats().items() if isinstance(v, (int, float, str))},
+    }
+    if held_out and accelerator.is_main_process:
+        summary["held_out"] = task.held_out(accelerator.unwrap_model(model), held_out, seed=cfg.seed)
+    return summary
+
+
+def format_pass(summary: dict, passes: int) -> str:
+    held = " ".join(f"{k} {v:.4f}" for k, v in summary.get("held_out", {}).items() if isinstance(v, float))
+    return (f"pass {summary['epoch'] + 1}/{passes}: kept {summary['kept_fraction']:.1%}, "
+            f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
+            f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total")

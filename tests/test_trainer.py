@@ -1,0 +1,183 @@
+"""The training loop as a specification: exact resume after SIGKILL, atomic checkpoints, pruned
+passes forward exactly what their plans keep, and non-finite losses never reach the optimizer."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from safetensors.torch import load_file
+
+from pipelines.checkpoint import latest_checkpoint, resolve_resume
+from pipelines.config import load_config
+from pipelines.shards import ShardIndex
+from pipelines.trainer import NonFiniteLossError, learning_rate, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Small enough for seconds per run on 2 CPU cores, large enough that InfoBatch prunes.
+TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
+TINY_LDM = ["ldm.block_out_channels=[16,32]", "ldm.norm_num_groups=8", "data.batch_size=64",
+            "data.val_batches=1", "data.resolution=16"]
+
+
+def overrides(digits_shards, tmp_path, name, extra):
+    return [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}",
+            f"name={name}", "log_every=5", *extra]
+
+
+def run_cli(config, args, **kw) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "train", config, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def final_state(run_dir):
+    checkpoint = latest_checkpoint(run_dir)
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    pruner = torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=False)
+    return checkpoint, weights, pruner
+
+
+def assert_states_equal(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_states_equal(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    else:
+        assert a == b or (a != a and b != b), f"{path}: {a} != {b}"
+
+
+@pytest.mark.parametrize(
+    "config, extra",
+    [("mae_tiny_infobatch.yaml", TINY_MAE), ("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"])],
+    ids=["mae-infobatch", "ldm-ted"],
+)
+def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra, digits_shards, tmp_path):
+    config = os.path.join(ROOT, "configs", config)
+    base = ["passes=4", *extra]
+    straight = run_cli(config, overrides(digits_shards, tmp_path, "straight", base))
+    out = straight.communicate(timeout=600)[0]
+    assert straight.returncode == 0, out
+    total_steps = json.loads(open(tmp_path / "straight" / "metrics.jsonl").readlines()[-1])["optimizer_steps"]
+    half = total_steps // 2
+
+    killed_args = overrides(digits_shards, tmp_path, "killed", base + [f"checkpoint.every_steps={half}"])
+    killed = run_cli(config, killed_args)
+    target = tmp_path / "killed" / "checkpoints" / f"step_{half:06d}"
+    deadline = time.time() + 300
+    while not target.exists() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    killed.send_signal(signal.SIGKILL)
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert latest_checkpoint(str(tmp_path / "killed")) == str(target)
+
+    resumed = run_cli(config, killed_args + ["checkpoint.resume=latest"])
+    out = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, out
+    assert f"resumed from {target}" in out
+
+    _, weights_a, pruner_a = final_state(str(tmp_path / "straight"))
+    _, weights_b, pruner_b = final_state(str(tmp_path / "killed"))
+    assert weights_a.keys() == weights_b.keys()
+    for key in weights_a:
+        assert torch.equal(weights_a[key], weights_b[key]), f"weight {key} differs after resume"
+    assert_states_equal(pruner_a, pruner_b)
+
+
+def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+                      overrides(digits_shards, tmp_path, "torn", TINY_MAE + ["passes=2", "max_steps=10",
+                                                                          "checkpoint.every_steps=5"]))
+    train(cfg)
+    good = latest_checkpoint(cfg.run_dir)
+    # What a kill during a save leaves: the temporary folder with a truncated file.
+    torn = os.path.join(os.path.dirname(good), ".tmp-step_999999")
+    shutil.copytree(good, torn)
+    with open(os.path.join(torn, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+    assert latest_checkpoint(cfg.run_dir) == good
+    assert resolve_resume("latest", cfg.run_dir) == good
+    cfg.max_steps, cfg.checkpoint.resume = 0, "latest"
+    train(cfg)
+    assert not os.path.exists(torn), "the next save removes a torn checkpoint"
+    assert int(os.path.basename(latest_checkpoint(cfg.run_dir))[5:]) > int(os.path.basename(good)[5:])
+
+
+def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path):
+    runs = {}
+    for name in ("mae_tiny_full", "mae_tiny_infobatch"):
+        cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"),
+                          overrides(digits_shards, tmp_path, name, TINY_MAE + ["passes=4"]))
+        train(cfg)
+        runs[name] = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    full = [r for r in runs["mae_tiny_full"] if r["kind"] == "pass"]
+    pruned = [r for r in runs["mae_tiny_infobatch"] if r["kind"] == "pass"]
+    forwarded = np.diff([0] + [r["samples_forwarded"] for r in pruned])
+    for record, count in zip(pruned, forwarded):
+        assert count == record["kept_samples"] - record["tail"], "forwarded != kept by the plan"
+    n = ShardIndex.load(f"{digits_shards}/train").num_samples
+    assert pruned[0]["kept_samples"] == n, "the first pass has seen nothing, so it prunes nothing"
+    assert pruned[1]["steps_in_pass"] < full[1]["steps_in_pass"], "pruned passes are shorter"
+    for a, b in zip(full, pruned):
+        assert a["lr_at_pass_start"] == b["lr_at_pass_start"], "the LR schedule follows pass progress"
+    assert pruned[-1]["samples_forwarded"] < full[-1]["samples_forwarded"]
+
+
+def test_learning_rate_follows_pass_progress(digits_shards):
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+                      [f"data.train={digits_shards}/train", "passes=10", "optim.warmup_passes=2", "optim.lr=1.0"])
+    assert learning_rate(cfg, 0.0) == 0.0 and learning_rate(cfg, 1.0) == pytest.approx(0.5)
+    assert learning_rate(cfg, 2.0) == pytest.approx(1.0) and learning_rate(cfg, 10.0) == pytest.approx(0.0)
+    assert learning_rate(cfg, 6.0) == pytest.approx(0.5)
+
+
+def write_latent_shards(folder, n: int, nan_at: int) -> str:
+    """Latent shards (as `prunepipe latents encode` writes) with one sample holding NaN."""
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    path = os.path.join(folder, "shard-000000.tar")
+    with wds.TarWriter(path) as sink:
+        for i in range(n):
+            latent = rng.standard_normal((4, 8, 8)).astype(np.float32)
+            if i == nan_at:
+                latent[0, 0, 0] = np.nan
+            buffer = io.BytesIO()
+            np.save(buffer, latent)
+            sink.write({"__key__": f"lat{i:04d}", "latent.npy": buffer.getvalue()})
+    ShardIndex.write(folder, [(path, n)])
+    return folder
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, policy):
+    shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=37)
+    cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
+        f"data.train={shards}", "data.val=''", f"runs_dir={tmp_path}", f"name={policy}", "passes=2",
+        "data.batch_size=8", "data.resolution=8", "data.channels=4", "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]",
+        f"on_nonfinite_loss={policy}",
+    ])
+    if policy == "stop":
+        with pytest.raises(NonFiniteLossError, match=r"step \d+ \(pass 0, batch \d+\).*sample ids \[37\]"):
+            train(cfg)
+        return
+    summary = train(cfg)
+    assert summary["skipped_nonfinite"] == 2, "one skipped batch per pass"
+    assert summary["pruner"]["nonfinite_losses"] == 0, "the pruner never saw the NaN"
+    assert summary["samples_forwarded"] == 2 * (64 - 8)
