@@ -1,0 +1,377 @@
+"""The latent-diffusion task: a diffusers UNet2DModel trained with DDPMScheduler (epsilon or v), in
+pixel space, on precomputed latents, or on latents of a frozen AutoencoderKL; a per-sample loss, a
+low-variance held-out denoising loss, an export diffusers loads, and a sampler for it.
+Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn as nn
+from diffusers import AutoencoderKL, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DModel
+from huggingface_hub import constants as hub_constants
+
+from pipelines.mae import SampleDraws, batch_draws, per_sample_seeded, unwrap, weights_module  # shared by both tasks
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
+PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
+AUTOENCODER_INFO = "autoencoder.json"
+HELD_OUT_TIMESTEPS = 10
+
+
+@dataclass
+class DiffusionConfig:
+    """UNet, noise schedule, loss and autoencoder settings (0 = derive from the data)."""
+
+    sample_size: int = 0  # UNet input size; 0 = image size, or image size / VAE downsampling
+    in_channels: int = 0  # 0 = image channels, or the VAE's latent channels
+    block_out_channels: list[int] = field(default_factory=lambda: [32, 64])
+    layers_per_block: int = 1
+    down_block_types: list[str] = field(default_factory=lambda: ["DownBlock2D", "AttnDownBlock2D"])
+    up_block_types: list[str] = field(default_factory=lambda: ["AttnUpBlock2D", "UpBlock2D"])
+    norm_num_groups: int = 8
+    num_classes: int = 0  # > 0: class-conditional; label -1 maps to an extra "null" class
+    num_train_timesteps: int = 1000
+    beta_schedule: str = "squaredcos_cap_v2"
+    prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
+    min_snr_gamma: float = 0.0  # 0 = off; 5.0 is the paper's choice
+    # "identity" (pixel space) | "latents" (shards hold scaled latents) | a local folder or hub
+    # repo id of a diffusers AutoencoderKL, loaded with local_files_only=True
+    autoencoder: str = PIXEL_SPACE
+    vae_subfolder: str = ""  # e.g. "vae" inside a Stable Diffusion repo
+    scaling_factor: float = 0.0  # 0 = the VAE's config.scaling_factor (1.0 in pixel space)
+    cache_dir: str = ""  # hub cache holding `autoencoder`; "" = HF_HUB_CACHE as read at import
+
+
+def load_autoencoder(
+    name: str, subfolder: str = "", cache_dir: str = "", *, setting: str = "diffusion.autoencoder"
+) -> AutoencoderKL:
+    """A frozen AutoencoderKL in eval mode from a local folder or the hub cache; never downloads.
+    `setting` names where `name` came from, for the error message."""
+    path = os.path.expanduser(name)
+    is_path = os.path.isdir(path) or name.startswith(("/", ".", "~")) or name.count("/") != 1
+    problem = None
+    if is_path and not os.path.isdir(path):
+        problem = "the folder does not exist"
+    else:
+        try:
+            with warnings.catch_warnings():
+                # diffusers 0.42 still passes an argument that current huggingface_hub deprecates
+                warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
+                vae = AutoencoderKL.from_pretrained(
+                    path, subfolder=subfolder or None, local_files_only=True, cache_dir=cache_dir or None
+                )
+        except (OSError, ValueError) as e:
+            problem = str(e).splitlines()[0].rstrip(".")
+    if problem is not None:
+        where = f"the folder {path!r}" if is_path else f"the hub cache {cache_dir or hub_constants.HF_HUB_CACHE!r}"
+        raise FileNotFoundError(
+            f"{setting}={name!r} (subfolder {subfolder!r}): no diffusers AutoencoderKL "
+            f"(config.json + diffusion_pytorch_model.safetensors) in {where}: {problem}. Accepted: a local "
+            f"folder or a hub repo id already in the cache (diffusion.autoencoder also takes "
+            f"'{PIXEL_SPACE}' or '{PRECOMPUTED}'). "
+            f"This machine never downloads: on a connected machine run `hf download REPO_ID` (e.g. "
+            f"stabilityai/sd-vae-ft-mse), copy the folder it prints here and set {setting} to it, "
+            f"or copy the whole hub cache and set the cache dir (diffusion.cache_dir or HF_HUB_CACHE)"
+        )
+    return vae.eval().requires_grad_(False)
+
+
+class DiffusionTask:
+    """What the training loop needs from latent diffusion: the UNet, a per-sample loss, evaluation and export."""
+
+    def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int):
+        """`image_size` and `channels` describe the decoded images. With autoencoder='latents' the
+        shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
+        records `latent_shape`), or pass that shape here."""
+        self.cfg = cfg
+        if cfg.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(
+                f"diffusion.prediction_type: got {cfg.prediction_type!r}, accepted: {', '.join(PREDICTION_TYPES)}"
+            )
+        if cfg.beta_schedule not in BETA_SCHEDULES:
+            raise ValueError(
+                f"diffusion.beta_schedule: got {cfg.beta_schedule!r}, accepted: {', '.join(BETA_SCHEDULES)}"
+            )
+        if cfg.min_snr_gamma < 0:
+            raise ValueError(f"diffusion.min_snr_gamma must be >= 0 (0 = off), got {cfg.min_snr_gamma}")
+        if cfg.num_classes < 0:
+            raise ValueError(f"diffusion.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
+        bad_groups = [c for c in cfg.block_out_channels if c % cfg.norm_num_groups]
+        if bad_groups:
+            raise ValueError(
+                f"diffusion.norm_num_groups={cfg.norm_num_groups} must divide every diffusion.block_out_channels "
+                f"entry; it does not divide {bad_groups}"
+            )
+
+        # ---------------------------------------------------------------- the space we denoise in
+        self.autoencoder: AutoencoderKL | None = None
+        self.shift_factor = 0.0
+        if cfg.autoencoder == PIXEL_SPACE:
+            size, latent_channels = image_size, channels
+            self.scaling_factor = cfg.scaling_factor or 1.0
+        elif cfg.autoencoder == PRECOMPUTED:
+            # the shards already hold (z - shift) * scale; the factor is only needed to decode samples
+            size, latent_channels = image_size, channels
+            self.scaling_factor = cfg.scaling_factor or None
+        else:
+            vae = self.autoencoder = load_autoencoder(cfg.autoencoder, cfg.vae_subfolder, cfg.cache_dir)
+            if vae.config.in_channels != channels:
+                raise ValueError(
+                    f"diffusion.autoencoder={cfg.autoencoder!r} encodes {vae.config.in_channels}-channel "
+                    f"images but the data decodes to {channels} channels (data.channels)"
+                )
+            size = image_size // 2 ** (len(vae.config.block_out_channels) - 1)
+            latent_channels = vae.config.latent_channels
+            self.scaling_factor = cfg.scaling_factor or float(vae.config.scaling_factor)
+            self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        self.sample_size = cfg.sample_size or size
+        self.in_channels = cfg.in_channels or latent_channels
+        downsampling = 2 ** (len(cfg.block_out_channels) - 1)
+        if self.sample_size % downsampling:
+            raise ValueError(
+                f"diffusion.sample_size={self.sample_size} must be a multiple of {downsampling} "
+                f"(2 ** (len(diffusion.block_out_channels) - 1))"
+            )
+
+        # ---------------------------------------------------------------- model and schedule
+        self.model = UNet2DModel(
+            sample_size=self.sample_size,
+            in_channels=self.in_channels,
+            out_channels=self.in_channels,
+            block_out_channels=tuple(cfg.block_out_channels),
+            layers_per_block=cfg.layers_per_block,
+            down_block_types=tuple(cfg.down_block_types),
+            up_block_types=tuple(cfg.up_block_types),
+            norm_num_groups=cfg.norm_num_groups,
+            num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
+        )
+        self.scheduler = DDPMScheduler(
+            num_train_timesteps=cfg.num_train_timesteps,
+            beta_schedule=cfg.beta_schedule,
+            prediction_type=cfg.prediction_type,
+            # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
+            clip_sample=cfg.autoencoder == PIXEL_SPACE,
+        )
+
+    # ---------------------------------------------------------------- latents
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, draws: SampleDraws | None = None) -> torch.Tensor:
+        """Images [B, C, H, W] in [-1, 1] -> what the UNet denoises: (z - shift) * scale, z a VAE
+        posterior sample mean + std * draws.randn (the mean when no draws); images as they are otherwise."""
+        if self.autoencoder is None:
+            return images * self.scaling_factor if self.cfg.autoencoder == PIXEL_SPACE else images
+        if self.autoencoder.device != images.device:
+            self.autoencoder.to(images.device)  # the loop moves only the UNet
+        posterior = self.autoencoder.encode(images).latent_dist
+        z = posterior.mean
+        if draws is not None:  # DiagonalGaussianDistribution.sample, with the caller's randomness
+            z = z + posterior.std * draws.randn(*z.shape[1:]).to(z.device, z.dtype)
+        return ((z - self.shift_factor) * self.scaling_factor).float()  # autocast may have run the VAE in bf16
+
+    def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """Labels for the UNet: None when unconditional; -1 (no label) becomes the null class."""
+        if not self.cfg.num_classes:
+            return None
+        if bool((labels >= self.cfg.num_classes).any()):
+            raise ValueError(
+                f"label {int(labels.max())} is out of range for diffusion.num_classes={self.cfg.num_classes}"
+            )
+        return torch.where(labels < 0, torch.full_like(labels, self.cfg.num_classes), labels)
+
+    # ---------------------------------------------------------------- loss
+    def min_snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Min-SNR-gamma loss weights [B] (Hang et al. 2023, arXiv 2303.09556, Eq. 9 and its
+        v-prediction form): min(snr, gamma) / snr for epsilon, min(snr, gamma) / (snr + 1) for v."""
+        alpha_bar = self.scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
+        snr = alpha_bar / (1.0 - alpha_bar)
+        gamma = self.cfg.min_snr_gamma
+        if self.cfg.prediction_type == "epsilon":
+            weights = torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr)  # no 0/0 at snr -> 0
+        else:
+            weights = torch.clamp(snr, max=gamma) / (snr + 1.0)
+        return weights.float()
+
+    def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
+        """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured.
+
+        Draws from `generator` (a torch.Generator, or per-sample draws such as
+        pipelines.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
+        only), the noise [B, C, h, w], the timesteps [B]. `model` may be a DDP/accelerate wrapper:
+        always call the one passed.
+        """
+        draws = batch_draws(generator, len(batch.images))
+        x0 = self.encode(batch.images, draws)
+        if x0.shape[1] != self.in_channels:
+            raise ValueError(
+                f"the batch holds {x0.shape[1]}-channel inputs but the UNet takes {self.in_channels} "
+                f"(diffusion.in_channels); with autoencoder='{PRECOMPUTED}' set diffusion.in_channels and "
+                f"diffusion.sample_size to the latent_shape recorded in the latent shards' index.json"
+            )
+        device = x0.device
+        noise = draws.randn(*x0.shape[1:]).to(device)
+        timesteps = draws.randint(self.cfg.num_train_timesteps).to(device)
+        losses = self._denoising_mse(model, x0, noise, timesteps, batch.labels.to(device))
+        if self.cfg.min_snr_gamma > 0:
+            losses = losses * self.min_snr_weights(timesteps)
+        return losses
+
+    def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
+        noisy = self.scheduler.add_noise(x0, noise, timesteps)
+        if self.cfg.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.scheduler.get_velocity(x0, noise, timesteps)
+        pred = model(noisy, timesteps, class_labels=self.class_labels(labels)).sample
+        return (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+
+    # ---------------------------------------------------------------- evaluation
+    def held_out_timesteps(self) -> list[int]:
+        """The fixed grid: HELD_OUT_TIMESTEPS evenly spaced timesteps from 0 to T-1."""
+        grid = np.linspace(0, self.cfg.num_train_timesteps - 1, HELD_OUT_TIMESTEPS)
+        return sorted({int(round(t)) for t in grid})
+
+    @torch.no_grad()
+    def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:
+        """Unweighted denoising MSE at a fixed grid of timesteps with each sample's noise fixed by
+        (seed, id), and the VAE posterior mean: the same inputs every call, so changes are the
+        model's. Keys: denoise_mse (grid mean), denoise_mse_t{t:04d}, num_samples. Padding (id < 0)
+        is ignored; evaluate the unwrapped or EMA model when only one rank runs this."""
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        grid = self.held_out_timesteps()
+        sums = np.zeros(len(grid))
+        count = 0
+        try:
+            for batch in batches:
+                keep = batch.ids >= 0
+                if not bool(keep.any()):
+                    continue
+                ids = batch.ids[keep].cpu().numpy()
+                x0 = self.encode(batch.images[keep].to(device))
+                labels = batch.labels[keep].to(device)
+                noise = per_sample_seeded(tuple(x0.shape[1:]), ids, seed, normal=True).to(device)
+                for k, t in enumerate(grid):
+                    timesteps = torch.full((len(ids),), t, dtype=torch.long, device=device)
+                    sums[k] += float(self._denoising_mse(model, x0, noise, timesteps, labels).double().sum())
+                count += len(ids)
+        finally:
+            model.train(was_training)
+        per_t = sums / max(count, 1)
+        result = {f"denoise_mse_t{t:04d}": float(v) for t, v in zip(grid, per_t)}
+        return {"denoise_mse": float(per_t.mean()), **result, "num_samples": count}
+
+    # ---------------------------------------------------------------- export
+    def export(self, model: nn.Module, ema_model, out_dir: str) -> list[str]:
+        """Write unet/ (and unet_ema/ when an EMA is given) with save_pretrained, scheduler/, and
+        autoencoder.json: how samples map back to images (a reference to the VAE, not a copy)."""
+        os.makedirs(out_dir, exist_ok=True)
+        written = []
+        unet_dir = os.path.join(out_dir, "unet")
+        unwrap(model).save_pretrained(unet_dir)
+        written.append(unet_dir)
+        if ema_model is not None:
+            ema_dir = os.path.join(out_dir, "unet_ema")
+            weights_module(ema_model, model).save_pretrained(ema_dir)
+            written.append(ema_dir)
+        scheduler_dir = os.path.join(out_dir, "scheduler")
+        self.scheduler.save_pretrained(scheduler_dir)
+        written.append(scheduler_dir)
+        info = {
+            "autoencoder": self.cfg.autoencoder,
+            "vae_subfolder": self.cfg.vae_subfolder,
+            "cache_dir": self.cfg.cache_dir,
+            "scaling_factor": self.scaling_factor,
+            "shift_factor": self.shift_factor,
+        }
+        info_path = os.path.join(out_dir, AUTOENCODER_INFO)
+        with open(info_path, "w") as f:
+            json.dump(info, f, indent=1)
+        written.append(info_path)
+        return written
+
+
+# -------------------------------------------------------------------- sampling from an export
+def _load_unet(export_dir: str, ema: bool) -> UNet2DModel:
+    subfolder = "unet_ema" if ema else "unet"
+    if not os.path.isdir(os.path.join(export_dir, subfolder)):
+        raise FileNotFoundError(
+            f"{export_dir}: no {subfolder}/ (written by DiffusionTask.export"
+            + ("; the run kept no EMA, pass ema=False)" if ema else ")")
+        )
+    return UNet2DModel.from_pretrained(export_dir, subfolder=subfolder)
+
+
+def load_pipeline(export_dir: str, ema: bool = True) -> DDPMPipeline:
+    """A diffusers DDPMPipeline for an unconditional pixel-space export; `sample` covers the rest."""
+    with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
+        info = json.load(f)
+    unet = _load_unet(export_dir, ema)
+    if info["autoencoder"] != PIXEL_SPACE or unet.config.num_class_embeds:
+        raise ValueError(
+            f"{export_dir}: DDPMPipeline samples unconditional pixel-space models only; this export has "
+            f"autoencoder={info['autoencoder']!r}, num_class_embeds={unet.config.num_class_embeds}: use sample()"
+        )
+    return DDPMPipeline(unet=unet, scheduler=DDPMScheduler.from_pretrained(export_dir, subfolder="scheduler"))
+
+
+@torch.no_grad()
+def sample(
+    export_dir: str,
+    num_images: int,
+    steps: int,
+    generator: torch.Generator,
+    *,
+    ema: bool = True,
+    class_labels: torch.Tensor | None = None,
+    vae: str | None = None,
+    vae_subfolder: str = "",
+) -> torch.Tensor:
+    """[num_images, C, H, W] float images in [0, 1] from an export: DDIM (eta 0) over `steps`
+    steps, then the VAE decoder for latent runs. Runs on generator.device.
+
+    class_labels [N] for class-conditional models (default: the null class). `vae` overrides the
+    autoencoder recorded in autoencoder.json (with `vae_subfolder`); runs on precomputed latents
+    must pass it (the latent shards' index.json records "vae" and "subfolder").
+    """
+    with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
+        info = json.load(f)
+    device = generator.device
+    unet = _load_unet(export_dir, ema).to(device)
+    scheduler = DDIMScheduler.from_config(DDPMScheduler.load_config(export_dir, subfolder="scheduler"))
+    scheduler.set_timesteps(steps)
+    labels = None
+    if unet.config.num_class_embeds:
+        null = unet.config.num_class_embeds - 1
+        labels = torch.full((num_images,), null, dtype=torch.long) if class_labels is None else class_labels.long()
+        labels = torch.where(labels < 0, torch.full_like(labels, null), labels).to(device)
+    size = unet.config.sample_size
+    shape = (num_images, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+    x = torch.randn(shape, generator=generator, device=device)
+    for t in scheduler.timesteps:
+        x = scheduler.step(unet(x, t, class_labels=labels).sample, t, x).prev_sample
+
+    name = vae or info["autoencoder"]
+    if name == PIXEL_SPACE:
+        images = x / (info["scaling_factor"] or 1.0)
+    elif name == PRECOMPUTED:
+        raise ValueError(
+            f"{export_dir}: this run trained on precomputed latents; pass vae= (the folder or repo id "
+            f"that encoded them, recorded as 'vae' in the latent shards' index.json) to decode samples"
+        )
+    else:
+        subfolder = info["vae_subfolder"] if vae is None else vae_subfolder
+        autoencoder = load_autoencoder(name, subfolder, info.get("cache_dir", "")).to(device)
+        scale = info["scaling_factor"] or float(autoencoder.config.scaling_factor)
+        shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
+        images = autoencoder.decode(x / scale + shift).sample
+    return (images / 2 + 0.5).clamp(0, 1).float()

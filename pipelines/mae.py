@@ -1,0 +1,394 @@
+"""The MAE task: a masked autoencoder (He et al. 2022, arXiv 2111.06377) whose encoder IS a timm
+VisionTransformer, a per-sample masked-patch loss, a fixed-mask held-out error, and an export timm
+loads for fine-tuning. Randomness comes from the caller's generator; nothing here knows about shards,
+pruners, optimizers or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from timm.layers import build_sincos2d_pos_embed
+from timm.models.vision_transformer import Block, VisionTransformer
+
+ENCODER_WEIGHTS = "encoder.safetensors"
+ENCODER_CONFIG = "encoder_config.json"
+
+# The paper's ViT-B/L/H encoders (MAE Appendix A.1) with its default 512-d, 8-block decoder (Table 1a/b).
+PRESETS = {
+    "vit_base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+    "vit_large": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16),
+    "vit_huge": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16),
+}
+PAPER_DECODER = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16, mlp_ratio=4.0)
+
+
+@dataclass
+class MAEConfig:
+    """Model and loss settings; a non-empty `preset` overrides the size fields with the paper's."""
+
+    preset: str = ""  # "" | "vit_base" | "vit_large" | "vit_huge"
+    patch_size: int = 4
+    embed_dim: int = 64
+    depth: int = 4
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    decoder_embed_dim: int = 64
+    decoder_depth: int = 2
+    decoder_num_heads: int = 4
+    mask_ratio: float = 0.75
+    norm_pix_loss: bool = False
+
+    def resolved(self) -> "MAEConfig":
+        """A copy with the preset's sizes applied (the preset wins over the size fields)."""
+        if not self.preset:
+            return dataclasses.replace(self)
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"mae.preset: got {self.preset!r}, accepted: '' (use the size fields), {', '.join(PRESETS)}"
+            )
+        return dataclasses.replace(self, **PRESETS[self.preset], **PAPER_DECODER)
+
+
+def sincos_pos_embed(grid: int, dim: int) -> torch.Tensor:
+    """Fixed 2-D sin-cos position embedding [1, 1 + grid*grid, dim]; the class token's row is zero."""
+    patches = build_sincos2d_pos_embed([grid, grid], dim=dim)  # [L, D]
+    return torch.cat([torch.zeros(1, dim), patches], dim=0).unsqueeze(0)
+
+
+class MaskedAutoencoder(nn.Module):
+    """ViT encoder on the visible patches, light Transformer decoder, per-sample masked-patch MSE."""
+
+    def __init__(
+        self,
+        *,
+        img_size: int,
+        in_chans: int,
+        patch_size: int,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float,
+        decoder_embed_dim: int,
+        decoder_depth: int,
+        decoder_num_heads: int,
+        mask_ratio: float,
+        norm_pix_loss: bool,
+    ):
+        super().__init__()
+        self.mask_ratio = mask_ratio
+        self.norm_pix_loss = norm_pix_loss
+        # The exported encoder is rebuilt from exactly these kwargs (encoder_config.json).
+        self.encoder_kwargs = dict(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_classes=0,
+            class_token=True,
+            global_pool="token",
+        )
+        self.encoder = VisionTransformer(**self.encoder_kwargs)
+        grid = img_size // patch_size
+        self.num_patches = grid * grid
+        self.patch_size = patch_size
+        self.in_chans = in_chans
+        # Fixed sin-cos positions, not learned (MAE Appendix A.1).
+        self.encoder.pos_embed.requires_grad_(False)
+
+        # ---------------------------------------------------------------- decoder
+        self.decoder_embed = nn.Linear(embed_dim, decoder_embed_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, decoder_embed_dim))
+        self.decoder_pos_embed = nn.Parameter(
+            torch.zeros(1, self.num_patches + 1, decoder_embed_dim), requires_grad=False
+        )
+        self.decoder_blocks = nn.ModuleList(
+            Block(decoder_embed_dim, decoder_num_heads, mlp_ratio, qkv_bias=True) for _ in range(decoder_depth)
+        )
+        self.decoder_norm = nn.LayerNorm(decoder_embed_dim, eps=1e-6)
+        self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size * patch_size * in_chans)
+        self._init_weights(grid)
+
+    def _init_weights(self, grid: int) -> None:
+        """The MAE reference initialisation: xavier-uniform linears (the patch projection seen as
+        one), N(0, 0.02) class and mask tokens, and the fixed sin-cos tables."""
+        with torch.no_grad():
+            self.encoder.pos_embed.copy_(sincos_pos_embed(grid, self.encoder.pos_embed.shape[-1]))
+            self.decoder_pos_embed.copy_(sincos_pos_embed(grid, self.decoder_pos_embed.shape[-1]))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        w = self.encoder.patch_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.normal_(self.encoder.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+
+    # ---------------------------------------------------------------- patches
+    def patchify(self, images: torch.Tensor) -> torch.Tensor:
+        """[N, C, H, W] -> [N, L, p*p*C], patches in row-major order, pixels (p, q, c) inside."""
+        n, c, h, w = images.shape
+        p = self.patch_size
+        x = images.reshape(n, c, h // p, p, w // p, p)
+        x = torch.einsum("nchpwq->nhwpqc", x)
+        return x.reshape(n, (h // p) * (w // p), p * p * c)
+
+    def unpatchify(self, patches: torch.Tensor) -> torch.Tensor:
+        """[N, L, p*p*C] -> [N, C, H, W], the inverse of `patchify` for square images."""
+        n, length, _ = patches.shape
+        p, c = self.patch_size, self.in_chans
+        g = int(round(length**0.5))
+        x = patches.reshape(n, g, g, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(n, c, g * p, g * p)
+
+    # ---------------------------------------------------------------- the method
+    def random_masking(self, x: torch.Tensor, noise: torch.Tensor):
+        """Keep the (1 - mask_ratio) * L patches with the smallest noise, per sample.
+
+        x: [N, L, D], noise: [N, L] -> kept [N, L_keep, D], mask [N, L] (1 = removed),
+        ids_restore [N, L]. Shuffling by argsort of uniform noise is MAE's per-sample random
+        sampling without replacement (Sec. 3, "Masking"); the caller owns the noise.
+        """
+        n, length, dim = x.shape
+        len_keep = int(length * (1 - self.mask_ratio))
+        ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :len_keep]
+        kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, dim))
+        mask = torch.ones(n, length, device=x.device)
+        mask[:, :len_keep] = 0
+        mask = torch.gather(mask, 1, ids_restore)  # back to patch order
+        return kept, mask, ids_restore
+
+    def forward_encoder(self, images: torch.Tensor, noise: torch.Tensor):
+        """images [N, C, H, W] -> latent [N, 1 + L_keep, D], mask [N, L], ids_restore [N, L].
+
+        The same modules and position convention as timm's forward_features (class token with
+        pos_embed row 0, patches with rows 1..L), so the exported encoder sees what MAE trained.
+        """
+        enc = self.encoder
+        x = enc.patch_embed(images)  # [N, L, D]
+        x = x + enc.pos_embed[:, 1:, :]
+        x, mask, ids_restore = self.random_masking(x, noise)  # [N, L_keep, D]
+        cls = (enc.cls_token + enc.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
+        x = torch.cat([cls, x], dim=1)  # [N, 1 + L_keep, D]
+        x = enc.blocks(x)
+        return enc.norm(x), mask, ids_restore
+
+    def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
+        """latent [N, 1 + L_keep, D] -> predicted pixels [N, L, p*p*C] for every patch."""
+        x = self.decoder_embed(latent)  # [N, 1 + L_keep, Dd]
+        n, _, dim = x.shape
+        length = ids_restore.shape[1]
+        mask_tokens = self.mask_token.expand(n, length + 1 - x.shape[1], -1)
+        patches = torch.cat([x[:, 1:, :], mask_tokens], dim=1)  # [N, L, Dd], shuffled order
+        patches = torch.gather(patches, 1, ids_restore.unsqueeze(-1).expand(-1, -1, dim))  # unshuffle
+        x = torch.cat([x[:, :1, :], patches], dim=1) + self.decoder_pos_embed  # [N, 1 + L, Dd]
+        for block in self.decoder_blocks:
+            x = block(x)
+        x = self.decoder_pred(self.decoder_norm(x))
+        return x[:, 1:, :]  # drop the class token
+
+    def patch_targets(self, images: torch.Tensor) -> torch.Tensor:
+        """[N, L, p*p*C] targets; with norm_pix_loss each patch is standardised by its own mean and
+        variance (MAE Sec. 4.1 / Table 1d: better representations)."""
+        target = self.patchify(images.float())
+        if self.norm_pix_loss:
+            mean = target.mean(dim=-1, keepdim=True)
+            var = target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1e-6) ** 0.5
+        return target
+
+    def per_patch_loss(self, images: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        """[N, L] float32 mean squared error of each patch's pixels."""
+        return (pred.float() - self.patch_targets(images)).pow(2).mean(dim=-1)
+
+    def forward(self, images: torch.Tensor, mask_noise: torch.Tensor) -> torch.Tensor:
+        """images [N, C, H, W], mask_noise [N, L] -> per-sample masked-patch MSE [N] float32.
+
+        Every sample masks the same number of patches, so the batch mean of this equals the
+        paper's (loss * mask).sum() / mask.sum().
+        """
+        latent, mask, ids_restore = self.forward_encoder(images, mask_noise)
+        pred = self.forward_decoder(latent, ids_restore)
+        loss = self.per_patch_loss(images, pred)
+        return (loss * mask).sum(dim=1) / mask.sum(dim=1)
+
+
+class MAETask:
+    """What the training loop needs from MAE: the model, a per-sample loss, evaluation and export."""
+
+    def __init__(self, cfg: MAEConfig, *, image_size: int, channels: int):
+        self.cfg = cfg = cfg.resolved()
+        if image_size % cfg.patch_size:
+            raise ValueError(f"mae.patch_size={cfg.patch_size} must divide the image size {image_size}")
+        for field, dim in (("embed_dim", cfg.embed_dim), ("decoder_embed_dim", cfg.decoder_embed_dim)):
+            if dim % 4:
+                raise ValueError(f"mae.{field}={dim} must be a multiple of 4 for the 2-D sin-cos positions")
+        if cfg.embed_dim % cfg.num_heads or cfg.decoder_embed_dim % cfg.decoder_num_heads:
+            raise ValueError(
+                f"mae.num_heads={cfg.num_heads} must divide mae.embed_dim={cfg.embed_dim} and "
+                f"mae.decoder_num_heads={cfg.decoder_num_heads} must divide "
+                f"mae.decoder_embed_dim={cfg.decoder_embed_dim}"
+            )
+        patches = (image_size // cfg.patch_size) ** 2
+        if not 0 < int(patches * (1 - cfg.mask_ratio)) < patches:
+            raise ValueError(
+                f"mae.mask_ratio={cfg.mask_ratio} must mask some but not all of the {patches} patches "
+                f"(0 < mask_ratio < 1; 0.75 in the paper)"
+            )
+        self.model = MaskedAutoencoder(
+            img_size=image_size,
+            in_chans=channels,
+            patch_size=cfg.patch_size,
+            embed_dim=cfg.embed_dim,
+            depth=cfg.depth,
+            num_heads=cfg.num_heads,
+            mlp_ratio=cfg.mlp_ratio,
+            decoder_embed_dim=cfg.decoder_embed_dim,
+            decoder_depth=cfg.decoder_depth,
+            decoder_num_heads=cfg.decoder_num_heads,
+            mask_ratio=cfg.mask_ratio,
+            norm_pix_loss=cfg.norm_pix_loss,
+        )
+        self.num_patches = self.model.num_patches
+
+    def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
+        """[B] float32 masked-patch MSE with a fresh random mask drawn from `generator` (a
+        torch.Generator, or per-sample draws such as pipelines.randomness.SampleRandomness).
+
+        `model` is self.model or its DDP/accelerate wrapper: always call the one passed, so the
+        wrapper's gradient hooks run.
+        """
+        images = batch.images
+        noise = batch_draws(generator, len(images)).rand(self.num_patches)  # [B, L]
+        return model(images, noise.to(images.device))
+
+    @torch.no_grad()
+    def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:
+        """Masked-patch MSE on validation batches with each sample's mask fixed by (seed, id).
+
+        Deterministic across calls and batchings; padding (id < 0) is ignored. Evaluate the
+        unwrapped or EMA model when only one rank runs this.
+        """
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        try:
+            for batch in batches:
+                keep = batch.ids >= 0
+                if not bool(keep.any()):
+                    continue
+                ids = batch.ids[keep].cpu().numpy()
+                images = batch.images[keep].to(device)
+                noise = per_sample_seeded((self.num_patches,), ids, seed, normal=False)
+                losses = model(images, noise.to(device))
+                total += float(losses.double().sum())
+                count += len(ids)
+        finally:
+            model.train(was_training)
+        return {"masked_mse": total / max(count, 1), "num_samples": count}
+
+    def export(self, model: nn.Module, ema_model, out_dir: str) -> list[str]:
+        """Write encoder.safetensors (timm VisionTransformer state dict, from the EMA weights when
+        given) and encoder_config.json (its constructor kwargs); return the paths written."""
+        source = weights_module(ema_model, model) if ema_model is not None else unwrap(model)
+        encoder = source.encoder
+        os.makedirs(out_dir, exist_ok=True)
+        weights_path = os.path.join(out_dir, ENCODER_WEIGHTS)
+        config_path = os.path.join(out_dir, ENCODER_CONFIG)
+        state = {k: v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()}
+        save_file(state, weights_path, metadata={"format": "pt", "producer": "prunepipe MAE"})
+        with open(config_path, "w") as f:
+            json.dump(unwrap(model).encoder_kwargs, f, indent=1)
+        return [weights_path, config_path]
+
+
+def load_exported_encoder(out_dir: str) -> VisionTransformer:
+    """The exported encoder as a timm VisionTransformer (strict load: every key must match).
+
+    For fine-tuning with a classifier, call `reset_classifier(num_classes)` on the result; the
+    position table then trains like timm's (MAE fine-tunes it too).
+    """
+    with open(os.path.join(out_dir, ENCODER_CONFIG)) as f:
+        kwargs = json.load(f)
+    encoder = VisionTransformer(**kwargs)
+    encoder.load_state_dict(load_file(os.path.join(out_dir, ENCODER_WEIGHTS)), strict=True)
+    return encoder
+
+
+# -------------------------------------------------------------------- shared with the diffusion task
+class SampleDraws(Protocol):
+    """Random tensors for one batch of B samples (pipelines.randomness.SampleRandomness has it)."""
+
+    def rand(self, *shape: int) -> torch.Tensor: ...  # [B, *shape] uniform in [0, 1)
+    def randn(self, *shape: int) -> torch.Tensor: ...  # [B, *shape] standard normal
+    def randint(self, high: int) -> torch.Tensor: ...  # [B] int64 in [0, high)
+
+
+class GeneratorDraws:
+    """SampleDraws from one torch.Generator: each call draws the whole batch, on its device."""
+
+    def __init__(self, generator: torch.Generator, batch_size: int):
+        self.generator, self.batch_size = generator, batch_size
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand((self.batch_size, *shape), generator=self.generator, device=self.generator.device)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn((self.batch_size, *shape), generator=self.generator, device=self.generator.device)
+
+    def randint(self, high: int) -> torch.Tensor:
+        return torch.randint(0, high, (self.batch_size,), generator=self.generator, device=self.generator.device)
+
+
+def batch_draws(source: torch.Generator | SampleDraws, batch_size: int) -> SampleDraws:
+    """The task's source of randomness as SampleDraws; the caller owns it, the task draws in order."""
+    return GeneratorDraws(source, batch_size) if isinstance(source, torch.Generator) else source
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module inside DDP / accelerate (`.module`) or torch.compile (`._orig_mod`)."""
+    while True:
+        inner = [getattr(model, a) for a in ("module", "_orig_mod") if isinstance(getattr(model, a, None), nn.Module)]
+        if not inner:
+            return model
+        model = inner[0]
+
+
+def weights_module(ema_model, model: nn.Module) -> nn.Module:
+    """The module holding the EMA weights: an nn.Module copy (optionally wrapped, e.g. timm's
+    ModelEmaV3) as is, or a diffusers EMAModel copied into a deep copy of `model`."""
+    if isinstance(ema_model, nn.Module):
+        return unwrap(ema_model)
+    if hasattr(ema_model, "copy_to") and hasattr(ema_model, "shadow_params"):
+        target = copy.deepcopy(unwrap(model))
+        ema_model.copy_to(target.parameters())
+        return target
+    raise TypeError(f"ema_model: expected an nn.Module or a diffusers EMAModel, got {type(ema_model).__name__}")
+
+
+def per_sample_seeded(shape_per_sample: tuple[int, ...], ids: np.ndarray, seed: int, normal: bool) -> torch.Tensor:
+    """[B, *shape] float32 uniform (or standard normal) noise whose slice for sample `id` depends only
+    on (seed, id): held-out masks and noise are the same in every call, batching and process."""
+    rngs = [np.random.default_rng([seed, int(i)]) for i in ids]
+    draw = (lambda r: r.standard_normal(shape_per_sample)) if normal else (lambda r: r.random(shape_per_sample))
+    return torch.from_numpy(np.stack([draw(r) for r in rngs])).float()

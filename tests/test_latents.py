@@ -1,0 +1,116 @@
+"""Latent shards: encoding image shards keeps every id, key, label and per-shard count, and the
+result streams through ShardStream as float latents a latent-space DiffusionTask trains on."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL
+
+from pipelines.data import ShardStream
+from pipelines.decode import SampleDecoder
+from pipelines.diffusion import DiffusionConfig, DiffusionTask, sample
+from pipelines.shards import ShardIndex, read_shard
+from tools.latents import LATENT_FIELD, encode_shards
+
+IMAGE = 32
+
+
+@pytest.fixture(scope="module")
+def vae_folder(tmp_path_factory) -> str:
+    """A tiny random AutoencoderKL: 32x32x3 images -> 16x16x4 latents."""
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=IMAGE,
+    )
+    folder = str(tmp_path_factory.mktemp("tiny-vae"))
+    vae.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def latent_val(digits_shards, vae_folder, tmp_path_factory) -> str:
+    """The digits val split (180 samples in shards of 150 and 30) encoded to float32 latents."""
+    out = str(tmp_path_factory.mktemp("latents") / "val")
+    encode_shards(os.path.join(digits_shards, "val"), vae_folder, out, resolution=IMAGE, batch_size=64, dtype="float32")
+    return out
+
+
+def samples(folder: str) -> list[dict]:
+    return [sample for url in ShardIndex.load(folder).urls for _, sample in read_shard(url)]
+
+
+def test_latent_shards_keep_counts_keys_and_labels_in_order(digits_shards, latent_val, vae_folder):
+    images_folder = os.path.join(digits_shards, "val")
+    source, latent = ShardIndex.load(images_folder), ShardIndex.load(latent_val)
+    assert latent.counts.tolist() == source.counts.tolist() == [150, 30]  # so ids are identical
+    before, after = samples(images_folder), samples(latent_val)
+    assert [s["__key__"] for s in after] == [s["__key__"] for s in before]
+    assert [s["cls"] for s in after] == [s["cls"] for s in before]
+    assert all("png" not in s and LATENT_FIELD in s for s in after)
+
+    with open(latent.path) as f:
+        meta = json.load(f)
+    vae = AutoencoderKL.from_pretrained(vae_folder)
+    assert meta["latent_shape"] == [4, 16, 16]
+    assert meta["scaling_factor"] == vae.config.scaling_factor
+    assert meta["vae"] == os.path.abspath(vae_folder)
+
+    # each latent is the posterior mean times the scaling factor, of the decoded image
+    decoder = SampleDecoder(resolution=IMAGE)
+    for k in (0, 151):
+        image, _ = decoder(before[k], k, 0)
+        with torch.no_grad():
+            expected = vae.encode(image[None]).latent_dist.mean[0] * vae.config.scaling_factor
+        stored, _ = decoder(after[k], k, 0)
+        torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_latent_shards_stream_as_float_tensors_a_latent_task_trains_on(digits_shards, latent_val, vae_folder, tmp_path):
+    stream = ShardStream(ShardIndex.load(latent_val), batch_size=16, decoder=SampleDecoder(), seed=3)
+    batch = next(iter(stream.pass_loader(0)))
+    assert batch.images.shape == (16, 4, 16, 16) and batch.images.dtype == torch.float32
+    labels_by_id = [int(s["cls"]) for s in samples(os.path.join(digits_shards, "val"))]
+    assert batch.labels.tolist() == [labels_by_id[i] for i in batch.ids.tolist()]
+
+    # the trainer passes the image resolution and channels; the latent shape comes from the config
+    mistaken = DiffusionTask(DiffusionConfig(autoencoder="latents"), image_size=IMAGE, channels=3)
+    with pytest.raises(ValueError, match=r"diffusion\.in_channels.*latent_shape"):
+        mistaken.per_sample_loss(mistaken.model, batch, torch.Generator())
+    latent_cfg = DiffusionConfig(autoencoder="latents", sample_size=16, in_channels=4)
+    task = DiffusionTask(latent_cfg, image_size=IMAGE, channels=3)
+    assert task.autoencoder is None and task.model.config.in_channels == 4 and task.model.config.sample_size == 16
+    losses = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(0))
+    assert losses.shape == (16,) and torch.isfinite(losses).all()
+
+    # samples of a latent run decode with the VAE that encoded the shards, named explicitly
+    task.export(task.model, None, str(tmp_path))
+    with pytest.raises(ValueError, match="pass vae="):
+        sample(str(tmp_path), 2, 2, torch.Generator().manual_seed(0), ema=False)
+    images = sample(str(tmp_path), 2, 2, torch.Generator().manual_seed(0), ema=False, vae=vae_folder)
+    assert images.shape == (2, 3, IMAGE, IMAGE)
+
+
+def test_float16_latents_halve_the_bytes(digits_shards, vae_folder, latent_val, tmp_path):
+    out = str(tmp_path / "half")
+    encode_shards(os.path.join(digits_shards, "val"), vae_folder, out, resolution=IMAGE, batch_size=64)
+    half = np.load(io.BytesIO(samples(out)[0][LATENT_FIELD]))
+    full = np.load(io.BytesIO(samples(latent_val)[0][LATENT_FIELD]))
+    assert half.dtype == np.float16 and full.dtype == np.float32
+    np.testing.assert_allclose(half.astype(np.float32), full, rtol=1e-2, atol=1e-3)
+
+
+def test_refuses_to_write_over_the_image_shards(digits_shards, vae_folder):
+    images_folder = os.path.join(digits_shards, "val")
+    with pytest.raises(ValueError, match="image shard folder"):
+        encode_shards(images_folder, vae_folder, images_folder, resolution=IMAGE)

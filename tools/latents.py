@@ -1,0 +1,118 @@
+"""Encode image shards once into latent shards with a diffusers AutoencoderKL, so latent-diffusion
+runs stream `latent.npy` instead of running the VAE every step. The output keeps every sample's
+key, label, position and per-shard count, so global sample ids (and pruner scores) are the same.
+It never downloads a VAE and never skips a sample: a sample that does not decode stops it.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+
+import numpy as np
+import torch
+import webdataset as wds
+from tqdm import tqdm
+
+from pipelines.decode import LABEL_FIELDS, SampleDecoder
+from pipelines.diffusion import load_autoencoder
+from pipelines.shards import BadInputError, ShardIndex, read_shard
+
+LATENT_FIELD = "latent.npy"
+LATENT_DTYPES = ("float16", "float32")
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def encode_shards(
+    image_shards_folder: str,
+    vae: str,
+    out_folder: str,
+    *,
+    resolution: int,
+    batch_size: int = 32,
+    subfolder: str = "",
+    cache_dir: str = "",
+    dtype: str = "float16",
+    device: str | None = None,
+) -> str:
+    """Write OUT/shard-%06d.tar (one per input shard) + OUT/index.json; return the index path.
+
+    Each latent is (posterior mean - shift_factor) * scaling_factor, the scaled space the UNet
+    denoises (DiffusionConfig(autoencoder="latents")). The mean, not a posterior sample, makes the
+    shards a pure function of the images and the VAE; a KL-regularised VAE's posterior is narrow.
+    Stored as `dtype` numpy arrays [C, h, w]; index.json records vae, subfolder, scaling_factor,
+    shift_factor and latent_shape.
+    """
+    if dtype not in LATENT_DTYPES:
+        raise ValueError(f"dtype: got {dtype!r}, accepted: {', '.join(LATENT_DTYPES)}")
+    index = ShardIndex.load(image_shards_folder)
+    if os.path.abspath(out_folder) == os.path.dirname(os.path.abspath(index.path)):
+        raise ValueError(f"out_folder {out_folder!r} is the image shard folder: choose another, not to overwrite it")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    autoencoder = load_autoencoder(vae, subfolder, cache_dir, setting="vae").to(device)
+    scaling = float(autoencoder.config.scaling_factor)
+    shift = float(getattr(autoencoder.config, "shift_factor", None) or 0.0)
+    decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
+
+    os.makedirs(out_folder, exist_ok=True)
+    for stale in glob.glob(os.path.join(out_folder, "shard-*.tar")):
+        os.remove(stale)
+    entries: list[tuple[str, int]] = []
+    latent_shape: list[int] = []
+    fields_seen: set[str] = set()
+
+    @torch.no_grad()
+    def write_batch(writer, pending: list[tuple[dict, torch.Tensor]]) -> None:
+        images = torch.stack([image for _, image in pending]).to(device)
+        latents = (autoencoder.encode(images).latent_dist.mean - shift) * scaling
+        latents = latents.float().cpu().numpy().astype(dtype)
+        latent_shape[:] = list(latents.shape[1:])
+        for (fields, _), latent in zip(pending, latents):
+            writer.write({**fields, LATENT_FIELD: npy_bytes(latent)})
+        pending.clear()
+
+    pattern = os.path.join(out_folder, "shard-%06d.tar")
+    # One output shard per input shard: no size or count limit may split one.
+    with wds.ShardWriter(pattern, maxcount=int(index.counts.max()) + 1, maxsize=float("inf"), verbose=0) as writer:
+        writer.post = lambda fname: entries.append((fname, writer.count))
+        bar = tqdm(total=index.num_samples, desc=f"encoding {os.path.basename(out_folder.rstrip('/'))}", unit="img")
+        for shard, (url, count, first_id) in enumerate(zip(index.urls, index.counts, index.first_ids)):
+            if shard > 0:
+                writer.next_stream()  # close the previous shard even when it was empty
+            pending: list[tuple[dict, torch.Tensor]] = []
+            seen = 0
+            for position, sample in read_shard(url):
+                if position >= count:
+                    raise BadInputError(f"shard {url}: holds more than the {count} samples {index.path} lists")
+                image, _ = decoder(sample, int(first_id) + position, 0)  # BadInputError names shard and key
+                kept = {k: sample[k] for k in ("__key__", *LABEL_FIELDS) if k in sample}
+                fields_seen.update(k for k in kept if k != "__key__")
+                pending.append((kept, image))
+                seen = position + 1
+                if len(pending) == batch_size:
+                    write_batch(writer, pending)
+                bar.update(1)
+            if pending:
+                write_batch(writer, pending)
+            if seen != count:
+                raise BadInputError(f"shard {url}: ended after {seen} samples, {index.path} lists {count}")
+        bar.close()
+    return ShardIndex.write(
+        out_folder,
+        entries,
+        source=os.path.abspath(image_shards_folder),
+        vae=os.path.abspath(vae) if os.path.isdir(vae) else vae,
+        subfolder=subfolder,
+        scaling_factor=scaling,
+        shift_factor=shift,
+        latent_shape=latent_shape,
+        resolution=resolution,
+        dtype=dtype,
+        keys=[LATENT_FIELD, *sorted(fields_seen)],
+    )
