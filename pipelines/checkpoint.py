@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step_"
@@ -22,19 +25,41 @@ class TrainingPosition:
     """Where the run is: enough, with the pruner's frozen plan, to continue the pass exactly."""
 
     epoch: int = 0
-    batch_in_pass: int = 0  # micro-batches of this rank already trained in the pass
+    batch_in_pass: int = 0  # micro-batches of this rank already trained in the pass (or segment)
     optimizer_steps: int = 0
     samples_forwarded: int = 0  # over all ranks, padding excluded
     skipped_nonfinite: int = 0
     bad_samples: int = 0
     wall_seconds: float = 0.0
+    world_size: int = 1  # the layout the pass was running under
+    num_workers: int = 0
+    # A pass resumed under another world size continues as a "segment" over the samples no rank
+    # had trained on: `excluded` marks those already consumed when it began, `pass_offset` is
+    # the fraction of the pass they were (for the LR schedule).
+    pass_offset: float = 0.0
+    excluded: np.ndarray | None = None  # bool [N] or None
+    consumed: np.ndarray | None = None  # bool [N]: ids trained on in this pass, on every rank
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        state = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.ndarray):  # a bool mask, as packed bits: N / 8 bytes
+                state[f.name] = torch.from_numpy(np.packbits(value))
+                state[f.name + "_len"] = len(value)
+            elif value is not None:
+                state[f.name] = value
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, type(getattr(self, key))(value))
+        for f in fields(self):
+            if f.name in ("excluded", "consumed"):
+                packed = state.get(f.name)
+                value = None if packed is None else np.unpackbits(
+                    np.asarray(packed), count=int(state[f.name + "_len"])).astype(bool)
+                setattr(self, f.name, value)
+            elif f.name in state:
+                setattr(self, f.name, type(f.default)(state[f.name]))
 
 
 def checkpoints_dir(run_dir: str) -> str:

@@ -71,6 +71,7 @@ class RunConfig:
     on_nonfinite_loss: str = "stop"  # stop | skip (skipped steps are counted)
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
+    debug_sync: bool = False  # check each pass that all ranks hold the same plan; save ids per rank
     data: DataConfig = field(default_factory=DataConfig)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -23,7 +23,9 @@ from tqdm.auto import tqdm
 from pipelines.checkpoint import TrainingPosition, resolve_resume, save_checkpoint
 from pipelines.config import RunConfig, to_yaml
 from pipelines.data import ShardStream
+from pipelines.debug_sync import SyncDebug
 from pipelines.decode import SampleDecoder
+from pipelines.randomness import SampleRandomness
 from pipelines.shards import ShardIndex
 from pruning import build_pruner, gather_ids_losses
 from pruning.stream import PassPlan
@@ -56,10 +58,27 @@ def learning_rate(cfg: RunConfig, progress: float) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
 
 
-def noise_seed(seed: int, rank: int, epoch: int, batch_in_pass: int) -> int:
-    """Seed of the mask/noise generator for one micro-batch: derived, so there is no RNG stream
-    to save and a resumed run draws exactly what the uninterrupted one drew."""
-    return int(np.random.SeedSequence([seed, rank, epoch, batch_in_pass]).generate_state(1, np.uint64)[0] >> 1)
+def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int, num_workers: int) -> PassPlan:
+    """The plan this pass (or the rest of it) runs under.
+
+    A fresh pass freezes the pruner's plan. A pass resumed under the layout it ran under skips
+    its consumed batches exactly. A pass resumed under another world size or worker count goes
+    on as a segment over the kept samples no rank had trained on, with the same frozen plan.
+    """
+    if position.batch_in_pass == 0 and position.excluded is None:
+        pruner.plan(position.epoch)
+        position.consumed = np.zeros(num_samples, dtype=bool)
+        position.pass_offset = 0.0
+    plan = PassPlan.from_pruner(pruner, num_samples)
+    if position.batch_in_pass > 0 and (position.world_size, position.num_workers) != (world, num_workers):
+        kept = plan.kept
+        position.excluded = position.consumed.copy()
+        position.pass_offset = float((position.consumed & kept).sum() / max(kept.sum(), 1))
+        position.batch_in_pass = 0
+    position.world_size, position.num_workers = world, num_workers
+    if position.excluded is not None:
+        plan = PassPlan(plan.epoch, np.where(position.excluded, np.float32(0), plan.weights))
+    return plan
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -158,8 +177,8 @@ def train(cfg: RunConfig) -> dict:
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
     held_out = load_held_out(cfg) if main else []
+    debug = SyncDebug(accelerator, run_dir, index.num_samples) if cfg.debug_sync else None
     metrics = MetricsLog(run_dir, main)
-    generator = torch.Generator(device=device)
     accum = cfg.optim.grad_accum
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
@@ -167,9 +186,9 @@ def train(cfg: RunConfig) -> dict:
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
-        if position.batch_in_pass == 0:
-            pruner.plan(epoch)  # a resumed pass keeps the plan frozen at its start
-        plan = PassPlan.from_pruner(pruner, index.num_samples)
+        plan = begin_pass(position, pruner, index.num_samples, world, cfg.data.num_workers)
+        if debug is not None:
+            debug.begin_pass(plan, pruner)
         loader = stream.pass_loader(epoch, plan, num_workers=cfg.data.num_workers,
                                     skip_batches=position.batch_in_pass, pin_memory=device.type == "cuda")
         total = loader.layout.steps
@@ -179,13 +198,16 @@ def train(cfg: RunConfig) -> dict:
         for batch in loader:
             micro = position.batch_in_pass
             is_step = (micro + 1) % accum == 0 or micro + 1 == total
-            lr = learning_rate(cfg, epoch + micro / max(total, 1))
+            lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
+            randomness = SampleRandomness(cfg.seed, epoch, batch.ids, device)
+            if debug is not None:
+                debug.saw(batch.ids)
             batch = batch.to(device, non_blocking=True)
-            generator.manual_seed(noise_seed(cfg.seed, rank, epoch, micro))
             with accelerator.autocast():
-                losses = task.per_sample_loss(model, batch, generator).float()
+                losses = task.per_sample_loss(model, batch, randomness).float()
             ids, gathered = gather_ids_losses(batch.ids, losses.detach())
             real = ids >= 0
+            position.consumed[ids[real]] = True
             position.bad_samples += sum(e.samples_lost for e in batch.bad)
             if not np.isfinite(gathered[real]).all():
                 bad_ids = ids[real & ~np.isfinite(gathered)].tolist()
@@ -230,6 +252,8 @@ def train(cfg: RunConfig) -> dict:
                     break
         bar.close()
         position.wall_seconds += time.perf_counter() - pass_start
+        if debug is not None:
+            debug.end_pass(epoch)
         if stop and position.batch_in_pass < total:
             break
         summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
@@ -238,7 +262,7 @@ def train(cfg: RunConfig) -> dict:
         if main:
             print(format_pass(summary, cfg.passes), flush=True)
         position.epoch += 1
-        position.batch_in_pass = 0
+        position.batch_in_pass, position.pass_offset, position.excluded = 0, 0.0, None
 
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)

@@ -1,0 +1,60 @@
+"""`debug_sync: true`: check at every pass start that all ranks hold the same plan and score
+tables (fail loudly otherwise), and save what each rank trained on, for coverage checks.
+
+Costs O(N) per pass and a file per rank and pass: for debugging, not for production runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pruning.stream import PassPlan
+
+
+def plan_digest(plan: PassPlan, pruner) -> str:
+    """A hash of the pass plan and the pruner's tables: equal on every rank when in sync."""
+    digest = hashlib.sha256(plan.weights.tobytes())
+    for key, value in sorted(pruner.state_dict().items()):
+        if isinstance(value, torch.Tensor):
+            digest.update(key.encode() + value.cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class SyncDebug:
+    def __init__(self, accelerator, run_dir: str, num_samples: int):
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.main = accelerator.is_main_process
+        self.num_samples = num_samples
+        self.folder = os.path.join(run_dir, "debug")
+        os.makedirs(self.folder, exist_ok=True)
+        self.seen: list[np.ndarray] = []
+
+    def _path(self, what: str, epoch: int, rank: bool = True) -> str:
+        name = f"{what}_pass{epoch:04d}_world{self.world}" + (f"_rank{self.rank}" if rank else "")
+        return os.path.join(self.folder, name)
+
+    def begin_pass(self, plan: PassPlan, pruner) -> None:
+        mine = plan_digest(plan, pruner)
+        with open(self._path("digest", plan.epoch) + ".txt", "w") as f:
+            f.write(mine)
+        if self.main:  # the frozen plan itself, before any resume segment excludes samples
+            np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner, self.num_samples).kept)
+        if dist.is_available() and dist.is_initialized():
+            digests = [None] * self.world
+            dist.all_gather_object(digests, mine)
+            if len(set(digests)) != 1:
+                raise RuntimeError(f"pass {plan.epoch}: ranks disagree on the plan or the pruner's scores "
+                                   f"(digest per rank: {digests}); the pruner state is no longer in sync")
+        self.seen = []
+
+    def saw(self, ids: torch.Tensor) -> None:
+        self.seen.append(ids.detach().cpu().numpy().copy())
+
+    def end_pass(self, epoch: int) -> None:
+        ids = np.concatenate(self.seen) if self.seen else np.zeros(0, np.int64)
+        np.save(self._path("ids", epoch) + ".npy", ids)

@@ -1,0 +1,132 @@
+"""Distributed pruned training with real torch.distributed processes: 2 ranks on gloo, started
+by torchrun inside the tests, each run under a hard timeout (a hang fails instead of blocking)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import webdataset as wds
+
+from pipelines.checkpoint import latest_checkpoint
+from pipelines.data import pass_layout
+from pipelines.shards import ShardIndex, read_shard
+from tools.shards import index_shards, write_shards
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val_batches=1"]
+TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, config: str, args: list[str]) -> str:
+    """`torchrun --nproc-per-node N -m launch.cli train CONFIG ARGS`; returns its output."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               "-m", "launch.cli", "train", os.path.join(ROOT, "configs", config), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def five_shards(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("five")
+    write_shards("digits", str(out), size=32, shard_size=324, val_fraction=0.1)
+    assert len(ShardIndex.load(str(out / "train"))) == 5
+    return str(out)
+
+
+def passes_of(run_dir):
+    return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"pass"' in line]
+
+
+def debug_file(run_dir, what, epoch, world, rank=None):
+    name = f"{what}_pass{epoch:04d}_world{world}" + ("" if rank is None else f"_rank{rank}")
+    return os.path.join(run_dir, "debug", name)
+
+
+def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five_shards, tmp_path):
+    launch(2, "mae_tiny_infobatch.yaml", [
+        f"data.train={five_shards}/train", f"data.val={five_shards}/val", f"runs_dir={tmp_path}", "name=ddp",
+        "passes=4", "data.batch_size=32", "debug_sync=true", *TINY_MAE])
+    run_dir = str(tmp_path / "ddp")
+    records = passes_of(run_dir)
+    assert len(records) == 4
+    for record in records:
+        epoch = record["epoch"]
+        ids = [np.load(debug_file(run_dir, "ids", epoch, 2, r) + ".npy") for r in range(2)]
+        assert len(ids[0]) == len(ids[1]) == record["steps_in_pass"] * 32, "ranks took different step counts"
+        union = np.concatenate(ids)
+        assert len(np.unique(union)) == len(union), "an id was trained twice in one pass"
+        kept = np.flatnonzero(np.load(debug_file(run_dir, "plan", epoch, 2) + ".npy"))
+        assert set(union) <= set(kept)
+        assert len(kept) - len(union) == record["tail"] <= 2 * (0 + 1) * 32
+        digests = [open(debug_file(run_dir, "digest", epoch, 2, r) + ".txt").read() for r in range(2)]
+        assert digests[0] == digests[1], "score tables or plans differ between ranks"
+    assert records[1]["kept_fraction"] < 1.0, "InfoBatch pruned from the second pass on"
+
+
+def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path):
+    # 64 samples: with batch 32 on 2 ranks or 64 on 1, every step sees the whole set, so the
+    # averaged gradients (and per-sample masks, keyed by sample id) must agree.
+    small = tmp_path / "small"
+    first = ShardIndex.load(f"{digits_shards}/train").urls[0]
+    small.mkdir()
+    with wds.TarWriter(str(small / "shard.tar")) as sink:
+        for position, sample in read_shard(first):
+            if position == 64:
+                break
+            sink.write({k: v for k, v in sample.items() if k in ("__key__", "png", "cls")})
+    index_shards([str(small)], str(small))
+    common = [f"data.train={small}", "data.val=''", f"runs_dir={tmp_path}", "passes=3", "optim.warmup_passes=0",
+              *TINY_MAE]
+    launch(2, "mae_tiny_full.yaml", common + ["name=two", "data.batch_size=32"])
+    launch(1, "mae_tiny_full.yaml", common + ["name=one", "data.batch_size=64"])
+    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
+    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
+    assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
+    moved = 0
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        moved += 1
+    assert moved > 10
+
+
+def test_two_rank_checkpoint_resumed_on_one_rank_finishes_the_pass_with_the_same_plan(five_shards, tmp_path):
+    common = [f"data.train={five_shards}/train", "data.val=''", f"runs_dir={tmp_path}", "name=shrink", "passes=3",
+              "data.batch_size=32", "debug_sync=true", "checkpoint.every_steps=1000", *TINY_MAE]
+    index = ShardIndex.load(f"{five_shards}/train")
+    first_pass_steps = pass_layout(index, None, seed=0, epoch=0, world_size=2, num_workers=0, batch_size=32).steps
+    launch(2, "mae_tiny_infobatch.yaml", common + [f"max_steps={first_pass_steps + 5}"])
+    run_dir = str(tmp_path / "shrink")
+    assert latest_checkpoint(run_dir).endswith(f"step_{first_pass_steps + 5:06d}")
+    output = launch(1, "mae_tiny_infobatch.yaml", common + ["checkpoint.resume=latest"])
+    assert "resumed from" in output
+    plan_two = np.load(debug_file(run_dir, "plan", 1, 2) + ".npy")
+    plan_one = np.load(debug_file(run_dir, "plan", 1, 1) + ".npy")
+    np.testing.assert_array_equal(plan_two, plan_one)  # the same frozen plan for pass 1
+    before = np.concatenate([np.load(debug_file(run_dir, "ids", 1, 2, r) + ".npy") for r in range(2)])
+    after = np.load(debug_file(run_dir, "ids", 1, 1, 0) + ".npy")
+    assert len(before) == 2 * 5 * 32
+    assert not set(before) & set(after), "the resumed segment repeated samples of the pass"
+    kept = set(np.flatnonzero(plan_one))
+    assert set(after) <= kept
+    assert len(kept) - len(before) - len(after) < 2 * 32, "the pass was finished up to a tail"
+    assert passes_of(run_dir)[-1]["epoch"] == 2
