@@ -49,6 +49,13 @@ def _train(args) -> None:
     print(f"run folder: {cfg.run_dir}")
 
 
+def _latents_encode(args) -> None:
+    from tools.latents import encode_shards
+
+    print(encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
+                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype))
+
+
 def _demo(args) -> None:
     """Digits shards (written once), then a tiny MAE trained with InfoBatch on the CPU."""
     from pipelines.config import load_config
@@ -67,6 +74,43 @@ def _demo(args) -> None:
     print(f"\nrun folder: {cfg.run_dir}  (metrics.jsonl, checkpoints/, export/encoder.safetensors)")
     print(f"samples forwarded: {summary['samples_forwarded']}; continue a stopped run with "
           f"`prunepipe train {config} name={args.name} checkpoint.resume=latest`")
+
+
+def _eval(args) -> None:
+    """Evaluate a checkpoint of a run; writes RUN/eval/step_XXXXXX.json."""
+    from pipelines.evaluate import evaluate_checkpoint
+
+    overrides = list(args.overrides)
+    for option, key in (("fid_samples", "fid.num_samples"), ("fid_steps", "fid.sampler_steps"),
+                        ("fid_feature", "fid.feature"), ("fid_weights", "fid.weights"), ("weights", "weights")):
+        if getattr(args, option) is not None:
+            overrides.append(f"{key}={getattr(args, option)}")
+    record = evaluate_checkpoint(args.run, args.checkpoint, config_path=args.eval_config, overrides=overrides,
+                                 runs_dir=args.runs_dir, device=args.device)
+    print(json.dumps(record["metrics"], indent=1))
+    print(f"written: {record.get('path')}")
+
+
+def _compare(args) -> None:
+    """Losslessness report of pruned runs against a baseline (one or several seed runs)."""
+    import glob
+
+    from pipelines.evaluate import resolve_run_dir
+    from pipelines.report import compare_runs
+
+    def runs(specs):
+        found = []
+        for spec in specs:
+            for part in filter(None, spec.split(",")):
+                matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+                found += [resolve_run_dir(m, args.runs_dir) for m in matches]
+        return found
+
+    report = compare_runs(runs([args.baseline]), runs(args.pruned), same_compute=runs(args.same_compute),
+                          tolerances=args.tolerance, k=args.k, out=args.out, weights=args.weights,
+                          plots=not args.no_plots)
+    print(report["markdown"])
+    print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,12 +143,54 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value, e.g. pruner.prune_ratio=0.3 data.batch_size=64")
     train.set_defaults(func=_train)
 
+    latents = sub.add_parser("latents", help="precompute VAE latents of image shards")
+    latents_sub = latents.add_subparsers(dest="latents_command", required=True)
+    encode = latents_sub.add_parser("encode", help="image shards -> latent shards with the same ids")
+    encode.add_argument("shards", help="image shard folder (with index.json)")
+    encode.add_argument("--vae", required=True, help="local AutoencoderKL folder or a hub repo id in the cache")
+    encode.add_argument("--out", required=True, help="output folder for the latent shards")
+    encode.add_argument("--resolution", type=int, required=True, help="image side fed to the VAE")
+    encode.add_argument("--subfolder", default="", help="e.g. vae, inside a Stable Diffusion repo")
+    encode.add_argument("--cache-dir", default="", help="hub cache holding --vae (default: HF_HUB_CACHE)")
+    encode.add_argument("--batch-size", type=int, default=32)
+    encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
+    encode.set_defaults(func=_latents_encode)
+
     demo = sub.add_parser("demo", help="the main job on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
     demo.add_argument("--name", default="demo_mae_infobatch")
     demo.add_argument("--passes", type=int, default=20)
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
+
+    evaluate = sub.add_parser("eval", help="evaluate a run's checkpoint: reconstruction, probe, denoising loss, FID")
+    evaluate.add_argument("run", help="run folder (holding config.yaml) or run name under --runs-dir")
+    evaluate.add_argument("--checkpoint", default="latest", help="latest (default) or a checkpoint folder")
+    evaluate.add_argument("--fid-samples", type=int, help="generated images for FID (fid.num_samples)")
+    evaluate.add_argument("--fid-steps", type=int, help="DDIM steps (fid.sampler_steps)")
+    evaluate.add_argument("--fid-feature", help="inception | classifier | module:pkg.mod:factory (fid.feature)")
+    evaluate.add_argument("--fid-weights", help="the FID feature network's weights file (fid.weights)")
+    evaluate.add_argument("--weights", choices=("ema", "raw"), help="evaluate the EMA (default) or raw weights")
+    evaluate.add_argument("--eval-config", help="YAML with evaluation settings (see pipelines/evaluate_config.py)")
+    evaluate.add_argument("--runs-dir", default="runs")
+    evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    evaluate.add_argument("overrides", nargs="*",
+                          help="key=value evaluation settings right after RUN, e.g. fid.reference=val probe.pool=avg")
+    evaluate.set_defaults(func=_eval)
+
+    compare = sub.add_parser("compare", help="was a pruned run lossless? table, verdicts, cost, PNG plots")
+    compare.add_argument("baseline", help="baseline run(s): a folder or name; several seeds comma-separated or as a glob")
+    compare.add_argument("pruned", nargs="+", help="pruned run(s) to judge")
+    compare.add_argument("--same-compute", nargs="*", default=[],
+                         help="full runs trained for about the pruned runs' samples forwarded (the equal-compute reference)")
+    compare.add_argument("--tolerance", action="append", default=[], metavar="METRIC=VALUE[%]",
+                         help="e.g. fid=0.5 or masked_mse=2%%; default k x seed std, or a per-metric default")
+    compare.add_argument("--k", type=float, default=2.0, help="tolerance = k x baseline seed std (default 2)")
+    compare.add_argument("--weights", choices=("ema", "raw"), default="ema", help="which evaluations to read")
+    compare.add_argument("--out", help="output folder (default: FIRST_PRUNED_RUN/report)")
+    compare.add_argument("--runs-dir", default="runs")
+    compare.add_argument("--no-plots", action="store_true")
+    compare.set_defaults(func=_compare)
     return parser
 
 

@@ -52,7 +52,7 @@ class DiffusionConfig:
 
 
 def load_autoencoder(
-    name: str, subfolder: str = "", cache_dir: str = "", *, setting: str = "diffusion.autoencoder"
+    name: str, subfolder: str = "", cache_dir: str = "", *, setting: str = "ldm.autoencoder"
 ) -> AutoencoderKL:
     """A frozen AutoencoderKL in eval mode from a local folder or the hub cache; never downloads.
     `setting` names where `name` came from, for the error message."""
@@ -76,11 +76,11 @@ def load_autoencoder(
         raise FileNotFoundError(
             f"{setting}={name!r} (subfolder {subfolder!r}): no diffusers AutoencoderKL "
             f"(config.json + diffusion_pytorch_model.safetensors) in {where}: {problem}. Accepted: a local "
-            f"folder or a hub repo id already in the cache (diffusion.autoencoder also takes "
+            f"folder or a hub repo id already in the cache (ldm.autoencoder also takes "
             f"'{PIXEL_SPACE}' or '{PRECOMPUTED}'). "
             f"This machine never downloads: on a connected machine run `hf download REPO_ID` (e.g. "
             f"stabilityai/sd-vae-ft-mse), copy the folder it prints here and set {setting} to it, "
-            f"or copy the whole hub cache and set the cache dir (diffusion.cache_dir or HF_HUB_CACHE)"
+            f"or copy the whole hub cache and set the cache dir (ldm.cache_dir or HF_HUB_CACHE)"
         )
     return vae.eval().requires_grad_(False)
 
@@ -95,20 +95,20 @@ class DiffusionTask:
         self.cfg = cfg
         if cfg.prediction_type not in PREDICTION_TYPES:
             raise ValueError(
-                f"diffusion.prediction_type: got {cfg.prediction_type!r}, accepted: {', '.join(PREDICTION_TYPES)}"
+                f"ldm.prediction_type: got {cfg.prediction_type!r}, accepted: {', '.join(PREDICTION_TYPES)}"
             )
         if cfg.beta_schedule not in BETA_SCHEDULES:
             raise ValueError(
-                f"diffusion.beta_schedule: got {cfg.beta_schedule!r}, accepted: {', '.join(BETA_SCHEDULES)}"
+                f"ldm.beta_schedule: got {cfg.beta_schedule!r}, accepted: {', '.join(BETA_SCHEDULES)}"
             )
         if cfg.min_snr_gamma < 0:
-            raise ValueError(f"diffusion.min_snr_gamma must be >= 0 (0 = off), got {cfg.min_snr_gamma}")
+            raise ValueError(f"ldm.min_snr_gamma must be >= 0 (0 = off), got {cfg.min_snr_gamma}")
         if cfg.num_classes < 0:
-            raise ValueError(f"diffusion.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
+            raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
         bad_groups = [c for c in cfg.block_out_channels if c % cfg.norm_num_groups]
         if bad_groups:
             raise ValueError(
-                f"diffusion.norm_num_groups={cfg.norm_num_groups} must divide every diffusion.block_out_channels "
+                f"ldm.norm_num_groups={cfg.norm_num_groups} must divide every ldm.block_out_channels "
                 f"entry; it does not divide {bad_groups}"
             )
 
@@ -126,7 +126,7 @@ class DiffusionTask:
             vae = self.autoencoder = load_autoencoder(cfg.autoencoder, cfg.vae_subfolder, cfg.cache_dir)
             if vae.config.in_channels != channels:
                 raise ValueError(
-                    f"diffusion.autoencoder={cfg.autoencoder!r} encodes {vae.config.in_channels}-channel "
+                    f"ldm.autoencoder={cfg.autoencoder!r} encodes {vae.config.in_channels}-channel "
                     f"images but the data decodes to {channels} channels (data.channels)"
                 )
             size = image_size // 2 ** (len(vae.config.block_out_channels) - 1)
@@ -138,8 +138,8 @@ class DiffusionTask:
         downsampling = 2 ** (len(cfg.block_out_channels) - 1)
         if self.sample_size % downsampling:
             raise ValueError(
-                f"diffusion.sample_size={self.sample_size} must be a multiple of {downsampling} "
-                f"(2 ** (len(diffusion.block_out_channels) - 1))"
+                f"ldm.sample_size={self.sample_size} must be a multiple of {downsampling} "
+                f"(2 ** (len(ldm.block_out_channels) - 1))"
             )
 
         # ---------------------------------------------------------------- model and schedule
@@ -183,7 +183,7 @@ class DiffusionTask:
             return None
         if bool((labels >= self.cfg.num_classes).any()):
             raise ValueError(
-                f"label {int(labels.max())} is out of range for diffusion.num_classes={self.cfg.num_classes}"
+                f"label {int(labels.max())} is out of range for ldm.num_classes={self.cfg.num_classes}"
             )
         return torch.where(labels < 0, torch.full_like(labels, self.cfg.num_classes), labels)
 
@@ -213,8 +213,8 @@ class DiffusionTask:
         if x0.shape[1] != self.in_channels:
             raise ValueError(
                 f"the batch holds {x0.shape[1]}-channel inputs but the UNet takes {self.in_channels} "
-                f"(diffusion.in_channels); with autoencoder='{PRECOMPUTED}' set diffusion.in_channels and "
-                f"diffusion.sample_size to the latent_shape recorded in the latent shards' index.json"
+                f"(ldm.in_channels); with autoencoder='{PRECOMPUTED}' set ldm.in_channels and "
+                f"ldm.sample_size to the latent_shape recorded in the latent shards' index.json"
             )
         device = x0.device
         noise = draws.randn(*x0.shape[1:]).to(device)

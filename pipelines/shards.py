@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
 
@@ -39,6 +39,7 @@ class ShardIndex:
     urls: tuple[str, ...]
     counts: np.ndarray  # int64 [S]
     path: str = ""  # where the index was read from, for messages
+    meta: dict = field(default_factory=dict)  # the index's other keys (source, size, latent_shape, ...)
 
     @property
     def first_ids(self) -> np.ndarray:
@@ -72,7 +73,7 @@ class ShardIndex:
             ) from e
         if len(urls) == 0 or (counts < 0).any():
             raise ValueError(f"{path}: an index needs at least one shard and non-negative counts")
-        return cls(urls, counts, path)
+        return cls(urls, counts, path, {k: v for k, v in raw.items() if k != "shards"})
 
     @staticmethod
     def write(folder: str, entries: list[tuple[str, int]], **meta) -> str:

@@ -42,9 +42,14 @@ def build_task(cfg: RunConfig):
         from pipelines.mae import MAETask
 
         return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels)
-    from pipelines.diffusion import DiffusionTask
+    from pipelines.diffusion import PRECOMPUTED, DiffusionTask
 
-    return DiffusionTask(cfg.ldm, image_size=cfg.data.resolution, channels=cfg.data.channels)
+    size, channels = cfg.data.resolution, cfg.data.channels
+    if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
+        shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
+        if shape:
+            channels, size = int(shape[0]), int(shape[-1])
+    return DiffusionTask(cfg.ldm, image_size=size, channels=channels)
 
 
 def learning_rate(cfg: RunConfig, progress: float) -> float:

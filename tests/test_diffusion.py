@@ -127,7 +127,7 @@ def test_class_conditional_maps_missing_labels_to_the_null_class():
     assert task.class_labels(torch.tensor([-1, 3, 9])).tolist() == [10, 3, 9]
     losses = task.per_sample_loss(task.model, random_batch(labels=[-1, 3, 9, 0]), torch.Generator().manual_seed(0))
     assert torch.isfinite(losses).all()
-    with pytest.raises(ValueError, match=r"diffusion\.num_classes=10"):
+    with pytest.raises(ValueError, match=r"ldm\.num_classes=10"):
         task.per_sample_loss(task.model, random_batch(labels=[10, 0, 0, 0]), torch.Generator())
     assert make_task().class_labels(torch.tensor([3])) is None  # unconditional ignores labels
 
@@ -237,16 +237,16 @@ def test_vae_by_repo_id_from_the_hub_cache_offline(vae_folder, tmp_path, monkeyp
         assert torch.equal(loaded, saved)
     assert torch.isfinite(task.per_sample_loss(task.model, random_batch(), torch.Generator())).all()
 
-    with pytest.raises(FileNotFoundError, match=r"diffusion\.autoencoder='local/other'.*hub cache.*hf download"):
+    with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder='local/other'.*hub cache.*hf download"):
         make_task(autoencoder="local/other", cache_dir=str(tmp_path / "hub"))
 
 
 def test_config_mistakes_name_the_field_and_accepted_values(tmp_path):
-    with pytest.raises(ValueError, match=r"diffusion\.prediction_type.*epsilon, v_prediction"):
+    with pytest.raises(ValueError, match=r"ldm\.prediction_type.*epsilon, v_prediction"):
         make_task(prediction_type="sample")
-    with pytest.raises(ValueError, match=r"diffusion\.beta_schedule.*squaredcos_cap_v2"):
+    with pytest.raises(ValueError, match=r"ldm\.beta_schedule.*squaredcos_cap_v2"):
         make_task(beta_schedule="cosine")
-    with pytest.raises(FileNotFoundError, match=r"diffusion\.autoencoder=.*does not exist.*hf download"):
+    with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder=.*does not exist.*hf download"):
         make_task(autoencoder=str(tmp_path / "missing-vae"))
-    with pytest.raises(ValueError, match=r"diffusion\.norm_num_groups=8"):
+    with pytest.raises(ValueError, match=r"ldm\.norm_num_groups=8"):
         make_task(block_out_channels=[12, 24])

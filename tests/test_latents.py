@@ -85,7 +85,7 @@ def test_latent_shards_stream_as_float_tensors_a_latent_task_trains_on(digits_sh
 
     # the trainer passes the image resolution and channels; the latent shape comes from the config
     mistaken = DiffusionTask(DiffusionConfig(autoencoder="latents"), image_size=IMAGE, channels=3)
-    with pytest.raises(ValueError, match=r"diffusion\.in_channels.*latent_shape"):
+    with pytest.raises(ValueError, match=r"ldm\.in_channels.*latent_shape"):
         mistaken.per_sample_loss(mistaken.model, batch, torch.Generator())
     latent_cfg = DiffusionConfig(autoencoder="latents", sample_size=16, in_channels=4)
     task = DiffusionTask(latent_cfg, image_size=IMAGE, channels=3)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from pipelines.checkpoint import latest_checkpoint, resolve_resume
 from pipelines.config import load_config
 from pipelines.shards import ShardIndex
-from pipelines.trainer import NonFiniteLossError, learning_rate, train
+from pipelines.trainer import NonFiniteLossError, build_task, learning_rate, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,7 +161,7 @@ def write_latent_shards(folder, n: int, nan_at: int) -> str:
             buffer = io.BytesIO()
             np.save(buffer, latent)
             sink.write({"__key__": f"lat{i:04d}", "latent.npy": buffer.getvalue()})
-    ShardIndex.write(folder, [(path, n)])
+    ShardIndex.write(folder, [(path, n)], latent_shape=[4, 8, 8])  # as `prunepipe latents encode` records
     return folder
 
 
@@ -170,7 +170,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=37)
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
         f"data.train={shards}", "data.val=''", f"runs_dir={tmp_path}", f"name={policy}", "passes=2",
-        "data.batch_size=8", "data.resolution=8", "data.channels=4", "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]",
+        "data.batch_size=8", "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]",
         f"on_nonfinite_loss={policy}",
     ])
     if policy == "stop":
@@ -181,3 +181,11 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
     assert summary["skipped_nonfinite"] == 2, "one skipped batch per pass"
     assert summary["pruner"]["nonfinite_losses"] == 0, "the pruner never saw the NaN"
     assert summary["samples_forwarded"] == 2 * (64 - 8)
+
+
+def test_latent_shards_tell_the_unet_their_shape(tmp_path):
+    shards = write_latent_shards(str(tmp_path / "latents"), 8, nan_at=-1)
+    cfg = load_config(os.path.join(ROOT, "configs", "ldm_full.yaml"),
+                      [f"data.train={shards}", "ldm.block_out_channels=[16,32,32,32]", "ldm.norm_num_groups=8"])
+    task = build_task(cfg)
+    assert (task.in_channels, task.sample_size) == (4, 8), "data.resolution=256 describes images, not latents"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import io
-import json
 import os
 from collections import Counter
 
@@ -104,7 +103,7 @@ def inspect_shards(location: str, grid_path: str | None = None, grid_count: int 
     index = ShardIndex.load(location)
     fields, labels = Counter(), Counter()
     images = []
-    decoder = SampleDecoder(resolution=int(_index_meta(index).get("size", 32)))
+    decoder = SampleDecoder(resolution=int(index.meta.get("size", 32)))
     for url in index.urls:
         for _, sample in read_shard(url):
             fields.update(k for k in sample if not k.startswith("__"))
@@ -126,8 +125,3 @@ def inspect_shards(location: str, grid_path: str | None = None, grid_count: int 
         save_image((torch.stack(images) + 1) / 2, grid_path, nrow=int(np.ceil(np.sqrt(len(images)))))
         report["grid"] = grid_path
     return report
-
-
-def _index_meta(index: ShardIndex) -> dict:
-    with open(index.path) as f:
-        return {k: v for k, v in json.load(f).items() if k != "shards"}
