@@ -18,7 +18,8 @@ import torch.nn as nn
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DModel
 from huggingface_hub import constants as hub_constants
 
-from pipelines.mae import SampleDraws, batch_draws, per_sample_seeded, unwrap, weights_module  # shared by both tasks
+from pipelines.randomness import SampleDraws, batch_draws, per_sample_seeded
+from pipelines.wrappers import unwrap, weights_module
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")

@@ -6,12 +6,11 @@ pruners, optimizers or torch.distributed.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -19,6 +18,9 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block, VisionTransformer
+
+from pipelines.randomness import SampleDraws, batch_draws, per_sample_seeded
+from pipelines.wrappers import unwrap, weights_module
 
 ENCODER_WEIGHTS = "encoder.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
@@ -333,62 +335,3 @@ def load_exported_encoder(out_dir: str) -> VisionTransformer:
     encoder = VisionTransformer(**kwargs)
     encoder.load_state_dict(load_file(os.path.join(out_dir, ENCODER_WEIGHTS)), strict=True)
     return encoder
-
-
-# -------------------------------------------------------------------- shared with the diffusion task
-class SampleDraws(Protocol):
-    """Random tensors for one batch of B samples (pipelines.randomness.SampleRandomness has it)."""
-
-    def rand(self, *shape: int) -> torch.Tensor: ...  # [B, *shape] uniform in [0, 1)
-    def randn(self, *shape: int) -> torch.Tensor: ...  # [B, *shape] standard normal
-    def randint(self, high: int) -> torch.Tensor: ...  # [B] int64 in [0, high)
-
-
-class GeneratorDraws:
-    """SampleDraws from one torch.Generator: each call draws the whole batch, on its device."""
-
-    def __init__(self, generator: torch.Generator, batch_size: int):
-        self.generator, self.batch_size = generator, batch_size
-
-    def rand(self, *shape: int) -> torch.Tensor:
-        return torch.rand((self.batch_size, *shape), generator=self.generator, device=self.generator.device)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn((self.batch_size, *shape), generator=self.generator, device=self.generator.device)
-
-    def randint(self, high: int) -> torch.Tensor:
-        return torch.randint(0, high, (self.batch_size,), generator=self.generator, device=self.generator.device)
-
-
-def batch_draws(source: torch.Generator | SampleDraws, batch_size: int) -> SampleDraws:
-    """The task's source of randomness as SampleDraws; the caller owns it, the task draws in order."""
-    return GeneratorDraws(source, batch_size) if isinstance(source, torch.Generator) else source
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module inside DDP / accelerate (`.module`) or torch.compile (`._orig_mod`)."""
-    while True:
-        inner = [getattr(model, a) for a in ("module", "_orig_mod") if isinstance(getattr(model, a, None), nn.Module)]
-        if not inner:
-            return model
-        model = inner[0]
-
-
-def weights_module(ema_model, model: nn.Module) -> nn.Module:
-    """The module holding the EMA weights: an nn.Module copy (optionally wrapped, e.g. timm's
-    ModelEmaV3) as is, or a diffusers EMAModel copied into a deep copy of `model`."""
-    if isinstance(ema_model, nn.Module):
-        return unwrap(ema_model)
-    if hasattr(ema_model, "copy_to") and hasattr(ema_model, "shadow_params"):
-        target = copy.deepcopy(unwrap(model))
-        ema_model.copy_to(target.parameters())
-        return target
-    raise TypeError(f"ema_model: expected an nn.Module or a diffusers EMAModel, got {type(ema_model).__name__}")
-
-
-def per_sample_seeded(shape_per_sample: tuple[int, ...], ids: np.ndarray, seed: int, normal: bool) -> torch.Tensor:
-    """[B, *shape] float32 uniform (or standard normal) noise whose slice for sample `id` depends only
-    on (seed, id): held-out masks and noise are the same in every call, batching and process."""
-    rngs = [np.random.default_rng([seed, int(i)]) for i in ids]
-    draw = (lambda r: r.standard_normal(shape_per_sample)) if normal else (lambda r: r.random(shape_per_sample))
-    return torch.from_numpy(np.stack([draw(r) for r in rngs])).float()
