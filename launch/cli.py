@@ -46,7 +46,8 @@ def _train(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
-    print(f"run folder: {cfg.run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"run folder: {cfg.run_dir}")
 
 
 def _latents_encode(args) -> None:

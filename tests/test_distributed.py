@@ -33,10 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, config: str, args: list[str]) -> str:
+LAUNCHERS = {
+    "torchrun": lambda n, port: [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+                                 "--master-addr=127.0.0.1", f"--master-port={port}"],
+    # accelerate's flag for several local processes; on a machine without GPUs they use gloo
+    "accelerate": lambda n, port: [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                                   f"--num_processes={n}", f"--main_process_port={port}"],
+}
+
+
+def launch(nproc: int, config: str, args: list[str], launcher: str = "torchrun") -> str:
     """`torchrun --nproc-per-node N -m launch.cli train CONFIG ARGS`; returns its output."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+    command = [*LAUNCHERS[launcher](nproc, free_port()),
                "-m", "launch.cli", "train", os.path.join(ROOT, "configs", config), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -81,6 +89,15 @@ def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five
         digests = [open(debug_file(run_dir, "digest", epoch, 2, r) + ".txt").read() for r in range(2)]
         assert digests[0] == digests[1], "score tables or plans differ between ranks"
     assert records[1]["kept_fraction"] < 1.0, "InfoBatch pruned from the second pass on"
+
+
+def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_path):
+    output = launch(2, "mae_tiny_infobatch.yaml", [
+        f"data.train={five_shards}/train", "data.val=''", f"runs_dir={tmp_path}", "name=acc", "passes=1",
+        "data.batch_size=32", "debug_sync=true", *TINY_MAE], launcher="accelerate")
+    ids = [np.load(debug_file(str(tmp_path / "acc"), "ids", 0, 2, r) + ".npy") for r in range(2)]
+    assert len(ids[0]) == len(ids[1]) > 0 and not set(ids[0]) & set(ids[1])
+    assert output.count("run folder:") == 1, "only rank 0 reports"
 
 
 def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path):

@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 from pipelines.checkpoint import latest_checkpoint, resolve_resume
 from pipelines.config import load_config
+from pipelines.diffusion import load_pipeline
+from pipelines.mae import load_exported_encoder
 from pipelines.shards import ShardIndex
 from pipelines.trainer import NonFiniteLossError, build_task, learning_rate, train
 
@@ -99,6 +101,12 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra
     for key in weights_a:
         assert torch.equal(weights_a[key], weights_b[key]), f"weight {key} differs after resume"
     assert_states_equal(pruner_a, pruner_b)
+    export = tmp_path / "killed" / "export"
+    if "mae" in str(config):  # the exports load where users will load them
+        assert load_exported_encoder(str(export)).patch_embed is not None
+    else:
+        image = load_pipeline(str(export))(batch_size=1, num_inference_steps=2, output_type="np").images
+        assert image.shape == (1, 16, 16, 3)
 
 
 def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_path):
