@@ -198,8 +198,10 @@ def train(cfg: RunConfig) -> dict:
                                     skip_batches=position.batch_in_pass, pin_memory=device.type == "cuda")
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
+        kept_fraction = plan.kept_fraction()
+        # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
         bar = tqdm(total=total, initial=position.batch_in_pass, disable=not main, leave=False,
-                   desc=f"pass {epoch + 1}/{cfg.passes}", unit="batch")
+                   desc=f"pass {epoch + 1}/{cfg.passes}", unit="sample", unit_scale=cfg.data.batch_size * world)
         for batch in loader:
             micro = position.batch_in_pass
             is_step = (micro + 1) % accum == 0 or micro + 1 == total
@@ -246,7 +248,7 @@ def train(cfg: RunConfig) -> dict:
                     record = {"kind": "train", "optimizer_steps": position.optimizer_steps, "epoch": epoch,
                               "loss": pass_losses[-1], "lr": lr, "samples_forwarded": position.samples_forwarded}
                     metrics.write(record)
-                    bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{plan.kept_fraction():.0%}")
+                    bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
