@@ -1,0 +1,230 @@
+"""The evaluators of a run: MAE reconstruction (masked MSE, PSNR, SSIM) and linear probe; diffusion
+held-out denoising loss and FID of DDIM samples. `Evaluator` is built once per run (feature network,
+cached reference statistics) and called with the weights to evaluate, from `prunepipe eval` on a
+checkpoint or from the training loop every E passes. It never trains and never downloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from pipelines.evaluate_config import EvalConfig, load_eval_config
+from pipelines.evaluate_data import index_metadata, read_split
+from pipelines.evaluate_fid import FIDEvaluator, rank_and_world
+
+EVAL_DIR = "eval"
+
+
+def eval_config_of(run_cfg) -> EvalConfig:
+    """The run config's `eval:` section when it has one, else the defaults."""
+    section = getattr(run_cfg, "eval", None)
+    return section if isinstance(section, EvalConfig) else EvalConfig()
+
+
+def weights_for_eval(model: nn.Module, ema=None, which: str = "ema") -> nn.Module:
+    """The module to evaluate: the bare model ("raw", or no EMA kept), or a copy holding the EMA
+    weights (a diffusers EMAModel or an nn.Module copy) — the trained model is left untouched."""
+    from pipelines.wrappers import unwrap, weights_module
+
+    if which == "raw" or ema is None:
+        return unwrap(model)
+    return weights_module(ema, model)
+
+
+class Evaluator:
+    """Every evaluator of one run's task; `evaluate(task, model, at=...)` on all ranks (FID is collective)."""
+
+    def __init__(self, run_cfg, eval_cfg: EvalConfig | None = None, *, run_dir: str | None = None,
+                 device: str | torch.device | None = None):
+        self.run_cfg = run_cfg
+        self.cfg = eval_cfg or eval_config_of(run_cfg)
+        self.run_dir = run_dir or run_cfg.run_dir
+        self.device = torch.device(device) if device is not None else None
+        self._fid: FIDEvaluator | None = None
+
+    # ------------------------------------------------------------------ per task
+    def _val_batches(self, max_samples: int):
+        data = self.run_cfg.data
+        if not data.val:
+            raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards")
+        return read_split(data.val, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
+                          max_samples=max_samples, desc="val")
+
+    def _mae(self, task, model: nn.Module) -> dict:
+        from pipelines.evaluate_probe import linear_probe
+        from pipelines.evaluate_reconstruction import reconstruction_metrics
+        from pipelines.wrappers import unwrap
+
+        results = reconstruction_metrics(task, model, self._val_batches(self.cfg.val_samples), seed=self.cfg.seed)
+        if self.cfg.probe.enabled:
+            data = self.run_cfg.data
+            train = read_split(data.train, resolution=data.resolution, channels=data.channels,
+                               batch_size=self.cfg.batch_size, max_samples=self.cfg.probe.train_samples,
+                               desc="probe train")
+            # the probe's val set is all of val, whatever val_samples caps reconstruction at
+            results.update(linear_probe(unwrap(model).encoder, train, self._val_batches(0), self.cfg.probe,
+                                        seed=self.cfg.seed))
+        return results
+
+    def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
+        from pipelines.evaluate_sampling import generate_images, latent_decoder
+        from pipelines.wrappers import unwrap
+
+        results = {}
+        if rank == 0:
+            held = task.held_out(unwrap(model), self._val_batches(self.cfg.val_samples), seed=self.cfg.seed)
+            results.update(held)
+        fid_cfg = self.cfg.fid
+        if fid_cfg.enabled:
+            data = self.run_cfg.data
+            latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
+            decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
+            images = generate_images(task, unwrap(model), num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
+                                     seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
+                                     decode=decode)
+            first = next(images)  # the generated size decides the reference resolution
+            fid = self._fid_evaluator(first.shape[-1], first.shape[1])
+            results.update(fid.score(_chain(first, images)))
+            results["fid_sampler_steps"] = fid_cfg.sampler_steps
+        return results
+
+    def _fid_evaluator(self, size: int, channels: int) -> FIDEvaluator:
+        if self._fid is None:
+            data, fid_cfg = self.run_cfg.data, self.cfg.fid
+            folder = {"train": data.train, "val": data.val}.get(fid_cfg.reference, fid_cfg.reference)
+            if not folder:
+                raise ValueError(f"eval config: fid.reference={fid_cfg.reference!r} names no shards (data.val is empty)")
+            if "latent_shape" in index_metadata(folder):
+                raise ValueError(f"eval config: fid.reference={fid_cfg.reference!r} ({folder}) holds latents; FID needs "
+                                 f"real images: set fid.reference to the image shards the latents were encoded from")
+            self._fid = FIDEvaluator.from_config(fid_cfg, folder, resolution=size, channels=channels,
+                                                 device=self.device or "cpu")
+        return self._fid
+
+    # ------------------------------------------------------------------ entry point
+    def evaluate(self, task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
+        """Metrics of `model` (the weights to evaluate: see `weights_for_eval`). All ranks call this;
+        rank 0 runs the single-process evaluators, writes eval/step_XXXXXX.json and returns the record
+        (other ranks return it without the rank-0-only metrics)."""
+        rank, world = rank_and_world()
+        if self.device is None:
+            self.device = next(model.parameters()).device
+        start = time.perf_counter()
+        at = dict(at or {})
+        if self.run_cfg.task == "mae":
+            details = self._mae(task, model) if rank == 0 else {}
+        else:
+            details = self._diffusion(task, model, rank, world)
+        metrics = {k: v for k, v in details.items() if k in PRIMARY_METRICS}
+        record = {"kind": "eval", "run": self.run_cfg.name, "task": self.run_cfg.task, **at,
+                  "weights": self.cfg.weights, "metrics": metrics, "details": details,
+                  "eval_seconds": time.perf_counter() - start, "eval_config": dataclasses.asdict(self.cfg)}
+        if write and rank == 0:
+            record["path"] = write_record(self.run_dir, record)
+        return record
+
+
+# Metrics `prunepipe compare` judges, and whether higher is better; the rest is detail.
+PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accuracy": True,
+                   "denoise_mse": False, "fid": False}
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def write_record(run_dir: str, record: dict) -> str:
+    """eval/step_XXXXXX[_raw].json, written atomically."""
+    folder = os.path.join(run_dir, EVAL_DIR)
+    os.makedirs(folder, exist_ok=True)
+    suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"
+    path = os.path.join(folder, f"step_{int(record.get('optimizer_steps', 0)):06d}{suffix}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def load_checkpoint_states(checkpoint: str) -> dict:
+    """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
+    of one accelerate `save_state` folder; the registered objects are told apart by their keys."""
+    from safetensors.torch import load_file
+
+    weights = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(weights):
+        model = load_file(weights)
+    elif os.path.isfile(os.path.join(checkpoint, "pytorch_model.bin")):
+        model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{checkpoint}: no model.safetensors (not an accelerate checkpoint of prunepipe train)")
+    found = {"model": model, "ema": None, "pruner": None, "position": None}
+    for path in sorted(glob.glob(os.path.join(checkpoint, "custom_checkpoint_*.pkl"))):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "shadow_params" in state:
+            found["ema"] = state
+        elif isinstance(state, dict) and "tables" in state and "pruner" in state:
+            found["pruner"] = state
+        elif isinstance(state, dict) and "optimizer_steps" in state and "epoch" in state:
+            found["position"] = state
+    return found
+
+
+def resolve_run_dir(run: str, runs_dir: str = "runs") -> str:
+    """A run folder (holding config.yaml) from a path or a run name under `runs_dir`."""
+    for candidate in (run, os.path.join(runs_dir, run)):
+        if os.path.isfile(os.path.join(candidate, "config.yaml")):
+            return candidate
+    raise FileNotFoundError(f"run {run!r}: neither {run}/config.yaml nor {os.path.join(runs_dir, run)}/config.yaml exists")
+
+
+def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
+                        config_path: str | None = None, overrides: list[str] = (), runs_dir: str = "runs",
+                        device: str | None = None, write: bool = True) -> dict:
+    """Evaluate one checkpoint of a run (a folder, or a name under `runs_dir`; `latest` = its newest
+    complete checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
+    the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`."""
+    from diffusers.training_utils import EMAModel
+
+    from pipelines.checkpoint import latest_checkpoint
+    from pipelines.config import load_config
+    from pipelines.trainer import build_task
+
+    run_dir = resolve_run_dir(run, runs_dir)
+    run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
+    folder = latest_checkpoint(run_dir) if checkpoint == "latest" else checkpoint
+    if folder is None or not os.path.isdir(folder):
+        raise FileNotFoundError(f"run {run_dir}: no checkpoint {'folder ' + checkpoint if folder else 'yet'} "
+                                f"(checkpoints are written every checkpoint.every_steps and at the end of training)")
+    states = load_checkpoint_states(folder)
+    with torch.random.fork_rng(devices=[]):  # building the model draws an initialisation we overwrite
+        task = build_task(run_cfg)
+    model = task.model
+    model.load_state_dict(states["model"], strict=True)
+    if eval_cfg.weights == "ema":
+        if states["ema"] is None:
+            raise ValueError(f"{folder}: holds no EMA state; evaluate the raw weights with weights=raw")
+        ema = EMAModel(model.parameters())
+        ema.load_state_dict(states["ema"])
+        ema.copy_to(model.parameters())
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(dev)
+    position = states["position"] or {}
+    at = {key: position[key] for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
+          if key in position}
+    at["checkpoint"] = os.path.abspath(folder)
+    return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)
+
+
+__all__ = ["EvalConfig", "Evaluator", "PRIMARY_METRICS", "evaluate_checkpoint", "eval_config_of",
+           "load_checkpoint_states", "load_eval_config", "resolve_run_dir", "weights_for_eval", "write_record"]

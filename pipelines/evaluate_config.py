@@ -1,0 +1,111 @@
+"""Settings of the evaluators (`prunepipe eval`, periodic evaluation): plain dataclasses with
+OmegaConf overrides, like the run config. Imports nothing else of the project, so the run config
+can embed `EvalConfig` as its `eval:` section without an import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+FID_FEATURES = ("inception", "classifier")  # or "module:package.module:factory"
+INCEPTION_DIMS = (64, 192, 768, 2048)
+INCEPTION_RESIZE = ("tf1", "antialias")
+WEIGHTS = ("ema", "raw")
+PROBE_POOLS = ("token", "avg")
+
+
+@dataclass
+class FIDConfig:
+    """FID of DDIM samples of the (EMA) UNet against reference statistics of real images."""
+
+    enabled: bool = True
+    num_samples: int = 1000  # generated images, over all ranks (published numbers use 50,000)
+    sampler_steps: int = 50  # DDIM steps, eta = 0
+    batch_size: int = 64  # images per generation and feature batch, per rank
+    # inception: Inception-v3 (torch-fidelity's port of the TF FID graph) from `weights`;
+    # classifier: a small-domain classifier written by `python -m tools.feature_net` (not
+    # comparable to Inception FID); module:pkg.mod:factory: factory(weights) -> nn.Module mapping
+    # float images in [0, 1] to [N, D] features
+    feature: str = "inception"
+    weights: str = ""  # the feature network's file; "" = its default place (docs/evaluation.md)
+    inception_dim: int = 2048  # 64 | 192 | 768 | 2048
+    resize: str = "tf1"  # to 299 px: tf1 (as TF FID and torch-fidelity, published numbers) | antialias
+    reference: str = "train"  # train | val (the run's shards) | a folder of image shards
+    reference_samples: int = 50000  # real images in the reference statistics (0 = all)
+    stats_dir: str = ""  # reference-statistics cache; "" = fid_stats/ beside the reference shards
+    vae: str = ""  # runs on precomputed latents: the VAE that encoded them ("" = the latent index's)
+    vae_subfolder: str = ""
+
+
+@dataclass
+class ProbeConfig:
+    """Linear probe of the MAE encoder: logistic regression on frozen features, accuracy on val."""
+
+    enabled: bool = True
+    pool: str = "token"  # token: the class token (MAE's protocol, timm's export) | avg: mean of the patch tokens
+    train_samples: int = 20000  # labelled train images read, in index order (0 = all)
+    # > 0: a few-shot probe fitted on the first `per_class` of them of each class. On easy domains
+    # (digits) random encoder features are already ~90% linearly separable with all labels, so only
+    # a few-shot probe tells a trained encoder from a random one (docs/evaluation.md)
+    per_class: int = 0
+    C: float = 1.0  # inverse L2 strength of sklearn's LogisticRegression
+    max_iter: int = 2000
+
+
+@dataclass
+class EvalConfig:
+    every_passes: int = 0  # evaluate during training every E passes (0 = only `prunepipe eval`)
+    weights: str = "ema"  # ema | raw: which weights of a checkpoint are evaluated
+    # Masks, noise and sample seeds: fixed and independent of the run's seed, so runs with
+    # different seeds are measured on the very same inputs.
+    seed: int = 0
+    val_samples: int = 10000  # held-out images for reconstruction / denoising loss (0 = all)
+    batch_size: int = 64
+    fid: FIDConfig = field(default_factory=FIDConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+
+def load_eval_config(base: EvalConfig | None = None, path: str | None = None, overrides: list[str] = ()) -> EvalConfig:
+    """`base` (e.g. a run config's `eval:` section) <- YAML file <- `key=value` overrides, validated."""
+    try:
+        merged = OmegaConf.structured(base if base is not None else EvalConfig)
+        if path is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"eval overrides must look like key=value (e.g. fid.num_samples=5000), got {bad[0]!r}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        cfg: EvalConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ValueError(f"eval config: {key}: {str(e).splitlines()[0]}") from None
+    validate_eval_config(cfg)
+    return cfg
+
+
+def validate_eval_config(cfg: EvalConfig) -> None:
+    """Values the type system cannot check; each message names the field and what it accepts."""
+    def choice(name, value, accepted):
+        if value not in accepted:
+            raise ValueError(f"eval config: {name}={value!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
+
+    choice("weights", cfg.weights, WEIGHTS)
+    choice("fid.inception_dim", cfg.fid.inception_dim, INCEPTION_DIMS)
+    choice("fid.resize", cfg.fid.resize, INCEPTION_RESIZE)
+    choice("probe.pool", cfg.probe.pool, PROBE_POOLS)
+    if cfg.fid.feature not in FID_FEATURES and not (cfg.fid.feature.startswith("module:") and cfg.fid.feature.count(":") == 2):
+        raise ValueError(f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
+                         f"{', '.join(FID_FEATURES)}, module:package.module:factory")
+    at_least = {"fid.num_samples": (cfg.fid.num_samples, 2), "fid.sampler_steps": (cfg.fid.sampler_steps, 1),
+                "fid.batch_size": (cfg.fid.batch_size, 1), "batch_size": (cfg.batch_size, 1),
+                "every_passes": (cfg.every_passes, 0), "val_samples": (cfg.val_samples, 0),
+                "fid.reference_samples": (cfg.fid.reference_samples, 0), "probe.train_samples": (cfg.probe.train_samples, 0),
+                "probe.per_class": (cfg.probe.per_class, 0)}
+    for name, (value, low) in at_least.items():
+        if value < low:
+            raise ValueError(f"eval config: {name} must be >= {low}, got {value}")
+    if cfg.probe.C <= 0:
+        raise ValueError(f"eval config: probe.C must be > 0, got {cfg.probe.C}")

@@ -1,0 +1,76 @@
+"""Every sample of a split, in index order, for the evaluators: no pruning, no shuffling, no
+augmentation and no dropped tail (the training stream drops partial batches; an evaluation must
+not). Never skips a bad sample silently: it stops, naming shard and key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from pipelines.data import Batch
+from pipelines.decode import SampleDecoder
+from pipelines.shards import ShardIndex, read_shard
+
+
+def read_split(
+    folder: str,
+    *,
+    resolution: int,
+    channels: int,
+    batch_size: int = 64,
+    max_samples: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    desc: str = "",
+) -> Iterator[Batch]:
+    """Batches of the first `max_samples` samples (0 = all) of the shards in `folder`, in index order.
+
+    With `world_size` > 1 this rank gets the samples whose position in that order is congruent to
+    `rank`: every rank still reads the bytes, but decodes only its share. Weights are 1.
+    """
+    index = ShardIndex.load(folder)
+    total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
+    decoder = SampleDecoder(resolution, channels)
+    ids, images, labels = [], [], []
+    ordinal = 0
+    bar = tqdm(total=total, desc=desc or f"reading {folder}", unit="img", leave=False, disable=rank != 0)
+    for shard, url in enumerate(index.urls):
+        first = int(index.first_ids[shard])
+        for position, sample in read_shard(url):
+            if ordinal >= total:
+                break
+            if ordinal % world_size == rank:
+                image, label = decoder(sample, first + position, 0)
+                ids.append(first + position)
+                images.append(image)
+                labels.append(label)
+                if len(ids) == batch_size:
+                    yield _batch(ids, images, labels)
+                    ids, images, labels = [], [], []
+            ordinal += 1
+            bar.update(1)
+        if ordinal >= total:
+            break
+    bar.close()
+    if ordinal < total:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {ordinal}")
+    if ids:
+        yield _batch(ids, images, labels)
+
+
+def _batch(ids, images, labels) -> Batch:
+    return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)), torch.stack(images),
+                 torch.tensor(labels, dtype=torch.int64))
+
+
+def index_metadata(folder: str) -> dict:
+    """The extra keys of a split's index.json (tools/latents.py records vae, latent_shape, ...)."""
+    path = os.path.join(folder, "index.json") if os.path.isdir(folder) else folder
+    with open(path) as f:
+        raw = json.load(f)
+    return {k: v for k, v in raw.items() if k != "shards"}

@@ -1,0 +1,75 @@
+"""MAE reconstruction quality on held-out images: the masked-patch MSE of the task (each sample's
+mask fixed by (seed, id)), and PSNR / SSIM (torchmetrics) of the reconstructed image: visible
+patches from the input, masked ones from the prediction. Reads no files; trains nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+from pipelines.mae import MAETask, MaskedAutoencoder
+from pipelines.randomness import per_sample_seeded
+from pipelines.wrappers import unwrap
+
+
+def fixed_mask_noise(ids: np.ndarray, num_patches: int, seed: int) -> torch.Tensor:
+    """[B, L] masking noise of each sample from (seed, id) alone: MAETask.held_out's masks."""
+    return per_sample_seeded((num_patches,), ids, seed, normal=False)
+
+
+@torch.no_grad()
+def reconstruct(model: MaskedAutoencoder, images: torch.Tensor, noise: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """images [N, C, H, W] in [-1, 1], noise [N, L] -> (reconstruction [N, C, H, W], mask [N, L]
+    with 1 = masked, masked-patch MSE [N] exactly as the training loss computes it).
+
+    With norm_pix_loss the prediction is per-patch standardised pixels; it is mapped back with each
+    true patch's mean and variance, as the MAE authors' visualisation does (so those statistics
+    of masked patches come from the input)."""
+    latent, mask, ids_restore = model.forward_encoder(images, noise)
+    pred = model.forward_decoder(latent, ids_restore).float()  # [N, L, p*p*C]
+    masked_mse = (model.per_patch_loss(images, pred) * mask).sum(dim=1) / mask.sum(dim=1)
+    patches = model.patchify(images.float())
+    if model.norm_pix_loss:
+        mean = patches.mean(dim=-1, keepdim=True)
+        var = patches.var(dim=-1, keepdim=True)
+        pred = pred * (var + 1e-6) ** 0.5 + mean
+    masked = mask.unsqueeze(-1)
+    composite = patches * (1 - masked) + pred * masked
+    return model.unpatchify(composite), mask, masked_mse
+
+
+@torch.no_grad()
+def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 0) -> dict:
+    """Held-out masked-patch MSE (MAETask.held_out: the number the training log shows) and the mean
+    over images of per-image PSNR and SSIM of the reconstruction, both in [0, 1] pixels (data range
+    1). Per-image means do not depend on how the images were batched. Padding (id < 0) is ignored."""
+    bare = unwrap(model)
+    device = next(bare.parameters()).device
+    was_training = bare.training
+    bare.eval()
+    mse_sum, psnr_sum, ssim_sum, count = 0.0, 0.0, 0.0, 0
+    try:
+        for batch in batches:
+            keep = batch.ids >= 0
+            if not bool(keep.any()):
+                continue
+            ids = batch.ids[keep].cpu().numpy()
+            held = task.held_out(bare, [batch], seed=seed)
+            mse_sum += held["masked_mse"] * held["num_samples"]
+            images = batch.images[keep].to(device)
+            recon, _, _ = reconstruct(bare, images, fixed_mask_noise(ids, bare.num_patches, seed).to(device))
+            preds, target = ((recon + 1) / 2).clamp(0, 1), ((images.float() + 1) / 2).clamp(0, 1)
+            psnr = peak_signal_noise_ratio(preds, target, data_range=1.0, reduction="none", dim=(1, 2, 3))
+            ssim = structural_similarity_index_measure(preds, target, data_range=1.0, reduction="none")
+            psnr_sum += float(psnr.double().sum())
+            ssim_sum += float(ssim.double().sum())
+            count += len(ids)
+    finally:
+        bare.train(was_training)
+    n = max(count, 1)
+    return {"masked_mse": mse_sum / n, "psnr": psnr_sum / n, "ssim": ssim_sum / n, "num_samples": count}

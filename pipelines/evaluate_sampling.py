@@ -1,0 +1,86 @@
+"""Images from an in-memory UNet for FID: DDIM (eta 0) with a diffusers scheduler, then the VAE
+decoder for latent runs. Sample i starts from noise seeded by (seed, i), so the set of images is
+the same for any world size and batch size; each rank generates only its share. Nothing here
+measures anything or touches files other than a VAE's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+from diffusers import DDIMScheduler
+from tqdm.auto import tqdm
+
+from pipelines.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
+from pipelines.randomness import per_sample_seeded
+
+
+def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What maps the UNet's output space to images in [-1, 1]: unscaling in pixel space, the task's
+    VAE, or for runs on precomputed latents the VAE named by `vae` or by the latent shards' index."""
+    cfg = task.cfg
+    if cfg.autoencoder == PIXEL_SPACE:
+        return lambda x: x / task.scaling_factor
+    if cfg.autoencoder == PRECOMPUTED:
+        info = latent_index or {}
+        name = vae or info.get("vae", "")
+        if not name:
+            raise ValueError("this run trained on precomputed latents and their index.json names no VAE: pass "
+                             "fid.vae=FOLDER_OR_REPO_ID (and fid.vae_subfolder) to decode samples for FID")
+        autoencoder = load_autoencoder(name, vae_subfolder if vae else info.get("subfolder", ""), cfg.cache_dir)
+        scale = task.scaling_factor or info.get("scaling_factor") or float(autoencoder.config.scaling_factor)
+        shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
+    else:
+        autoencoder, scale, shift = task.autoencoder, task.scaling_factor, task.shift_factor
+
+    def decode(x: torch.Tensor) -> torch.Tensor:
+        if autoencoder.device != x.device:
+            autoencoder.to(x.device)
+        return autoencoder.decode(x / scale + shift).sample
+
+    return decode
+
+
+@torch.no_grad()
+def generate_images(
+    task: DiffusionTask,
+    unet: nn.Module,
+    *,
+    num_images: int,
+    steps: int,
+    seed: int,
+    batch_size: int = 64,
+    rank: int = 0,
+    world_size: int = 1,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[torch.Tensor]:
+    """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
+    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes."""
+    decode = decode or latent_decoder(task)
+    device = next(unet.parameters()).device
+    was_training = unet.training
+    unet.eval()
+    scheduler = DDIMScheduler.from_config(task.scheduler.config)
+    scheduler.set_timesteps(steps)
+    size = task.sample_size
+    shape = (task.in_channels, *((size, size) if isinstance(size, int) else size))
+    mine = np.arange(rank, num_images, world_size)
+    bar = tqdm(total=len(mine), desc=f"sampling (DDIM {steps} steps)", unit="img", leave=False, disable=rank != 0)
+    try:
+        for start in range(0, len(mine), batch_size):
+            indices = mine[start:start + batch_size]
+            x = per_sample_seeded(shape, indices, seed, normal=True).to(device)
+            labels = None
+            if task.cfg.num_classes:
+                labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
+            for t in scheduler.timesteps:
+                x = scheduler.step(unet(x, t, class_labels=labels).sample, t, x).prev_sample
+            bar.update(len(indices))
+            yield (decode(x).float() / 2 + 0.5).clamp(0, 1)
+    finally:
+        bar.close()
+        unet.train(was_training)

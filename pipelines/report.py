@@ -1,0 +1,211 @@
+"""`prunepipe compare`: was a pruned run lossless? Reads run folders (config.yaml, metrics.jsonl,
+eval/*.json), judges each quality metric against the baseline within a printed tolerance, at equal
+passes and at equal compute (DESIGN.md, "What lossless means"), tabulates the cost and writes
+report.md, report.json and the PNG plots. It never evaluates a model (run `prunepipe eval` first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelines.evaluate import PRIMARY_METRICS
+from pipelines.report_runs import RunSummary, held_out_metrics, load_run, trajectory_value
+
+# Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
+DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
+                      "psnr": (0.1, False), "ssim": (0.005, False), "probe_accuracy": (0.01, False)}
+DEFAULT_K = 2.0  # tolerance = k x the baseline seeds' standard deviation when there are >= 2 of them
+
+
+# ----------------------------------------------------------------------------- verdicts
+@dataclass
+class Tolerance:
+    value: float
+    relative: bool
+    source: str
+
+    def absolute(self, reference: float) -> float:
+        return self.value * abs(reference) if self.relative else self.value
+
+    def describe(self, reference: float) -> str:
+        text = f"{self.value:.1%} rel" if self.relative else f"{self.value:.4g}"
+        return f"{text} = {self.absolute(reference):.4g} ({self.source})"
+
+
+def parse_tolerances(items: list[str]) -> dict[str, Tolerance]:
+    """`metric=0.5` (absolute) or `metric=3%` (relative to the baseline), as given on the command line."""
+    parsed = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        if name not in PRIMARY_METRICS or not text:
+            raise ValueError(f"--tolerance {item!r}: expected METRIC=VALUE or METRIC=VALUE%, METRIC one of "
+                             f"{', '.join(PRIMARY_METRICS)}")
+        relative = text.endswith("%")
+        try:
+            value = float(text.rstrip("%")) / (100 if relative else 1)
+        except ValueError:
+            raise ValueError(f"--tolerance {item!r}: {text!r} is not a number") from None
+        parsed[name] = Tolerance(value, relative, "given")
+    return parsed
+
+
+def tolerance_for(metric: str, baseline_values: list[float], k: float = DEFAULT_K,
+                  given: dict[str, Tolerance] | None = None) -> Tolerance:
+    """A given tolerance wins; else k x the sample std (ddof 1) of >= 2 baseline seeds; else the default."""
+    if given and metric in given:
+        return given[metric]
+    if len(baseline_values) >= 2:
+        return Tolerance(k * float(np.std(baseline_values, ddof=1)), False, f"{k:g} x seed std, n={len(baseline_values)}")
+    value, relative = DEFAULT_TOLERANCES.get(metric, (0.02, True))
+    return Tolerance(value, relative, "default, single baseline run")
+
+
+def judge(metric: str, reference: float, value: float, tolerance: float) -> tuple[float, str]:
+    """(delta = value - reference, verdict): "lossless" unless worse by more than the tolerance
+    (better is always fine)."""
+    delta = value - reference
+    worse_by = -delta if PRIMARY_METRICS[metric] else delta
+    return delta, ("lossless" if worse_by <= tolerance else "not lossless")
+
+
+def judge_equal_compute(metric: str, reference: float, value: float, tolerance: float) -> tuple[float, str]:
+    """Against a full run of the same compute: did the pruner's selection beat training less?"""
+    delta = value - reference
+    better_by = delta if PRIMARY_METRICS[metric] else -delta
+    if better_by > tolerance:
+        return delta, "beats equal compute"
+    return delta, ("ties equal compute" if better_by >= -tolerance else "worse than equal compute")
+
+
+# ----------------------------------------------------------------------------- the comparison
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
+def equal_passes(baselines: list[RunSummary], pruned: RunSummary, given: dict, k: float) -> dict:
+    """Per metric: baseline mean, the pruned value, delta, tolerance, verdict; and the run's verdict."""
+    metrics = {}
+    for metric in PRIMARY_METRICS:
+        values = [b.metrics[metric] for b in baselines if metric in b.metrics]
+        if not values or metric not in pruned.metrics:
+            continue
+        reference = _mean(values)
+        tolerance = tolerance_for(metric, values, k, given)
+        delta, verdict = judge(metric, reference, pruned.metrics[metric], tolerance.absolute(reference))
+        metrics[metric] = {"baseline": reference, "baseline_values": values, "value": pruned.metrics[metric],
+                           "delta": delta, "tolerance": tolerance.absolute(reference),
+                           "tolerance_text": tolerance.describe(reference), "verdict": verdict}
+    failed = [m for m, row in metrics.items() if row["verdict"] != "lossless"]
+    verdict = "no common metric" if not metrics else ("lossless" if not failed else "not lossless")
+    return {"verdict": verdict, "failed": failed, "metrics": metrics}
+
+
+def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute: list[RunSummary], given: dict,
+                  k: float) -> dict:
+    """The pruned run against full training of the same samples forwarded: the closest of the given
+    same-compute runs, else the baseline runs' own held-out curves read at that many samples."""
+    if same_compute:
+        match = min(same_compute, key=lambda r: abs(r.samples_forwarded - pruned.samples_forwarded))
+        source = (f"full run {match.name} ({match.samples_forwarded} samples forwarded vs "
+                  f"{pruned.samples_forwarded}; quality from {match.metrics_source})")
+        references = {m: [match.metrics[m]] for m in match.metrics}
+        values = pruned.metrics
+    else:
+        source = (f"the baseline runs' held-out curves at {pruned.samples_forwarded} samples forwarded, read from their "
+                  f"training logs mid-schedule (learning rate not yet decayed there, which favours the pruned run); "
+                  f"pass --same-compute with full runs trained for that many samples for the fair reference")
+        references, values = {}, held_out_metrics(pruned.trajectory[-1]) if pruned.trajectory else {}
+        for metric in values:
+            read = [trajectory_value(b, metric, pruned.samples_forwarded) for b in baselines]
+            if all(v is not None for v in read):
+                references[metric] = read
+    metrics = {}
+    for metric, reference_values in references.items():
+        if metric not in values or metric not in PRIMARY_METRICS:
+            continue
+        reference = _mean(reference_values)
+        noise = [b.metrics[metric] for b in baselines if metric in b.metrics]
+        tolerance = tolerance_for(metric, noise, k, given)
+        delta, verdict = judge_equal_compute(metric, reference, values[metric], tolerance.absolute(reference))
+        metrics[metric] = {"reference": reference, "value": values[metric], "delta": delta,
+                           "tolerance": tolerance.absolute(reference), "verdict": verdict}
+    if not metrics:
+        verdict = "not measured"
+    elif all(row["verdict"] == "beats equal compute" for row in metrics.values()):
+        verdict = "beats equal compute"
+    else:
+        verdict = "no better than training less"
+    return {"verdict": verdict, "reference": source, "metrics": metrics}
+
+
+def cost(baselines: list[RunSummary], run: RunSummary) -> dict:
+    row = {"passes": run.passes_done, "samples_forwarded": run.samples_forwarded,
+           "optimizer_steps": run.optimizer_steps, "wall_seconds": run.wall_seconds}
+    for key in ("samples_forwarded", "optimizer_steps", "wall_seconds"):
+        reference = _mean([getattr(b, key) for b in baselines])
+        row[f"saving_{key}"] = 1.0 - getattr(run, key) / reference if reference else float("nan")
+    return row
+
+
+def notes_on(baselines: list[RunSummary], pruned: list[RunSummary], given: dict, k: float) -> list[str]:
+    """What a reader must know before trusting the verdicts."""
+    notes = []
+    if len(baselines) < 2:
+        notes.append("The baseline is one run: the tolerances are defaults, not measured run-to-run noise. Train the "
+                      "full config with 2+ seeds and pass them as BASELINE (comma-separated) for k x seed-std tolerances.")
+    for run in pruned:
+        if baselines and run.passes_done != baselines[0].passes_done:
+            notes.append(f"{run.name} trained {run.passes_done} passes, the baseline {baselines[0].passes_done}: "
+                         f"the equal-passes table does not compare equal passes.")
+    for b in baselines:
+        for metric in held_out_metrics(b.trajectory[-1]) if len(b.trajectory) >= 2 else {}:
+            before, after = b.trajectory[-2]["held_out"][metric], b.trajectory[-1]["held_out"][metric]
+            tolerance = tolerance_for(metric, [], k, given).absolute(after)
+            if (after - before) * (1 if PRIMARY_METRICS[metric] else -1) > tolerance:
+                notes.append(f"Baseline {b.name} still improved {metric} by {abs(after - before):.4g} in its last pass: "
+                             f"the schedule is short and unconverged, so the equal-passes verdict is sensitive to it "
+                             f"(such schedules usually fail it).")
+    return notes
+
+
+def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[str] = (), tolerances: list[str] = (),
+                 k: float = DEFAULT_K, out: str | None = None, weights: str = "ema", plots: bool = True) -> dict:
+    """Compare run folders and write report.md, report.json and the PNGs to `out` (default: the first
+    pruned run's report/ folder); returns the report as a dict (its "markdown" key holds the table)."""
+    from pipelines.report_markdown import render_markdown
+    from pipelines.report_plots import write_plots
+
+    if not baselines or not pruned:
+        raise ValueError("compare needs at least one baseline run and one pruned run")
+    given = parse_tolerances(list(tolerances))
+    base = [load_run(p, weights) for p in baselines]
+    runs = [load_run(p, weights) for p in pruned]
+    same = [load_run(p, weights) for p in same_compute]
+    tasks = {r.task for r in base + runs}
+    if len(tasks) > 1:
+        raise ValueError(f"compare: runs of different tasks {sorted(tasks)} cannot be compared")
+    out = out or os.path.join(runs[0].path, "report")
+    os.makedirs(out, exist_ok=True)
+    report = {
+        "baseline": [{"name": b.name, "path": b.path, "pruner": b.pruner, "seed": b.seed,
+                      "metrics": b.metrics, "metrics_source": b.metrics_source} for b in base],
+        "pruned": [{"name": r.name, "path": r.path, "pruner": r.pruner, "seed": r.seed,
+                    "metrics": r.metrics, "metrics_source": r.metrics_source} for r in runs],
+        "k": k,
+        "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
+        "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
+        "cost": {r.name: cost(base, r) for r in base + runs},
+        "notes": notes_on(base, runs, given, k),
+    }
+    report["plots"] = write_plots(base, runs, out) if plots else []
+    report["markdown"] = render_markdown(report)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(report["markdown"])
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump({k_: v for k_, v in report.items() if k_ != "markdown"}, f, indent=1)
+    report["out"] = out
+    return report

@@ -1,0 +1,97 @@
+"""The comparison as markdown: quality at equal passes and at equal compute with tolerances and
+verdicts, the cost and its saving, the notes and the plots. Formatting only; it judges nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipelines.evaluate import PRIMARY_METRICS
+
+
+def _num(value) -> str:
+    if value is None or value != value:
+        return "n/a"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+
+
+def _signed(value: float) -> str:
+    return "n/a" if value != value else f"{value:+.4g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def render_markdown(report: dict) -> str:
+    base, pruned = report["baseline"], report["pruned"]
+    names = [r["name"] for r in pruned]
+    lines = ["# Losslessness report", "",
+             f"Baseline: {', '.join(b['name'] for b in base)} (pruner {base[0]['pruner']}, {len(base)} run(s)). "
+             "Pruned: " + ", ".join(f"{r['name']} ({r['pruner']})" for r in pruned) + ".",
+             "Quality from: " + "; ".join(f"{r['name']}: {r['metrics_source']}" for r in base + pruned) + ".", ""]
+
+    lines += ["## Quality at equal passes", ""]
+    metrics = [m for m in PRIMARY_METRICS if any(m in report["equal_passes"][n]["metrics"] for n in names)]
+    header = ["metric", "better", "baseline"] + [h for n in names for h in (n, f"delta {n}", f"verdict {n}")]
+    header.insert(3, "tolerance")
+    rows = []
+    for metric in metrics:
+        first = next(report["equal_passes"][n]["metrics"][metric] for n in names
+                     if metric in report["equal_passes"][n]["metrics"])
+        row = [metric, "higher" if PRIMARY_METRICS[metric] else "lower", _num(first["baseline"]),
+               _num(first["tolerance"])]
+        for n in names:
+            cell = report["equal_passes"][n]["metrics"].get(metric)
+            row += [_num(cell["value"]), _signed(cell["delta"]), cell["verdict"]] if cell else ["n/a"] * 3
+        rows.append(row)
+    lines += _table(header, rows) + [""]
+    for n in names:
+        verdict = report["equal_passes"][n]
+        why = f" ({', '.join(verdict['failed'])} worse than the baseline by more than the tolerance)" if verdict["failed"] else ""
+        lines.append(f"- **{n} at equal passes: {verdict['verdict']}**{why}")
+    lines.append("")
+
+    lines += ["## Quality at equal compute (samples forwarded)", ""]
+    rows = []
+    for n in names:
+        result = report["equal_compute"][n]
+        for metric, cell in result["metrics"].items():
+            rows.append([n, metric, _num(cell["value"]), _num(cell["reference"]), _signed(cell["delta"]),
+                         _num(cell["tolerance"]), cell["verdict"]])
+    lines += _table(["run", "metric", "run", "full at equal compute", "delta", "tolerance", "verdict"], rows) + [""]
+    for n in names:
+        result = report["equal_compute"][n]
+        lines.append(f"- **{n} at equal compute: {result['verdict']}**. Reference: {result['reference']}.")
+    lines.append("")
+
+    lines += ["## Cost", ""]
+    rows = []
+    for name, c in report["cost"].items():
+        saving = ["-"] * 3 if name not in names else [f"{c['saving_' + key]:.1%}" for key in
+                                                       ("samples_forwarded", "optimizer_steps", "wall_seconds")]
+        rows.append([name, _num(c["passes"]), _num(c["samples_forwarded"]), _num(c["optimizer_steps"]),
+                     f"{c['wall_seconds']:.1f}", *saving])
+    lines += _table(["run", "passes", "samples forwarded", "optimizer steps", "wall-clock s", "saving samples",
+                     "saving steps", "saving wall-clock"], rows) + [""]
+    lines.append("Savings are against the baseline mean; wall-clock is training time only (evaluation excluded).")
+    lines.append("")
+
+    lines += ["## Tolerances", ""]
+    seen = set()
+    for n in names:
+        for metric, cell in report["equal_passes"][n]["metrics"].items():
+            if metric not in seen:
+                seen.add(metric)
+                lines.append(f"- {metric}: {cell['tolerance_text']}")
+    lines += ["", "A metric is lossless unless the pruned run is worse than the baseline mean by more than its "
+              "tolerance; a run is lossless at equal passes when every metric is. See docs/evaluation.md.", ""]
+
+    if report["notes"]:
+        lines += ["## Notes", "", *(f"- {note}" for note in report["notes"]), ""]
+    if report.get("plots"):
+        lines += ["## Plots", "", *(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in report["plots"]), ""]
+    return "\n".join(lines)

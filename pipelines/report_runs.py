@@ -1,0 +1,88 @@
+"""Run folders as a comparison reads them: config.yaml, the per-pass records of metrics.jsonl, and
+eval records (eval/step_*.json or `kind: eval` lines). Read-only; evaluates and judges nothing.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from pipelines.evaluate import EVAL_DIR, PRIMARY_METRICS
+
+
+@dataclass
+class RunSummary:
+    """What a comparison needs from one run folder."""
+
+    path: str
+    name: str
+    task: str
+    pruner: str
+    seed: int
+    passes: int
+    passes_done: int = 0
+    samples_forwarded: int = 0
+    optimizer_steps: int = 0
+    wall_seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)  # final quality: the latest eval record, else last held-out
+    metrics_source: str = ""
+    trajectory: list = field(default_factory=list)  # per-pass records of metrics.jsonl
+    evals: list = field(default_factory=list)  # eval records, by optimizer step
+
+
+def load_run(path: str, weights: str = "ema") -> RunSummary:
+    """Summarise a run folder; quality comes from its latest eval/step_*.json with `weights`, or,
+    when it was never evaluated, from the held-out metrics of its last pass (the training log)."""
+    config_path = os.path.join(path, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"run {path!r}: no config.yaml (not a prunepipe run folder)")
+    config = OmegaConf.to_container(OmegaConf.load(config_path))
+    run = RunSummary(path, str(config.get("name", os.path.basename(path))), config.get("task", "?"),
+                     str((config.get("pruner") or {}).get("name", "?")), int(config.get("seed", 0)),
+                     int(config.get("passes", 0)))
+    log_path = os.path.join(path, "metrics.jsonl")
+    records = []
+    if os.path.isfile(log_path):
+        with open(log_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    run.trajectory = [r for r in records if r.get("kind") == "pass"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    for eval_path in glob.glob(os.path.join(path, EVAL_DIR, "step_*.json")):
+        with open(eval_path) as f:
+            evals.append({**json.load(f), "path": eval_path})
+    run.evals = sorted((e for e in evals if e.get("weights", "ema") == weights),
+                       key=lambda e: (e.get("optimizer_steps", 0), "path" in e))
+    if run.trajectory:
+        last = run.trajectory[-1]
+        run.passes_done = int(last["epoch"]) + 1
+        run.samples_forwarded = int(last["samples_forwarded"])
+        run.optimizer_steps = int(last["optimizer_steps"])
+        run.wall_seconds = float(last["wall_seconds"])
+    if run.evals and run.evals[-1].get("optimizer_steps", 0) >= run.optimizer_steps:
+        run.metrics = dict(run.evals[-1]["metrics"])
+        run.metrics_source = os.path.relpath(run.evals[-1].get("path", log_path), path)
+    elif run.trajectory:
+        run.metrics = held_out_metrics(run.trajectory[-1])
+        run.metrics_source = "metrics.jsonl, last pass held-out (not evaluated: run `prunepipe eval`)"
+    return run
+
+
+def held_out_metrics(record: dict) -> dict:
+    return {k: float(v) for k, v in (record.get("held_out") or {}).items() if k in PRIMARY_METRICS}
+
+
+def trajectory_value(run: RunSummary, metric: str, samples: float) -> float | None:
+    """`run`'s held-out `metric` at `samples` forwarded, linearly interpolated between pass ends;
+    None outside the logged range."""
+    import numpy as np
+
+    points = [(r["samples_forwarded"], r["held_out"][metric]) for r in run.trajectory
+              if metric in (r.get("held_out") or {})]
+    if not points or samples < points[0][0] or samples > points[-1][0]:
+        return None
+    xs, ys = zip(*points)
+    return float(np.interp(samples, xs, ys))

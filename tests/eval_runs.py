@@ -1,0 +1,58 @@
+"""Tiny runs and a feature network shared by the evaluator and compare tests, each made once per
+test session (memoised here: pytest would otherwise build a session fixture once per module)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Seconds per pass on 2 CPU cores. Checkpoints every 10 steps so the score histograms have passes.
+TINY_MAE = ("mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=2",
+            "checkpoint.every_steps=10", "checkpoint.keep=10", "log_every=5")
+TINY_LDM = ("ldm.block_out_channels=[16,32]", "ldm.norm_num_groups=8", "data.batch_size=64",
+            "data.val_batches=1", "data.resolution=16", "log_every=5")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_run(shards: str, runs_dir: str, config: str, name: str, extra: tuple[str, ...] = ()) -> str:
+    """Train configs/`config` on the digits shards into runs_dir/name; returns the run folder."""
+    from pipelines.config import load_config
+    from pipelines.trainer import train
+
+    tiny = TINY_MAE if config.startswith("mae") else TINY_LDM
+    cfg = load_config(os.path.join(ROOT, "configs", config),
+                      [f"data.train={shards}/train", f"data.val={shards}/val", f"runs_dir={runs_dir}", f"name={name}",
+                       *tiny, *extra])
+    train(cfg)
+    return cfg.run_dir
+
+
+@functools.lru_cache(maxsize=None)
+def feature_net(shards: str, out: str) -> str:
+    """The digits classifier for FID (tools/feature_net.py), written to `out`."""
+    from tools.feature_net import train_feature_net
+
+    path, _ = train_feature_net(shards, out)
+    return path
+
+
+def session_dir(tmp_path_factory, name: str) -> str:
+    """A folder shared by every test module of the session."""
+    path = tmp_path_factory.getbasetemp() / name
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+def one_torch_thread():
+    """Generator for a module fixture: torch on one thread while the module runs. These models are
+    tiny, and on a shared 2-core machine two threads spin-waiting on each other cost far more than
+    they gain."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

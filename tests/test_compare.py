@@ -1,0 +1,141 @@
+"""`prunepipe compare` as a specification: on two tiny runs it writes the markdown table, report.json
+and the PNG plots (score histograms from the pruner state in checkpoints); a pruned run within the
+baseline seeds' noise is lossless and a clearly worse one is not; tolerances are given > k x seed
+std > per-metric default, and printed; the equal-compute verdict is always reported."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from eval_runs import one_torch_thread, session_dir, tiny_run
+from launch.cli import main as cli_main
+from pipelines.evaluate import evaluate_checkpoint
+from pipelines.evaluate_config import load_eval_config
+from pipelines.report import compare_runs, parse_tolerances, tolerance_for
+from pipelines.report_plots import checkpoint_scores
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_torch_thread()
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(digits_shards, tmp_path_factory) -> tuple[str, str]:
+    """A full and an InfoBatch MAE run of 2 passes, both evaluated (reconstruction only)."""
+    runs_dir = session_dir(tmp_path_factory, "eval_runs")
+    full = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("passes=2",))
+    pruned = tiny_run(digits_shards, runs_dir, "mae_tiny_infobatch.yaml", "mae_infobatch", ("passes=2",))
+    quick = load_eval_config(overrides=["probe.enabled=false", "val_samples=90"])
+    for run in (full, pruned):
+        evaluate_checkpoint(run, eval_cfg=quick)
+    return full, pruned
+
+
+def test_compare_of_two_tiny_runs_writes_the_table_and_the_plots(tiny_runs, tmp_path):
+    full, pruned = tiny_runs
+    report = compare_runs([full], [pruned], out=str(tmp_path / "report"))
+    markdown = open(tmp_path / "report" / "report.md").read()
+    assert markdown == report["markdown"]
+    for heading in ("## Quality at equal passes", "## Quality at equal compute", "## Cost", "## Tolerances"):
+        assert heading in markdown
+    assert "| metric | better | baseline | tolerance | mae_infobatch | delta mae_infobatch | verdict mae_infobatch |" in markdown
+    assert "masked_mse: 2.0% rel" in markdown  # the tolerance in force is printed
+    verdict = report["equal_passes"]["mae_infobatch"]["verdict"]
+    assert verdict in ("lossless", "not lossless") and f"**mae_infobatch at equal passes: {verdict}**" in markdown
+    assert report["equal_compute"]["mae_infobatch"]["verdict"] != "not measured"
+    cost = report["cost"]["mae_infobatch"]
+    assert cost["samples_forwarded"] < report["cost"]["mae_full"]["samples_forwarded"]  # InfoBatch pruned pass 2
+    assert cost["saving_samples_forwarded"] > 0.05 and f"{cost['saving_samples_forwarded']:.1%}" in markdown
+    names = sorted(os.path.basename(p) for p in report["plots"])
+    assert names == ["kept_fraction.png", "quality_vs_samples.png", "quality_vs_time.png", "score_histograms.png"]
+    for path in report["plots"]:
+        assert open(path, "rb").read(8) == PNG_MAGIC
+    saved = json.load(open(tmp_path / "report" / "report.json"))
+    assert saved["equal_passes"]["mae_infobatch"]["verdict"] == verdict
+
+
+def test_score_histograms_come_from_the_pruner_tables_in_checkpoints(tiny_runs):
+    _, pruned = tiny_runs
+    states = checkpoint_scores(pruned)
+    assert len(states) >= 3  # a checkpoint every 10 steps
+    assert all(len(s["scores"]) > 0 for s in states[1:])
+    assert any(s["threshold"] is not None for s in states)  # InfoBatch's mean-score threshold
+
+
+def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seconds_per_pass=10.0, kept=1.0):
+    """A run folder with a config, per-pass records (held-out masked_mse `curve`) and a final eval."""
+    path = root / name
+    (path / "eval").mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"name": name, "task": "mae", "seed": seed,
+                                                       "passes": len(curve), "pruner": {"name": pruner}}))
+    with open(path / "metrics.jsonl", "w") as f:
+        for epoch, value in enumerate(curve):
+            f.write(json.dumps({"kind": "pass", "epoch": epoch, "optimizer_steps": 10 * (epoch + 1),
+                                "samples_forwarded": int(samples_per_pass * (epoch + 1)), "kept_fraction": kept,
+                                "wall_seconds": seconds_per_pass * (epoch + 1),
+                                "held_out": {"masked_mse": value, "num_samples": 100}}) + "\n")
+    steps = 10 * len(curve)
+    (path / "eval" / f"step_{steps:06d}.json").write_text(json.dumps(
+        {"kind": "eval", "weights": "ema", "optimizer_steps": steps, "metrics": final}))
+    return str(path)
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """Three full runs whose final masked_mse has std 0.002, so the tolerance is 2 x 0.002."""
+    curve = [0.5, 0.3, 0.2, 0.15]
+    return [fake_run(tmp_path, f"full_s{s}", "full", s, {"masked_mse": v, "probe_accuracy": a}, curve)
+            for s, (v, a) in enumerate([(0.100, 0.90), (0.102, 0.91), (0.098, 0.92)])]
+
+
+def test_a_pruned_run_within_seed_noise_is_lossless(seeds, tmp_path):
+    pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.103, "probe_accuracy": 0.905},
+                      [0.5, 0.31, 0.21, 0.16], samples_per_pass=700, kept=0.7)
+    report = compare_runs(seeds, [pruned], out=str(tmp_path / "out"), plots=False)
+    row = report["equal_passes"]["ib"]["metrics"]["masked_mse"]
+    assert row["baseline"] == pytest.approx(0.100) and row["tolerance"] == pytest.approx(0.004)
+    assert row["delta"] == pytest.approx(0.003) and row["verdict"] == "lossless"
+    assert report["equal_passes"]["ib"]["verdict"] == "lossless"
+    assert "2 x seed std, n=3" in report["markdown"]
+    # 2800 samples = between the baselines' passes 2 (2000, 0.3) and 3 (3000, 0.2): 0.22; ib logged 0.16
+    compute = report["equal_compute"]["ib"]["metrics"]["masked_mse"]
+    assert compute["reference"] == pytest.approx(0.22) and compute["verdict"] == "beats equal compute"
+    assert report["cost"]["ib"]["saving_samples_forwarded"] == pytest.approx(0.3)
+
+
+def test_a_clearly_worse_pruned_run_is_not_lossless(seeds, tmp_path):
+    pruned = fake_run(tmp_path, "bad", "random", 0, {"masked_mse": 0.130, "probe_accuracy": 0.80},
+                      [0.5, 0.4, 0.35, 0.3], samples_per_pass=700, kept=0.7)
+    report = compare_runs(seeds, [pruned], out=str(tmp_path / "out"), plots=False)
+    verdict = report["equal_passes"]["bad"]
+    assert verdict["verdict"] == "not lossless" and sorted(verdict["failed"]) == ["masked_mse", "probe_accuracy"]
+    assert "**bad at equal passes: not lossless** (masked_mse, probe_accuracy worse" in report["markdown"]
+    assert report["equal_compute"]["bad"]["verdict"] == "no better than training less"
+    # a tolerance given on the command line wins over the seeds' noise
+    lenient = compare_runs(seeds, [pruned], tolerances=["masked_mse=50%", "probe_accuracy=0.2"],
+                           out=str(tmp_path / "out2"), plots=False)
+    assert lenient["equal_passes"]["bad"]["verdict"] == "lossless"
+
+
+def test_tolerance_sources_and_errors():
+    assert tolerance_for("fid", [10.0]).describe(10.0) == "5.0% rel = 0.5 (default, single baseline run)"
+    assert tolerance_for("fid", [10.0, 12.0], k=1.0).absolute(11.0) == pytest.approx(2 ** 0.5)
+    assert parse_tolerances(["fid=1.5"])["fid"].absolute(30.0) == 1.5
+    with pytest.raises(ValueError, match="--tolerance 'loss=1'"):
+        parse_tolerances(["loss=1"])
+
+
+def test_compare_cli_takes_several_baseline_seeds_as_a_glob(seeds, tmp_path):
+    pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.101}, [0.5, 0.31, 0.21, 0.16])
+    out = tmp_path / "cli"
+    assert cli_main(["compare", str(tmp_path / "full_s*"), pruned, "--out", str(out), "--k", "3"]) == 0
+    report = json.load(open(out / "report.json"))
+    assert [b["name"] for b in report["baseline"]] == ["full_s0", "full_s1", "full_s2"] and report["k"] == 3.0
+    assert cli_main(["compare", str(tmp_path / "full_s0"), str(tmp_path / "missing")]) == 2
