@@ -89,7 +89,10 @@ class Evaluator:
             images = generate_images(task, unwrap(model), num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
                                      seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
                                      decode=decode)
-            first = next(images)  # the generated size decides the reference resolution
+            first = next(images, None)  # the generated size decides the reference resolution
+            if first is None:
+                raise ValueError(f"eval config: fid.num_samples={fid_cfg.num_samples} leaves rank {rank} of {world} "
+                                 f"no image to generate; use at least {world}")
             fid = self._fid_evaluator(first.shape[-1], first.shape[1])
             results.update(fid.score(_chain(first, images)))
             results["fid_sampler_steps"] = fid_cfg.sampler_steps

@@ -32,8 +32,9 @@ class Tolerance:
         return self.value * abs(reference) if self.relative else self.value
 
     def describe(self, reference: float) -> str:
-        text = f"{self.value:.1%} rel" if self.relative else f"{self.value:.4g}"
-        return f"{text} = {self.absolute(reference):.4g} ({self.source})"
+        if self.relative:
+            return f"{self.value:.1%} rel = {self.absolute(reference):.4g} ({self.source})"
+        return f"{self.value:.4g} ({self.source})"
 
 
 def parse_tolerances(items: list[str]) -> dict[str, Tolerance]:
@@ -128,7 +129,10 @@ def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute:
         if metric not in values or metric not in PRIMARY_METRICS:
             continue
         reference = _mean(reference_values)
-        noise = [b.metrics[metric] for b in baselines if metric in b.metrics]
+        # the seeds' spread of the very numbers compared: final evaluations, or final logged held-out
+        finals = [b.metrics for b in baselines] if same_compute else [held_out_metrics(b.trajectory[-1]) for b in baselines
+                                                                       if b.trajectory]
+        noise = [m[metric] for m in finals if metric in m]
         tolerance = tolerance_for(metric, noise, k, given)
         delta, verdict = judge_equal_compute(metric, reference, values[metric], tolerance.absolute(reference))
         metrics[metric] = {"reference": reference, "value": values[metric], "delta": delta,

@@ -62,7 +62,7 @@ def render_markdown(report: dict) -> str:
         for metric, cell in result["metrics"].items():
             rows.append([n, metric, _num(cell["value"]), _num(cell["reference"]), _signed(cell["delta"]),
                          _num(cell["tolerance"]), cell["verdict"]])
-    lines += _table(["run", "metric", "run", "full at equal compute", "delta", "tolerance", "verdict"], rows) + [""]
+    lines += _table(["run", "metric", "value", "full at equal compute", "delta", "tolerance", "verdict"], rows) + [""]
     for n in names:
         result = report["equal_compute"][n]
         lines.append(f"- **{n} at equal compute: {result['verdict']}**. Reference: {result['reference']}.")

@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipelines.evaluate import PRIMARY_METRICS  # noqa: E402
@@ -69,8 +70,9 @@ def plot_kept_fraction(runs: list[RunSummary], path: str) -> str | None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for run in runs:
         epochs = [rec["epoch"] + 1 for rec in run.trajectory]
-        ax.step(epochs, [rec["kept_fraction"] for rec in run.trajectory], where="mid", marker="o", markersize=3,
+        ax.plot(epochs, [rec["kept_fraction"] for rec in run.trajectory], marker="o", markersize=4,
                 label=f"{run.name} ({run.pruner})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="pass", ylabel="kept fraction", ylim=(0, 1.05), title="samples kept per pass")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
