@@ -112,3 +112,21 @@ def test_probe_is_deterministic_and_scores_the_trained_encoder_far_above_chance(
     few = linear_probe(model.encoder, train, val, ProbeConfig(per_class=5), seed=0)
     assert few["probe_train_samples"] == 50 and few["probe_accuracy"] > 0.3
 
+
+
+def test_periodic_evaluation_from_a_training_loop_matches_evaluating_the_checkpoint(run_dir, trained):
+    """What the trainer calls every E passes (Evaluator + weights_for_eval on the live model and its
+    EMAModel) gives the numbers `prunepipe eval` gives for the checkpoint saved at that moment."""
+    from diffusers.training_utils import EMAModel
+
+    from pipelines.evaluate import Evaluator, weights_for_eval
+
+    task, model, cfg = trained
+    states = load_checkpoint_states(latest_checkpoint(run_dir))
+    ema = EMAModel(model.parameters())
+    ema.load_state_dict(states["ema"])
+    live = weights_for_eval(model, ema, "ema")
+    assert live is not model  # the trained weights are left alone
+    record = Evaluator(cfg, run_dir=run_dir).evaluate(task, live, at={"optimizer_steps": 1}, write=False)
+    assert record["metrics"] == evaluate_checkpoint(run_dir, write=False)["metrics"]
+    assert weights_for_eval(model, ema, "raw") is model
