@@ -16,6 +16,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from pipelines.data import BAD_SAMPLE_POLICIES
 from pipelines.diffusion import DiffusionConfig
+from pipelines.evaluate_config import EvalConfig, validate_eval_config
 from pipelines.mae import MAEConfig
 
 TASKS = ("mae", "ldm")
@@ -78,6 +79,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
     ldm: DiffusionConfig = field(default_factory=DiffusionConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # evaluators; eval.every_passes > 0 runs them in training
 
     @property
     def run_dir(self) -> str:
@@ -170,6 +172,10 @@ def validate(cfg: RunConfig) -> None:
                 f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
                 f"`prunepipe shards index`"
             )
+    try:
+        validate_eval_config(cfg.eval)
+    except ValueError as e:
+        raise ConfigError(f"config: eval.{str(e).split('eval config: ', 1)[-1]}") from None
     name = cfg.pruner.get("name")
     if name not in PRUNERS:
         raise ConfigError(f"config: pruner.name={name!r} is not accepted; accepted: {', '.join(sorted(PRUNERS))}")

@@ -25,6 +25,7 @@ from pipelines.config import RunConfig, to_yaml
 from pipelines.data import ShardStream
 from pipelines.debug_sync import SyncDebug
 from pipelines.decode import SampleDecoder
+from pipelines.evaluate import Evaluator, weights_for_eval
 from pipelines.randomness import SampleRandomness
 from pipelines.shards import ShardIndex
 from pruning import build_pruner, gather_ids_losses
@@ -183,6 +184,7 @@ def train(cfg: RunConfig) -> dict:
     )
     held_out = load_held_out(cfg) if main else []
     debug = SyncDebug(accelerator, run_dir, index.num_samples) if cfg.debug_sync else None
+    evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
     metrics = MetricsLog(run_dir, main)
     accum = cfg.optim.grad_accum
     summary: dict = {}
@@ -268,6 +270,9 @@ def train(cfg: RunConfig) -> dict:
         metrics.write(summary)
         if main:
             print(format_pass(summary, cfg.passes), flush=True)
+        if evaluator is not None and (epoch + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
+            at = {k: summary[k] for k in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")}
+            metrics.write(evaluator.evaluate(task, weights_for_eval(model, ema, cfg.eval.weights), at=at))
         position.epoch += 1
         position.batch_in_pass, position.pass_offset, position.excluded = 0, 0.0, None
 

@@ -197,3 +197,14 @@ def test_latent_shards_tell_the_unet_their_shape(tmp_path):
                       [f"data.train={shards}", "ldm.block_out_channels=[16,32,32,32]", "ldm.norm_num_groups=8"])
     task = build_task(cfg)
     assert (task.in_channels, task.sample_size) == (4, 8), "data.resolution=256 describes images, not latents"
+
+
+def test_periodic_evaluation_is_logged_every_e_passes(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml"),
+                      overrides(digits_shards, tmp_path, "evaluated", TINY_MAE + [
+                          "passes=3", "eval.every_passes=2", "eval.val_samples=64", "eval.probe.train_samples=200"]))
+    train(cfg)
+    records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["epoch"] for r in evals] == [1], "after the second pass only"
+    assert {"masked_mse", "psnr", "probe_accuracy"} <= set(evals[0]["metrics"])
