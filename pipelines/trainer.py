@@ -26,6 +26,7 @@ from pipelines.data import ShardStream
 from pipelines.debug_sync import SyncDebug
 from pipelines.decode import SampleDecoder
 from pipelines.evaluate import Evaluator, weights_for_eval
+from pipelines.evaluate_data import read_split
 from pipelines.randomness import SampleRandomness
 from pipelines.shards import ShardIndex
 from pruning import build_pruner, gather_ids_losses
@@ -130,19 +131,12 @@ class MetricsLog:
 
 
 def load_held_out(cfg: RunConfig) -> list:
-    """A fixed slice of the val shards (first pass, unshuffled), decoded once."""
+    """The first `data.val_batches` batches of the val shards in index order, decoded once."""
     if not cfg.data.val:
         return []
-    index = ShardIndex.load(cfg.data.val)
-    batch = min(cfg.data.batch_size, index.num_samples)
-    stream = ShardStream(index, batch_size=batch, shuffle_buffer=1, seed=cfg.seed,
-                         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels))
-    batches = []
-    for b in stream.pass_loader(0):
-        batches.append(b)
-        if len(batches) >= cfg.data.val_batches:
-            break
-    return batches
+    return list(read_split(cfg.data.val, resolution=cfg.data.resolution, channels=cfg.data.channels,
+                           batch_size=cfg.data.batch_size, max_samples=cfg.data.val_batches * cfg.data.batch_size,
+                           desc="held-out samples"))
 
 
 # ----------------------------------------------------------------------------- the loop
