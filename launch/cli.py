@@ -114,6 +114,13 @@ def _compare(args) -> None:
     print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
 
 
+def _bench_lossless(args) -> None:
+    """Pruned vs full runs side by side, at equal passes and equal compute (tools/bench_lossless.py)."""
+    from tools.bench_lossless import run_from_args
+
+    run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--runs-dir", default="runs")
     compare.add_argument("--no-plots", action="store_true")
     compare.set_defaults(func=_compare)
+
+    bench = sub.add_parser("bench", help="benchmarks (issue 7)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    lossless = bench_sub.add_parser("lossless", help="is pruning lossless, and better than training less? "
+                                                     "writes docs/BENCHMARKS.md")
+    from tools.bench_lossless import add_arguments as bench_lossless_arguments
+
+    bench_lossless_arguments(lossless)
+    lossless.set_defaults(func=_bench_lossless)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""The lossless benchmark harness (issue 7): it runs end to end on a micro configuration and its
+verdicts say what DESIGN.md's "What lossless means" says, both ways. No timing thresholds."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from pruning import build_pruner
+from tools.bench_lossless import (
+    TaskPlan, TimedPruner, beats_equal_compute, bench, delta_in_std, equal_compute_spec, interpolate_frontier,
+    lossless, summarise, write_markdown,
+)
+
+
+def test_verdicts_lower_is_better_both_ways():
+    # Full: mean 1.00, seed std 0.10; masked MSE, lower is better
+    assert lossless(1.09, 1.00, 0.10, lower_is_better=True)
+    assert lossless(0.80, 1.00, 0.10, lower_is_better=True)  # better than Full is lossless too
+    assert not lossless(1.11, 1.00, 0.10, lower_is_better=True)
+    assert beats_equal_compute(0.88, 1.00, 0.10, lower_is_better=True)
+    assert not beats_equal_compute(0.92, 1.00, 0.10, lower_is_better=True)
+    assert not beats_equal_compute(1.20, 1.00, 0.10, lower_is_better=True)
+
+
+def test_verdicts_higher_is_better_both_ways():
+    # probe accuracy: higher is better; Full 0.90 +- 0.01
+    assert lossless(0.895, 0.90, 0.01, lower_is_better=False)
+    assert not lossless(0.885, 0.90, 0.01, lower_is_better=False)
+    assert beats_equal_compute(0.92, 0.90, 0.01, lower_is_better=False)
+    assert not beats_equal_compute(0.905, 0.90, 0.01, lower_is_better=False)
+    assert delta_in_std(0.88, 0.90, 0.01, lower_is_better=False) == pytest.approx(2.0)
+    assert math.isnan(delta_in_std(0.88, 0.90, 0.0, lower_is_better=False))  # no noise measured: no verdict
+
+
+def _result(label, role, metric, samples, seed=0, passes=10, compute_of=""):
+    return {"task": "mae", "schedule": "long", "label": label, "role": role, "seed": seed, "passes": passes,
+            "compute_of": compute_of, "samples_forwarded": samples, "optimizer_steps": samples // 10,
+            "wall_seconds": samples / 100, "metrics": {"masked_mse": metric}, "pruner_seconds": {"update": 0.01},
+            "curve": []}
+
+
+def test_summarise_gives_both_verdicts_from_constructed_runs():
+    plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {})
+    results = [
+        _result("Full s0", "full", 1.00, 1000, seed=0), _result("Full s1", "full", 1.10, 1000, seed=1),
+        _result("Full s2", "full", 0.90, 1000, seed=2),  # mean 1.00, std 0.10
+        _result("Good", "pruned", 1.05, 700), _result("Full @ Good", "equal_compute", 1.30, 700, passes=7,
+                                                      compute_of="Good"),
+        _result("Bad", "pruned", 1.25, 700), _result("Full @ Bad", "equal_compute", 1.30, 700, passes=7,
+                                                     compute_of="Bad"),
+        _result("Tried", "ablation", 1.02, 850),  # no run of its own: interpolated between Full runs
+    ]
+    rows = {r["label"]: r for r in summarise(results, [plan])}
+    assert rows["Good"]["lossless"] and rows["Good"]["beats_equal_compute"]
+    assert not rows["Bad"]["lossless"] and not rows["Bad"]["beats_equal_compute"]
+    assert rows["Good"]["deltas"]["masked_mse"] == pytest.approx(0.5)
+    assert rows["Good"]["skipped"] == pytest.approx(0.3) and rows["Good"]["saving"] == pytest.approx(0.3)
+    assert rows["Good"]["realised"] == pytest.approx(1.0)
+    tried = rows["Tried"]
+    assert tried["equal_compute_how"] == "interpolated"
+    assert tried["equal_compute_value"] == pytest.approx(np.interp(850, [700, 700, 1000], [1.30, 1.30, 1.00]))
+    assert tried["lossless"] and tried["beats_equal_compute"]
+
+
+def test_equal_compute_run_matches_samples_forwarded():
+    spec = equal_compute_spec({"task": "mae", "schedule": "long", "label": "InfoBatch", "samples_forwarded": 7040},
+                              full_per_pass=480)
+    assert spec.passes == 15 and spec.pruner == {"name": "full"} and spec.compute_of == "InfoBatch"
+    assert interpolate_frontier([(1.0, 2.0)], 1.0) is None  # one point is no frontier
+
+
+def test_timed_pruner_changes_no_decision():
+    plain, timed = (build_pruner("infobatch", 50, 4, seed=3) for _ in range(2))
+    timed = TimedPruner(timed)
+    losses = np.random.default_rng(0).random(50).astype(np.float32)
+    for pruner in (plain, timed):
+        pruner.update(np.arange(50), losses)
+        pruner.plan(1)
+    ids = np.arange(50)
+    assert np.array_equal(plain.weights(ids), timed.weights(ids))
+    assert set(timed.seconds) == {"update", "plan", "weights"}
+    assert timed.state_dict()["tables"].keys() == plain.state_dict()["tables"].keys()
+
+
+def test_write_markdown_keeps_text_outside_the_generated_block(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nhand-written notes\n")
+    write_markdown(str(path), "quick", "table one\n")
+    write_markdown(str(path), "quick", "table two\n")
+    text = path.read_text()
+    assert "hand-written notes" in text and "table two" in text and "table one" not in text
+
+
+def test_bench_micro_runs_and_reports_both_verdicts(tmp_path):
+    report = bench("micro", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"), workers=2)
+    judged = [r for r in report["rows"] if r["role"] == "pruned"]
+    assert {r["label"] for r in judged} == {"Random", "InfoBatch", "TED"}
+    for row in judged:
+        assert isinstance(row["lossless"], bool) and row["beats_equal_compute"] in (True, False)
+        assert row["equal_compute_how"] == "run"
+    by_label = {r["label"]: r for r in report["results"]}
+    for label in ("Random", "InfoBatch", "TED"):  # the equal-compute Full forwards what the pruned run did, +- a pass
+        assert abs(by_label[f"Full @ {label}"]["samples_forwarded"] - by_label[label]["samples_forwarded"]) <= 96
+    fulls = [r for r in report["rows"] if r["role"] == "full"]
+    assert len(fulls) == 3 and all(r["optimizer_steps"] > 0 for r in fulls)
+    text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    assert "lossless (equal passes)" in text and "beats equal compute" in text and "<!-- bench:micro:end -->" in text
+    assert "| target | status | measured |" in text and "one run at a time" in text
+    timing = {r["label"]: r for r in report["timing_rows"]}
+    assert set(timing) == {"Full", "Random", "InfoBatch", "TED"} and timing["Full"]["skipped"] == 0.0
+    assert os.path.exists(tmp_path / "docs" / "benchmarks" / "lossless_micro_mae_curves.png")
+
+
+def test_cli_has_bench_lossless():
+    from launch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "lossless", "--task", "mae", "--quick", "--out", "x"])
+    assert (args.task, args.quick, args.out, args.workers, args.from_json) == ("mae", True, "x", 2, None)

@@ -1,0 +1,779 @@
+"""Is pruning lossless here, and does it beat simply training less? (issue 7, DESIGN "What lossless means")
+
+For each task (MAE, pixel-space DDPM) on small digit shards: Full at 3 seeds (run-to-run noise),
+Random, InfoBatch and TED at the same passes and seed 0, Full at the samples forwarded of each pruned
+run (fewer passes, its own cosine schedule), a long and a short schedule, and a few pruner settings.
+All runs of one invocation share the machine side by side (a pool of `--workers` processes, one
+torch thread each), so their wall-clocks are comparable; samples forwarded and optimizer steps do
+not depend on load; the long schedule is then rerun one run at a time for wall-clock savings. It
+trains through `pipelines.trainer.train` and judges with the evaluators, changing neither (the
+run's pruner is wrapped only to time its calls; its decisions are untouched).
+
+    python -m tools.bench_lossless [--task mae|ldm|both] [--quick] [--out docs] [--work /tmp/bench_lossless]
+
+Writes OUT/BENCHMARKS.md (the generated part between the `bench:` markers; text outside them is kept),
+OUT/benchmarks/*.png, and WORK/lossless_{mode}.json with every number (`--from-json` re-renders from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
+                   "probe_accuracy": False, "fid": True}
+TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # issue 7: converged regime, within 1 seed std
+SEEDS = (0, 1, 2)
+
+
+# ----------------------------------------------------------------------------- what to run
+@dataclass
+class TaskPlan:
+    """One task's benchmark: its config, data size, schedules, pruners and extra settings to try."""
+
+    task: str  # mae | ldm
+    config: str  # configs/bench_*.yaml
+    main: str  # the metric the verdicts use
+    train_samples: int  # the first N digits train; the val split is all of val
+    long: int  # passes of the long schedule (the "converged" candidate)
+    short: int  # passes of the short schedule (0 = none)
+    pruners: dict  # label -> pruner config, run on both schedules and given an equal-compute Full
+    ablations: dict = field(default_factory=dict)  # label -> pruner config, long schedule only
+    fid_samples: int = 0  # > 0: small-domain FID of DDIM samples (ldm)
+    fid_steps: int = 20
+    overrides: list = field(default_factory=list)
+    timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
+
+
+PRUNERS = {
+    "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
+    "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
+    "TED": {"name": "ted", "target": 0.7, "ramp": 0.25, "explore": 0.1, "momentum": 0.5, "delta": 0.875},
+}
+MAE_ABLATIONS = {
+    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
+    "InfoBatch delta=0.7": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.7},
+    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
+    "TED explore=0.3": {**PRUNERS["TED"], "explore": 0.3},
+}
+LDM_ABLATIONS = {
+    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
+    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
+}
+
+
+def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
+    """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
+    pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
+    if mode == "full":
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
+                          timing_rounds=2),
+                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 32, 10, PRUNERS, LDM_ABLATIONS,
+                          fid_samples=256, timing_rounds=1)]
+    elif mode == "quick":
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
+                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 4, 2, PRUNERS, fid_samples=64,
+                          fid_steps=10, timing_rounds=0)]
+    elif mode == "micro":
+        tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
+    else:
+        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro")
+    return [p for p in plans if p.task in tasks]
+
+
+@dataclass
+class RunSpec:
+    key: str  # unique folder name
+    task: str
+    schedule: str  # long | short
+    label: str  # Full s0, InfoBatch, Full @ InfoBatch, ...
+    role: str  # full | pruned | ablation | equal_compute
+    pruner: dict
+    seed: int
+    passes: int
+    compute_of: str = ""  # equal_compute: the label of the pruned run it matches
+
+
+def first_specs(plan: TaskPlan) -> list[RunSpec]:
+    """Every run that does not depend on another's result."""
+    specs = []
+    for schedule, passes in (("long", plan.long), ("short", plan.short)):
+        if passes <= 0:
+            continue
+        for seed in SEEDS:
+            specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
+                                 {"name": "full"}, seed, passes))
+        groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
+        for role, pruners in groups:
+            for label, pruner in pruners.items():
+                specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}", plan.task, schedule, label, role,
+                                     dict(pruner), 0, passes))
+    return specs
+
+
+def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
+    """Full (seed 0) for as many passes as the pruned run's samples forwarded buy, its own schedule."""
+    passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
+    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}", pruned["task"],
+                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, 0, passes,
+                   compute_of=pruned["label"])
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
+
+
+# ----------------------------------------------------------------------------- data
+def prepare_data(work: str, train_samples: int, size: int = 16) -> str:
+    """Digit shards at `size` px in WORK/data; train/index.json lists only the first shard, which holds
+    exactly `train_samples` images (ids 0..N-1). Returns the folder holding train/ and val/."""
+    from pipelines.shards import ShardIndex
+    from tools.shards import write_shards
+
+    root = os.path.join(work, f"digits{size}_n{train_samples}")
+    if not os.path.exists(os.path.join(root, "val", "index.json")):
+        write_shards("digits", root, size=size, shard_size=train_samples)
+        train = os.path.join(root, "train")
+        ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)], source="digits",
+                         size=size, keys=["png", "cls"])
+    return root
+
+
+def feature_net(root: str, size: int = 16) -> str:
+    """The small-domain classifier FID uses on digits (tools/feature_net.py), trained once."""
+    from tools.feature_net import train_feature_net
+
+    path = os.path.join(root, "feature_net.safetensors")
+    if not os.path.exists(path):
+        train_feature_net(root, path, image_size=size, channels=1, net_resolution=size)
+    return path
+
+
+# ----------------------------------------------------------------------------- one run (in a worker)
+class TimedPruner:
+    """The run's pruner, unchanged, with the seconds spent in plan/weights/update/on_step counted."""
+
+    TIMED = ("plan", "weights", "update", "on_step")
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.seconds = defaultdict(float)
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in self.TIMED:
+            return attr
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two runs side by side on two cores, not four threads fighting
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_weights: str,
+            evaluate_runs: bool = True) -> dict:
+    """Train one run, then evaluate its final raw weights; returns everything the report needs.
+    Without `evaluate_runs` there is no held-out evaluation at all (the timing phase)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import pipelines.trainer as trainer
+    from pipelines.config import load_config
+
+    val = f"{data_root}/val" if evaluate_runs else "''"  # '' = no held-out set; a bare `data.val=` reads as None
+    overrides = [f"runs_dir={runs_dir}", f"name={spec.key}", f"seed={spec.seed}", f"passes={spec.passes}",
+                 f"data.train={data_root}/train", f"data.val={val}",
+                 *plan.overrides]
+    overrides += [f"pruner.{k}={v}" for k, v in spec.pruner.items()]
+    cfg = load_config(os.path.join(ROOT, plan.config), overrides)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    timed: list[TimedPruner] = []
+
+    def build_timed(*args, **kwargs):
+        timed.append(TimedPruner(trainer_build(*args, **kwargs)))
+        return timed[-1]
+
+    trainer_build = trainer.build_pruner
+    start, cpu_start = time.perf_counter(), time.process_time()
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with mock.patch.object(trainer, "build_pruner", build_timed), quiet[0], quiet[1]:
+        trainer.train(cfg)
+    process_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    passes = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    passes = [r for r in passes if r.get("kind") == "pass"]
+    last = passes[-1]
+    result = dataclasses.asdict(spec)
+    result.update(
+        samples_forwarded=last["samples_forwarded"], optimizer_steps=last["optimizer_steps"],
+        wall_seconds=last["wall_seconds"], process_seconds=process_seconds, cpu_seconds=cpu_seconds,
+        mean_kept_fraction=float(np.mean([r["kept_fraction"] for r in passes])),
+        pruner_seconds=dict(timed[0].seconds) if timed else {},
+        curve=[{"pass": r["epoch"] + 1, "samples_forwarded": r["samples_forwarded"], "wall_seconds": r["wall_seconds"],
+                "held_out": r.get("held_out", {}).get(plan.main)} for r in passes],
+        metrics={plan.main: last.get("held_out", {}).get(plan.main)}, metrics_source="trainer held-out (run seed)",
+    )
+    if not evaluate_runs:
+        return result
+    result["metrics"].update(evaluate(cfg, plan, fid_weights))
+    if result["metrics"].get("eval_" + plan.main) is not None:
+        result["metrics"][plan.main] = result["metrics"].pop("eval_" + plan.main)
+        result["metrics_source"] = "evaluators, raw final weights, eval seed 0, all val"
+    return result
+
+
+def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
+    """PSNR, linear probe (MAE) and FID (diffusion) of the final raw weights, through the evaluators
+    of issue 5 when they are present; {} otherwise (the trainer's held-out metric is then used)."""
+    import contextlib
+    import io
+
+    try:
+        from pipelines.evaluate import evaluate_checkpoint
+        from pipelines.evaluate_config import EvalConfig, FIDConfig, ProbeConfig
+    except ImportError:
+        return {}
+    # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
+    # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
+    # features are already ~90% linearly separable with all labels (pipelines/evaluate_config.py).
+    fid = FIDConfig(enabled=plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2), sampler_steps=plan.fid_steps,
+                    feature="classifier", weights=fid_weights, reference="train", reference_samples=0)
+    eval_cfg = EvalConfig(weights="raw", seed=0, val_samples=0, fid=fid,
+                          probe=ProbeConfig(enabled=plan.task == "mae", pool="avg", per_class=10))
+    with contextlib.redirect_stderr(io.StringIO()):  # progress bars
+        record = evaluate_checkpoint(cfg.run_dir, "latest", eval_cfg, device="cpu")
+    details = record["details"]
+    keep = {"psnr": "psnr", "probe_accuracy": "probe_accuracy", "fid": "fid", plan.main: "eval_" + plan.main}
+    return {name: float(details[key]) for key, name in keep.items() if isinstance(details.get(key), (int, float))}
+
+
+# ----------------------------------------------------------------------------- scheduling
+def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[dict]:
+    """Every run of every plan, `workers` at a time; an equal-compute Full starts when its pruned run ends."""
+    log = log or (lambda message: print(message, flush=True))
+    runs_dir = os.path.join(work, "runs")
+    jobs = []
+    context = {}
+    for plan in plans:
+        root = prepare_data(work, plan.train_samples)
+        fid_weights = feature_net(root) if plan.fid_samples > 0 and evaluators_present() else ""
+        context[plan.task] = (plan, root, fid_weights)
+        jobs += first_specs(plan)
+    cost = {"mae": 1.0, "ldm": 4.0}  # seconds per pass, roughly: the costliest job first keeps both workers busy
+    pending = sorted(jobs, key=lambda s: -s.passes * cost[s.task])
+    results = []
+    pool_kwargs = dict(max_workers=workers, initializer=_init_worker,
+                       mp_context=multiprocessing.get_context("spawn"))
+    done_keys: dict[str, dict] = {}
+    waiting: dict[str, list[RunSpec]] = {}  # run key -> equal-compute specs that are the same run
+    with ProcessPoolExecutor(**pool_kwargs) as pool:
+        futures = {}
+        while pending or futures:
+            while pending and len(futures) < workers:
+                spec = pending.pop(0)
+                futures[pool.submit(execute, spec, *context[spec.task][:2], runs_dir, context[spec.task][2])] = spec
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                spec = futures.pop(future)
+                result = future.result()
+                results.append(result)
+                plan = context[spec.task][0]
+                log(f"[{time.strftime('%H:%M:%S')}] {spec.key}: {result['passes']} passes, "
+                    f"{result['samples_forwarded']} samples, {result['optimizer_steps']} steps, "
+                    f"{result['wall_seconds']:.1f} s, {plan.main} {result['metrics'].get(plan.main)}")
+                done_keys[spec.key] = result
+                for alias in waiting.pop(spec.key, []):
+                    results.append({**result, "label": alias.label, "role": alias.role, "compute_of": alias.compute_of})
+                if spec.role == "pruned":
+                    batch = 32  # configs/bench_*.yaml; one rank, no worker split: a pass forwards N // B * B
+                    follow = equal_compute_spec(result, (plan.train_samples // batch) * batch)
+                    # Full at the same passes is a run we already have (seed 0), or one already asked for
+                    same = (f"{spec.task}_{spec.schedule}_full_s0" if follow.passes == spec.passes else follow.key)
+                    if same in done_keys:
+                        results.append({**done_keys[same], "label": follow.label, "role": follow.role,
+                                        "compute_of": follow.compute_of})
+                    elif same in waiting or any(p.key == same for p in pending) or same in running_keys(futures):
+                        waiting.setdefault(same, []).append(follow)
+                    else:
+                        pending.append(follow)
+                        pending.sort(key=lambda s: -s.passes * cost[s.task])
+    return results
+
+
+def timing_runs(plans: list[TaskPlan], work: str, log=None) -> list[dict]:
+    """Full, Random, InfoBatch and TED of the long schedule again, one at a time and interleaved
+    (F R I T F R I T ...), without held-out evaluation: wall-clock and CPU seconds of runs that did
+    not share the machine with each other, and met the same drifts of outside load."""
+    log = log or (lambda message: print(message, flush=True))
+    runs_dir = os.path.join(work, "timing")
+    results = []
+    with ProcessPoolExecutor(max_workers=1, initializer=_init_worker,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        for plan in plans:
+            root = prepare_data(work, plan.train_samples)
+            for round_ in range(plan.timing_rounds):
+                for label, pruner in [("Full", {"name": "full"}), *plan.pruners.items()]:
+                    spec = RunSpec(f"{plan.task}_timing_{slug(label)}_r{round_}", plan.task, "long", label,
+                                   "full" if label == "Full" else "pruned", dict(pruner), 0, plan.long)
+                    result = pool.submit(execute, spec, plan, root, runs_dir, "", False).result()
+                    result["round"] = round_
+                    results.append(result)
+                    log(f"[{time.strftime('%H:%M:%S')}] timing {spec.key}: {result['samples_forwarded']} samples, "
+                        f"{result['wall_seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU")
+    return results
+
+
+def summarise_timing(timing: list[dict]) -> list[dict]:
+    """Per task and pruner: skipped fraction, wall-clock and CPU saving against Full (means over rounds),
+    realised = saving / skipped, and the pruner's share of the loop's wall time."""
+    rows = []
+    for task in sorted({r["task"] for r in timing}):
+        runs = [r for r in timing if r["task"] == task]
+        full = [r for r in runs if r["label"] == "Full"]
+        wall_full = float(np.mean([r["wall_seconds"] for r in full]))
+        cpu_full = float(np.mean([r["cpu_seconds"] for r in full]))
+        sf_full = float(np.mean([r["samples_forwarded"] for r in full]))
+        for label in dict.fromkeys(r["label"] for r in runs):
+            mine = [r for r in runs if r["label"] == label]
+            wall = float(np.mean([r["wall_seconds"] for r in mine]))
+            cpu = float(np.mean([r["cpu_seconds"] for r in mine]))
+            skipped = 1.0 - float(np.mean([r["samples_forwarded"] for r in mine])) / sf_full
+            saving, cpu_saving = 1.0 - wall / wall_full, 1.0 - cpu / cpu_full
+            pruner = float(np.mean([sum(r["pruner_seconds"].values()) for r in mine]))
+            steps = float(np.mean([r["optimizer_steps"] for r in mine]))
+            rows.append({"task": task, "label": label, "rounds": len(mine), "passes": mine[0]["passes"],
+                         "skipped": skipped, "optimizer_steps": steps, "wall_seconds": wall,
+                         "wall_spread": float(np.ptp([r["wall_seconds"] for r in mine])), "cpu_seconds": cpu,
+                         "saving": saving, "cpu_saving": cpu_saving,
+                         "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                         "cpu_realised": cpu_saving / skipped if skipped > 0.02 else float("nan"),
+                         "step_ms": 1000 * wall / max(steps, 1), "pruner_overhead": pruner / max(wall, 1e-9)})
+    return rows
+
+
+def running_keys(futures: dict) -> set[str]:
+    return {spec.key for spec in futures.values()}
+
+
+def evaluators_present() -> bool:
+    try:
+        import pipelines.evaluate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- verdicts
+def seed_stats(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation) of the Full seeds."""
+    array = np.asarray(values, dtype=float)
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else float("nan")
+
+
+def delta_in_std(value: float, reference: float, std: float, lower_is_better: bool) -> float:
+    """How much worse than `reference` `value` is, in seed standard deviations (negative = better)."""
+    if value is None or reference is None or not std or not math.isfinite(std):
+        return float("nan")
+    worse = value - reference if lower_is_better else reference - value
+    return worse / std
+
+
+def lossless(value: float, full_mean: float, full_std: float, lower_is_better: bool) -> bool:
+    """Within one Full seed std of Full's mean at equal passes (or better)."""
+    return delta_in_std(value, full_mean, full_std, lower_is_better) <= 1.0
+
+
+def beats_equal_compute(value: float, equal_compute: float, full_std: float, lower_is_better: bool) -> bool:
+    """Better than Full trained for the same samples forwarded by more than one Full seed std."""
+    return delta_in_std(value, equal_compute, full_std, lower_is_better) < -1.0
+
+
+def interpolate_frontier(points: list[tuple[float, float]], samples: float) -> float | None:
+    """Quality of Full at `samples` forwarded, linear between Full runs with their own schedules."""
+    points = sorted(points)
+    if len(points) < 2 or not points[0][0] <= samples <= points[-1][0]:
+        return None
+    xs, ys = zip(*points)
+    return float(np.interp(samples, xs, ys))
+
+
+def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
+    rows = []
+    for plan in plans:
+        for schedule in ("long", "short"):
+            group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
+            fulls = [r for r in group if r["role"] == "full"]
+            if not fulls:
+                continue
+            metric_names = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
+            stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
+                     for m in metric_names}
+            wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
+            sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
+            full0 = next(r for r in fulls if r["seed"] == 0)
+            frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
+                        if r["role"] in ("equal_compute",) or r is full0]
+            equal = {r["compute_of"]: r for r in group if r["role"] == "equal_compute"}
+            mean, std = stats[plan.main]
+            lower = LOWER_IS_BETTER[plan.main]
+            for r in group:
+                skipped = 1.0 - r["samples_forwarded"] / sf_full
+                saving = 1.0 - r["wall_seconds"] / wall_full
+                row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
+                       "role": r["role"], "samples_forwarded": r["samples_forwarded"],
+                       "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
+                       "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
+                       "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                       "metrics": r["metrics"], "main": plan.main,
+                       "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m])
+                                  for m in metric_names},
+                       "full_mean": mean, "full_std": std,
+                       "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
+                       "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
+                if r["role"] in ("pruned", "ablation"):
+                    value = r["metrics"][plan.main]
+                    row["lossless"] = lossless(value, mean, std, lower)
+                    if r["label"] in equal:
+                        reference, how = equal[r["label"]]["metrics"][plan.main], "run"
+                    else:
+                        reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
+                    row["equal_compute_value"], row["equal_compute_how"] = reference, how
+                    row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
+                    row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
+                                                  if reference is not None else None)
+                rows.append(row)
+    return rows
+
+
+def flattening(results: list[dict], plan: TaskPlan) -> dict:
+    """Is Full converged on the long schedule? Two checks, both in seed std of the final metric:
+    - in its curve: the mean held-out metric moved < 1 std over the last quarter of the passes (a
+      cosine schedule flattens at its end whatever the model, so this alone is weak);
+    - across schedules: Full trained for fewer passes (the equal-compute runs, own schedules) ends
+      < 1 std worse than Full at all passes, i.e. the last passes bought nothing.
+    """
+    fulls = [r for r in results if r["task"] == plan.task and r["schedule"] == "long" and r["role"] == "full"]
+    curves = np.array([[p["held_out"] for p in r["curve"]] for r in fulls], dtype=float)
+    mean_curve = curves.mean(axis=0)
+    n = len(mean_curve)
+    at = max(0, int(round(0.75 * n)) - 1)
+    _, curve_std = seed_stats(list(curves[:, -1]))
+    change = mean_curve[at] - mean_curve[-1]
+    mean, std = seed_stats([r["metrics"][plan.main] for r in fulls])
+    shorter = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"
+               and r["role"] == "equal_compute" and r["passes"] < n]
+    found = {"passes": n, "from_pass": at + 1, "change": float(change), "in_std": float(change / curve_std),
+             "flattened": bool(abs(change / curve_std) < 1.0), "shorter_passes": None, "shorter_gap_std": None}
+    if shorter:
+        fewest = min(shorter, key=lambda r: r["passes"])
+        gap = delta_in_std(fewest["metrics"][plan.main], mean, std, LOWER_IS_BETTER[plan.main])
+        found.update(shorter_passes=fewest["passes"], shorter_gap_std=float(gap))
+    found["converged"] = bool(found["flattened"] and (found["shorter_gap_std"] is None or found["shorter_gap_std"] < 1.0))
+    return found
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
+    """Held-out metric per pass (left: is Full flat?) and per sample forwarded (right: pruned runs
+    against Full runs with their own, shorter schedules) for the long schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"Random": "tab:green", "InfoBatch": "tab:blue", "TED": "tab:red"}
+    long_runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long" and r["role"] != "ablation"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    drawn = set()
+    for r in sorted(long_runs, key=lambda r: (r["role"] != "full", r["label"])):
+        curve = [p for p in r["curve"] if p["held_out"] is not None]
+        passes = [p["pass"] for p in curve]
+        compute = [p["samples_forwarded"] / 1000 for p in curve]
+        values = [p["held_out"] for p in curve]
+        if r["role"] == "full":
+            style = dict(color="black", lw=1.6 if r["seed"] == 0 else 1.0, alpha=1.0 if r["seed"] == 0 else 0.45)
+        elif r["role"] == "equal_compute":
+            if (r["key"], r["compute_of"]) in drawn or r["passes"] == plan.long:
+                continue  # the same run as Full s0 or another equal-compute run: drawn once
+            drawn.add((r["key"], r["compute_of"]))
+            style = dict(color=colours.get(r["compute_of"], "gray"), lw=1.2, ls=":")
+        else:
+            style = dict(color=colours.get(r["label"], "gray"), lw=1.6)
+        if r["role"] != "equal_compute":
+            axes[0].plot(passes, values, label=r["label"], **style)
+        axes[1].plot(compute, values, label=r["label"], **style)
+        if r["role"] == "equal_compute":  # mark where it ends: the equal-compute point
+            axes[1].plot(compute[-1:], values[-1:], marker="o", ms=4, color=style["color"])
+    for ax, xlabel in zip(axes, ("pass", "samples forwarded (thousands)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"held-out {plan.main} (per pass, run-seed masks/noise)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    axes[0].set_title(f"{plan.task}, long schedule ({plan.long} passes): by pass")
+    axes[1].set_title(f"{plan.task}: by samples forwarded\n(dotted: Full, its own shorter schedule; dot = its end)")
+    tails = [p["held_out"] for r in long_runs for p in r["curve"][max(1, len(r["curve"]) // 10):]
+             if p["held_out"] is not None]
+    if tails:  # zoom on where the runs differ, not on the first passes' drop
+        for ax in axes:
+            ax.set_ylim(0.95 * min(tails), 1.05 * max(tails))
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"lossless_{mode}_{plan.task}_curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+# ----------------------------------------------------------------------------- markdown
+def _fmt(value, digits=4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _verdict(value) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
+    rows = [r for r in rows if r["task"] == task and r["schedule"] == schedule]
+    if not rows:
+        return []
+    main = rows[0]["main"]
+    extra = [m for m in rows[0]["deltas"] if m != main]
+    head = (["run", "passes", "samples fwd", "compute", "opt steps", "wall s", "saving", main, "Δ (std)"]
+            + [f"{m} (Δ std)" for m in extra] + ["lossless (equal passes)", "Full at equal compute", "Δ vs it (std)",
+                                                  "beats equal compute"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {"full": 0, "pruned": 1, "ablation": 2, "equal_compute": 3}
+    for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"])):
+        cells = [r["label"], str(r["passes"]), f"{r['samples_forwarded']:,}", f"{r['compute']:.0%}",
+                 str(r["optimizer_steps"]), f"{r['wall_seconds']:.0f}", f"{r['saving']:+.0%}",
+                 _fmt(r["metrics"].get(main)), _fmt(r["deltas"][main], 2)]
+        cells += [f"{_fmt(r['metrics'].get(m))} ({_fmt(r['deltas'][m], 2)})" for m in extra]
+        if r["role"] in ("pruned", "ablation"):
+            how = "" if r["equal_compute_how"] == "run" else " (interp.)"
+            cells += [_verdict(r["lossless"]), _fmt(r["equal_compute_value"]) + how, _fmt(r["equal_compute_delta"], 2),
+                      _verdict(r["beats_equal_compute"])]
+        else:
+            cells += ["", "", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    full = next(r for r in rows if r["role"] == "full")
+    lines.append("")
+    lines.append(f"Full over 3 seeds: {main} {_fmt(full['full_mean'])} ± {_fmt(full['full_std'], 2)} (sample std); "
+                 f"Δ = (worse - better) / that std, positive = worse than Full.")
+    return lines
+
+
+def cost_table(rows: list[dict]) -> list[str]:
+    lines = ["| task | schedule | run | samples skipped | wall-clock saving | realised / skipped | step ms | "
+             "pruner time / step time |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["role"] in ("pruned", "ablation") or (r["role"] == "full" and r["label"] == "Full s0"):
+            lines.append(f"| {r['task']} | {r['schedule']} | {r['label']} | {r['skipped']:.1%} | {r['saving']:.1%} | "
+                         f"{_fmt(r['realised'], 2)} | {r['step_ms']:.1f} | {r['pruner_overhead']:.3%} |")
+    return lines
+
+
+def targets(rows: list[dict], flat: dict, timing_rows: list[dict] = ()) -> list[dict]:
+    """Issue 7's targets, each met or MISSED, from the long schedule ("converged" only if it flattened);
+    realised saving and overhead from the sequential timing runs when there are any."""
+    found = []
+    timed = {(r["task"], r["label"]): r for r in timing_rows}
+    for task in sorted({r["task"] for r in rows}):
+        long_rows = {r["label"]: r for r in rows if r["task"] == task and r["schedule"] == "long"}
+        for label, key in (("InfoBatch", "infobatch"), ("TED", "ted")):
+            r = long_rows.get(label)
+            if r is None:
+                continue
+            need = TARGET_SAVING[key]
+            t = timed.get((task, label), r)
+            where = " (sequential timing runs)" if (task, label) in timed else " (side-by-side runs)"
+            ok = bool(r["lossless"] and t["saving"] >= need and flat[task]["converged"])
+            found.append({"target": f"{task}: {label} saves >= {need:.0%} wall-clock, within 1 seed std, converged",
+                          "met": ok, "measured": f"saving {t['saving']:.1%}{where}, Δ {_fmt(r['deltas'][r['main']], 2)} std, "
+                                                 f"Full converged: {flat[task]['converged']}"})
+            found.append({"target": f"{task}: {label} beats Full at equal compute by > 1 seed std",
+                          "met": bool(r["beats_equal_compute"]),
+                          "measured": f"Δ vs equal-compute Full {_fmt(r['equal_compute_delta'], 2)} std"})
+            if t["skipped"] > 0.02:
+                found.append({"target": f"{task}: {label} realised wall-clock saving >= 90% of samples skipped",
+                              "met": bool(t["realised"] >= 0.9),
+                              "measured": f"{t['saving']:.1%} of {t['skipped']:.1%} = {_fmt(t['realised'], 2)}" + where})
+            found.append({"target": f"{task}: {label} pruner overhead < 1% of step time",
+                          "met": bool(t["pruner_overhead"] < 0.01), "measured": f"{t['pruner_overhead']:.3%}" + where})
+    return found
+
+
+def render(report: dict) -> str:
+    rows, lines = report["rows"], []
+    lines += [f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+              f"Wall time of the whole benchmark: {report['bench_seconds'] / 60:.1f} min "
+              f"({report['workers']} runs side by side, 1 torch thread each); load average at start / end: "
+              f"{report['load_start']} / {report['load_end']}  ", ""]
+    for plan in report["plans"]:
+        task = plan["task"]
+        flat = report["flattening"][task]
+        lines += [f"### {task}: {plan['train_samples']} training digits at 16 px, `{plan['config']}`", "",
+                  f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "
+                  f"{_fmt(flat['change'])} ({_fmt(flat['in_std'], 2)} seed std) from pass {flat['from_pass']} to "
+                  f"{flat['passes']}: {'flattened' if flat['flattened'] else 'NOT flattened (still improving)'}. "
+                  + (f"Full with its own {flat['shorter_passes']}-pass schedule ends {_fmt(flat['shorter_gap_std'], 2)} "
+                     f"seed std worse than at {flat['passes']} passes: "
+                     + ("the last passes bought nothing (converged)." if flat["converged"] else
+                        "the last passes still pay, so this is NOT the converged regime.")
+                     if flat["shorter_passes"] else ""), ""]
+        for schedule in ("long", "short"):
+            table = results_table(rows, task, schedule)
+            if table:
+                passes = plan[schedule]
+                lines += [f"#### {task}, {schedule} schedule ({passes} passes)", ""] + table + [""]
+        lines += [f"![{task} curves](benchmarks/{os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
+    if report.get("timing_rows"):
+        lines += ["### Wall-clock, one run at a time", "",
+                  "The long schedule again without held-out evaluation, one run at a time, interleaved "
+                  "(Full, Random, InfoBatch, TED, then again), so runs did not share the cores with each other "
+                  "and met the same drifts of outside load. CPU = the run process's CPU seconds (setup included).", "",
+                  "| task | run | rounds | samples skipped | opt steps | wall s (spread) | wall saving | realised / skipped "
+                  "| CPU s | CPU saving | CPU realised | step ms | pruner time / loop time |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in report["timing_rows"]:
+            lines.append(f"| {t['task']} | {t['label']} | {t['rounds']} | {t['skipped']:.1%} | {t['optimizer_steps']:.0f} | "
+                         f"{t['wall_seconds']:.1f} ({t['wall_spread']:.1f}) | {t['saving']:.1%} | {_fmt(t['realised'], 2)} | "
+                         f"{t['cpu_seconds']:.1f} | {t['cpu_saving']:.1%} | {_fmt(t['cpu_realised'], 2)} | "
+                         f"{t['step_ms']:.1f} | {t['pruner_overhead']:.3%} |")
+        lines.append("")
+    lines += ["### Cost in the side-by-side runs (two at a time; noisier)", ""] + cost_table(rows) + [""]
+    lines += ["### Targets of issue 7", "", "| target | status | measured |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {'met' if t['met'] else 'MISSED'} | {t['measured']} |" for t in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, mode: str, body: str) -> None:
+    """Replace the block between `<!-- bench:{mode}:begin -->` and `...:end -->` in `path`, keeping the rest."""
+    begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
+    block = f"{begin}\n{body}{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + f"\n\n## Lossless benchmark ({mode})\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ----------------------------------------------------------------------------- entry point
+def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str = "docs",
+          work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None) -> dict:
+    """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict."""
+    plans = task_plans(mode, list(tasks))
+    os.makedirs(work, exist_ok=True)
+    load_start = os.getloadavg()
+    start = time.perf_counter()
+    results = run_all(plans, work, workers, log=log)
+    timing = timing_runs(plans, work, log=log)
+    meta = {"mode": mode, "command": command or f"prunepipe bench lossless --task {','.join(tasks)}"
+            + (" --quick" if mode == "quick" else ""),
+            "machine": f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), no GPU, "
+                       f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
+            "workers": workers, "bench_seconds": time.perf_counter() - start,
+            "load_start": " ".join(f"{x:.1f}" for x in load_start),
+            "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "timing": timing}
+    return write_report(results, plans, meta, out, os.path.join(work, f"lossless_{mode}.json"))
+
+
+def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: str, json_path: str) -> dict:
+    """Tables, verdicts, targets, plots and OUT/BENCHMARKS.md from the runs' results; every number
+    (and each run's per-pass curve) goes to `json_path`, from which `rerender` rewrites the report."""
+    mode = meta["mode"]
+    rows = summarise(results, plans)
+    flat = {p.task: flattening(results, p) for p in plans}
+    plot_dir = os.path.join(out, "benchmarks")
+    os.makedirs(plot_dir, exist_ok=True)
+    report = {**meta, "plans": [dataclasses.asdict(p) for p in plans], "results": results, "rows": rows,
+              "flattening": flat, "plots": {p.task: plot_curves(results, p, plot_dir, mode) for p in plans}}
+    report["timing_rows"] = summarise_timing(meta.get("timing") or [])
+    report["targets"] = targets(rows, flat, report["timing_rows"])
+    report["markdown"] = render(report)
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    write_markdown(os.path.join(out, "BENCHMARKS.md"), mode, report["markdown"])
+    return report
+
+
+def rerender(path: str, out: str, timing: bool = False, work: str = "/tmp/bench_lossless") -> dict:
+    """Rewrite the report of a finished benchmark from its lossless_{mode}.json (no training), after
+    running the sequential timing phase again when `timing`."""
+    with open(path) as f:
+        saved = json.load(f)
+    plans = [TaskPlan(**p) for p in saved["plans"]]
+    if timing:
+        plans = [dataclasses.replace(p, timing_rounds=task_plans(saved["mode"], [p.task])[0].timing_rounds)
+                 for p in plans]
+        saved["timing"] = timing_runs(plans, work)
+    meta = {k: saved.get(k) for k in ("mode", "command", "machine", "workers", "bench_seconds", "load_start",
+                                      "load_end", "timing")}
+    return write_report(saved["results"], plans, meta, out, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prunepipe bench lossless", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_from_args(args)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=("mae", "ldm", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="a few minutes: same runs, few passes")
+    parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
+    parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
+    parser.add_argument("--workers", type=int, default=2, help="runs side by side (one torch thread each)")
+    parser.add_argument("--from-json", help="only rewrite the report from a finished run's WORK/lossless_MODE.json")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
+
+
+def run_from_args(args) -> int:
+    if args.from_json:
+        print(rerender(args.from_json, args.out, timing=args.timing_only, work=args.work)["markdown"])
+        return 0
+    tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
+    command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''} --out {args.out}"
+               f" --workers {args.workers}")
+    report = bench("quick" if args.quick else "full", tasks, args.out, args.work, args.workers, command=command)
+    print(report["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
