@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--no-plots", action="store_true")
     compare.set_defaults(func=_compare)
 
-    bench = sub.add_parser("bench", help="benchmarks (issue 7)")
+    bench = sub.add_parser("bench", help="benchmarks: pruned against full runs, side by side")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     lossless = bench_sub.add_parser("lossless", help="is pruning lossless, and better than training less? "
                                                      "writes docs/BENCHMARKS.md")

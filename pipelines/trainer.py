@@ -300,7 +300,7 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "pruner": {k: v for k, v in pruner.stats().items() if isinstance(v, (int, float, str))},
     }
     if held_out and accelerator.is_main_process:
-        summary["held_out"] = task.held_out(accelerator.unwrap_model(model), held_out, seed=cfg.seed)
+        summary["held_out"] = task.held_out(accelerator.unwrap_model(model), held_out, seed=cfg.eval.seed)
     return summary
 
 

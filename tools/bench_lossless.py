@@ -1,4 +1,4 @@
-"""Is pruning lossless here, and does it beat simply training less? (issue 7, DESIGN "What lossless means")
+"""Is pruning lossless here, and does it beat simply training less? (docs/evaluation.md says what "lossless" means)
 
 For each task (MAE, pixel-space DDPM) on small digit shards: Full at 3 seeds (run-to-run noise),
 Random, InfoBatch and TED at the same passes and seed 0, Full at the samples forwarded of each pruned
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
                    "probe_accuracy": False, "fid": True}
-TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # issue 7: converged regime, within 1 seed std
+TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, within 1 seed std
 SEEDS = (0, 1, 2)
 
 
@@ -250,7 +250,7 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
 
 def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
     """PSNR, linear probe (MAE) and FID (diffusion) of the final raw weights, through the evaluators
-    of issue 5 when they are present; {} otherwise (the trainer's held-out metric is then used)."""
+    of pipelines/evaluate*.py when they are present; {} otherwise (the trainer's held-out metric is then used)."""
     import contextlib
     import io
 
@@ -673,7 +673,7 @@ def render(report: dict) -> str:
                          f"{t['step_ms']:.1f} | {t['pruner_overhead']:.3%} |")
         lines.append("")
     lines += ["### Cost in the side-by-side runs (two at a time; noisier)", ""] + cost_table(rows) + [""]
-    lines += ["### Targets of issue 7", "", "| target | status | measured |", "|---|---|---|"]
+    lines += ["### Targets", "", "| target | status | measured |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'met' if t['met'] else 'MISSED'} | {t['measured']} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
 
