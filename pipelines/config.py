@@ -47,7 +47,7 @@ class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.05
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, DESIGN principle 6)
+    warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, docs/design.md, principle 6)
     min_lr: float = 0.0  # cosine decays to this by the last pass
     grad_clip: float = 1.0  # 0 = off
     grad_accum: int = 1  # micro-batches per optimizer step

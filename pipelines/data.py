@@ -3,7 +3,7 @@
 A pass is laid out before any byte is read (`pass_layout`): the shard order is a pure function of
 (seed, epoch), and the *kept* samples of that order are cut into equal contiguous slices, one per
 (rank, loader worker). Every rank derives every rank's batch count from the plan and the index, so
-all ranks stop at the same step with no collective (DESIGN principle 3). Pruned samples are read
+all ranks stop at the same step with no collective (docs/design.md, principle 3). Pruned samples are read
 as bytes and dropped before decoding (principle 2). Nothing here knows about models or pruners.
 """
 

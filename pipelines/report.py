@@ -1,6 +1,6 @@
 """`prunepipe compare`: was a pruned run lossless? Reads run folders (config.yaml, metrics.jsonl,
 eval/*.json), judges each quality metric against the baseline within a printed tolerance, at equal
-passes and at equal compute (DESIGN.md, "What lossless means"), tabulates the cost and writes
+passes and at equal compute (docs/design.md, "What lossless means"), tabulates the cost and writes
 report.md, report.json and the PNG plots. It never evaluates a model (run `prunepipe eval` first).
 """
 

@@ -1,4 +1,4 @@
-"""The one training loop, for MAE and latent diffusion alike (DESIGN principle 4).
+"""The one training loop, for MAE and latent diffusion alike (docs/design.md, principle 4).
 
 Per pass: freeze the pruner's plan, stream the kept samples, and per step compute per-sample
 losses, take mean(w * loss), step the optimizer and EMA, and feed the globally gathered
@@ -56,7 +56,7 @@ def build_task(cfg: RunConfig):
 
 def learning_rate(cfg: RunConfig, progress: float) -> float:
     """Linear warmup then cosine, driven by pass progress (epoch + fraction of the pass), so a pass
-    shortened by pruning keeps the schedule aligned with the full run's (DESIGN principle 6)."""
+    shortened by pruning keeps the schedule aligned with the full run's (docs/design.md, principle 6)."""
     o = cfg.optim
     if progress < o.warmup_passes:
         return o.lr * progress / o.warmup_passes

@@ -1,4 +1,4 @@
-"""The contract every pruner keeps (DESIGN.md, "Pruners"), the counter-based coin and the frozen plan.
+"""The contract every pruner keeps (docs/design.md, "Pruners"), the counter-based coin and the frozen plan.
 
 Decisions are pure functions of (seed, epoch, id, plan frozen at the pass start): no global RNG is
 ever seeded or drawn from. pruning/ never imports a model, opens a file or talks to other ranks
@@ -189,7 +189,7 @@ class FrozenPlan:
 
 
 class Pruner(abc.ABC):
-    """Per-sample ids and losses in, keep/skip decisions and weights out (DESIGN.md, "Pruners").
+    """Per-sample ids and losses in, keep/skip decisions and weights out (docs/design.md, "Pruners").
 
     Subclasses declare their hyper-parameters as keyword-only `__init__` arguments with defaults,
     keep per-sample state in numpy tables made by `np.zeros` (untouched pages cost no memory),

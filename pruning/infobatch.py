@@ -1,6 +1,6 @@
 """InfoBatch (Qin et al., ICLR 2024, arXiv 2303.04947): soft-prune below-mean-loss samples, rescale the rest.
 
-Written from the paper and DESIGN.md; nothing is imported or copied from the reference package
+Written from the paper and docs/design.md; nothing is imported or copied from the reference package
 (it patches DataLoader internals, reseeds numpy globally and cannot be checkpointed).
 """
 

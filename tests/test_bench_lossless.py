@@ -1,5 +1,5 @@
-"""The lossless benchmark harness (issue 7): it runs end to end on a micro configuration and its
-verdicts say what DESIGN.md's "What lossless means" says, both ways. No timing thresholds."""
+"""The lossless benchmark harness: it runs end to end on a micro configuration and its
+verdicts say what docs/design.md's "What lossless means" says, both ways. No timing thresholds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pruner contract (DESIGN.md, "Pruners"; issue 3, acceptance 1-4): decisions, weights, state.
+"""The pruner contract (docs/design.md, "Pruners"): decisions, weights, state.
 
 Statistical claims use fixed seeds and state their tolerance: binomial tests at alpha = 1e-3 and
 means within 4 standard errors.
@@ -100,7 +100,7 @@ def test_random_keeps_with_probability_k_and_weight_one_over_k(keep):
 
 
 # ----------------------------------------------------------------------------------------------
-# InfoBatch (acceptance 1)
+# InfoBatch
 # ----------------------------------------------------------------------------------------------
 
 
@@ -196,7 +196,7 @@ def test_pruned_so_far_adds_passes_and_replanning_a_pass_replaces_it():
 
 
 # ----------------------------------------------------------------------------------------------
-# Unbiasedness (acceptance 2)
+# Unbiasedness
 # ----------------------------------------------------------------------------------------------
 
 
@@ -244,7 +244,7 @@ def test_pruners_keep_the_expected_gradient(name):
 
 
 # ----------------------------------------------------------------------------------------------
-# Determinism and state (acceptance 3)
+# Determinism and state
 # ----------------------------------------------------------------------------------------------
 
 
@@ -342,7 +342,7 @@ def test_weights_before_plan_and_out_of_range_ids_are_errors():
 
 
 # ----------------------------------------------------------------------------------------------
-# Large ids, low precision, non-finite losses (acceptance 4)
+# Large ids, low precision, non-finite losses
 # ----------------------------------------------------------------------------------------------
 
 HUGE = 5_000_000_100

@@ -1,4 +1,4 @@
-"""TED (issue 3, acceptance 5): what its score measures, whom it prunes first, its schedule and
+"""TED: what its score measures, whom it prunes first, its schedule and
 its exploration slice. Binomial checks at alpha = 1e-3, counts within 4 standard deviations.
 """
 
