@@ -150,7 +150,8 @@ def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path)
 
 def test_learning_rate_follows_pass_progress(digits_shards):
     cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                      [f"data.train={digits_shards}/train", "passes=10", "optim.warmup_passes=2", "optim.lr=1.0"])
+                      [f"data.train={digits_shards}/train", "data.val=''", "passes=10", "optim.warmup_passes=2",
+                       "optim.lr=1.0"])
     assert learning_rate(cfg, 0.0) == 0.0 and learning_rate(cfg, 1.0) == pytest.approx(0.5)
     assert learning_rate(cfg, 2.0) == pytest.approx(1.0) and learning_rate(cfg, 10.0) == pytest.approx(0.0)
     assert learning_rate(cfg, 6.0) == pytest.approx(0.5)
