@@ -45,6 +45,16 @@ class Batch:
         return len(self.ids)
 
 
+def real_samples(batches) -> Iterator[Batch]:
+    """The batches without their weight-0 padding (id -1); batches of padding only are left out."""
+    for batch in batches:
+        keep = batch.ids >= 0
+        if bool(keep.all()):
+            yield batch
+        elif bool(keep.any()):
+            yield Batch(batch.ids[keep], batch.weights[keep], batch.images[keep], batch.labels[keep], batch.bad)
+
+
 @dataclass(frozen=True)
 class SliceOfShard:
     """Kept samples `[kept_start, kept_end)` (ordinals among the shard's kept samples) of one shard."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DModel
 from huggingface_hub import constants as hub_constants
 
+from pipelines.data import real_samples
 from pipelines.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.wrappers import unwrap, weights_module
 
@@ -253,13 +254,10 @@ class DiffusionTask:
         sums = np.zeros(len(grid))
         count = 0
         try:
-            for batch in batches:
-                keep = batch.ids >= 0
-                if not bool(keep.any()):
-                    continue
-                ids = batch.ids[keep].cpu().numpy()
-                x0 = self.encode(batch.images[keep].to(device))
-                labels = batch.labels[keep].to(device)
+            for batch in real_samples(batches):
+                ids = batch.ids.cpu().numpy()
+                x0 = self.encode(batch.images.to(device))
+                labels = batch.labels.to(device)
                 noise = per_sample_seeded(tuple(x0.shape[1:]), ids, seed, normal=True).to(device)
                 for k, t in enumerate(grid):
                     timesteps = torch.full((len(ids),), t, dtype=torch.long, device=device)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
+from pipelines.data import real_samples
 from pipelines.mae import MAETask, MaskedAutoencoder
 from pipelines.randomness import per_sample_seeded
 from pipelines.wrappers import unwrap
@@ -54,14 +55,11 @@ def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 
     bare.eval()
     mse_sum, psnr_sum, ssim_sum, count = 0.0, 0.0, 0.0, 0
     try:
-        for batch in batches:
-            keep = batch.ids >= 0
-            if not bool(keep.any()):
-                continue
-            ids = batch.ids[keep].cpu().numpy()
+        for batch in real_samples(batches):
+            ids = batch.ids.cpu().numpy()
             held = task.held_out(bare, [batch], seed=seed)
             mse_sum += held["masked_mse"] * held["num_samples"]
-            images = batch.images[keep].to(device)
+            images = batch.images.to(device)
             recon, _, _ = reconstruct(bare, images, fixed_mask_noise(ids, bare.num_patches, seed).to(device))
             preds, target = ((recon + 1) / 2).clamp(0, 1), ((images.float() + 1) / 2).clamp(0, 1)
             psnr = peak_signal_noise_ratio(preds, target, data_range=1.0, reduction="none", dim=(1, 2, 3))

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from pipelines.data import real_samples
 from pipelines.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.wrappers import unwrap, weights_module
 
@@ -295,12 +296,9 @@ class MAETask:
         device = next(model.parameters()).device
         total, count = 0.0, 0
         try:
-            for batch in batches:
-                keep = batch.ids >= 0
-                if not bool(keep.any()):
-                    continue
-                ids = batch.ids[keep].cpu().numpy()
-                images = batch.images[keep].to(device)
+            for batch in real_samples(batches):
+                ids = batch.ids.cpu().numpy()
+                images = batch.images.to(device)
                 noise = per_sample_seeded((self.num_patches,), ids, seed, normal=False)
                 losses = model(images, noise.to(device))
                 total += float(losses.double().sum())
