@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-import numpy as np
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file

@@ -1,4 +1,4 @@
-"""Tiny runs and a feature network shared by the evaluator and compare tests, each made once per
+"""Tiny runs, models and a feature network shared by several test modules, each made once per
 test session (memoised here: pytest would otherwise build a session fixture once per module)."""
 
 from __future__ import annotations
@@ -56,3 +56,34 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def trained_task(run_dir: str):
+    """(task, model with the run's last checkpoint's raw weights in eval mode, run config)."""
+    from pipelines.checkpoint import latest_checkpoint
+    from pipelines.config import load_config
+    from pipelines.evaluate import load_checkpoint_states
+    from pipelines.trainer import build_task
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    task = build_task(cfg)
+    task.model.load_state_dict(load_checkpoint_states(latest_checkpoint(run_dir))["model"])
+    return task, task.model.eval(), cfg
+
+
+def tiny_vae(channels: int = 3, size: int = 32):
+    """A tiny randomly initialised AutoencoderKL (seed 0): size x size x channels -> size/2 x size/2 x 4."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        in_channels=channels,
+        out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=size,
+    )

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMPipeline, UNet2DModel
 
+from eval_runs import tiny_vae as tiny_vae_of
 from pipelines.data import Batch
 from pipelines.diffusion import DiffusionConfig, DiffusionTask, load_pipeline, sample
 
@@ -29,17 +30,7 @@ def random_batch(n: int = 4, first_id: int = 0, labels=None) -> Batch:
 
 
 def tiny_vae() -> AutoencoderKL:
-    torch.manual_seed(0)
-    return AutoencoderKL(
-        in_channels=CHANNELS,
-        out_channels=CHANNELS,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=IMAGE,
-    )
+    return tiny_vae_of(CHANNELS, IMAGE)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,11 @@ import os
 import pytest
 import torch
 
-from eval_runs import feature_net, one_torch_thread, session_dir, tiny_run
-from pipelines.checkpoint import latest_checkpoint
-from pipelines.config import load_config
-from pipelines.evaluate import evaluate_checkpoint, load_checkpoint_states
+from eval_runs import trained_task, feature_net, one_torch_thread, session_dir, tiny_run
+from pipelines.evaluate import evaluate_checkpoint
 from pipelines.evaluate_config import load_eval_config
 from pipelines.evaluate_data import read_split
 from pipelines.evaluate_sampling import generate_images
-from pipelines.trainer import build_task
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,10 +31,7 @@ def run_dir(digits_shards, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def trained(run_dir):
-    cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    task = build_task(cfg)
-    task.model.load_state_dict(load_checkpoint_states(latest_checkpoint(run_dir))["model"])
-    return task, task.model.eval(), cfg
+    return trained_task(run_dir)
 
 
 def test_denoising_loss_is_the_tasks_fixed_grid_loss_and_repeats_exactly(trained):

@@ -16,16 +16,14 @@ import pytest
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from eval_runs import one_torch_thread, session_dir, tiny_run
+from eval_runs import trained_task, one_torch_thread, session_dir, tiny_run
 from launch.cli import main as cli_main
 from pipelines.checkpoint import latest_checkpoint
-from pipelines.config import load_config
 from pipelines.evaluate import evaluate_checkpoint, load_checkpoint_states
 from pipelines.evaluate_config import ProbeConfig
 from pipelines.evaluate_data import read_split
 from pipelines.evaluate_probe import linear_probe
 from pipelines.evaluate_reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
-from pipelines.trainer import build_task
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,11 +39,7 @@ def run_dir(digits_shards, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def trained(run_dir):
-    """(task, model with the last checkpoint's raw weights, run config)."""
-    cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    task = build_task(cfg)
-    task.model.load_state_dict(load_checkpoint_states(latest_checkpoint(run_dir))["model"])
-    return task, task.model.eval(), cfg
+    return trained_task(run_dir)
 
 
 def val_batches(cfg, batch_size=50):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKL
 
+from eval_runs import tiny_vae
 from pipelines.data import ShardStream
 from pipelines.decode import SampleDecoder
 from pipelines.diffusion import DiffusionConfig, DiffusionTask, sample
@@ -24,15 +25,7 @@ IMAGE = 32
 @pytest.fixture(scope="module")
 def vae_folder(tmp_path_factory) -> str:
     """A tiny random AutoencoderKL: 32x32x3 images -> 16x16x4 latents."""
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=IMAGE,
-    )
+    vae = tiny_vae(3, IMAGE)
     folder = str(tmp_path_factory.mktemp("tiny-vae"))
     vae.save_pretrained(folder)
     return folder

@@ -250,15 +250,12 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
 
 def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
     """PSNR, linear probe (MAE) and FID (diffusion) of the final raw weights, through the evaluators
-    of pipelines/evaluate*.py when they are present; {} otherwise (the trainer's held-out metric is then used)."""
+    of pipelines/evaluate*.py."""
     import contextlib
     import io
 
-    try:
-        from pipelines.evaluate import evaluate_checkpoint
-        from pipelines.evaluate_config import EvalConfig, FIDConfig, ProbeConfig
-    except ImportError:
-        return {}
+    from pipelines.evaluate import evaluate_checkpoint
+    from pipelines.evaluate_config import EvalConfig, FIDConfig, ProbeConfig
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
     # features are already ~90% linearly separable with all labels (pipelines/evaluate_config.py).
@@ -282,7 +279,7 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[di
     context = {}
     for plan in plans:
         root = prepare_data(work, plan.train_samples)
-        fid_weights = feature_net(root) if plan.fid_samples > 0 and evaluators_present() else ""
+        fid_weights = feature_net(root) if plan.fid_samples > 0 else ""
         context[plan.task] = (plan, root, fid_weights)
         jobs += first_specs(plan)
     cost = {"mae": 1.0, "ldm": 4.0}  # seconds per pass, roughly: the costliest job first keeps both workers busy
@@ -379,14 +376,6 @@ def summarise_timing(timing: list[dict]) -> list[dict]:
 
 def running_keys(futures: dict) -> set[str]:
     return {spec.key for spec in futures.values()}
-
-
-def evaluators_present() -> bool:
-    try:
-        import pipelines.evaluate  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ----------------------------------------------------------------------------- verdicts
