@@ -121,7 +121,14 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
     assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
     moved = 0
     for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        a, b = two[key], one[key]
+        if key.endswith("attn.qkv.bias"):
+            # The key bias shifts every logit of a softmax row equally: its true gradient is zero,
+            # and Adam scales the float noise left in it (which differs with the reduction order)
+            # up to whole steps. Compare the query and value biases only.
+            third = len(a) // 3
+            a, b = torch.cat([a[:third], a[2 * third:]]), torch.cat([b[:third], b[2 * third:]])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
         moved += 1
     assert moved > 10
 

@@ -2,10 +2,9 @@
 the reconstruction keeps visible patches and its masked MSE is the training log's held-out loss,
 every number repeats exactly on a second call, and `prunepipe eval` writes them to eval/*.json.
 
-On the probe: random ViT features of the 8x8-upscaled digits are already ~88-97% linearly separable
-with all labels (raw pixels: 96%), and at test budgets a trained tiny MAE does not score reliably
-above a random encoder there, with all labels or few (docs/evaluation.md has the measurements); the
-probe is checked for determinism and for scoring far above chance."""
+The linear probe tells a pretrained encoder from its own random initialisation: an MAE trained for
+40 passes (about 40 s on 2 cores) scores well above it with 10 labels per class and above it with all
+labels (docs/evaluation.md has the measurements behind the margins)."""
 
 from __future__ import annotations
 
@@ -106,6 +105,36 @@ def test_probe_is_deterministic_and_scores_the_trained_encoder_far_above_chance(
     few = linear_probe(model.encoder, train, val, ProbeConfig(per_class=5), seed=0)
     assert few["probe_train_samples"] == 50 and few["probe_accuracy"] > 0.3
 
+
+@pytest.fixture(scope="module")
+def pretrained_run(digits_shards, tmp_path_factory) -> str:
+    """An MAE trained until its held-out loss flattens: width 64, depth 2, 40 passes (~1,000 steps)."""
+    return tiny_run(digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_probe",
+                    ("passes=40", "mae.embed_dim=64", "mae.depth=2", "mae.num_heads=4", "mae.decoder_embed_dim=64",
+                     "checkpoint.every_steps=100000", "checkpoint.keep=1", "log_every=1000"))
+
+
+def test_probe_scores_a_pretrained_encoder_well_above_its_random_initialisation(pretrained_run):
+    from pipelines.trainer import build_task
+
+    _, model, cfg = trained_task(pretrained_run)
+    torch.manual_seed(cfg.seed)  # what the trainer does before building the model: its initial weights
+    initial = build_task(cfg).model.eval()
+    assert not torch.equal(initial.encoder.patch_embed.proj.weight, model.encoder.patch_embed.proj.weight)
+    train = list(read_split(cfg.data.train, resolution=32, channels=3, batch_size=256))
+    val = val_batches(cfg)
+
+    def gain(pool, per_class):
+        probe = ProbeConfig(pool=pool, per_class=per_class)
+        return (linear_probe(model.encoder, train, val, probe, seed=0)["probe_accuracy"]
+                - linear_probe(initial.encoder, train, val, probe, seed=0)["probe_accuracy"])
+
+    # Measured over run seeds 0-2 (trained minus random, in points): mean patch token with 10 labels
+    # per class +17 to +22 (random 0.50-0.54), class token +5 to +19; all labels +4 to +7 for both
+    # pools (random 0.88-0.92).
+    assert gain("avg", 10) > 0.12
+    assert gain("token", 10) > 0.0
+    assert gain("avg", 0) > 0.02 and gain("token", 0) > 0.02
 
 
 def test_periodic_evaluation_from_a_training_loop_matches_evaluating_the_checkpoint(run_dir, trained):
