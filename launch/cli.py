@@ -68,11 +68,17 @@ def _demo(args) -> None:
         write_shards("digits", args.data, size=32, shard_size=300)
     config = os.path.join(CONFIGS, "mae_tiny_infobatch.yaml")
     overrides = [f"data.train={args.data}/train", f"data.val={args.data}/val", f"name={args.name}",
-                 f"passes={args.passes}", *args.overrides]
+                 *([f"passes={args.passes}"] if args.passes else []), *args.overrides]
     cfg = load_config(config, overrides)
     print(f"training a tiny MAE with InfoBatch for {cfg.passes} passes ({config}) ...")
     summary = train(cfg)
-    print(f"\nrun folder: {cfg.run_dir}  (metrics.jsonl, checkpoints/, export/encoder.safetensors)")
+    from pipelines.evaluate import evaluate_checkpoint
+
+    # Raw weights: after a run this short the EMA still lags far behind them.
+    record = evaluate_checkpoint(cfg.run_dir, overrides=["weights=raw"])
+    print("held-out evaluation of the final weights: " + ", ".join(
+        f"{name} {value:.4g}" for name, value in record["metrics"].items()))
+    print(f"\nrun folder: {cfg.run_dir}  (metrics.jsonl, eval/, checkpoints/, export/encoder.safetensors)")
     print(f"samples forwarded: {summary['samples_forwarded']}; continue a stopped run with "
           f"`prunepipe train {config} name={args.name} checkpoint.resume=latest`")
 
@@ -167,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
     demo.add_argument("--name", default="demo_mae_infobatch")
-    demo.add_argument("--passes", type=int, default=20)
+    demo.add_argument("--passes", type=int, default=0, help="0: the config's")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
 
