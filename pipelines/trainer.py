@@ -184,6 +184,7 @@ def train(cfg: RunConfig) -> dict:
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
+    lost_here = 0  # samples this rank lost to bad input since position.bad_samples was last summed
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
@@ -211,7 +212,7 @@ def train(cfg: RunConfig) -> dict:
             ids, gathered = gather_ids_losses(batch.ids, losses.detach())
             real = ids >= 0
             position.consumed[ids[real]] = True
-            position.bad_samples += sum(e.samples_lost for e in batch.bad)
+            lost_here += sum(e.samples_lost for e in batch.bad)
             if not np.isfinite(gathered[real]).all():
                 bad_ids = ids[real & ~np.isfinite(gathered)].tolist()
                 where = f"step {position.optimizer_steps} (pass {epoch}, batch {micro})"
@@ -246,6 +247,8 @@ def train(cfg: RunConfig) -> dict:
                     metrics.write(record)
                     bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
+                    position.bad_samples += sum_over_ranks(accelerator, lost_here)
+                    lost_here = 0
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
                     save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
@@ -255,6 +258,8 @@ def train(cfg: RunConfig) -> dict:
                     break
         bar.close()
         position.wall_seconds += time.perf_counter() - pass_start
+        position.bad_samples += sum_over_ranks(accelerator, lost_here)
+        lost_here = 0
         if debug is not None:
             debug.end_pass(epoch)
         if stop and position.batch_in_pass < total:
@@ -279,6 +284,14 @@ def train(cfg: RunConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def sum_over_ranks(accelerator, count: int) -> int:
+    """`count` summed over every rank; all ranks must call it at the same point of the loop."""
+    if accelerator.num_processes == 1:
+        return count
+    total = torch.tensor([count], dtype=torch.int64, device=accelerator.device)
+    return int(accelerator.reduce(total, reduction="sum").item())
 
 
 def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, held_out, pass_losses) -> dict:

@@ -133,6 +133,30 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
     assert moved > 10
 
 
+def test_samples_lost_on_every_rank_are_counted_once_each(digits_shards, tmp_path):
+    # Four shards of 32 with one undecodable image each: the ranks' contiguous slices split them,
+    # so each rank meets its own; the run's count is their sum, in the log and the checkpoint.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    first = ShardIndex.load(f"{digits_shards}/train").urls[0]
+    samples = [{k: v for k, v in sample.items() if k in ("__key__", "png", "cls")}
+               for position, sample in read_shard(first) if position < 128]
+    for shard in range(4):
+        with wds.TarWriter(str(broken / f"shard{shard}.tar")) as sink:
+            for position, sample in enumerate(samples[32 * shard:32 * (shard + 1)]):
+                sink.write({**sample, "png": b"not a png"} if position == 5 else sample)
+    index_shards([str(broken)], str(broken))
+    run_dir = tmp_path / "lossy"
+    output = launch(2, "mae_tiny_full.yaml", [
+        f"data.train={broken}", "data.val=''", f"runs_dir={tmp_path}", "name=lossy", "passes=1",
+        "data.batch_size=16", "data.on_bad_sample=skip", *TINY_MAE])
+    assert output.count("skipping 1 sample(s)") == 4, "each rank warns about the ones it met"
+    assert passes_of(str(run_dir))[-1]["bad_samples"] == 4
+    from pipelines.evaluate import load_checkpoint_states
+
+    assert load_checkpoint_states(latest_checkpoint(str(run_dir)))["position"]["bad_samples"] == 4
+
+
 def test_two_rank_checkpoint_resumed_on_one_rank_finishes_the_pass_with_the_same_plan(five_shards, tmp_path):
     common = [f"data.train={five_shards}/train", "data.val=''", f"runs_dir={tmp_path}", "name=shrink", "passes=3",
               "data.batch_size=32", "debug_sync=true", "checkpoint.every_steps=1000", *TINY_MAE]
