@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from pruning import build_pruner
-from tools.bench_lossless import (
-    TaskPlan, TimedPruner, beats_equal_compute, bench, delta_in_std, equal_compute_spec, interpolate_frontier,
-    lossless, summarise, write_markdown,
-)
+from tools.bench_lossless import TaskPlan, TimedPruner, bench, equal_compute_spec
+from tools.bench_lossless_report import write_markdown
+from tools.bench_lossless_verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
 
 
 def test_verdicts_lower_is_better_both_ways():

@@ -1,0 +1,165 @@
+"""The lossless benchmark's report: curves as PNGs and the markdown tables, rendered from the
+report dict that tools/bench_lossless.py writes (and re-renders with --from-json)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from tools.bench_lossless_verdicts import fmt
+
+if TYPE_CHECKING:
+    from tools.bench_lossless import TaskPlan
+
+
+def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
+    """Held-out metric per pass (left: is Full flat?) and per sample forwarded (right: pruned runs
+    against Full runs with their own, shorter schedules) for the long schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"Random": "tab:green", "InfoBatch": "tab:blue", "TED": "tab:red"}
+    long_runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long" and r["role"] != "ablation"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    drawn = set()
+    for r in sorted(long_runs, key=lambda r: (r["role"] != "full", r["label"])):
+        curve = [p for p in r["curve"] if p["held_out"] is not None]
+        passes = [p["pass"] for p in curve]
+        compute = [p["samples_forwarded"] / 1000 for p in curve]
+        values = [p["held_out"] for p in curve]
+        if r["role"] == "full":
+            style = dict(color="black", lw=1.6 if r["seed"] == 0 else 1.0, alpha=1.0 if r["seed"] == 0 else 0.45)
+        elif r["role"] == "equal_compute":
+            if (r["key"], r["compute_of"]) in drawn or r["passes"] == plan.long:
+                continue  # the same run as Full s0 or another equal-compute run: drawn once
+            drawn.add((r["key"], r["compute_of"]))
+            style = dict(color=colours.get(r["compute_of"], "gray"), lw=1.2, ls=":")
+        else:
+            style = dict(color=colours.get(r["label"], "gray"), lw=1.6)
+        if r["role"] != "equal_compute":
+            axes[0].plot(passes, values, label=r["label"], **style)
+        axes[1].plot(compute, values, label=r["label"], **style)
+        if r["role"] == "equal_compute":  # mark where it ends: the equal-compute point
+            axes[1].plot(compute[-1:], values[-1:], marker="o", ms=4, color=style["color"])
+    for ax, xlabel in zip(axes, ("pass", "samples forwarded (thousands)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"held-out {plan.main} (per pass, run-seed masks/noise)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    axes[0].set_title(f"{plan.task}, long schedule ({plan.long} passes): by pass")
+    axes[1].set_title(f"{plan.task}: by samples forwarded\n(dotted: Full, its own shorter schedule; dot = its end)")
+    tails = [p["held_out"] for r in long_runs for p in r["curve"][max(1, len(r["curve"]) // 10):]
+             if p["held_out"] is not None]
+    if tails:  # zoom on where the runs differ, not on the first passes' drop
+        for ax in axes:
+            ax.set_ylim(0.95 * min(tails), 1.05 * max(tails))
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"lossless_{mode}_{plan.task}_curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def _verdict(value) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
+    rows = [r for r in rows if r["task"] == task and r["schedule"] == schedule]
+    if not rows:
+        return []
+    main = rows[0]["main"]
+    extra = [m for m in rows[0]["deltas"] if m != main]
+    head = (["run", "passes", "samples fwd", "compute", "opt steps", "wall s", "saving", main, "Δ (std)"]
+            + [f"{m} (Δ std)" for m in extra] + ["lossless (equal passes)", "Full at equal compute", "Δ vs it (std)",
+                                                  "beats equal compute"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {"full": 0, "pruned": 1, "ablation": 2, "equal_compute": 3}
+    for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"])):
+        cells = [r["label"], str(r["passes"]), f"{r['samples_forwarded']:,}", f"{r['compute']:.0%}",
+                 str(r["optimizer_steps"]), f"{r['wall_seconds']:.0f}", f"{r['saving']:+.0%}",
+                 fmt(r["metrics"].get(main)), fmt(r["deltas"][main], 2)]
+        cells += [f"{fmt(r['metrics'].get(m))} ({fmt(r['deltas'][m], 2)})" for m in extra]
+        if r["role"] in ("pruned", "ablation"):
+            how = "" if r["equal_compute_how"] == "run" else " (interp.)"
+            cells += [_verdict(r["lossless"]), fmt(r["equal_compute_value"]) + how, fmt(r["equal_compute_delta"], 2),
+                      _verdict(r["beats_equal_compute"])]
+        else:
+            cells += ["", "", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    full = next(r for r in rows if r["role"] == "full")
+    lines.append("")
+    lines.append(f"Full over 3 seeds: {main} {fmt(full['full_mean'])} ± {fmt(full['full_std'], 2)} (sample std); "
+                 f"Δ = (worse - better) / that std, positive = worse than Full.")
+    return lines
+
+
+def cost_table(rows: list[dict]) -> list[str]:
+    lines = ["| task | schedule | run | samples skipped | wall-clock saving | realised / skipped | step ms | "
+             "pruner time / step time |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["role"] in ("pruned", "ablation") or (r["role"] == "full" and r["label"] == "Full s0"):
+            lines.append(f"| {r['task']} | {r['schedule']} | {r['label']} | {r['skipped']:.1%} | {r['saving']:.1%} | "
+                         f"{fmt(r['realised'], 2)} | {r['step_ms']:.1f} | {r['pruner_overhead']:.3%} |")
+    return lines
+
+
+def render(report: dict) -> str:
+    rows, lines = report["rows"], []
+    lines += [f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
+              f"Wall time of the whole benchmark: {report['bench_seconds'] / 60:.1f} min "
+              f"({report['workers']} runs side by side, 1 torch thread each); load average at start / end: "
+              f"{report['load_start']} / {report['load_end']}  ", ""]
+    for plan in report["plans"]:
+        task = plan["task"]
+        flat = report["flattening"][task]
+        lines += [f"### {task}: {plan['train_samples']} training digits at 16 px, `{plan['config']}`", "",
+                  f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "
+                  f"{fmt(flat['change'])} ({fmt(flat['in_std'], 2)} seed std) from pass {flat['from_pass']} to "
+                  f"{flat['passes']}: {'flattened' if flat['flattened'] else 'NOT flattened (still improving)'}. "
+                  + (f"Full with its own {flat['shorter_passes']}-pass schedule ends {fmt(flat['shorter_gap_std'], 2)} "
+                     f"seed std worse than at {flat['passes']} passes: "
+                     + ("the last passes bought nothing (converged)." if flat["converged"] else
+                        "the last passes still pay, so this is NOT the converged regime.")
+                     if flat["shorter_passes"] else ""), ""]
+        for schedule in ("long", "short"):
+            table = results_table(rows, task, schedule)
+            if table:
+                passes = plan[schedule]
+                lines += [f"#### {task}, {schedule} schedule ({passes} passes)", ""] + table + [""]
+        lines += [f"![{task} curves](benchmarks/{os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
+    if report.get("timing_rows"):
+        lines += ["### Wall-clock, one run at a time", "",
+                  "The long schedule again without held-out evaluation, one run at a time, interleaved "
+                  "(Full, Random, InfoBatch, TED, then again), so runs did not share the cores with each other "
+                  "and met the same drifts of outside load. CPU = the run process's CPU seconds (setup included).", "",
+                  "| task | run | rounds | samples skipped | opt steps | wall s (spread) | wall saving | realised / skipped "
+                  "| CPU s | CPU saving | CPU realised | step ms | pruner time / loop time |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for t in report["timing_rows"]:
+            lines.append(f"| {t['task']} | {t['label']} | {t['rounds']} | {t['skipped']:.1%} | {t['optimizer_steps']:.0f} | "
+                         f"{t['wall_seconds']:.1f} ({t['wall_spread']:.1f}) | {t['saving']:.1%} | {fmt(t['realised'], 2)} | "
+                         f"{t['cpu_seconds']:.1f} | {t['cpu_saving']:.1%} | {fmt(t['cpu_realised'], 2)} | "
+                         f"{t['step_ms']:.1f} | {t['pruner_overhead']:.3%} |")
+        lines.append("")
+    lines += ["### Cost in the side-by-side runs (two at a time; noisier)", ""] + cost_table(rows) + [""]
+    lines += ["### Targets", "", "| target | status | measured |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {'met' if t['met'] else 'MISSED'} | {t['measured']} |" for t in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, mode: str, body: str) -> None:
+    """Replace the block between `<!-- bench:{mode}:begin -->` and `...:end -->` in `path`, keeping the rest."""
+    begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
+    block = f"{begin}\n{body}{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + f"\n\n## Lossless benchmark ({mode})\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(text)
+

@@ -1,0 +1,165 @@
+"""The lossless benchmark's verdicts: run-to-run noise from the Full seeds, each pruned run's distance
+from Full at equal passes and from Full trained for the same samples forwarded (in seed standard
+deviations), whether Full had converged, and the targets met or missed. Pure functions of the runs'
+recorded numbers (tools/bench_lossless.py runs them)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
+                   "probe_accuracy": False, "fid": True}
+TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, within 1 seed std
+
+if TYPE_CHECKING:
+    from tools.bench_lossless import TaskPlan
+
+
+def seed_stats(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation) of the Full seeds."""
+    array = np.asarray(values, dtype=float)
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else float("nan")
+
+
+def delta_in_std(value: float, reference: float, std: float, lower_is_better: bool) -> float:
+    """How much worse than `reference` `value` is, in seed standard deviations (negative = better)."""
+    if value is None or reference is None or not std or not math.isfinite(std):
+        return float("nan")
+    worse = value - reference if lower_is_better else reference - value
+    return worse / std
+
+
+def lossless(value: float, full_mean: float, full_std: float, lower_is_better: bool) -> bool:
+    """Within one Full seed std of Full's mean at equal passes (or better)."""
+    return delta_in_std(value, full_mean, full_std, lower_is_better) <= 1.0
+
+
+def beats_equal_compute(value: float, equal_compute: float, full_std: float, lower_is_better: bool) -> bool:
+    """Better than Full trained for the same samples forwarded by more than one Full seed std."""
+    return delta_in_std(value, equal_compute, full_std, lower_is_better) < -1.0
+
+
+def interpolate_frontier(points: list[tuple[float, float]], samples: float) -> float | None:
+    """Quality of Full at `samples` forwarded, linear between Full runs with their own schedules."""
+    points = sorted(points)
+    if len(points) < 2 or not points[0][0] <= samples <= points[-1][0]:
+        return None
+    xs, ys = zip(*points)
+    return float(np.interp(samples, xs, ys))
+
+
+def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
+    rows = []
+    for plan in plans:
+        for schedule in ("long", "short"):
+            group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
+            fulls = [r for r in group if r["role"] == "full"]
+            if not fulls:
+                continue
+            metric_names = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
+            stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
+                     for m in metric_names}
+            wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
+            sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
+            full0 = next(r for r in fulls if r["seed"] == 0)
+            frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
+                        if r["role"] in ("equal_compute",) or r is full0]
+            equal = {r["compute_of"]: r for r in group if r["role"] == "equal_compute"}
+            mean, std = stats[plan.main]
+            lower = LOWER_IS_BETTER[plan.main]
+            for r in group:
+                skipped = 1.0 - r["samples_forwarded"] / sf_full
+                saving = 1.0 - r["wall_seconds"] / wall_full
+                row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
+                       "role": r["role"], "samples_forwarded": r["samples_forwarded"],
+                       "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
+                       "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
+                       "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                       "metrics": r["metrics"], "main": plan.main,
+                       "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m])
+                                  for m in metric_names},
+                       "full_mean": mean, "full_std": std,
+                       "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
+                       "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
+                if r["role"] in ("pruned", "ablation"):
+                    value = r["metrics"][plan.main]
+                    row["lossless"] = lossless(value, mean, std, lower)
+                    if r["label"] in equal:
+                        reference, how = equal[r["label"]]["metrics"][plan.main], "run"
+                    else:
+                        reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
+                    row["equal_compute_value"], row["equal_compute_how"] = reference, how
+                    row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
+                    row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
+                                                  if reference is not None else None)
+                rows.append(row)
+    return rows
+
+
+def flattening(results: list[dict], plan: TaskPlan) -> dict:
+    """Is Full converged on the long schedule? Two checks, both in seed std of the final metric:
+    - in its curve: the mean held-out metric moved < 1 std over the last quarter of the passes (a
+      cosine schedule flattens at its end whatever the model, so this alone is weak);
+    - across schedules: Full trained for fewer passes (the equal-compute runs, own schedules) ends
+      < 1 std worse than Full at all passes, i.e. the last passes bought nothing.
+    """
+    fulls = [r for r in results if r["task"] == plan.task and r["schedule"] == "long" and r["role"] == "full"]
+    curves = np.array([[p["held_out"] for p in r["curve"]] for r in fulls], dtype=float)
+    mean_curve = curves.mean(axis=0)
+    n = len(mean_curve)
+    at = max(0, int(round(0.75 * n)) - 1)
+    _, curve_std = seed_stats(list(curves[:, -1]))
+    change = mean_curve[at] - mean_curve[-1]
+    mean, std = seed_stats([r["metrics"][plan.main] for r in fulls])
+    shorter = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"
+               and r["role"] == "equal_compute" and r["passes"] < n]
+    found = {"passes": n, "from_pass": at + 1, "change": float(change), "in_std": float(change / curve_std),
+             "flattened": bool(abs(change / curve_std) < 1.0), "shorter_passes": None, "shorter_gap_std": None}
+    if shorter:
+        fewest = min(shorter, key=lambda r: r["passes"])
+        gap = delta_in_std(fewest["metrics"][plan.main], mean, std, LOWER_IS_BETTER[plan.main])
+        found.update(shorter_passes=fewest["passes"], shorter_gap_std=float(gap))
+    found["converged"] = bool(found["flattened"] and (found["shorter_gap_std"] is None or found["shorter_gap_std"] < 1.0))
+    return found
+
+
+def fmt(value, digits=4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def targets(rows: list[dict], flat: dict, timing_rows: list[dict] = ()) -> list[dict]:
+    """The benchmark's targets, each met or MISSED, from the long schedule ("converged" only if it flattened);
+    realised saving and overhead from the sequential timing runs when there are any."""
+    found = []
+    timed = {(r["task"], r["label"]): r for r in timing_rows}
+    for task in sorted({r["task"] for r in rows}):
+        long_rows = {r["label"]: r for r in rows if r["task"] == task and r["schedule"] == "long"}
+        for label, key in (("InfoBatch", "infobatch"), ("TED", "ted")):
+            r = long_rows.get(label)
+            if r is None:
+                continue
+            need = TARGET_SAVING[key]
+            t = timed.get((task, label), r)
+            where = " (sequential timing runs)" if (task, label) in timed else " (side-by-side runs)"
+            ok = bool(r["lossless"] and t["saving"] >= need and flat[task]["converged"])
+            found.append({"target": f"{task}: {label} saves >= {need:.0%} wall-clock, within 1 seed std, converged",
+                          "met": ok, "measured": f"saving {t['saving']:.1%}{where}, Δ {fmt(r['deltas'][r['main']], 2)} std, "
+                                                 f"Full converged: {flat[task]['converged']}"})
+            found.append({"target": f"{task}: {label} beats Full at equal compute by > 1 seed std",
+                          "met": bool(r["beats_equal_compute"]),
+                          "measured": f"Δ vs equal-compute Full {fmt(r['equal_compute_delta'], 2)} std"})
+            if t["skipped"] > 0.02:
+                found.append({"target": f"{task}: {label} realised wall-clock saving >= 90% of samples skipped",
+                              "met": bool(t["realised"] >= 0.9),
+                              "measured": f"{t['saving']:.1%} of {t['skipped']:.1%} = {fmt(t['realised'], 2)}" + where})
+            found.append({"target": f"{task}: {label} pruner overhead < 1% of step time",
+                          "met": bool(t["pruner_overhead"] < 0.01), "measured": f"{t['pruner_overhead']:.3%}" + where})
+    return found
