@@ -243,32 +243,36 @@ class ShardStream(IterableDataset):
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
             count = int(self.index.counts[piece.shard])
-            ordinal, delivered, seen = 0, 0, 0
+            weights = np.ones(count) if plan is None else plan.weights[first:first + count]
+            mine = np.flatnonzero(weights)[piece.kept_start:piece.kept_end]  # positions this slot delivers
+            want = np.zeros(count, dtype=bool)
+            want[mine] = True
+            if len(mine) == 0 and not piece.to_shard_end:
+                continue
+            delivered, seen = 0, 0
             try:
-                for position, sample in read_shard(url):
+                # Pruned samples and other slots' samples are skipped inside the tar reader: their
+                # bytes are seeked past (read and dropped on a pipe), never decoded. A sample past
+                # the index's count is read so that the error can name it.
+                for position, sample in read_shard(url, lambda p: p >= count or bool(want[p])):
                     seen = position + 1
                     if position >= count:
                         raise BadInputError(
                             f"shard {url}: holds more than the {count} samples {self.index.path} lists "
                             f"(key {sample['__key__']!r}); re-index with `prunepipe shards index`"
                         )
-                    weight = 1.0 if plan is None else float(plan.weights[first + position])
-                    if weight == 0.0:
-                        continue  # pruned: its bytes were read, nothing more
-                    if piece.kept_start <= ordinal < piece.kept_end:
-                        delivered += 1
-                        yield first + position, weight, sample
-                    ordinal += 1
-                    if ordinal >= piece.kept_end and not piece.to_shard_end:
-                        break  # the rest of this shard is another worker's
+                    if sample is None:
+                        continue
+                    delivered += 1
+                    yield first + position, float(weights[position]), sample
+                    if delivered == len(mine) and not piece.to_shard_end:
+                        break  # the rest of this shard is another slot's
             except BadInputError as e:
-                self._bad(events, BadInput(str(e), piece.kept_end - piece.kept_start - delivered))
+                self._bad(events, BadInput(str(e), len(mine) - delivered))
                 continue
-            short = ordinal < piece.kept_end or (piece.to_shard_end and seen < count)
-            if short:
-                lost = piece.kept_end - piece.kept_start - delivered
+            if delivered < len(mine) or (piece.to_shard_end and seen < count):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
-                self._bad(events, BadInput(message, lost))
+                self._bad(events, BadInput(message, len(mine) - delivered))
 
     def _next_batch(self, samples, epoch: int, events: list, template: list, last: bool) -> Batch:
         ids, weights, images, labels = [], [], [], []

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
 import webdataset as wds
-from webdataset.tariterators import group_by_keys, tar_file_iterator
+from webdataset.tariterators import base_plus_ext
+
+from pipelines.tar_members import TarMembers
 
 INDEX_NAME = "index.json"
+SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skips these names
 
 
 class BadInputError(RuntimeError):
@@ -102,12 +106,14 @@ def _resolve(url: str, base: str) -> str:
     return url
 
 
-def read_shard(url: str) -> Iterator[tuple[int, dict]]:
-    """Yield (position, sample) for each sample of one shard, members grouped by key.
+def read_shard(url: str, wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, dict | None]]:
+    """Yield (position, sample) for each sample of one shard, members grouped by key as webdataset
+    groups them.
 
     A sample is webdataset's dict: `__key__`, `__url__` and one undecoded `bytes` field per
-    extension. Raises BadInputError naming the url (and the last good key) when the shard is
-    missing, corrupt or truncated; samples yielded before that point are valid.
+    extension. With `wanted`, a sample whose position it rejects is yielded as (position, None)
+    and its bytes are skipped, not read. Raises BadInputError naming the url (and the last good
+    key) when the shard is missing, corrupt or truncated; samples yielded before that point are valid.
     """
     try:
         stream = wds.gopen(url, "rb")
@@ -116,9 +122,9 @@ def read_shard(url: str) -> Iterator[tuple[int, dict]]:
     last_key = None
     finished = False
     try:
-        members = tar_file_iterator(stream)
-        for position, sample in enumerate(group_by_keys(_with_url(members, url))):
-            last_key = sample["__key__"]
+        for position, sample in _samples(TarMembers(stream), url, wanted):
+            if sample is not None:
+                last_key = sample["__key__"]
             yield position, sample
         finished = True
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
@@ -132,10 +138,32 @@ def read_shard(url: str) -> Iterator[tuple[int, dict]]:
                 raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
 
 
-def _with_url(members, url):
-    for member in members:
-        member["__url__"] = url
-        yield member
+def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict | None]]:
+    """webdataset's grouping (tar_file_iterator + group_by_keys): consecutive members sharing the
+    name up to the basename's first dot form a sample, the rest of the name (lower case) is its
+    field; `__...__` metadata members and names without an extension belong to no sample."""
+    position, key, sample = -1, None, None
+    for name, _ in members.members():
+        if SKIP_META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
+            continue
+        prefix, suffix = base_plus_ext(name)
+        if prefix is None:
+            continue
+        if prefix != key:
+            if sample is not None:
+                yield position, sample
+            position, key = position + 1, prefix
+            sample = {"__key__": prefix, "__url__": url} if wanted is None or wanted(position) else None
+            if sample is None:
+                yield position, None
+        if sample is None:
+            continue  # a rejected sample: the reader skips its bytes
+        suffix = suffix.lower()
+        if suffix in sample:
+            raise ValueError(f"{name}: duplicate file name in tar file {suffix} {list(sample)}")
+        sample[suffix] = members.read()
+    if sample is not None:
+        yield position, sample
 
 
 def _first_line(e: BaseException) -> str:

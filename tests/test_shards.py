@@ -9,6 +9,7 @@ import io
 import os
 import shutil
 import subprocess
+import tarfile
 import threading
 
 import numpy as np
@@ -156,3 +157,81 @@ def test_written_digits_shards_have_dense_ids_and_both_splits(digits_shards):
     moved = os.path.join(digits_shards, "..", "moved_copy")
     shutil.copytree(os.path.join(digits_shards, "train"), moved, dirs_exist_ok=True)
     assert ShardIndex.load(moved).num_samples == train.num_samples, "urls are stored relative to the index"
+
+
+def write_tar(path: str, members: list[tuple[str, bytes | None]], fmt=tarfile.PAX_FORMAT, mode: str = "w") -> str:
+    """A tar written by Python's tarfile in `fmt`; a None payload is a directory."""
+    with tarfile.open(path, mode, format=fmt) as archive:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            if payload is None:
+                info.type = tarfile.DIRTYPE
+                archive.addfile(info)
+            else:
+                info.size = len(payload)
+                archive.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def webdataset_samples(url: str) -> list[dict]:
+    """The reference: webdataset's own tar reading and grouping."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    with open(url, "rb") as stream:
+        return [dict(s) for s in group_by_keys({**m, "__url__": url} for m in tar_file_iterator(stream))]
+
+
+# Long names (GNU long-name members, ustar's prefix field, pax paths), non-ASCII names, multi-block
+# and empty payloads, directories, webdataset's __meta__ members and names without an extension.
+DEEP = "d" * 60 + "/" + "e" * 60
+MEMBERS = [
+    ("__meta__", b"skipped"), ("dir", None), (f"{DEEP}/a.JPG", jpeg_bytes(1, 40)), (f"{DEEP}/a.cls", b"3"),
+    ("noext", b"x"), ("b.jpg", b""), ("b.json", b'{"k": 1}'), ("ümlaut/c.tar.gz", bytes(range(256)) * 7),
+    ("ümlaut/c.txt", b"t" * 511), ("d.png", b"p" * 512), ("d.seg.png", b"q" * 513),
+]
+
+
+@pytest.mark.parametrize("fmt,mode", [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"),
+                                      (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")])
+def test_shards_are_read_exactly_as_webdataset_reads_them(tmp_path, fmt, mode):
+    members = MEMBERS if fmt != tarfile.USTAR_FORMAT else [(n.replace("ü", "u"), p) for n, p in MEMBERS]
+    url = write_tar(str(tmp_path / "s.tar"), members, fmt, mode)
+    ours = [sample for _, sample in read_shard(url)]
+    assert ours == webdataset_samples(url)
+    assert [s["__key__"] for s in ours][:2] == [f"{DEEP}/a", "b"] and ours[0]["jpg"] == jpeg_bytes(1, 40)
+
+
+@pytest.mark.parametrize("scheme", ["file", "pipe"])
+def test_unwanted_samples_are_skipped_unread_and_still_counted(tmp_path, scheme):
+    path = write_tarwriter_shard(str(tmp_path / "a.tar"), 9)
+    url = path if scheme == "file" else f"pipe:cat {path}"
+    everything = dict(read_shard(url))
+    asked = []
+
+    def wanted(position):
+        asked.append(position)
+        return position % 3 == 1
+
+    got = list(read_shard(url, wanted))
+    assert asked == list(range(9)), "asked once per sample, in order"
+    assert [p for p, _ in got] == list(range(9))
+    assert {p: s for p, s in got if s is not None} == {p: everything[p] for p in (1, 4, 7)}
+    assert all(s is None for p, s in got if p % 3 != 1)
+
+
+@pytest.mark.parametrize("skip_last", [False, True])
+@pytest.mark.parametrize("damage", ["checksum", "inside_member", "inside_header"])
+def test_damaged_headers_and_members_name_the_shard(tmp_path, damage, skip_last):
+    path = write_tarwriter_shard(str(tmp_path / "a.tar"), 4)
+    data = bytearray(open(path, "rb").read())
+    if damage == "checksum":
+        data[1024 + 3] ^= 0xFF  # inside a later member's header
+    elif damage == "inside_member":
+        with tarfile.open(path) as archive:
+            last_image = [m for m in archive.getmembers() if m.name.endswith(".jpg")][-1]
+        data = data[:last_image.offset_data + last_image.size // 2]
+    else:
+        data = data[:512 * 9 + 100]
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(BadInputError, match=r"a\.tar: corrupt or truncated tar"):
+        list(read_shard(path, lambda position: position != (3 if skip_last else 1)))
