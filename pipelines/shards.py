@@ -1,7 +1,8 @@
 """Shard index and raw shard reading: `index.json` (url and sample count per shard, dense ids
 0..N-1 in index order) and an iterator of (position, undecoded sample) for one shard.
 
-Nothing here decodes an image: pruned samples must cost their bytes and nothing more.
+Nothing here decodes an image: a sample the caller does not want costs its tar headers and nothing
+more (pipelines/tar_members.py seeks past its bytes).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class TarMembers:
             self.seekable = False
         self._unread = 0  # data + padding of the current member not consumed yet
         self._size = 0
-        self._fallback: Iterator | None = None
+        self._fallback: tarfile.TarFile | None = None  # compressed archives: tarfile reads them
         self._fallback_data = b""
 
     # ------------------------------------------------------------------ reading bytes
