@@ -5,6 +5,10 @@ Python's tarfile spends ~40 us per member building TarInfo objects; with two mem
 that was most of what a pruned sample cost. This reader understands what shard writers produce:
 POSIX ustar (with the name prefix field), pax extended headers (`path`, `size`) and GNU long
 names. Compressed archives (gzip, bzip2, xz) go through tarfile, which handles them.
+
+It is stricter than tarfile about endings, so that a cut-off shard never hands out its last sample
+short of a field: an archive must end with its zero blocks, not after an extended header, and an
+empty file is an error. Sparse members are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import BinaryIO, Iterator
 
 BLOCK = 512
 REGULAR = (b"0", b"\0", b"7")  # what tarfile's isreg() accepts
+NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos: a size field means nothing
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
 POSIX_MAGIC = b"ustar\x0000"
 
@@ -122,6 +127,8 @@ class TarMembers:
     # ------------------------------------------------------------------ headers
     def members(self) -> Iterator[tuple[str, int]]:
         first = self.stream.read(BLOCK)
+        if not first:
+            raise TarFormatError("empty file")
         if first.startswith(COMPRESSED_MAGIC):
             yield from self._compressed(first)
             return
@@ -129,13 +136,19 @@ class TarMembers:
         long_name, pax = None, {}
         while True:
             if len(header) == 0 or header == bytes(BLOCK):
-                return  # end of archive (tarfile in stream mode stops quietly here too)
+                if pax or long_name is not None:
+                    raise TarFormatError("the archive ends after an extended header, before its member")
+                if len(header) == 0:  # every tar writer ends with zero blocks; tarfile would stop quietly
+                    raise TarFormatError("the archive ends without its end-of-archive blocks")
+                return
             if len(header) < BLOCK:
                 header += self._read(BLOCK - len(header), "a header")
             if _number(header[148:156]) != _checksum(header):
                 raise TarFormatError("bad checksum in a tar header: not a tar archive, or a damaged one")
             kind = header[156:157]
-            size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+            if kind == b"S" or any(key.startswith("GNU.sparse") for key in pax):
+                raise TarFormatError("sparse members are not supported in shards")
+            size = 0 if kind in NO_DATA else int(pax["size"]) if "size" in pax else _number(header[124:136])
             self._size, self._unread = size, (size + BLOCK - 1) // BLOCK * BLOCK
             if kind in (b"x", b"L"):  # describes the next member
                 data = self.read()

@@ -235,3 +235,53 @@ def test_damaged_headers_and_members_name_the_shard(tmp_path, damage, skip_last)
     open(path, "wb").write(bytes(data))
     with pytest.raises(BadInputError, match=r"a\.tar: corrupt or truncated tar"):
         list(read_shard(path, lambda position: position != (3 if skip_last else 1)))
+
+
+def test_archives_that_end_early_or_hold_what_shards_cannot_are_errors(tmp_path):
+    # Cut right after a member's pax header: its sample would arrive without that field.
+    path = write_tarwriter_shard(str(tmp_path / "cut.tar"), 2)
+    with tarfile.open(path) as archive:
+        last = archive.getmembers()[-1]
+    data = open(path, "rb").read()
+    assert last.offset_data - 512 > last.offset, "TarWriter gave the member a pax header"
+    open(path, "wb").write(data[:last.offset_data - 512])  # cut between the pax header and its member
+    with pytest.raises(BadInputError, match="ends after an extended header"):
+        list(read_shard(path))
+    # Cut at a header boundary inside the last sample (before its second member): no header is
+    # broken, but the end-of-archive blocks are missing, so the sample is not handed out partial.
+    open(path, "wb").write(data[:last.offset])
+    with pytest.raises(BadInputError, match="without its end-of-archive blocks"):
+        list(read_shard(path))
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    with pytest.raises(BadInputError, match="empty file"):
+        list(read_shard(str(empty)))
+    sparse = tmp_path / "sparse.tar"
+    header = bytearray(tarfile.TarInfo("a.jpg").tobuf(tarfile.USTAR_FORMAT))
+    header[156:157] = b"S"
+    header[148:156] = b"%06o\0 " % (sum(header[:148]) + sum(header[156:]) + 8 * 32)
+    sparse.write_bytes(bytes(header) + bytes(1024))
+    with pytest.raises(BadInputError, match="sparse"):
+        list(read_shard(str(sparse)))
+
+
+def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_path):
+    path = str(tmp_path / "links.tar")
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
+        for name, kind in (("a.jpg", tarfile.REGTYPE), ("dir", tarfile.DIRTYPE), ("b.lnk", tarfile.SYMTYPE),
+                           ("b.jpg", tarfile.REGTYPE), ("b.cls", tarfile.REGTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            payload = name.encode() * 3 if kind == tarfile.REGTYPE else b""
+            info.size = len(payload)
+            archive.addfile(info, io.BytesIO(payload))
+    data = bytearray(open(path, "rb").read())
+    for offset in range(0, len(data), 512):  # give the directory and link headers a size
+        block = data[offset:offset + 512]
+        if block[156:157] in (b"5", b"2"):
+            block[124:136] = b"%011o\0" % 700
+            block[148:156] = b"%06o\0 " % (sum(block[:148]) + sum(block[156:]) + 8 * 32)
+            data[offset:offset + 512] = block
+    open(path, "wb").write(bytes(data))
+    assert [sample for _, sample in read_shard(path)] == webdataset_samples(path)
+    assert [sorted(k for k in s if not k.startswith("__")) for _, s in read_shard(path)] == [["jpg"], ["cls", "jpg"]]
