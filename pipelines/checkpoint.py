@@ -39,12 +39,17 @@ class TrainingPosition:
     pass_offset: float = 0.0
     excluded: np.ndarray | None = None  # bool [N] or None
     consumed: np.ndarray | None = None  # bool [N]: ids trained on in this pass, on every rank
+    # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
+    # a resume under the same layout skips them with the batches they were read for.
+    undecodable: np.ndarray | None = None
 
     def state_dict(self) -> dict:
         state = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, np.ndarray):  # a bool mask, as packed bits: N / 8 bytes
+            if f.name == "undecodable" and value is not None:
+                state[f.name] = [int(v) for v in value]
+            elif isinstance(value, np.ndarray):  # a bool mask, as packed bits: N / 8 bytes
                 state[f.name] = torch.from_numpy(np.packbits(value))
                 state[f.name + "_len"] = len(value)
             elif value is not None:
@@ -58,6 +63,9 @@ class TrainingPosition:
                 value = None if packed is None else np.unpackbits(
                     np.asarray(packed), count=int(state[f.name + "_len"])).astype(bool)
                 setattr(self, f.name, value)
+            elif f.name == "undecodable":
+                value = state.get(f.name)
+                setattr(self, f.name, None if value is None else np.asarray(value, dtype=np.int64))
             elif f.name in state:
                 setattr(self, f.name, type(f.default)(state[f.name]))
 

@@ -9,6 +9,8 @@ as bytes and dropped before decoding (principle 2). Nothing here knows about mod
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Iterator
@@ -36,10 +38,16 @@ class Batch:
     images: torch.Tensor  # float32 [B, C, H, W] in [-1, 1] (or latents)
     labels: torch.Tensor  # int64 [B], -1 where the shards carry no class
     bad: tuple[BadInput, ...] = ()  # bad-input events met while filling this batch
+    worker: int = 0  # the part of this rank's slice it came from (for resuming exactly)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(move(self.ids), move(self.weights), move(self.images), move(self.labels), self.bad)
+        return dataclasses.replace(self, ids=move(self.ids), weights=move(self.weights), images=move(self.images),
+                                   labels=move(self.labels))
+
+    def undecodable(self) -> int:
+        """Samples read for this batch but not decodable."""
+        return sum(e.samples_lost for e in self.bad if e.undecodable)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -52,7 +60,8 @@ def real_samples(batches) -> Iterator[Batch]:
         if bool(keep.all()):
             yield batch
         elif bool(keep.any()):
-            yield Batch(batch.ids[keep], batch.weights[keep], batch.images[keep], batch.labels[keep], batch.bad)
+            yield dataclasses.replace(batch, ids=batch.ids[keep], weights=batch.weights[keep],
+                                      images=batch.images[keep], labels=batch.labels[keep])
 
 
 @dataclass(frozen=True)
@@ -202,16 +211,24 @@ class ShardStream(IterableDataset):
         *,
         num_workers: int = 0,
         skip_batches: int = 0,
+        skip_undecodable: np.ndarray | None = None,
         pin_memory: bool = False,
     ) -> "PassLoader":
-        """This rank's batches of pass `epoch`, after skipping its first `skip_batches` undecoded."""
+        """This rank's batches of pass `epoch`, after skipping its first `skip_batches` undecoded.
+
+        `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
+        `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
+        exactly where it stopped."""
         if plan is not None and plan.epoch != epoch:
             raise ValueError(f"plan is for pass {plan.epoch}, not pass {epoch}")
         layout = self.layout(epoch, plan, num_workers)
         workers = max(1, num_workers)
         mine = layout.batches[self.rank]
         skipped, first_worker = batches_taken_per_worker(mine, skip_batches)
-        self._pass = _PassState(epoch, plan, layout, workers, skipped, first_worker)
+        extra = np.zeros(workers, dtype=np.int64) if skip_undecodable is None else np.asarray(skip_undecodable)
+        if len(extra) != workers:
+            raise ValueError(f"skip_undecodable has {len(extra)} entries for {workers} worker parts")
+        self._pass = _PassState(epoch, plan, layout, workers, skipped, extra, first_worker)
         loader = DataLoader(self, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
         return PassLoader(loader, layout, layout.steps - skip_batches)
 
@@ -227,15 +244,17 @@ class ShardStream(IterableDataset):
         skip = int(state.skipped[worker])
         rng = np.random.default_rng([self.seed, state.epoch, self.rank, worker])
         events: list[BadInput] = []
-        template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
+        template: list = []  # the last decoded sample (or, after a resume, replayed raw ones) to shape padding
         raw = self._kept_raw_samples(state.layout.slices[slot], state.plan, events)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
-        for k in range(n_batches):
-            if k < skip:  # resume: replay the order without decoding
-                for _ in range(self.batch_size):
-                    next(samples, None)
-                continue
-            yield self._next_batch(samples, state.epoch, events, template, last=k == n_batches - 1)
+        replayed = collections.deque(maxlen=8)
+        for _ in range(min(skip, n_batches) * self.batch_size + int(state.undecodable[worker])):
+            replayed.append(next(samples, None))  # resume: replay the order without decoding
+        events.clear()  # met while replaying: counted by the run that trained those batches
+        template.extend(item for item in replayed if item is not None)
+        for k in range(skip, n_batches):
+            batch = self._next_batch(samples, state.epoch, events, template, last=k == n_batches - 1)
+            yield dataclasses.replace(batch, worker=worker)
 
     def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
         """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
@@ -284,7 +303,7 @@ class ShardStream(IterableDataset):
             try:
                 image, label = self.decoder(sample, sample_id, epoch)
             except BadInputError as e:
-                self._bad(events, BadInput(str(e)))
+                self._bad(events, BadInput(str(e), undecodable=True))
                 continue
             ids.append(sample_id)
             weights.append(weight)
@@ -294,12 +313,11 @@ class ShardStream(IterableDataset):
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
             # same number of steps; padding has id -1 and never reaches a pruner.
-            if not template:
-                raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
+            shape = self._padding_shape(template, epoch)
             missing = self.batch_size - len(ids)
             ids += [PADDING_ID] * missing
             weights += [0.0] * missing
-            images += [torch.zeros_like(template[0])] * missing
+            images += [torch.zeros_like(shape)] * missing
             labels += [NO_LABEL] * missing
         if last:  # read (never decode) this worker's tail, so a shard's bad end is still reported
             for _ in samples:
@@ -313,6 +331,20 @@ class ShardStream(IterableDataset):
             torch.tensor(labels, dtype=torch.int64),
             bad,
         )
+
+    def _padding_shape(self, template: list, epoch: int) -> torch.Tensor:
+        """A decoded sample to shape padding like: the last one decoded or, when a resumed worker has
+        decoded none yet, one of the raw samples it replayed (decoded now, only for its shape)."""
+        for item in reversed(template):
+            if isinstance(item, torch.Tensor):
+                return item
+            try:
+                image, _ = self.decoder(item[2], item[0], epoch)
+            except BadInputError:
+                continue
+            template[:] = [image]
+            return image
+        raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
 
     def _bad(self, events: list, event: BadInput) -> None:
         if self.on_bad_sample == "stop":
@@ -328,6 +360,7 @@ class _PassState:
     layout: PassLayout
     workers: int
     skipped: np.ndarray  # int64 [workers]: batches each worker skips (resume)
+    undecodable: np.ndarray  # int64 [workers]: undecodable samples among them, skipped too
     first_worker: int  # the worker whose part loader worker 0 plays (resume)
 
 

@@ -35,6 +35,7 @@ class BadInput:
 
     message: str
     samples_lost: int = 1
+    undecodable: bool = False  # read but not decodable: it took a place in the worker's sample order
 
 
 @dataclass(frozen=True)

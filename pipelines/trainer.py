@@ -191,8 +191,10 @@ def train(cfg: RunConfig) -> dict:
         plan = begin_pass(position, pruner, index.num_samples, world, cfg.data.num_workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
+        undecodable_here = undecodable_of_rank(position, rank, world, max(1, cfg.data.num_workers))
         loader = stream.pass_loader(epoch, plan, num_workers=cfg.data.num_workers,
-                                    skip_batches=position.batch_in_pass, pin_memory=device.type == "cuda")
+                                    skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
+                                    pin_memory=device.type == "cuda")
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = plan.kept_fraction()
@@ -213,6 +215,7 @@ def train(cfg: RunConfig) -> dict:
             real = ids >= 0
             position.consumed[ids[real]] = True
             lost_here += sum(e.samples_lost for e in batch.bad)
+            undecodable_here[batch.worker] += batch.undecodable()
             if not np.isfinite(gathered[real]).all():
                 bad_ids = ids[real & ~np.isfinite(gathered)].tolist()
                 where = f"step {position.optimizer_steps} (pass {epoch}, batch {micro})"
@@ -227,7 +230,8 @@ def train(cfg: RunConfig) -> dict:
                     accelerator.backward(loss)
                 pruner.update(ids, gathered)
                 position.samples_forwarded += int(real.sum())
-                pass_losses.append(float(gathered[real].mean()))
+                if real.any():  # a batch of padding only has no loss to report
+                    pass_losses.append(float(gathered[real].mean()))
             if is_step:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -249,6 +253,7 @@ def train(cfg: RunConfig) -> dict:
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
                     position.bad_samples += sum_over_ranks(accelerator, lost_here)
                     lost_here = 0
+                    position.undecodable = undecodable_table(accelerator, undecodable_here)
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
                     save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
@@ -260,6 +265,7 @@ def train(cfg: RunConfig) -> dict:
         position.wall_seconds += time.perf_counter() - pass_start
         position.bad_samples += sum_over_ranks(accelerator, lost_here)
         lost_here = 0
+        position.undecodable = undecodable_table(accelerator, undecodable_here)
         if debug is not None:
             debug.end_pass(epoch)
         if stop and position.batch_in_pass < total:
@@ -273,7 +279,7 @@ def train(cfg: RunConfig) -> dict:
             at = {k: summary[k] for k in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")}
             metrics.write(evaluator.evaluate(task, weights_for_eval(model, ema, cfg.eval.weights), at=at))
         position.epoch += 1
-        position.batch_in_pass, position.pass_offset, position.excluded = 0, 0.0, None
+        position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
@@ -292,6 +298,25 @@ def sum_over_ranks(accelerator, count: int) -> int:
         return count
     total = torch.tensor([count], dtype=torch.int64, device=accelerator.device)
     return int(accelerator.reduce(total, reduction="sum").item())
+
+
+def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, workers: int) -> np.ndarray:
+    """int64 [workers]: this rank's undecodable samples per worker part in the pass so far (zeros
+    at a pass start, or when the pass resumes under another layout and starts a segment)."""
+    table = position.undecodable
+    if position.batch_in_pass == 0 or table is None or len(table) != world * workers:
+        return np.zeros(workers, dtype=np.int64)
+    return table[rank * workers:(rank + 1) * workers].astype(np.int64)
+
+
+def undecodable_table(accelerator, here: np.ndarray) -> np.ndarray:
+    """Every rank's `undecodable_of_rank` counts in rank order, [world * workers]; all ranks call it."""
+    table = torch.zeros(accelerator.num_processes * len(here), dtype=torch.int64, device=accelerator.device)
+    start = accelerator.process_index * len(here)
+    table[start:start + len(here)] = torch.from_numpy(here)
+    if accelerator.num_processes > 1:
+        table = accelerator.reduce(table, reduction="sum")
+    return table.cpu().numpy()
 
 
 def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, held_out, pass_losses) -> dict:
