@@ -251,9 +251,8 @@ def train(cfg: RunConfig) -> dict:
                     metrics.write(record)
                     bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
-                    position.bad_samples += sum_over_ranks(accelerator, lost_here)
+                    settle_bad_input(accelerator, position, lost_here, undecodable_here)
                     lost_here = 0
-                    position.undecodable = undecodable_table(accelerator, undecodable_here)
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
                     save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
@@ -263,9 +262,8 @@ def train(cfg: RunConfig) -> dict:
                     break
         bar.close()
         position.wall_seconds += time.perf_counter() - pass_start
-        position.bad_samples += sum_over_ranks(accelerator, lost_here)
+        settle_bad_input(accelerator, position, lost_here, undecodable_here)
         lost_here = 0
-        position.undecodable = undecodable_table(accelerator, undecodable_here)
         if debug is not None:
             debug.end_pass(epoch)
         if stop and position.batch_in_pass < total:
@@ -292,14 +290,6 @@ def train(cfg: RunConfig) -> dict:
     return summary
 
 
-def sum_over_ranks(accelerator, count: int) -> int:
-    """`count` summed over every rank; all ranks must call it at the same point of the loop."""
-    if accelerator.num_processes == 1:
-        return count
-    total = torch.tensor([count], dtype=torch.int64, device=accelerator.device)
-    return int(accelerator.reduce(total, reduction="sum").item())
-
-
 def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, workers: int) -> np.ndarray:
     """int64 [workers]: this rank's undecodable samples per worker part in the pass so far (zeros
     at a pass start, or when the pass resumes under another layout and starts a segment)."""
@@ -309,14 +299,20 @@ def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, worke
     return table[rank * workers:(rank + 1) * workers].astype(np.int64)
 
 
-def undecodable_table(accelerator, here: np.ndarray) -> np.ndarray:
-    """Every rank's `undecodable_of_rank` counts in rank order, [world * workers]; all ranks call it."""
-    table = torch.zeros(accelerator.num_processes * len(here), dtype=torch.int64, device=accelerator.device)
-    start = accelerator.process_index * len(here)
-    table[start:start + len(here)] = torch.from_numpy(here)
+def settle_bad_input(accelerator, position: TrainingPosition, lost_here: int, undecodable_here: np.ndarray) -> None:
+    """Bring the checkpointed bad-input counts up to date over all ranks (one all-reduce; every rank
+    calls it at the same point): `bad_samples` += the samples each rank lost since the last call,
+    `undecodable` = every rank's per-worker `undecodable_of_rank` counts, in rank order."""
+    workers = len(undecodable_here)
+    counts = torch.zeros(1 + accelerator.num_processes * workers, dtype=torch.int64, device=accelerator.device)
+    counts[0] = lost_here
+    start = 1 + accelerator.process_index * workers
+    counts[start:start + workers] = torch.from_numpy(undecodable_here)
     if accelerator.num_processes > 1:
-        table = accelerator.reduce(table, reduction="sum")
-    return table.cpu().numpy()
+        counts = accelerator.reduce(counts, reduction="sum")
+    counts = counts.cpu().numpy()
+    position.bad_samples += int(counts[0])
+    position.undecodable = counts[1:]
 
 
 def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, held_out, pass_losses) -> dict:
