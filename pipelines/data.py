@@ -244,17 +244,15 @@ class ShardStream(IterableDataset):
         skip = int(state.skipped[worker])
         rng = np.random.default_rng([self.seed, state.epoch, self.rank, worker])
         events: list[BadInput] = []
-        template: list = []  # the last decoded sample (or, after a resume, replayed raw ones) to shape padding
         raw = self._kept_raw_samples(state.layout.slices[slot], state.plan, events)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
         replayed = collections.deque(maxlen=8)
         for _ in range(min(skip, n_batches) * self.batch_size + int(state.undecodable[worker])):
             replayed.append(next(samples, None))  # resume: replay the order without decoding
         events.clear()  # met while replaying: counted by the run that trained those batches
-        template.extend(item for item in replayed if item is not None)
+        template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
         for k in range(skip, n_batches):
-            batch = self._next_batch(samples, state.epoch, events, template, last=k == n_batches - 1)
-            yield dataclasses.replace(batch, worker=worker)
+            yield self._next_batch(samples, state.epoch, events, template, replayed, worker, last=k == n_batches - 1)
 
     def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
         """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
@@ -293,7 +291,8 @@ class ShardStream(IterableDataset):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
                 self._bad(events, BadInput(message, len(mine) - delivered))
 
-    def _next_batch(self, samples, epoch: int, events: list, template: list, last: bool) -> Batch:
+    def _next_batch(self, samples, epoch: int, events: list, template: list, replayed, worker: int,
+                    last: bool) -> Batch:
         ids, weights, images, labels = [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
@@ -313,11 +312,14 @@ class ShardStream(IterableDataset):
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
             # same number of steps; padding has id -1 and never reaches a pruner.
-            shape = self._padding_shape(template, epoch)
+            if not template:  # a resumed worker that has decoded nothing yet: shape it like a replayed sample
+                template[:] = self._first_decodable(reversed(replayed), epoch)
+            if not template:
+                raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
             missing = self.batch_size - len(ids)
             ids += [PADDING_ID] * missing
             weights += [0.0] * missing
-            images += [torch.zeros_like(shape)] * missing
+            images += [torch.zeros_like(template[0])] * missing
             labels += [NO_LABEL] * missing
         if last:  # read (never decode) this worker's tail, so a shard's bad end is still reported
             for _ in samples:
@@ -330,21 +332,19 @@ class ShardStream(IterableDataset):
             torch.stack(images),
             torch.tensor(labels, dtype=torch.int64),
             bad,
+            worker,
         )
 
-    def _padding_shape(self, template: list, epoch: int) -> torch.Tensor:
-        """A decoded sample to shape padding like: the last one decoded or, when a resumed worker has
-        decoded none yet, one of the raw samples it replayed (decoded now, only for its shape)."""
-        for item in reversed(template):
-            if isinstance(item, torch.Tensor):
-                return item
+    def _first_decodable(self, items, epoch: int) -> list[torch.Tensor]:
+        """[the first of these (id, weight, raw sample) items that decodes, decoded], or []."""
+        for item in items:
+            if item is None:
+                continue
             try:
-                image, _ = self.decoder(item[2], item[0], epoch)
+                return [self.decoder(item[2], item[0], epoch)[0]]
             except BadInputError:
                 continue
-            template[:] = [image]
-            return image
-        raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
+        return []
 
     def _bad(self, events: list, event: BadInput) -> None:
         if self.on_bad_sample == "stop":
