@@ -87,3 +87,28 @@ def tiny_vae(channels: int = 3, size: int = 32):
         norm_num_groups=8,
         sample_size=size,
     )
+
+
+def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=None) -> str:
+    """`shards` tar shards of `per_shard` digits each, the session's train digits in index order;
+    where `broken(shard, position)` is true the image is replaced by bytes that are not a PNG.
+    Indexed; returns the folder."""
+    import webdataset as wds
+
+    from pipelines.shards import ShardIndex, read_shard
+    from tools.shards import index_shards
+
+    def digits():
+        for url in ShardIndex.load(f"{digits_shards}/train").urls:
+            for _, sample in read_shard(url):
+                yield {k: v for k, v in sample.items() if k in ("__key__", "png", "cls")}
+
+    os.makedirs(out, exist_ok=True)
+    source = digits()
+    for shard in range(shards):
+        with wds.TarWriter(os.path.join(out, f"{shard}.tar")) as sink:
+            for position in range(per_shard):
+                sample = next(source)
+                sink.write({**sample, "png": b"not a png"} if broken and broken(shard, position) else sample)
+    index_shards([str(out)], str(out))
+    return str(out)

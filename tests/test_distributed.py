@@ -14,12 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import webdataset as wds
-
+from eval_runs import digit_shards
 from pipelines.checkpoint import latest_checkpoint
 from pipelines.data import pass_layout
-from pipelines.shards import ShardIndex, read_shard
-from tools.shards import index_shards, write_shards
+from pipelines.shards import ShardIndex
+from tools.shards import write_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
@@ -103,15 +102,7 @@ def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_p
 def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path):
     # 64 samples: with batch 32 on 2 ranks or 64 on 1, every step sees the whole set, so the
     # averaged gradients (and per-sample masks, keyed by sample id) must agree.
-    small = tmp_path / "small"
-    first = ShardIndex.load(f"{digits_shards}/train").urls[0]
-    small.mkdir()
-    with wds.TarWriter(str(small / "shard.tar")) as sink:
-        for position, sample in read_shard(first):
-            if position == 64:
-                break
-            sink.write({k: v for k, v in sample.items() if k in ("__key__", "png", "cls")})
-    index_shards([str(small)], str(small))
+    small = digit_shards(digits_shards, tmp_path / "small", shards=1, per_shard=64)
     common = [f"data.train={small}", "data.val=''", f"runs_dir={tmp_path}", "passes=3", "optim.warmup_passes=0",
               *TINY_MAE]
     launch(2, "mae_tiny_full.yaml", common + ["name=two", "data.batch_size=32"])
@@ -136,16 +127,8 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
 def test_samples_lost_on_every_rank_are_counted_once_each(digits_shards, tmp_path):
     # Four shards of 32 with one undecodable image each: the ranks' contiguous slices split them,
     # so each rank meets its own; the run's count is their sum, in the log and the checkpoint.
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    first = ShardIndex.load(f"{digits_shards}/train").urls[0]
-    samples = [{k: v for k, v in sample.items() if k in ("__key__", "png", "cls")}
-               for position, sample in read_shard(first) if position < 128]
-    for shard in range(4):
-        with wds.TarWriter(str(broken / f"shard{shard}.tar")) as sink:
-            for position, sample in enumerate(samples[32 * shard:32 * (shard + 1)]):
-                sink.write({**sample, "png": b"not a png"} if position == 5 else sample)
-    index_shards([str(broken)], str(broken))
+    broken = digit_shards(digits_shards, tmp_path / "broken", shards=4, per_shard=32,
+                          broken=lambda shard, position: position == 5)
     run_dir = tmp_path / "lossy"
     output = launch(2, "mae_tiny_full.yaml", [
         f"data.train={broken}", "data.val=''", f"runs_dir={tmp_path}", "name=lossy", "passes=1",

@@ -215,18 +215,10 @@ def test_periodic_evaluation_is_logged_every_e_passes(digits_shards, tmp_path):
 def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards, tmp_path, workers):
     """Undecodable samples read for already-trained batches are skipped on resume with those batches,
     so the resumed run trains the very batches the uninterrupted run trained."""
-    from pipelines.shards import read_shard
-    from tools.shards import index_shards
+    from eval_runs import digit_shards
 
     shards = tmp_path / "shards"
-    shards.mkdir()
-    first = ShardIndex.load(f"{digits_shards}/train").urls[0]
-    samples = [{k: v for k, v in s.items() if k in ("__key__", "png", "cls")} for p, s in read_shard(first) if p < 192]
-    for shard in range(3):
-        with wds.TarWriter(str(shards / f"{shard}.tar")) as sink:
-            for position, sample in enumerate(samples[64 * shard:64 * (shard + 1)]):
-                sink.write({**sample, "png": b"not a png"} if position % 16 == 3 else sample)
-    index_shards([str(shards)], str(shards))
+    digit_shards(digits_shards, shards, shards=3, per_shard=64, broken=lambda shard, position: position % 16 == 3)
     cut = shards / "1.tar"  # and one shard cut short after indexing: its lost samples are met while reading
     cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 3])
     config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
