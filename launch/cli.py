@@ -42,7 +42,7 @@ def _shards_inspect(args) -> None:
 
 def _train(args) -> None:
     from pipelines.config import load_config
-    from pipelines.trainer import train
+    from pipelines.training.loop import train
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
@@ -60,7 +60,7 @@ def _latents_encode(args) -> None:
 def _demo(args) -> None:
     """Digits shards (written once), then a tiny MAE trained with InfoBatch on the CPU."""
     from pipelines.config import load_config
-    from pipelines.trainer import train
+    from pipelines.training.loop import train
     from tools.shards import write_shards
 
     if not os.path.exists(os.path.join(args.data, "train", "index.json")):
@@ -72,7 +72,7 @@ def _demo(args) -> None:
     cfg = load_config(config, overrides)
     print(f"training a tiny MAE with InfoBatch for {cfg.passes} passes ({config}) ...")
     summary = train(cfg)
-    from pipelines.evaluate import evaluate_checkpoint
+    from pipelines.evaluation.runner import evaluate_checkpoint
 
     # Raw weights: after a run this short the EMA still lags far behind them.
     record = evaluate_checkpoint(cfg.run_dir, overrides=["weights=raw"])
@@ -85,7 +85,7 @@ def _demo(args) -> None:
 
 def _eval(args) -> None:
     """Evaluate a checkpoint of a run; writes RUN/eval/step_XXXXXX.json."""
-    from pipelines.evaluate import evaluate_checkpoint
+    from pipelines.evaluation.runner import evaluate_checkpoint
 
     overrides = list(args.overrides)
     for option, key in (("fid_samples", "fid.num_samples"), ("fid_steps", "fid.sampler_steps"),
@@ -102,8 +102,8 @@ def _compare(args) -> None:
     """Losslessness report of pruned runs against a baseline (one or several seed runs)."""
     import glob
 
-    from pipelines.evaluate import resolve_run_dir
-    from pipelines.report import compare_runs
+    from pipelines.evaluation.records import resolve_run_dir
+    from pipelines.report.compare import compare_runs
 
     def runs(specs):
         found = []
@@ -121,8 +121,8 @@ def _compare(args) -> None:
 
 
 def _bench_lossless(args) -> None:
-    """Pruned vs full runs side by side, at equal passes and equal compute (tools/bench_lossless.py)."""
-    from tools.bench_lossless import run_from_args
+    """Pruned vs full runs side by side, at equal passes and equal compute (tools/bench/lossless/run.py)."""
+    from tools.bench.lossless.run import run_from_args
 
     run_from_args(args)
 
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--fid-feature", help="inception | classifier | module:pkg.mod:factory (fid.feature)")
     evaluate.add_argument("--fid-weights", help="the FID feature network's weights file (fid.weights)")
     evaluate.add_argument("--weights", choices=("ema", "raw"), help="evaluate the EMA (default) or raw weights")
-    evaluate.add_argument("--eval-config", help="YAML with evaluation settings (see pipelines/evaluate_config.py)")
+    evaluate.add_argument("--eval-config", help="YAML with evaluation settings (see pipelines/evaluation/config.py)")
     evaluate.add_argument("--runs-dir", default="runs")
     evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     evaluate.add_argument("overrides", nargs="*",
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     lossless = bench_sub.add_parser("lossless", help="is pruning lossless, and better than training less? "
                                                      "writes docs/BENCHMARKS.md")
-    from tools.bench_lossless import add_arguments as bench_lossless_arguments
+    from tools.bench.lossless.run import add_arguments as bench_lossless_arguments
 
     bench_lossless_arguments(lossless)
     lossless.set_defaults(func=_bench_lossless)
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.shards import BadInputError
+    from pipelines.data.shards import BadInputError
 
     args = build_parser().parse_args(argv)
     try:

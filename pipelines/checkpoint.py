@@ -6,6 +6,7 @@ is never picked and is removed by the next save.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -129,3 +130,27 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def load_checkpoint_states(checkpoint: str) -> dict:
+    """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
+    of one accelerate `save_state` folder; the registered objects are told apart by their keys."""
+    from safetensors.torch import load_file
+
+    weights = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(weights):
+        model = load_file(weights)
+    elif os.path.isfile(os.path.join(checkpoint, "pytorch_model.bin")):
+        model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{checkpoint}: no model.safetensors (not an accelerate checkpoint of prunepipe train)")
+    found = {"model": model, "ema": None, "pruner": None, "position": None}
+    for path in sorted(glob.glob(os.path.join(checkpoint, "custom_checkpoint_*.pkl"))):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and "shadow_params" in state:
+            found["ema"] = state
+        elif isinstance(state, dict) and "tables" in state and "pruner" in state:
+            found["pruner"] = state
+        elif isinstance(state, dict) and "optimizer_steps" in state and "epoch" in state:
+            found["position"] = state
+    return found

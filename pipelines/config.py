@@ -14,10 +14,10 @@ from typing import Any, Dict, List
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-from pipelines.data import BAD_SAMPLE_POLICIES
-from pipelines.diffusion import DiffusionConfig
-from pipelines.evaluate_config import EvalConfig, validate_eval_config
-from pipelines.mae import MAEConfig
+from pipelines.data.stream import BAD_SAMPLE_POLICIES
+from pipelines.evaluation.config import EvalConfig, validate_eval_config
+from pipelines.tasks.diffusion import DiffusionConfig
+from pipelines.tasks.mae import MAEConfig
 
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")

@@ -20,7 +20,7 @@ TINY_LDM = ("ldm.block_out_channels=[16,32]", "ldm.norm_num_groups=8", "data.bat
 def tiny_run(shards: str, runs_dir: str, config: str, name: str, extra: tuple[str, ...] = ()) -> str:
     """Train configs/`config` on the digits shards into runs_dir/name; returns the run folder."""
     from pipelines.config import load_config
-    from pipelines.trainer import train
+    from pipelines.training.loop import train
 
     tiny = TINY_MAE if config.startswith("mae") else TINY_LDM
     cfg = load_config(os.path.join(ROOT, "configs", config),
@@ -60,10 +60,9 @@ def one_torch_thread():
 
 def trained_task(run_dir: str):
     """(task, model with the run's last checkpoint's raw weights in eval mode, run config)."""
-    from pipelines.checkpoint import latest_checkpoint
+    from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
     from pipelines.config import load_config
-    from pipelines.evaluate import load_checkpoint_states
-    from pipelines.trainer import build_task
+    from pipelines.tasks.build import build_task
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     task = build_task(cfg)
@@ -95,7 +94,7 @@ def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=No
     Indexed; returns the folder."""
     import webdataset as wds
 
-    from pipelines.shards import ShardIndex, read_shard
+    from pipelines.data.shards import ShardIndex, read_shard
     from tools.shards import index_shards
 
     def digits():

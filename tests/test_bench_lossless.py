@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from pruning import build_pruner
-from tools.bench_lossless import TaskPlan, TimedPruner, bench, equal_compute_spec
-from tools.bench_lossless_report import write_markdown
-from tools.bench_lossless_verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
+from tools.bench.lossless.report import write_markdown
+from tools.bench.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
+from tools.bench.lossless.verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
 
 
 def test_verdicts_lower_is_better_both_ways():

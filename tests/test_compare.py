@@ -10,13 +10,13 @@ import os
 
 import pytest
 import yaml
-
 from eval_runs import one_torch_thread, session_dir, tiny_run
+
 from launch.cli import main as cli_main
-from pipelines.evaluate import evaluate_checkpoint
-from pipelines.evaluate_config import load_eval_config
-from pipelines.report import compare_runs, parse_tolerances, tolerance_for
-from pipelines.report_plots import checkpoint_scores
+from pipelines.evaluation.config import load_eval_config
+from pipelines.evaluation.runner import evaluate_checkpoint
+from pipelines.report.compare import compare_runs, parse_tolerances, tolerance_for
+from pipelines.report.plots import checkpoint_scores
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

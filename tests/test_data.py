@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data import ShardStream, batches_taken_per_worker, pass_layout
-from pipelines.decode import SampleDecoder
-from pipelines.shards import ShardIndex
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.layout import batches_taken_per_worker, pass_layout
+from pipelines.data.shards import ShardIndex
+from pipelines.data.stream import ShardStream
 from pruning.base import uniform_coin
-from pruning.stream import PassPlan
+from pruning.pass_plan import PassPlan
 
 BATCH = 16
 

@@ -8,6 +8,7 @@ import json
 import os
 
 from eval_runs import TINY_MAE
+
 from launch.cli import main as cli_main
 
 

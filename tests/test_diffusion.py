@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMPipeline, UNet2DModel
-
 from eval_runs import tiny_vae as tiny_vae_of
-from pipelines.data import Batch
-from pipelines.diffusion import DiffusionConfig, DiffusionTask, load_pipeline, sample
+
+from pipelines.data.batch import Batch
+from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, load_pipeline, sample
 
 IMAGE, CHANNELS, T = 32, 3, 1000
 

@@ -14,11 +14,11 @@ import pytest
 import scipy.linalg
 import torch
 import torch.multiprocessing as mp
-
 from eval_runs import feature_net, one_torch_thread, session_dir
-from pipelines.evaluate_config import FIDConfig
-from pipelines.evaluate_data import read_split
-from pipelines.evaluate_fid import FIDEvaluator, feature_net_from_config, reference_cache_path
+
+from pipelines.data.splits import read_split
+from pipelines.evaluation.config import FIDConfig
+from pipelines.evaluation.fid import FIDEvaluator, feature_net_from_config, reference_cache_path
 
 HALF = 800  # the digits train split has 1617 images: the first 800 are the reference half
 

@@ -10,12 +10,12 @@ import os
 
 import pytest
 import torch
+from eval_runs import feature_net, one_torch_thread, session_dir, tiny_run, trained_task
 
-from eval_runs import trained_task, feature_net, one_torch_thread, session_dir, tiny_run
-from pipelines.evaluate import evaluate_checkpoint
-from pipelines.evaluate_config import load_eval_config
-from pipelines.evaluate_data import read_split
-from pipelines.evaluate_sampling import generate_images
+from pipelines.data.splits import read_split
+from pipelines.evaluation.config import load_eval_config
+from pipelines.evaluation.runner import evaluate_checkpoint
+from pipelines.evaluation.sampling import generate_images
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,16 +13,16 @@ import os
 
 import pytest
 import torch
+from eval_runs import one_torch_thread, session_dir, tiny_run, trained_task
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from eval_runs import trained_task, one_torch_thread, session_dir, tiny_run
 from launch.cli import main as cli_main
-from pipelines.checkpoint import latest_checkpoint
-from pipelines.evaluate import evaluate_checkpoint, load_checkpoint_states
-from pipelines.evaluate_config import ProbeConfig
-from pipelines.evaluate_data import read_split
-from pipelines.evaluate_probe import linear_probe
-from pipelines.evaluate_reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
+from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
+from pipelines.data.splits import read_split
+from pipelines.evaluation.config import ProbeConfig
+from pipelines.evaluation.probe import linear_probe
+from pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
+from pipelines.evaluation.runner import evaluate_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,7 +115,7 @@ def pretrained_run(digits_shards, tmp_path_factory) -> str:
 
 
 def test_probe_scores_a_pretrained_encoder_well_above_its_random_initialisation(pretrained_run):
-    from pipelines.trainer import build_task
+    from pipelines.tasks.build import build_task
 
     _, model, cfg = trained_task(pretrained_run)
     torch.manual_seed(cfg.seed)  # what the trainer does before building the model: its initial weights
@@ -142,7 +142,7 @@ def test_periodic_evaluation_from_a_training_loop_matches_evaluating_the_checkpo
     EMAModel) gives the numbers `prunepipe eval` gives for the checkpoint saved at that moment."""
     from diffusers.training_utils import EMAModel
 
-    from pipelines.evaluate import Evaluator, weights_for_eval
+    from pipelines.evaluation.runner import Evaluator, weights_for_eval
 
     task, model, cfg = trained
     states = load_checkpoint_states(latest_checkpoint(run_dir))

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKL
-
 from eval_runs import tiny_vae
-from pipelines.data import ShardStream
-from pipelines.decode import SampleDecoder
-from pipelines.diffusion import DiffusionConfig, DiffusionTask, sample
-from pipelines.shards import ShardIndex, read_shard
+
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import ShardIndex, read_shard
+from pipelines.data.stream import ShardStream
+from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, sample
 from tools.latents import LATENT_FIELD, encode_shards
 
 IMAGE = 32

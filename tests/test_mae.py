@@ -9,10 +9,18 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from pipelines.data import Batch, ShardStream
-from pipelines.decode import SampleDecoder
-from pipelines.mae import ENCODER_CONFIG, ENCODER_WEIGHTS, MAEConfig, MAETask, load_exported_encoder, sincos_pos_embed
-from pipelines.shards import ShardIndex
+from pipelines.data.batch import Batch
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import ShardIndex
+from pipelines.data.stream import ShardStream
+from pipelines.tasks.mae import (
+    ENCODER_CONFIG,
+    ENCODER_WEIGHTS,
+    MAEConfig,
+    MAETask,
+    load_exported_encoder,
+    sincos_pos_embed,
+)
 
 IMAGE, CHANNELS = 32, 3
 

@@ -14,7 +14,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pruning import PRUNERS, TED, Full, FrozenPlan, InfoBatch, Pruner, Random, build_pruner, uniform_coin
+from pruning import PRUNERS, TED, FrozenPlan, Full, InfoBatch, Pruner, Random, build_pruner, uniform_coin
 
 ALPHA = 1e-3  # significance level of every binomial / goodness-of-fit check in this file
 

@@ -17,9 +17,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from pipelines.data import ShardStream
-from pipelines.decode import SampleDecoder
-from pipelines.shards import BadInputError, ShardIndex, read_shard
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from pipelines.data.stream import ShardStream
 from tools.shards import index_shards, inspect_shards
 
 

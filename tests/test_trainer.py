@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 
 from pipelines.checkpoint import latest_checkpoint, resolve_resume
 from pipelines.config import load_config
-from pipelines.diffusion import load_pipeline
-from pipelines.mae import load_exported_encoder
-from pipelines.shards import ShardIndex
-from pipelines.trainer import NonFiniteLossError, build_task, learning_rate, train
+from pipelines.data.shards import ShardIndex
+from pipelines.tasks.build import build_task
+from pipelines.tasks.diffusion import load_pipeline
+from pipelines.tasks.mae import load_exported_encoder
+from pipelines.training.loop import NonFiniteLossError, learning_rate, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

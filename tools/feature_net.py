@@ -13,10 +13,10 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from pipelines.evaluate_data import read_split
-from pipelines.evaluate_features import SmallClassifier, save_classifier
+from pipelines.data.splits import read_split
+from pipelines.evaluation.features import SmallClassifier, save_classifier
+from pipelines.progress import progress
 
 DEFAULT_NAME = "feature_net.safetensors"  # beside train/ and val/: where fid.feature=classifier looks
 
@@ -59,7 +59,7 @@ def train_feature_net(
     order = torch.Generator().manual_seed(seed)
     steps = epochs * ((len(train_x) + batch_size - 1) // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)
-    bar = tqdm(total=steps, desc="feature net", unit="step", leave=False)
+    bar = progress(steps, desc="feature net", unit="step")
     for _ in range(epochs):
         permutation = torch.randperm(len(train_x), generator=order)
         for start in range(0, len(train_x), batch_size):

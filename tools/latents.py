@@ -13,11 +13,11 @@ import os
 import numpy as np
 import torch
 import webdataset as wds
-from tqdm import tqdm
 
-from pipelines.decode import LABEL_FIELDS, SampleDecoder
-from pipelines.diffusion import load_autoencoder
-from pipelines.shards import BadInputError, ShardIndex, read_shard
+from pipelines.data.decode import LABEL_FIELDS, SampleDecoder
+from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from pipelines.progress import progress
+from pipelines.tasks.diffusion import load_autoencoder
 
 LATENT_FIELD = "latent.npy"
 LATENT_DTYPES = ("float16", "float32")
@@ -81,7 +81,7 @@ def encode_shards(
     # One output shard per input shard: no size or count limit may split one.
     with wds.ShardWriter(pattern, maxcount=int(index.counts.max()) + 1, maxsize=float("inf"), verbose=0) as writer:
         writer.post = lambda fname: entries.append((fname, writer.count))
-        bar = tqdm(total=index.num_samples, desc=f"encoding {os.path.basename(out_folder.rstrip('/'))}", unit="img")
+        bar = progress(index.num_samples, desc=f"encoding {os.path.basename(out_folder.rstrip('/'))}", unit="img")
         for shard, (url, count, first_id) in enumerate(zip(index.urls, index.counts, index.first_ids)):
             if shard > 0:
                 writer.next_stream()  # close the previous shard even when it was empty

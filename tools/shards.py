@@ -15,9 +15,9 @@ import numpy as np
 import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
-from tqdm import tqdm
 
-from pipelines.shards import ShardIndex, count_samples, read_shard
+from pipelines.data.shards import ShardIndex, count_samples, read_shard
+from pipelines.progress import tracked
 from tools.sources import load_source
 
 SPLITS = ("train", "val")
@@ -60,7 +60,7 @@ def write_shards(
         pattern = os.path.join(folder_out, "shard-%06d.tar")
         with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
             writer.post = lambda fname: entries.append((fname, writer.count))
-            for key, image, label in tqdm(chosen, desc=f"{source}/{split}", unit="img", leave=False):
+            for key, image, label in tracked(chosen, desc=f"{source}/{split}", unit="img"):
                 sample = {"__key__": key, "png": png_bytes(image)}
                 if label >= 0:
                     sample["cls"] = str(label)
@@ -88,7 +88,7 @@ def shard_urls(sources: list[str]) -> list[str]:
 def index_shards(sources: list[str], out: str) -> str:
     """Read each shard once and write `out`/index.json (img2dataset and plain-tar layouts)."""
     entries, keys = [], set()
-    for url in tqdm(shard_urls(sources), desc="indexing", unit="shard"):
+    for url in tracked(shard_urls(sources), desc="indexing", unit="shard"):
         count, fields = count_samples(url)
         entries.append((url, count))
         keys.update(fields)
@@ -98,7 +98,7 @@ def index_shards(sources: list[str], out: str) -> str:
 
 def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
     """Counts, fields and labels of an indexed shard folder; optionally a PNG grid of images."""
-    from pipelines.decode import SampleDecoder
+    from pipelines.data.decode import SampleDecoder
 
     index = ShardIndex.load(location)
     fields, labels = Counter(), Counter()

@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from pipelines.decode import resize_center_crop
+from pipelines.data.decode import resize_center_crop
 
 SOURCES = ("digits", "photos", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from pipelines.evaluate import EVAL_DIR, PRIMARY_METRICS
+from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 
 @dataclass

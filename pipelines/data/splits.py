@@ -10,11 +10,11 @@ import os
 from typing import Iterator
 
 import torch
-from tqdm.auto import tqdm
 
-from pipelines.data import Batch
-from pipelines.decode import SampleDecoder
-from pipelines.shards import ShardIndex, read_shard
+from pipelines.data.batch import Batch
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import ShardIndex, read_shard
+from pipelines.progress import progress
 
 
 def read_split(
@@ -38,7 +38,7 @@ def read_split(
     decoder = SampleDecoder(resolution, channels)
     ids, images, labels = [], [], []
     ordinal = 0
-    bar = tqdm(total=total, desc=desc or f"reading {folder}", unit="img", leave=False, disable=rank != 0)
+    bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
         first = int(index.first_ids[shard])
         for position, sample in read_shard(url):

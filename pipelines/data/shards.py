@@ -2,7 +2,7 @@
 0..N-1 in index order) and an iterator of (position, undecoded sample) for one shard.
 
 Nothing here decodes an image: a sample the caller does not want costs its tar headers and nothing
-more (pipelines/tar_members.py seeks past its bytes).
+more (pipelines/data/tar_reader.py seeks past its bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from pipelines.tar_members import TarMembers
+from pipelines.data.tar_reader import TarMembers
 
 INDEX_NAME = "index.json"
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skips these names

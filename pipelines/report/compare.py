@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.evaluate import PRIMARY_METRICS
-from pipelines.report_runs import RunSummary, held_out_metrics, load_run, trajectory_value
+from pipelines.evaluation.records import PRIMARY_METRICS
+from pipelines.report.runs import RunSummary, held_out_metrics, load_run, trajectory_value
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
 DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
@@ -180,8 +180,8 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
                  k: float = DEFAULT_K, out: str | None = None, weights: str = "ema", plots: bool = True) -> dict:
     """Compare run folders and write report.md, report.json and the PNGs to `out` (default: the first
     pruned run's report/ folder); returns the report as a dict (its "markdown" key holds the table)."""
-    from pipelines.report_markdown import render_markdown
-    from pipelines.report_plots import write_plots
+    from pipelines.report.markdown import render_markdown
+    from pipelines.report.plots import write_plots
 
     if not baselines or not pruned:
         raise ValueError("compare needs at least one baseline run and one pruned run")

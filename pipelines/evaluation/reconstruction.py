@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from pipelines.data import real_samples
-from pipelines.mae import MAETask, MaskedAutoencoder
-from pipelines.randomness import per_sample_seeded
-from pipelines.wrappers import unwrap
+from pipelines.data.batch import real_samples
+from pipelines.tasks.mae import MAETask, MaskedAutoencoder
+from pipelines.tasks.randomness import per_sample_seeded
+from pipelines.tasks.wrappers import unwrap
 
 
 def fixed_mask_noise(ids: np.ndarray, num_patches: int, seed: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipelines.shards import BadInputError
+from pipelines.data.shards import BadInputError
 from pruning.base import uniform_coin
 
 IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")

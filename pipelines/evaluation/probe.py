@@ -14,7 +14,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from pipelines.evaluate_config import ProbeConfig
+from pipelines.evaluation.config import ProbeConfig
 
 
 @torch.no_grad()

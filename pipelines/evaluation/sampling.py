@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 from diffusers import DDIMScheduler
-from tqdm.auto import tqdm
 
-from pipelines.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
-from pipelines.randomness import per_sample_seeded
+from pipelines.progress import progress
+from pipelines.tasks.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
+from pipelines.tasks.randomness import per_sample_seeded
 
 
 def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None
@@ -69,7 +69,7 @@ def generate_images(
     size = task.sample_size
     shape = (task.in_channels, *((size, size) if isinstance(size, int) else size))
     mine = np.arange(rank, num_images, world_size)
-    bar = tqdm(total=len(mine), desc=f"sampling (DDIM {steps} steps)", unit="img", leave=False, disable=rank != 0)
+    bar = progress(len(mine), desc=f"sampling (DDIM {steps} steps)", unit="img", disable=rank != 0)
     try:
         for start in range(0, len(mine), batch_size):
             indices = mine[start:start + batch_size]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pruning.stream import PassPlan
+from pruning.pass_plan import PassPlan
 
 
 def plan_digest(plan: PassPlan, pruner) -> str:

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
-from pipelines.evaluate_config import FIDConfig
-from pipelines.evaluate_data import read_split
+from pipelines.data.splits import read_split
+from pipelines.evaluation.config import FIDConfig
 
 # torch-fidelity's Inception-v3 (the TF FID graph of 2015-12-05, converted); torchmetrics loads it.
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -97,7 +97,7 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
         return FeatureNet(cfg.inception_dim, f"inception{cfg.inception_dim}-{cfg.resize}-{file_digest(path)}", path,
                           antialias=cfg.resize == "antialias")
     if cfg.feature == "classifier":
-        from pipelines.evaluate_features import load_classifier
+        from pipelines.evaluation.features import load_classifier
 
         path = cfg.weights or os.path.join(shards_root, CLASSIFIER_FILE)
         if not os.path.isfile(path):
@@ -154,7 +154,7 @@ def reference_statistics(
 ) -> tuple[ReferenceStats, str, bool]:
     """(statistics, cache path, whether they came from the cache). Computed once, split over ranks,
     summed, and written by rank 0 atomically; every rank returns the global statistics."""
-    from pipelines.shards import ShardIndex
+    from pipelines.data.shards import ShardIndex
 
     count = ShardIndex.load(folder).num_samples
     count = count if max_samples <= 0 else min(count, max_samples)

@@ -6,14 +6,14 @@ run (fewer passes, its own cosine schedule), a long and a short schedule, and a 
 All runs of one invocation share the machine side by side (a pool of `--workers` processes, one
 torch thread each), so their wall-clocks are comparable; samples forwarded and optimizer steps do
 not depend on load; the long schedule is then rerun one run at a time for wall-clock savings. It
-trains through `pipelines.trainer.train` and judges with the evaluators, changing neither (the
+trains through `pipelines.training.loop.train` and judges with the evaluators, changing neither (the
 run's pruner is wrapped only to time its calls; its decisions are untouched).
 
-    python -m tools.bench_lossless [--task mae|ldm|both] [--quick] [--out docs] [--work /tmp/bench_lossless]
+    python -m tools.bench.lossless [--task mae|ldm|both] [--quick] [--out docs] [--work /tmp/bench_lossless]
 
 Writes OUT/BENCHMARKS.md (the generated part between the `bench:` markers; text outside them is kept),
 OUT/benchmarks/*.png, and WORK/lossless_{mode}.json with every number (`--from-json` re-renders from it).
-The verdicts are in tools/bench_lossless_verdicts.py, the plots and tables in tools/bench_lossless_report.py.
+The verdicts are in tools/bench/lossless/verdicts.py, the plots and tables in tools/bench/lossless/report.py.
 """
 
 from __future__ import annotations
@@ -29,120 +29,22 @@ import sys
 import time
 from collections import defaultdict
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from tools.bench_lossless_report import plot_curves, render, write_markdown
-from tools.bench_lossless_verdicts import flattening, summarise, targets
+from tools.bench.lossless.plan import RunSpec, TaskPlan, equal_compute_spec, first_specs, slug, task_plans
+from tools.bench.lossless.report import plot_curves, render, write_markdown
+from tools.bench.lossless.verdicts import flattening, summarise, targets
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEEDS = (0, 1, 2)
-
-
-# ----------------------------------------------------------------------------- what to run
-@dataclass
-class TaskPlan:
-    """One task's benchmark: its config, data size, schedules, pruners and extra settings to try."""
-
-    task: str  # mae | ldm
-    config: str  # configs/bench_*.yaml
-    main: str  # the metric the verdicts use
-    train_samples: int  # the first N digits train; the val split is all of val
-    long: int  # passes of the long schedule (the "converged" candidate)
-    short: int  # passes of the short schedule (0 = none)
-    pruners: dict  # label -> pruner config, run on both schedules and given an equal-compute Full
-    ablations: dict = field(default_factory=dict)  # label -> pruner config, long schedule only
-    fid_samples: int = 0  # > 0: small-domain FID of DDIM samples (ldm)
-    fid_steps: int = 20
-    overrides: list = field(default_factory=list)
-    timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
-
-
-PRUNERS = {
-    "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
-    "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
-    "TED": {"name": "ted", "target": 0.7, "ramp": 0.25, "explore": 0.1, "momentum": 0.5, "delta": 0.875},
-}
-MAE_ABLATIONS = {
-    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
-    "InfoBatch delta=0.7": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.7},
-    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
-    "TED explore=0.3": {**PRUNERS["TED"], "explore": 0.3},
-}
-LDM_ABLATIONS = {
-    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
-    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
-}
-
-
-def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
-    """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
-    pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
-    if mode == "full":
-        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
-                          timing_rounds=2),
-                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 32, 10, PRUNERS, LDM_ABLATIONS,
-                          fid_samples=256, timing_rounds=1)]
-    elif mode == "quick":
-        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
-                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 4, 2, PRUNERS, fid_samples=64,
-                          fid_steps=10, timing_rounds=0)]
-    elif mode == "micro":
-        tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
-        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
-    else:
-        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro")
-    return [p for p in plans if p.task in tasks]
-
-
-@dataclass
-class RunSpec:
-    key: str  # unique folder name
-    task: str
-    schedule: str  # long | short
-    label: str  # Full s0, InfoBatch, Full @ InfoBatch, ...
-    role: str  # full | pruned | ablation | equal_compute
-    pruner: dict
-    seed: int
-    passes: int
-    compute_of: str = ""  # equal_compute: the label of the pruned run it matches
-
-
-def first_specs(plan: TaskPlan) -> list[RunSpec]:
-    """Every run that does not depend on another's result."""
-    specs = []
-    for schedule, passes in (("long", plan.long), ("short", plan.short)):
-        if passes <= 0:
-            continue
-        for seed in SEEDS:
-            specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
-                                 {"name": "full"}, seed, passes))
-        groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
-        for role, pruners in groups:
-            for label, pruner in pruners.items():
-                specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}", plan.task, schedule, label, role,
-                                     dict(pruner), 0, passes))
-    return specs
-
-
-def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
-    """Full (seed 0) for as many passes as the pruned run's samples forwarded buy, its own schedule."""
-    passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
-    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}", pruned["task"],
-                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, 0, passes,
-                   compute_of=pruned["label"])
-
-
-def slug(label: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
+ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ lives there
 
 
 # ----------------------------------------------------------------------------- data
 def prepare_data(work: str, train_samples: int, size: int = 16) -> str:
     """Digit shards at `size` px in WORK/data; train/index.json lists only the first shard, which holds
     exactly `train_samples` images (ids 0..N-1). Returns the folder holding train/ and val/."""
-    from pipelines.shards import ShardIndex
+    from pipelines.data.shards import ShardIndex
     from tools.shards import write_shards
 
     root = os.path.join(work, f"digits{size}_n{train_samples}")
@@ -204,7 +106,7 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     import io
     from unittest import mock
 
-    import pipelines.trainer as trainer
+    import pipelines.training.loop as loop
     from pipelines.config import load_config
 
     val = f"{data_root}/val" if evaluate_runs else "''"  # '' = no held-out set; a bare `data.val=` reads as None
@@ -217,14 +119,14 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     timed: list[TimedPruner] = []
 
     def build_timed(*args, **kwargs):
-        timed.append(TimedPruner(trainer_build(*args, **kwargs)))
+        timed.append(TimedPruner(loop_build(*args, **kwargs)))
         return timed[-1]
 
-    trainer_build = trainer.build_pruner
+    loop_build = loop.build_pruner
     start, cpu_start = time.perf_counter(), time.process_time()
     quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
-    with mock.patch.object(trainer, "build_pruner", build_timed), quiet[0], quiet[1]:
-        trainer.train(cfg)
+    with mock.patch.object(loop, "build_pruner", build_timed), quiet[0], quiet[1]:
+        loop.train(cfg)
     process_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     passes = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     passes = [r for r in passes if r.get("kind") == "pass"]
@@ -254,11 +156,11 @@ def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
     import contextlib
     import io
 
-    from pipelines.evaluate import evaluate_checkpoint
-    from pipelines.evaluate_config import EvalConfig, FIDConfig, ProbeConfig
+    from pipelines.evaluation.config import EvalConfig, FIDConfig, ProbeConfig
+    from pipelines.evaluation.runner import evaluate_checkpoint
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
-    # features are already ~90% linearly separable with all labels (pipelines/evaluate_config.py).
+    # features are already ~90% linearly separable with all labels (pipelines/evaluation/config.py).
     fid = FIDConfig(enabled=plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2), sampler_steps=plan.fid_steps,
                     feature="classifier", weights=fid_weights, reference="train", reference_samples=0)
     eval_cfg = EvalConfig(weights="raw", seed=0, val_samples=0, fid=fid,

@@ -8,7 +8,6 @@ losses, take mean(w * loss), step the optimizer and EMA, and feed the globally g
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -18,19 +17,21 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from diffusers.training_utils import EMAModel
-from tqdm.auto import tqdm
 
 from pipelines.checkpoint import TrainingPosition, resolve_resume, save_checkpoint
 from pipelines.config import RunConfig, to_yaml
-from pipelines.data import ShardStream
-from pipelines.debug_sync import SyncDebug
-from pipelines.decode import SampleDecoder
-from pipelines.evaluate import Evaluator, weights_for_eval
-from pipelines.evaluate_data import read_split
-from pipelines.randomness import SampleRandomness
-from pipelines.shards import ShardIndex
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import ShardIndex
+from pipelines.data.splits import read_split
+from pipelines.data.stream import ShardStream
+from pipelines.evaluation.runner import Evaluator, weights_for_eval
+from pipelines.progress import progress
+from pipelines.tasks.build import build_task
+from pipelines.tasks.randomness import SampleRandomness
+from pipelines.training.metrics import MetricsLog
+from pipelines.training.sync_check import SyncDebug
 from pruning import build_pruner, gather_ids_losses
-from pruning.stream import PassPlan
+from pruning.pass_plan import PassPlan
 
 
 class NonFiniteLossError(ValueError):
@@ -38,22 +39,6 @@ class NonFiniteLossError(ValueError):
 
 
 # ----------------------------------------------------------------------------- helpers
-def build_task(cfg: RunConfig):
-    """The task of `cfg.task`: owns the model, the per-sample loss, held-out metrics, export."""
-    if cfg.task == "mae":
-        from pipelines.mae import MAETask
-
-        return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels)
-    from pipelines.diffusion import PRECOMPUTED, DiffusionTask
-
-    size, channels = cfg.data.resolution, cfg.data.channels
-    if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
-        shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
-        if shape:
-            channels, size = int(shape[0]), int(shape[-1])
-    return DiffusionTask(cfg.ldm, image_size=size, channels=channels)
-
-
 def learning_rate(cfg: RunConfig, progress: float) -> float:
     """Linear warmup then cosine, driven by pass progress (epoch + fraction of the pass), so a pass
     shortened by pruning keeps the schedule aligned with the full run's (docs/design.md, principle 6)."""
@@ -101,33 +86,6 @@ def mixed_precision(cfg: RunConfig) -> str:
     if cfg.mixed_precision == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     return cfg.mixed_precision
-
-
-class MetricsLog:
-    """metrics.jsonl on rank 0 (and TensorBoard when it is installed)."""
-
-    def __init__(self, run_dir: str, enabled: bool):
-        self.enabled = enabled
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.tensorboard = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:
-                pass
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
-            step = record.get("optimizer_steps", 0)
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "optimizer_steps":
-                    self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
 
 
 def load_held_out(cfg: RunConfig) -> list:
@@ -199,8 +157,8 @@ def train(cfg: RunConfig) -> dict:
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = plan.kept_fraction()
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
-        bar = tqdm(total=total, initial=position.batch_in_pass, disable=not main, leave=False,
-                   desc=f"pass {epoch + 1}/{cfg.passes}", unit="sample", unit_scale=cfg.data.batch_size * world)
+        bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=f"pass {epoch + 1}/{cfg.passes}",
+                       unit="sample", unit_scale=cfg.data.batch_size * world)
         for batch in loader:
             micro = position.batch_in_pass
             is_step = (micro + 1) % accum == 0 or micro + 1 == total

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from pipelines.evaluate import PRIMARY_METRICS
+from pipelines.evaluation.records import PRIMARY_METRICS
 
 
 def _num(value) -> str:

@@ -1,6 +1,6 @@
 """Pruner overhead: plan() over N samples, weights() for 1M ids, update() per batch, state bytes per sample.
 
-Run: `python -m tools.bench_pruners` (a markdown table on stdout; docs/pruning.md quotes it).
+Run: `python -m tools.bench.pruners` (a markdown table on stdout; docs/pruning.md quotes it).
 CPU only; it measures the pruners alone, not a training step.
 """
 

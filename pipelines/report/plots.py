@@ -12,11 +12,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from pipelines.evaluate import PRIMARY_METRICS  # noqa: E402
-from pipelines.report_runs import RunSummary  # noqa: E402
+from pipelines.evaluation.records import PRIMARY_METRICS  # noqa: E402
+from pipelines.report.runs import RunSummary  # noqa: E402
 
 MAX_HISTOGRAMS = 3  # checkpoints per run in the score histogram
 
@@ -85,7 +85,7 @@ def plot_kept_fraction(runs: list[RunSummary], path: str) -> str | None:
 def checkpoint_scores(run_path: str) -> list[dict]:
     """[{"epoch", "optimizer_steps", "scores", "threshold"}] from the pruner state of each complete
     checkpoint (scores of samples the pruner has measured: InfoBatch's `seen`, TED's `visits` > 0)."""
-    from pipelines.evaluate import load_checkpoint_states
+    from pipelines.checkpoint import load_checkpoint_states
 
     found = []
     for folder in sorted(glob.glob(os.path.join(run_path, "checkpoints", "step_*"))):

@@ -7,19 +7,21 @@ checkpoint or from the training loop every E passes. It never trains and never d
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
 import os
 import time
 
 import torch
 import torch.nn as nn
+from diffusers.training_utils import EMAModel
 
-from pipelines.evaluate_config import EvalConfig, load_eval_config
-from pipelines.evaluate_data import index_metadata, read_split
-from pipelines.evaluate_fid import FIDEvaluator, rank_and_world
-
-EVAL_DIR = "eval"
+from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
+from pipelines.config import load_config
+from pipelines.data.splits import index_metadata, read_split
+from pipelines.evaluation.config import EvalConfig, load_eval_config
+from pipelines.evaluation.fid import FIDEvaluator, rank_and_world
+from pipelines.evaluation.records import PRIMARY_METRICS, resolve_run_dir, write_record
+from pipelines.tasks.build import build_task
+from pipelines.tasks.wrappers import unwrap, weights_module
 
 
 def eval_config_of(run_cfg) -> EvalConfig:
@@ -31,8 +33,6 @@ def eval_config_of(run_cfg) -> EvalConfig:
 def weights_for_eval(model: nn.Module, ema=None, which: str = "ema") -> nn.Module:
     """The module to evaluate: the bare model ("raw", or no EMA kept), or a copy holding the EMA
     weights (a diffusers EMAModel or an nn.Module copy) — the trained model is left untouched."""
-    from pipelines.wrappers import unwrap, weights_module
-
     if which == "raw" or ema is None:
         return unwrap(model)
     return weights_module(ema, model)
@@ -58,9 +58,8 @@ class Evaluator:
                           max_samples=max_samples, desc="val")
 
     def _mae(self, task, model: nn.Module) -> dict:
-        from pipelines.evaluate_probe import linear_probe
-        from pipelines.evaluate_reconstruction import reconstruction_metrics
-        from pipelines.wrappers import unwrap
+        from pipelines.evaluation.probe import linear_probe
+        from pipelines.evaluation.reconstruction import reconstruction_metrics
 
         results = reconstruction_metrics(task, model, self._val_batches(self.cfg.val_samples), seed=self.cfg.seed)
         if self.cfg.probe.enabled:
@@ -74,8 +73,7 @@ class Evaluator:
         return results
 
     def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
-        from pipelines.evaluate_sampling import generate_images, latent_decoder
-        from pipelines.wrappers import unwrap
+        from pipelines.evaluation.sampling import generate_images, latent_decoder
 
         results = {}
         if rank == 0:
@@ -134,60 +132,9 @@ class Evaluator:
         return record
 
 
-# Metrics `prunepipe compare` judges, and whether higher is better; the rest is detail.
-PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accuracy": True,
-                   "denoise_mse": False, "fid": False}
-
-
 def _chain(first, rest):
     yield first
     yield from rest
-
-
-def write_record(run_dir: str, record: dict) -> str:
-    """eval/step_XXXXXX[_raw].json, written atomically."""
-    folder = os.path.join(run_dir, EVAL_DIR)
-    os.makedirs(folder, exist_ok=True)
-    suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"
-    path = os.path.join(folder, f"step_{int(record.get('optimizer_steps', 0)):06d}{suffix}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
-    return path
-
-
-# ----------------------------------------------------------------------------- checkpoints
-def load_checkpoint_states(checkpoint: str) -> dict:
-    """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
-    of one accelerate `save_state` folder; the registered objects are told apart by their keys."""
-    from safetensors.torch import load_file
-
-    weights = os.path.join(checkpoint, "model.safetensors")
-    if os.path.isfile(weights):
-        model = load_file(weights)
-    elif os.path.isfile(os.path.join(checkpoint, "pytorch_model.bin")):
-        model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{checkpoint}: no model.safetensors (not an accelerate checkpoint of prunepipe train)")
-    found = {"model": model, "ema": None, "pruner": None, "position": None}
-    for path in sorted(glob.glob(os.path.join(checkpoint, "custom_checkpoint_*.pkl"))):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "shadow_params" in state:
-            found["ema"] = state
-        elif isinstance(state, dict) and "tables" in state and "pruner" in state:
-            found["pruner"] = state
-        elif isinstance(state, dict) and "optimizer_steps" in state and "epoch" in state:
-            found["position"] = state
-    return found
-
-
-def resolve_run_dir(run: str, runs_dir: str = "runs") -> str:
-    """A run folder (holding config.yaml) from a path or a run name under `runs_dir`."""
-    for candidate in (run, os.path.join(runs_dir, run)):
-        if os.path.isfile(os.path.join(candidate, "config.yaml")):
-            return candidate
-    raise FileNotFoundError(f"run {run!r}: neither {run}/config.yaml nor {os.path.join(runs_dir, run)}/config.yaml exists")
 
 
 def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
@@ -196,12 +143,6 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     """Evaluate one checkpoint of a run (a folder, or a name under `runs_dir`; `latest` = its newest
     complete checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
     the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`."""
-    from diffusers.training_utils import EMAModel
-
-    from pipelines.checkpoint import latest_checkpoint
-    from pipelines.config import load_config
-    from pipelines.trainer import build_task
-
     run_dir = resolve_run_dir(run, runs_dir)
     run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
@@ -228,6 +169,3 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     at["checkpoint"] = os.path.abspath(folder)
     return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)
 
-
-__all__ = ["EvalConfig", "Evaluator", "PRIMARY_METRICS", "evaluate_checkpoint", "eval_config_of",
-           "load_checkpoint_states", "load_eval_config", "resolve_run_dir", "weights_for_eval", "write_record"]

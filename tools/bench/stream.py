@@ -3,7 +3,7 @@
 Streams the same shards with every sample kept, with a pre-decode stage that drops half, reading
 bytes only, and skipping every sample (what a pruned sample costs: its tar headers are parsed, its
 bytes seeked past); prints samples/s and the cost of a skipped sample as a fraction of a decoded
-one. Usage: python -m tools.bench_stream [--source photos --size 64 --repeats 3]
+one. Usage: python -m tools.bench.stream [--source photos --size 64 --repeats 3]
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from pipelines.data import ShardStream
-from pipelines.decode import SampleDecoder
-from pipelines.shards import ShardIndex, read_shard
+from pipelines.data.decode import SampleDecoder
+from pipelines.data.shards import ShardIndex, read_shard
+from pipelines.data.stream import ShardStream
 from pruning.base import uniform_coin
-from pruning.stream import PassPlan
+from pruning.pass_plan import PassPlan
 from tools.shards import write_shards
 
 

@@ -1,21 +1,20 @@
 """The lossless benchmark's verdicts: run-to-run noise from the Full seeds, each pruned run's distance
 from Full at equal passes and from Full trained for the same samples forwarded (in seed standard
 deviations), whether Full had converged, and the targets met or missed. Pure functions of the runs'
-recorded numbers (tools/bench_lossless.py runs them)."""
+recorded numbers (tools/bench/lossless/run.py runs them)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
+
+from tools.bench.lossless.plan import TaskPlan
 
 LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
                    "probe_accuracy": False, "fid": True}
 TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, within 1 seed std
 
-if TYPE_CHECKING:
-    from tools.bench_lossless import TaskPlan
 
 
 def seed_stats(values: list[float]) -> tuple[float, float]:

@@ -1,15 +1,12 @@
 """The lossless benchmark's report: curves as PNGs and the markdown tables, rendered from the
-report dict that tools/bench_lossless.py writes (and re-renders with --from-json)."""
+report dict that tools/bench/lossless/run.py writes (and re-renders with --from-json)."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
-from tools.bench_lossless_verdicts import fmt
-
-if TYPE_CHECKING:
-    from tools.bench_lossless import TaskPlan
+from tools.bench.lossless.plan import TaskPlan
+from tools.bench.lossless.verdicts import fmt
 
 
 def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:

@@ -18,9 +18,9 @@ import torch.nn as nn
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DModel
 from huggingface_hub import constants as hub_constants
 
-from pipelines.data import real_samples
-from pipelines.randomness import SampleDraws, batch_draws, per_sample_seeded
-from pipelines.wrappers import unwrap, weights_module
+from pipelines.data.batch import real_samples
+from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
+from pipelines.tasks.wrappers import unwrap, weights_module
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
@@ -206,7 +206,7 @@ class DiffusionTask:
         """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured.
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
-        pipelines.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
+        pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
         only), the noise [B, C, h, w], the timesteps [B]. `model` may be a DDP/accelerate wrapper:
         always call the one passed.
         """

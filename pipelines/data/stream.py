@@ -1,16 +1,13 @@
 """The shard stream: WebDataset shards -> pre-decode pruning -> decode -> Batch(ids, weights, ...).
 
-A pass is laid out before any byte is read (`pass_layout`): the shard order is a pure function of
-(seed, epoch), and the *kept* samples of that order are cut into equal contiguous slices, one per
-(rank, loader worker). Every rank derives every rank's batch count from the plan and the index, so
-all ranks stop at the same step with no collective (docs/design.md, principle 3). Pruned samples are read
-as bytes and dropped before decoding (principle 2). Nothing here knows about models or pruners.
+Each (rank, loader worker) reads the slice of kept samples `pipelines/data/layout.py` gives it.
+Pruned samples are seeked past or read as bytes and dropped before decoding (docs/design.md,
+principle 2). Nothing here knows about models, tasks or pruners beyond the frozen `PassPlan`.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,148 +16,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipelines.decode import NO_LABEL, SampleDecoder
-from pipelines.shards import BadInput, BadInputError, ShardIndex, read_shard
-from pruning.stream import PassPlan
+from pipelines.data.batch import PADDING_ID, Batch
+from pipelines.data.decode import NO_LABEL, SampleDecoder
+from pipelines.data.layout import PassLayout, batches_taken_per_worker, pass_layout
+from pipelines.data.shards import BadInput, BadInputError, ShardIndex, read_shard
+from pruning.pass_plan import PassPlan
 
 log = logging.getLogger(__name__)
 
 BAD_SAMPLE_POLICIES = ("skip", "stop")
-PADDING_ID = -1  # id of a padding sample: weight 0, never recorded by a pruner
-
-
-@dataclass
-class Batch:
-    """One training batch; `ids` are global sample ids (int64), -1 marks weight-0 padding."""
-
-    ids: torch.Tensor  # int64 [B]
-    weights: torch.Tensor  # float32 [B]
-    images: torch.Tensor  # float32 [B, C, H, W] in [-1, 1] (or latents)
-    labels: torch.Tensor  # int64 [B], -1 where the shards carry no class
-    bad: tuple[BadInput, ...] = ()  # bad-input events met while filling this batch
-    worker: int = 0  # the part of this rank's slice it came from (for resuming exactly)
-
-    def to(self, device, non_blocking: bool = False) -> "Batch":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return dataclasses.replace(self, ids=move(self.ids), weights=move(self.weights), images=move(self.images),
-                                   labels=move(self.labels))
-
-    def undecodable(self) -> int:
-        """Samples read for this batch but not decodable."""
-        return sum(e.samples_lost for e in self.bad if e.undecodable)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def real_samples(batches) -> Iterator[Batch]:
-    """The batches without their weight-0 padding (id -1); batches of padding only are left out."""
-    for batch in batches:
-        keep = batch.ids >= 0
-        if bool(keep.all()):
-            yield batch
-        elif bool(keep.any()):
-            yield dataclasses.replace(batch, ids=batch.ids[keep], weights=batch.weights[keep],
-                                      images=batch.images[keep], labels=batch.labels[keep])
-
-
-@dataclass(frozen=True)
-class SliceOfShard:
-    """Kept samples `[kept_start, kept_end)` (ordinals among the shard's kept samples) of one shard."""
-
-    shard: int
-    kept_start: int
-    kept_end: int
-    to_shard_end: bool  # the slice ends with the shard: read to its end, checking its length
-
-
-@dataclass(frozen=True)
-class PassLayout:
-    """Who reads what in one pass, identical on every rank and worker."""
-
-    shard_order: np.ndarray  # int64 [S]
-    slices: tuple[tuple[SliceOfShard, ...], ...]  # per slot = rank * workers + worker
-    batches: np.ndarray  # int64 [world, workers]: batches each worker yields
-    kept: int  # kept samples in the pass
-    batch_size: int
-
-    @property
-    def steps(self) -> int:
-        """Batches per rank in this pass: the same on every rank."""
-        return int(self.batches[0].sum())
-
-    @property
-    def tail(self) -> int:
-        """Kept samples that no rank trains on this pass (at most (world * (workers + 1)) * batch)."""
-        return self.kept - self.steps * self.batches.shape[0] * self.batch_size
-
-
-def pass_layout(
-    index: ShardIndex,
-    kept: np.ndarray | None,
-    *,
-    seed: int,
-    epoch: int,
-    world_size: int,
-    num_workers: int,
-    batch_size: int,
-) -> PassLayout:
-    """Deterministic shard order, split of kept samples over ranks then workers, batch counts."""
-    workers = max(1, num_workers)
-    if kept is None:
-        kept_per_shard = index.counts.copy()
-    else:
-        if len(kept) != index.num_samples:
-            raise ValueError(f"plan covers {len(kept)} samples but {index.path} indexes {index.num_samples}")
-        cum = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
-        first = index.first_ids
-        kept_per_shard = cum[first + index.counts] - cum[first]
-    order = np.random.default_rng([seed, epoch]).permutation(len(index)).astype(np.int64)
-    ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
-    total = int(ordered_cum[-1])
-    slots = world_size * workers
-    bounds = [t * total // slots for t in range(slots + 1)]
-    slices = []
-    for t in range(slots):
-        lo, hi = bounds[t], bounds[t + 1]
-        mine = []
-        j = int(np.searchsorted(ordered_cum, lo, side="right")) - 1
-        while j < len(order) and ordered_cum[j] < hi:
-            start = max(lo, ordered_cum[j]) - ordered_cum[j]
-            end = min(hi, ordered_cum[j + 1]) - ordered_cum[j]
-            if end > start:
-                to_end = bool(end == ordered_cum[j + 1] - ordered_cum[j])
-                mine.append(SliceOfShard(int(order[j]), int(start), int(end), to_end))
-            j += 1
-        slices.append(tuple(mine))
-    sizes = np.diff(bounds).reshape(world_size, workers)
-    batches = sizes // batch_size
-    steps = int(batches.sum(axis=1).min())
-    for rank in range(world_size):  # trim the ranks above the minimum, largest worker first
-        while batches[rank].sum() > steps:
-            batches[rank, int(np.argmax(batches[rank]))] -= 1
-    return PassLayout(order, tuple(slices), batches.astype(np.int64), total, batch_size)
-
-
-def batches_taken_per_worker(batches: np.ndarray, taken: int) -> tuple[np.ndarray, int]:
-    """How many of each worker's batches the first `taken` loader batches were, and which worker
-    yields the next one.
-
-    torch's DataLoader hands out an IterableDataset's batches cyclically over its workers, passing
-    over exhausted ones. A resumed loader starts its cycle at its worker 0, so that worker must play
-    the part of the worker that was next in line: the rest of the cycle is then the same.
-    """
-    per_worker = np.zeros(len(batches), dtype=np.int64)
-    left, last = taken, -1
-    while left > 0:
-        active = np.flatnonzero(per_worker < batches)
-        if len(active) == 0:
-            raise ValueError(f"cannot skip {taken} batches: the pass has only {int(batches.sum())}")
-        step = active[:left]
-        per_worker[step] += 1
-        left -= len(step)
-        last = int(step[-1])
-    return per_worker, (last + 1) % len(batches)
 
 
 class ShardStream(IterableDataset):

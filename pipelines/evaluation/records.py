@@ -1,0 +1,35 @@
+"""What evaluation leaves in a run folder and what a comparison reads back: eval/step_XXXXXX[_raw].json
+records, written atomically, and the metrics `prunepipe compare` judges. No model, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+EVAL_DIR = "eval"
+
+# Metrics `prunepipe compare` judges, and whether higher is better; the rest is detail.
+PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accuracy": True,
+                   "denoise_mse": False, "fid": False}
+
+
+def write_record(run_dir: str, record: dict) -> str:
+    """eval/step_XXXXXX[_raw].json, written atomically."""
+    folder = os.path.join(run_dir, EVAL_DIR)
+    os.makedirs(folder, exist_ok=True)
+    suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"
+    path = os.path.join(folder, f"step_{int(record.get('optimizer_steps', 0)):06d}{suffix}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_run_dir(run: str, runs_dir: str = "runs") -> str:
+    """A run folder (holding config.yaml) from a path or a run name under `runs_dir`."""
+    for candidate in (run, os.path.join(runs_dir, run)):
+        if os.path.isfile(os.path.join(candidate, "config.yaml")):
+            return candidate
+    raise FileNotFoundError(f"run {run!r}: neither {run}/config.yaml nor {os.path.join(runs_dir, run)}/config.yaml exists")

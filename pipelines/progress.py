@@ -1,0 +1,91 @@
+"""Progress of long work, readable where it is written: a redrawn tqdm bar on a terminal; in a file
+(every rank-0 log of a cluster job) a plain line at most every `every_seconds`, because a bar's
+carriage-return frames would fill the log. Imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Iterable, Iterator, TextIO
+
+PLAIN_EVERY_SECONDS = 30.0
+
+
+def writes_to_terminal(stream: TextIO | None = None) -> bool:
+    stream = stream if stream is not None else sys.stderr
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
+class PlainProgress:
+    """tqdm's update / set_postfix / close, printed as one line every `every_seconds` (none when the
+    work finishes sooner: the caller prints its own summary)."""
+
+    def __init__(self, total: int | None = None, *, desc: str = "", unit: str = "it", unit_scale: float = 1,
+                 initial: int = 0, stream: TextIO | None = None, every_seconds: float = PLAIN_EVERY_SECONDS):
+        self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
+        self.n, self.postfix = initial, ""
+        self.stream = stream
+        self.every_seconds = every_seconds
+        self.start = self.last = time.monotonic()
+        self.start_n = initial
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every_seconds:
+            self.last = now
+            print(self.line(now), file=self.stream or sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        done = self.n * self.unit_scale
+        of = f"/{self.total * self.unit_scale:g}" if self.total else ""
+        rate = (self.n - self.start_n) * self.unit_scale / max(now - self.start, 1e-9)
+        return f"{self.desc}: {done:g}{of} {self.unit} ({rate:.1f} {self.unit}/s){self.postfix}"
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = "".join(f", {key} {value}" for key, value in values.items())
+
+    def close(self) -> None:
+        pass
+
+
+class _Silent(PlainProgress):
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
+def progress(total: int | None = None, *, desc: str = "", unit: str = "it", unit_scale: float = 1,
+             initial: int = 0, disable: bool = False, every_seconds: float = PLAIN_EVERY_SECONDS):
+    """A tqdm bar when stderr is a terminal, else a `PlainProgress`; nothing when `disable` (other
+    ranks) or TQDM_DISABLE is set."""
+    if disable or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"):
+        return _Silent(total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial)
+    if writes_to_terminal():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial, leave=False)
+    return PlainProgress(total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial,
+                         every_seconds=every_seconds)
+
+
+def tracked(items: Iterable, *, total: int | None = None, desc: str = "", unit: str = "it") -> Iterator:
+    """`items`, counted on a `progress` as they are consumed."""
+    bar = progress(total if total is not None else _length(items), desc=desc, unit=unit)
+    try:
+        for item in items:
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()
+
+
+def _length(items) -> int | None:
+    try:
+        return len(items)
+    except TypeError:
+        return None

@@ -1,0 +1,23 @@
+"""The task factory: a run config's `task` -> its Task (model, per-sample loss, held-out metrics,
+export). Shared by the training loop and the evaluators, so neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+from pipelines.data.shards import ShardIndex
+
+
+def build_task(cfg):
+    """The task of `cfg.task` (a RunConfig): mae -> MAETask, ldm -> DiffusionTask."""
+    if cfg.task == "mae":
+        from pipelines.tasks.mae import MAETask
+
+        return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels)
+    from pipelines.tasks.diffusion import PRECOMPUTED, DiffusionTask
+
+    size, channels = cfg.data.resolution, cfg.data.channels
+    if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
+        shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
+        if shape:
+            channels, size = int(shape[0]), int(shape[-1])
+    return DiffusionTask(cfg.ldm, image_size=size, channels=channels)

@@ -1,0 +1,209 @@
+"""The folder tree is the architecture (docs/design.md, "Layout"): every module imports alone, no
+module import circle exists, each folder imports only what docs/design.md's table "Who may import
+whom" allows, and no module repeats its folder's name as a prefix."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("pipelines", "pruning", "tools", "launch")
+DESIGN = os.path.join(ROOT, "docs", "design.md")
+
+
+def project_modules() -> dict[str, str]:
+    """Dotted module name -> path relative to the repository, for every .py of the packages."""
+    found = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.relpath(os.path.join(folder, name), ROOT)
+                    dotted = path[:-3].replace(os.sep, ".")
+                    found[dotted.removesuffix(".__init__")] = path.replace(os.sep, "/")
+    return found
+
+
+def imports_of(path: str, dotted: str, modules: dict[str, str]) -> set[str]:
+    """Project modules `path` imports anywhere in its body (functions included), with the packages
+    whose __init__ each import runs."""
+    is_package = path.endswith("__init__.py")
+    tree = ast.parse(open(os.path.join(ROOT, path)).read(), path)
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = dotted.split(".") if is_package else dotted.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            named.add(source)
+            named.update(f"{source}.{alias.name}" for alias in node.names)  # submodules imported by name
+    targets = set()
+    for name in named:
+        parts = name.split(".")
+        for end in range(1, len(parts) + 1):  # a.b.c runs a/__init__, a/b/__init__, a/b/c
+            prefix = ".".join(parts[:end])
+            if prefix in modules:
+                targets.add(prefix)
+    own_packages = {".".join(dotted.split(".")[:end]) for end in range(1, dotted.count(".") + 1)}
+    return targets - own_packages - {dotted}  # Python runs a module's own packages before it anyway
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {dotted: imports_of(path, dotted, modules) for dotted, path in modules.items()}
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    # One interpreter loads the third-party libraries once; each project module is then imported in
+    # a forked child that has imported no project module yet: a circle or a missing import fails there.
+    modules = sorted(m for m in project_modules() if not m.endswith("__main__"))
+    script = textwrap.dedent("""
+        import importlib, os, sys, traceback
+        for heavy in ("torch", "diffusers", "timm", "accelerate", "webdataset", "torchmetrics", "sklearn",
+                      "skimage", "matplotlib", "omegaconf", "safetensors", "scipy", "PIL"):
+            importlib.import_module(heavy)
+        assert not [m for m in sys.modules if m.split(".")[0] in ("pipelines", "pruning", "tools", "launch")]
+        failed = []
+        for name in sys.argv[1:]:
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read)
+                try:
+                    importlib.import_module(name)
+                    code = 0
+                except BaseException:
+                    os.write(write, traceback.format_exc(limit=3).encode())
+                    code = 1
+                os._exit(code)
+            os.close(write)
+            message = b""
+            while chunk := os.read(read, 65536):
+                message += chunk
+            os.close(read)
+            if os.waitpid(pid, 0)[1] != 0:
+                failed.append(name + ": " + message.decode())
+        print("\\n".join(failed))
+        sys.exit(1 if failed else 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script, *modules], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, f"modules that do not import alone:\n{done.stdout}{done.stderr[-3000:]}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_module_import_circle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_find_cycle_sees_a_circle_through_function_level_imports():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def import_rules() -> dict[str, list[str]]:
+    """docs/design.md's table "Who may import whom": unit (a folder `x/` or a module `x/y.py`) ->
+    the project folders and modules it may import besides its own folder."""
+    text = open(DESIGN).read()
+    section = text.split("### Who may import whom", 1)[1].split("\n#", 1)[0]
+    rules = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or not cells[0].startswith("`"):
+            continue
+        allowed = re.findall(r"`([^`]+)`", cells[1])
+        for unit in re.findall(r"`([^`]+)`", cells[0]):
+            rules[unit] = allowed
+    return rules
+
+
+def rule_of(path: str, rules: dict[str, list[str]]) -> str | None:
+    """The most specific rule for `path`: the module itself, else its nearest folder."""
+    if path in rules:
+        return path
+    folder = path.rsplit("/", 1)[0]
+    while folder:
+        if folder + "/" in rules:
+            return folder + "/"
+        folder = folder.rsplit("/", 1)[0] if "/" in folder else ""
+    return None
+
+
+def test_imports_follow_the_rules_of_docs_design():
+    rules = import_rules()
+    assert {"pruning/", "pipelines/data/", "pipelines/tasks/", "pipelines/training/", "pipelines/evaluation/",
+            "pipelines/report/", "tools/", "launch/"} <= set(rules)
+    modules = project_modules()
+    broken, unruled = [], []
+    for dotted, targets in import_graph().items():
+        path = modules[dotted]
+        if path.endswith("__init__.py"):
+            continue  # package inits import nothing (the test below), pruning's re-exports its own modules
+        unit = rule_of(path, rules)
+        if unit is None:
+            unruled.append(path)
+            continue
+        allowed = list(rules[unit]) + ([unit] if unit.endswith("/") else [])
+        for target in targets:
+            target_path = modules[target]
+            if target_path.endswith("__init__.py") and target_path != "pruning/__init__.py":
+                continue  # a docstring-only package init that Python runs on the way: no dependency
+            if not any(target_path == a or (a.endswith("/") and target_path.startswith(a)) for a in allowed):
+                broken.append(f"{path} imports {target_path} (rule {unit}: {', '.join(rules[unit]) or 'nothing'})")
+    assert not unruled, f"modules no rule of docs/design.md covers: {unruled}"
+    assert not broken, "imports docs/design.md does not allow:\n" + "\n".join(sorted(broken))
+
+
+def test_package_inits_import_nothing_of_the_project_but_pruning_s_contract():
+    graph, modules = import_graph(), project_modules()
+    for dotted, path in modules.items():
+        if path.endswith("__init__.py") and not path.startswith("pruning/"):
+            assert not graph[dotted], f"{path} imports {sorted(graph[dotted])}: keep package inits docstring-only"
+
+
+def named_with_its_folder_prefix(path: str) -> bool:
+    """`report/report_plots.py`, `evaluation/evaluate_fid.py`: the folder's name said twice."""
+    folder, stem = path.split("/")[-2], os.path.basename(path)[:-3]
+    word = stem.split("_")[0]
+    return stem == folder or ("_" in stem and word[:5] == folder[:5])
+
+
+def test_no_module_is_named_with_its_folder_prefix():
+    assert named_with_its_folder_prefix("pipelines/report/report_plots.py")
+    assert named_with_its_folder_prefix("pipelines/evaluation/evaluate_fid.py")
+    assert not named_with_its_folder_prefix("pipelines/report/plots.py")
+    offenders = [p for p in project_modules().values()
+                 if "/" in p and not p.endswith("__init__.py") and named_with_its_folder_prefix(p)]
+    assert not offenders, offenders

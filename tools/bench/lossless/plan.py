@@ -1,0 +1,106 @@
+"""What the lossless benchmark runs: per task a `TaskPlan` (config, data size, schedules, pruners,
+ablations) and the `RunSpec` of every run, including the equal-compute Full each pruned run earns.
+Plain data; trains nothing (run.py does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class TaskPlan:
+    """One task's benchmark: its config, data size, schedules, pruners and extra settings to try."""
+
+    task: str  # mae | ldm
+    config: str  # configs/bench_*.yaml
+    main: str  # the metric the verdicts use
+    train_samples: int  # the first N digits train; the val split is all of val
+    long: int  # passes of the long schedule (the "converged" candidate)
+    short: int  # passes of the short schedule (0 = none)
+    pruners: dict  # label -> pruner config, run on both schedules and given an equal-compute Full
+    ablations: dict = field(default_factory=dict)  # label -> pruner config, long schedule only
+    fid_samples: int = 0  # > 0: small-domain FID of DDIM samples (ldm)
+    fid_steps: int = 20
+    overrides: list = field(default_factory=list)
+    timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
+
+
+PRUNERS = {
+    "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
+    "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
+    "TED": {"name": "ted", "target": 0.7, "ramp": 0.25, "explore": 0.1, "momentum": 0.5, "delta": 0.875},
+}
+MAE_ABLATIONS = {
+    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
+    "InfoBatch delta=0.7": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.7},
+    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
+    "TED explore=0.3": {**PRUNERS["TED"], "explore": 0.3},
+}
+LDM_ABLATIONS = {
+    "InfoBatch r=0.3": {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875},
+    "TED momentum=0.8": {**PRUNERS["TED"], "momentum": 0.8},
+}
+
+
+def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
+    """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
+    pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
+    if mode == "full":
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
+                          timing_rounds=2),
+                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 32, 10, PRUNERS, LDM_ABLATIONS,
+                          fid_samples=256, timing_rounds=1)]
+    elif mode == "quick":
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
+                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 4, 2, PRUNERS, fid_samples=64,
+                          fid_steps=10, timing_rounds=0)]
+    elif mode == "micro":
+        tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
+        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
+    else:
+        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro")
+    return [p for p in plans if p.task in tasks]
+
+
+@dataclass
+class RunSpec:
+    key: str  # unique folder name
+    task: str
+    schedule: str  # long | short
+    label: str  # Full s0, InfoBatch, Full @ InfoBatch, ...
+    role: str  # full | pruned | ablation | equal_compute
+    pruner: dict
+    seed: int
+    passes: int
+    compute_of: str = ""  # equal_compute: the label of the pruned run it matches
+
+
+def first_specs(plan: TaskPlan) -> list[RunSpec]:
+    """Every run that does not depend on another's result."""
+    specs = []
+    for schedule, passes in (("long", plan.long), ("short", plan.short)):
+        if passes <= 0:
+            continue
+        for seed in SEEDS:
+            specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
+                                 {"name": "full"}, seed, passes))
+        groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
+        for role, pruners in groups:
+            for label, pruner in pruners.items():
+                specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}", plan.task, schedule, label, role,
+                                     dict(pruner), 0, passes))
+    return specs
+
+
+def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
+    """Full (seed 0) for as many passes as the pruned run's samples forwarded buy, its own schedule."""
+    passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
+    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}", pruned["task"],
+                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, 0, passes,
+                   compute_of=pruned["label"])
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
