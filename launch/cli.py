@@ -8,7 +8,6 @@ import os
 import sys
 
 DEFAULT_DATA = "data/digits"
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def _shards_write(args) -> None:
@@ -58,29 +57,10 @@ def _latents_encode(args) -> None:
 
 
 def _demo(args) -> None:
-    """Digits shards (written once), then a tiny MAE trained with InfoBatch on the CPU."""
-    from pipelines.config import load_config
-    from pipelines.training.loop import train
-    from tools.shards import write_shards
+    """A pruned run, its full baseline and a full run of equal compute on the digits; the verdicts."""
+    from launch.demo import run_demo
 
-    if not os.path.exists(os.path.join(args.data, "train", "index.json")):
-        print(f"writing scikit-learn's digits as shards in {args.data} ...")
-        write_shards("digits", args.data, size=32, shard_size=300)
-    config = os.path.join(CONFIGS, "mae_tiny_infobatch.yaml")
-    overrides = [f"data.train={args.data}/train", f"data.val={args.data}/val", f"name={args.name}",
-                 *([f"passes={args.passes}"] if args.passes else []), *args.overrides]
-    cfg = load_config(config, overrides)
-    print(f"training a tiny MAE with InfoBatch for {cfg.passes} passes ({config}) ...")
-    summary = train(cfg)
-    from pipelines.evaluation.runner import evaluate_checkpoint
-
-    # Raw weights: after a run this short the EMA still lags far behind them.
-    record = evaluate_checkpoint(cfg.run_dir, overrides=["weights=raw"])
-    print("held-out evaluation of the final weights: " + ", ".join(
-        f"{name} {value:.4g}" for name, value in record["metrics"].items()))
-    print(f"\nrun folder: {cfg.run_dir}  (metrics.jsonl, eval/, checkpoints/, export/encoder.safetensors)")
-    print(f"samples forwarded: {summary['samples_forwarded']}; continue a stopped run with "
-          f"`prunepipe train {config} name={args.name} checkpoint.resume=latest`")
+    run_demo(args.data, args.name, passes=args.passes, overrides=args.overrides)
 
 
 def _eval(args) -> None:
@@ -95,6 +75,10 @@ def _eval(args) -> None:
     record = evaluate_checkpoint(args.run, args.checkpoint, config_path=args.eval_config, overrides=overrides,
                                  runs_dir=args.runs_dir, device=args.device)
     print(json.dumps(record["metrics"], indent=1))
+    for key, reason in record["details"].items():
+        if key.endswith("_skipped"):
+            print(f"{key.removesuffix('_skipped')} skipped: {reason}")
+    print(f"evaluated the {record['weights']} weights of {record.get('checkpoint', 'the checkpoint')}")
     print(f"written: {record.get('path')}")
 
 
@@ -170,9 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     encode.set_defaults(func=_latents_encode)
 
-    demo = sub.add_parser("demo", help="the main job on the bundled digits, on CPU")
+    demo = sub.add_parser("demo", help="pruned vs full vs equal-compute full on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
-    demo.add_argument("--name", default="demo_mae_infobatch")
+    demo.add_argument("--name", default="demo_mae", help="run name prefix: NAME_infobatch, NAME_full, NAME_full_short")
     demo.add_argument("--passes", type=int, default=0, help="0: the config's")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
@@ -220,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pipelines.data.shards import BadInputError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`eval RUN --weights raw probe.pool=avg`) are overrides too
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, BadInputError) as e:  # the user can act on these

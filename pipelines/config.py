@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
@@ -31,7 +37,7 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train: str = MISSING  # folder with index.json (or the index file)
-    val: str = ""  # held-out shards; "" = no held-out evaluation
+    val: str = ""  # held-out shards; "" (the override `data.val=`) = no held-out evaluation
     resolution: int = 32
     channels: int = 3
     batch_size: int = 32  # per rank and micro-batch
@@ -96,7 +102,12 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like key=value, got {bad[0]!r}")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for override in overrides:  # in order: a later one wins
+            key, value = override.split("=", 1)
+            if value == "":  # `key=` empties a text field (data.val= trains without held-out data)
+                _empty(merged, key)
+            else:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except ConfigError:
         raise
@@ -104,6 +115,17 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(_one_line(e)) from None
     validate(cfg)
     return cfg
+
+
+def _empty(merged, key: str) -> None:
+    """`key=`: set a text field to ""; any other field needs a value, and an unknown key is unknown."""
+    try:
+        OmegaConf.update(merged, key, "", merge=True)
+    except ConfigAttributeError:
+        raise ConfigError(_unknown_key(key)) from None
+    except ValidationError:
+        raise ConfigError(f"config: {key}= is empty; {key} is not a text field and needs a value "
+                          f"(text fields such as data.val= may be emptied)") from None
 
 
 def _file_layers(path: str, seen: tuple[str, ...] = ()) -> list:
@@ -124,11 +146,14 @@ def _one_line(e: OmegaConfBaseException) -> str:
     if isinstance(e, MissingMandatoryValue):
         return f"config: {key} is required"
     if isinstance(e, ConfigKeyError):
-        parent, _, leaf = key.rpartition(".")
-        accepted = _accepted_keys(parent)
-        return f"config: unknown key {key!r}; accepted keys{' in ' + parent if parent else ''}: {', '.join(accepted)}"
+        return _unknown_key(key)
     message = str(e).splitlines()[0]
     return f"config: {key}: {message}"
+
+
+def _unknown_key(key: str) -> str:
+    parent = key.rpartition(".")[0]
+    return f"config: unknown key {key!r}; accepted keys{' in ' + parent if parent else ''}: {', '.join(_accepted_keys(parent))}"
 
 
 def _accepted_keys(parent: str) -> list[str]:
@@ -172,6 +197,9 @@ def validate(cfg: RunConfig) -> None:
                 f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
                 f"`prunepipe shards index`"
             )
+    if cfg.eval.every_passes and not cfg.data.val:
+        raise ConfigError(f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
+                          f"is empty; set data.val=DIR or eval.every_passes=0")
     try:
         validate_eval_config(cfg.eval)
     except ValueError as e:

@@ -54,6 +54,23 @@ class PlainProgress:
         pass
 
 
+class EveryFewSeconds:
+    """For lines a loop prints (one per pass): always on a terminal; in a file the first, then at most
+    one every `seconds`, and those the caller forces (the last pass)."""
+
+    def __init__(self, seconds: float = PLAIN_EVERY_SECONDS, stream: TextIO | None = None):
+        self.seconds = seconds
+        self.terminal = writes_to_terminal(stream if stream is not None else sys.stdout)
+        self.last: float | None = None
+
+    def due(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if self.terminal or force or self.last is None or now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
+
 class _Silent(PlainProgress):
     def update(self, n: int = 1) -> None:
         self.n += n

@@ -139,3 +139,17 @@ def test_compare_cli_takes_several_baseline_seeds_as_a_glob(seeds, tmp_path):
     report = json.load(open(out / "report.json"))
     assert [b["name"] for b in report["baseline"]] == ["full_s0", "full_s1", "full_s2"] and report["k"] == 3.0
     assert cli_main(["compare", str(tmp_path / "full_s0"), str(tmp_path / "missing")]) == 2
+
+
+def test_compare_of_weights_that_were_not_evaluated_names_what_to_run(tiny_runs, tmp_path, capsys):
+    # tiny_runs were evaluated with their EMA weights only: comparing raw weights must not quietly
+    # fall back to the training log's held-out numbers.
+    full, pruned = tiny_runs
+    with pytest.raises(ValueError, match=r"evaluated with the ema weights only.*prunepipe eval .* --weights raw"):
+        compare_runs([full], [pruned], out=str(tmp_path / "raw"), weights="raw", plots=False)
+    assert cli_main(["compare", full, pruned, "--weights", "raw", "--out", str(tmp_path / "raw"), "--no-plots"]) == 2
+    error = capsys.readouterr().err
+    assert f"`prunepipe eval {pruned} --weights raw`" in error and "(--weights ema)" in error
+    assert not os.path.exists(tmp_path / "raw" / "report.md")
+    assert compare_runs([full], [pruned], out=str(tmp_path / "ema"), plots=False)["pruned"][0]["metrics_source"] \
+        .startswith("eval/")

@@ -4,6 +4,7 @@ config loads."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -70,3 +71,37 @@ def test_cli_prints_one_error_line(digits_shards):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("prunepipe: error: config: unknown key 'data.batchsize'")
+
+
+def test_an_empty_override_empties_a_text_field_in_order(digits_shards):
+    cfg = load_config(TINY, data_overrides(digits_shards) + ["data.val="])
+    assert cfg.data.val == ""  # no held-out data
+    cfg = load_config(TINY, data_overrides(digits_shards) + ["data.val=", f"data.val={digits_shards}/val"])
+    assert cfg.data.val == f"{digits_shards}/val"  # the later override wins
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["passes="], r"passes= is empty; passes is not a text field"),
+        (["data.nope="], r"unknown key 'data.nope'.*val_batches"),
+        (["data.val=", "eval.every_passes=2"], r"eval.every_passes=2 .* data.val is empty; set data.val=DIR or eval"),
+    ],
+)
+def test_an_empty_override_that_cannot_apply_says_why(overrides, expected, digits_shards):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(TINY, data_overrides(digits_shards) + overrides)
+
+
+def test_training_without_held_out_data(digits_shards, tmp_path, capsys):
+    from eval_runs import TINY_MAE
+
+    from launch.cli import main as cli_main
+
+    args = ["train", TINY, *data_overrides(digits_shards), "data.val=", "passes=1", f"runs_dir={tmp_path}",
+            "name=no_val", *TINY_MAE]
+    assert cli_main(args) == 0
+    assert "held-out" not in capsys.readouterr().out
+    records = [json.loads(line) for line in open(tmp_path / "no_val" / "metrics.jsonl")]
+    [summary] = [r for r in records if r["kind"] == "pass"]
+    assert "held_out" not in summary and summary["samples_forwarded"] > 0

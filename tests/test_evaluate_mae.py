@@ -153,3 +153,32 @@ def test_periodic_evaluation_from_a_training_loop_matches_evaluating_the_checkpo
     record = Evaluator(cfg, run_dir=run_dir).evaluate(task, live, at={"optimizer_steps": 1}, write=False)
     assert record["metrics"] == evaluate_checkpoint(run_dir, write=False)["metrics"]
     assert weights_for_eval(model, ema, "raw") is model
+
+
+def test_eval_of_unlabelled_shards_skips_the_probe_and_writes_the_rest(tmp_path, capsys):
+    # Most web data: an image folder without class subfolders, so the shards carry no labels.
+    from eval_runs import TINY_MAE
+    from PIL import Image
+
+    from tools.shards import write_shards
+    from tools.sources import digits
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for key, image, _ in list(digits(32))[:240]:
+        image.save(folder / f"{key}.png")
+    shards = tmp_path / "shards"
+    write_shards("folder", str(shards), folder=str(folder), size=32, shard_size=100)
+    assert Image.open(next(folder.iterdir())).size == (32, 32)
+    config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "mae_tiny_full.yaml")
+    assert cli_main(["train", config, f"data.train={shards}/train", f"data.val={shards}/val", "passes=1",
+                     f"runs_dir={tmp_path / 'runs'}", "name=unlabelled", *TINY_MAE]) == 0
+    capsys.readouterr()
+    assert cli_main(["eval", str(tmp_path / "runs" / "unlabelled"), "--weights", "raw", "probe.per_class=10"]) == 0
+    out = capsys.readouterr().out
+    [path] = (tmp_path / "runs" / "unlabelled" / "eval").glob("*_raw.json")
+    record = json.load(open(path))
+    assert set(record["metrics"]) == {"masked_mse", "psnr", "ssim"}  # reconstruction written, no probe
+    assert "0 class(es)" in record["details"]["probe_skipped"]
+    assert "probe skipped: the train shards carry 0 class(es)" in out
+    assert "evaluated the raw weights of" in out

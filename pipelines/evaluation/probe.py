@@ -49,11 +49,14 @@ def linear_probe(encoder: nn.Module, train_batches: Iterable, val_batches: Itera
     val_x, val_y = encoder_features(encoder, val_batches, cfg.pool)
     train_x, train_y = train_x[train_y >= 0], train_y[train_y >= 0]
     val_x, val_y = val_x[val_y >= 0], val_y[val_y >= 0]
+    classes = np.unique(train_y)
+    if len(classes) < 2 or len(val_y) == 0:  # most web data: an image folder without class subfolders
+        return {"probe_skipped": f"the train shards carry {len(classes)} class(es) and the val shards {len(val_y)} "
+                                 f"labelled image(s) (fields cls/label/class); the probe needs two classes and "
+                                 f"labelled val images (set probe.enabled=false to leave it out)"}
     if cfg.per_class > 0:  # few-shot: the first `per_class` images of each class, in index order
-        pick = np.sort(np.concatenate([np.flatnonzero(train_y == c)[:cfg.per_class] for c in np.unique(train_y)]))
+        pick = np.sort(np.concatenate([np.flatnonzero(train_y == c)[:cfg.per_class] for c in classes]))
         train_x, train_y = train_x[pick], train_y[pick]
-    if len(np.unique(train_y)) < 2 or len(val_y) == 0:
-        return {"probe_skipped": "the train or val shards carry fewer than two classes (fields cls/label/class)"}
     classifier = make_pipeline(StandardScaler(), LogisticRegression(C=cfg.C, max_iter=cfg.max_iter, random_state=seed))
     classifier.fit(train_x, train_y)
     return {

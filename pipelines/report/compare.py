@@ -189,6 +189,12 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
     base = [load_run(p, weights) for p in baselines]
     runs = [load_run(p, weights) for p in pruned]
     same = [load_run(p, weights) for p in same_compute]
+    other_weights = [r for r in base + runs + same if not r.evals and r.evaluated_weights]
+    if other_weights:  # falling back to the training log would compare other numbers than asked for
+        raise ValueError(f"compare --weights {weights}: " + "; ".join(
+            f"run {r.path} was evaluated with the {'/'.join(r.evaluated_weights)} weights only" for r in other_weights)
+            + ". Evaluate them with " + ", ".join(f"`prunepipe eval {r.path} --weights {weights}`" for r in other_weights)
+            + f", or compare the weights they were evaluated with (--weights {other_weights[0].evaluated_weights[0]})")
     tasks = {r.task for r in base + runs}
     if len(tasks) > 1:
         raise ValueError(f"compare: runs of different tasks {sorted(tasks)} cannot be compared")

@@ -31,7 +31,8 @@ class RunSummary:
     metrics: dict = field(default_factory=dict)  # final quality: the latest eval record, else last held-out
     metrics_source: str = ""
     trajectory: list = field(default_factory=list)  # per-pass records of metrics.jsonl
-    evals: list = field(default_factory=list)  # eval records, by optimizer step
+    evals: list = field(default_factory=list)  # eval records of the compared weights, by optimizer step
+    evaluated_weights: tuple = ()  # the weights (ema, raw) any eval record of the run is of
 
 
 def load_run(path: str, weights: str = "ema") -> RunSummary:
@@ -54,6 +55,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     for eval_path in glob.glob(os.path.join(path, EVAL_DIR, "step_*.json")):
         with open(eval_path) as f:
             evals.append({**json.load(f), "path": eval_path})
+    run.evaluated_weights = tuple(sorted({e.get("weights", "ema") for e in evals}))
     run.evals = sorted((e for e in evals if e.get("weights", "ema") == weights),
                        key=lambda e: (e.get("optimizer_steps", 0), "path" in e))
     if run.trajectory:

@@ -25,7 +25,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
-from pipelines.progress import progress
+from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.metrics import MetricsLog
@@ -137,7 +137,8 @@ def train(cfg: RunConfig) -> dict:
     held_out = load_held_out(cfg) if main else []
     debug = SyncDebug(accelerator, run_dir, index.num_samples) if cfg.debug_sync else None
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
-    metrics = MetricsLog(run_dir, main)
+    metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
+    pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
@@ -229,7 +230,7 @@ def train(cfg: RunConfig) -> dict:
         summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
                               pass_losses)
         metrics.write(summary)
-        if main:
+        if main and pass_lines.due(force=position.epoch + 1 == cfg.passes):
             print(format_pass(summary, cfg.passes), flush=True)
         if evaluator is not None and (epoch + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
             at = {k: summary[k] for k in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")}

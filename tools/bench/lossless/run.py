@@ -109,7 +109,7 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     import pipelines.training.loop as loop
     from pipelines.config import load_config
 
-    val = f"{data_root}/val" if evaluate_runs else "''"  # '' = no held-out set; a bare `data.val=` reads as None
+    val = f"{data_root}/val" if evaluate_runs else ""  # data.val= : no held-out set
     overrides = [f"runs_dir={runs_dir}", f"name={spec.key}", f"seed={spec.seed}", f"passes={spec.passes}",
                  f"data.train={data_root}/train", f"data.val={val}",
                  *plan.overrides]
