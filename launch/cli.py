@@ -63,6 +63,30 @@ def _demo(args) -> None:
     run_demo(args.data, args.name, passes=args.passes, overrides=args.overrides)
 
 
+def _checkpoints_verify(args) -> int:
+    """Each checkpoint of a run, newest first: ok, or what is wrong with which file."""
+    from pipelines.checkpoint.manifest import verify
+    from pipelines.checkpoint.store import TMP_PREFIX, checkpoints_dir, complete_checkpoints
+    from pipelines.evaluation.records import resolve_run_dir
+
+    run_dir = resolve_run_dir(args.run, args.runs_dir)
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"run {run_dir}: no checkpoint in {checkpoints_dir(run_dir)}")
+    verdicts = [verify(folder) for folder in reversed(found)]
+    for verdict in verdicts:
+        print(verdict.describe())
+    folder = checkpoints_dir(run_dir)
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(TMP_PREFIX):
+            print(f"{name}: an interrupted save (never resumed from; the next save removes it)")
+    damaged = [v for v in verdicts if v.problem is not None]
+    intact = [v for v in verdicts if v.problem is None]
+    print(f"{len(found)} checkpoint(s), {len(damaged)} damaged; checkpoint.resume=latest takes "
+          + (os.path.basename(intact[0].folder) if intact else "none (no intact checkpoint)"))
+    return 1 if damaged else 0
+
+
 def _eval(args) -> None:
     """Evaluate a checkpoint of a run; writes RUN/eval/step_XXXXXX.json."""
     from pipelines.evaluation.runner import evaluate_checkpoint
@@ -154,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     encode.set_defaults(func=_latents_encode)
 
+    checkpoints = sub.add_parser("checkpoints", help="check a run's checkpoints against their manifests")
+    checkpoints_sub = checkpoints.add_subparsers(dest="checkpoints_command", required=True)
+    verify = checkpoints_sub.add_parser("verify", help="each checkpoint: ok, or which file is damaged and how "
+                                                       "(exit 1 when any is)")
+    verify.add_argument("run", help="run folder (holding config.yaml) or run name under --runs-dir")
+    verify.add_argument("--runs-dir", default="runs")
+    verify.set_defaults(func=_checkpoints_verify)
+
     demo = sub.add_parser("demo", help="pruned vs full vs equal-compute full on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
     demo.add_argument("--name", default="demo_mae", help="run name prefix: NAME_infobatch, NAME_full, NAME_full_short")
@@ -202,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipelines.checkpoint.store import CheckpointError
     from pipelines.data.shards import BadInputError
 
     parser = build_parser()
@@ -211,11 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, BadInputError) as e:  # the user can act on these
+        code = args.func(args)
+    except (ValueError, FileNotFoundError, BadInputError, CheckpointError) as e:  # the user can act on these
         print(f"prunepipe: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

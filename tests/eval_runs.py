@@ -60,7 +60,7 @@ def one_torch_thread():
 
 def trained_task(run_dir: str):
     """(task, model with the run's last checkpoint's raw weights in eval mode, run config)."""
-    from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
+    from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
     from pipelines.config import load_config
     from pipelines.tasks.build import build_task
 

@@ -15,7 +15,7 @@ import torch
 from eval_runs import digit_shards
 from safetensors.torch import load_file
 
-from pipelines.checkpoint import latest_checkpoint
+from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.data.layout import pass_layout
 from pipelines.data.shards import ShardIndex
 from tools.shards import write_shards
@@ -135,7 +135,7 @@ def test_samples_lost_on_every_rank_are_counted_once_each(digits_shards, tmp_pat
         "data.batch_size=16", "data.on_bad_sample=skip", *TINY_MAE])
     assert output.count("skipping 1 sample(s)") == 4, "each rank warns about the ones it met"
     assert passes_of(str(run_dir))[-1]["bad_samples"] == 4
-    from pipelines.checkpoint import load_checkpoint_states
+    from pipelines.checkpoint.store import load_checkpoint_states
 
     assert load_checkpoint_states(latest_checkpoint(str(run_dir)))["position"]["bad_samples"] == 4
 

@@ -17,7 +17,7 @@ from eval_runs import one_torch_thread, session_dir, tiny_run, trained_task
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from launch.cli import main as cli_main
-from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
+from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import ProbeConfig
 from pipelines.evaluation.probe import linear_probe

@@ -18,7 +18,7 @@ import torch
 import webdataset as wds
 from safetensors.torch import load_file
 
-from pipelines.checkpoint import latest_checkpoint, resolve_resume
+from pipelines.checkpoint.store import latest_checkpoint, resolve_resume
 from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
 from pipelines.tasks.build import build_task

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from diffusers.training_utils import EMAModel
 
-from pipelines.checkpoint import latest_checkpoint, load_checkpoint_states
+from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
 from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_split
 from pipelines.evaluation.config import EvalConfig, load_eval_config
@@ -141,15 +141,17 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
                         config_path: str | None = None, overrides: list[str] = (), runs_dir: str = "runs",
                         device: str | None = None, write: bool = True) -> dict:
     """Evaluate one checkpoint of a run (a folder, or a name under `runs_dir`; `latest` = its newest
-    complete checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
+    intact checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
     the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`."""
     run_dir = resolve_run_dir(run, runs_dir)
     run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
-    folder = latest_checkpoint(run_dir) if checkpoint == "latest" else checkpoint
+    folder = newest_intact(run_dir, doing="evaluating") if checkpoint == "latest" else checkpoint
     if folder is None or not os.path.isdir(folder):
         raise FileNotFoundError(f"run {run_dir}: no checkpoint {'folder ' + checkpoint if folder else 'yet'} "
                                 f"(checkpoints are written every checkpoint.every_steps and at the end of training)")
+    if checkpoint != "latest":
+        checked(folder, "--checkpoint")
     states = load_checkpoint_states(folder)
     with torch.random.fork_rng(devices=[]):  # building the model draws an initialisation we overwrite
         task = build_task(run_cfg)

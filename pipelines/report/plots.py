@@ -5,7 +5,6 @@ Drawing only: it reads run summaries and checkpoint pruner states, and judges no
 
 from __future__ import annotations
 
-import glob
 import os
 
 import matplotlib
@@ -85,10 +84,13 @@ def plot_kept_fraction(runs: list[RunSummary], path: str) -> str | None:
 def checkpoint_scores(run_path: str) -> list[dict]:
     """[{"epoch", "optimizer_steps", "scores", "threshold"}] from the pruner state of each complete
     checkpoint (scores of samples the pruner has measured: InfoBatch's `seen`, TED's `visits` > 0)."""
-    from pipelines.checkpoint import load_checkpoint_states
+    from pipelines.checkpoint.manifest import verify
+    from pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
 
     found = []
-    for folder in sorted(glob.glob(os.path.join(run_path, "checkpoints", "step_*"))):
+    for folder in complete_checkpoints(run_path):
+        if verify(folder).problem is not None:  # damaged: `prunepipe checkpoints verify` says how
+            continue
         states = load_checkpoint_states(folder)
         pruner, position = states["pruner"], states["position"] or {}
         if pruner is None or "score" not in pruner["tables"]:

@@ -18,7 +18,8 @@ import torch
 from accelerate import Accelerator
 from diffusers.training_utils import EMAModel
 
-from pipelines.checkpoint import TrainingPosition, resolve_resume, save_checkpoint
+from pipelines.checkpoint.position import TrainingPosition
+from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
 from pipelines.config import RunConfig, to_yaml
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
@@ -122,9 +123,9 @@ def train(cfg: RunConfig) -> dict:
     position = TrainingPosition()
     accelerator.register_for_checkpointing(pruner, ema, position)
 
-    resume_from = resolve_resume(cfg.checkpoint.resume, run_dir)
+    resume_from = choose_resume(accelerator, cfg.checkpoint.resume, run_dir)  # the newest intact checkpoint
     if resume_from is not None:
-        accelerator.load_state(resume_from)
+        load_resume(accelerator, resume_from)
         if main:
             print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
                   f"step {position.optimizer_steps}")

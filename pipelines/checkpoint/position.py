@@ -1,0 +1,60 @@
+"""Where a run is, saved in every checkpoint beside the model: pass, batch in the pass, counters, and
+for a pass resumed under another layout the samples already consumed (packed bitmaps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainingPosition:
+    """Where the run is: enough, with the pruner's frozen plan, to continue the pass exactly."""
+
+    epoch: int = 0
+    batch_in_pass: int = 0  # micro-batches of this rank already trained in the pass (or segment)
+    optimizer_steps: int = 0
+    samples_forwarded: int = 0  # over all ranks, padding excluded
+    skipped_nonfinite: int = 0
+    bad_samples: int = 0
+    wall_seconds: float = 0.0
+    world_size: int = 1  # the layout the pass was running under
+    num_workers: int = 0
+    # A pass resumed under another world size continues as a "segment" over the samples no rank
+    # had trained on: `excluded` marks those already consumed when it began, `pass_offset` is
+    # the fraction of the pass they were (for the LR schedule).
+    pass_offset: float = 0.0
+    excluded: np.ndarray | None = None  # bool [N] or None
+    consumed: np.ndarray | None = None  # bool [N]: ids trained on in this pass, on every rank
+    # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
+    # a resume under the same layout skips them with the batches they were read for.
+    undecodable: np.ndarray | None = None
+
+    def state_dict(self) -> dict:
+        state = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "undecodable" and value is not None:
+                state[f.name] = [int(v) for v in value]
+            elif isinstance(value, np.ndarray):  # a bool mask, as packed bits: N / 8 bytes
+                state[f.name] = torch.from_numpy(np.packbits(value))
+                state[f.name + "_len"] = len(value)
+            elif value is not None:
+                state[f.name] = value
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            if f.name in ("excluded", "consumed"):
+                packed = state.get(f.name)
+                value = None if packed is None else np.unpackbits(
+                    np.asarray(packed), count=int(state[f.name + "_len"])).astype(bool)
+                setattr(self, f.name, value)
+            elif f.name == "undecodable":
+                value = state.get(f.name)
+                setattr(self, f.name, None if value is None else np.asarray(value, dtype=np.int64))
+            elif f.name in state:
+                setattr(self, f.name, type(f.default)(state[f.name]))
