@@ -5,6 +5,7 @@ pruning/ never imports a model or opens a file; torch.distributed appears only i
 
 from .base import FrozenPlan, Pruner, first_full_pass, uniform_coin
 from .full import Full
+from .importance import Importance
 from .infobatch import InfoBatch
 from .random_pruner import Random
 from .registry import PRUNERS, build_pruner, hparam_names
@@ -12,6 +13,6 @@ from .sync import gather_ids_losses
 from .ted import TED
 
 __all__ = [
-    "Pruner", "Full", "Random", "InfoBatch", "TED", "build_pruner", "PRUNERS", "hparam_names",
+    "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "build_pruner", "PRUNERS", "hparam_names",
     "gather_ids_losses", "uniform_coin", "first_full_pass", "FrozenPlan",
 ]

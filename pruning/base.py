@@ -8,6 +8,7 @@ ever seeded or drawn from. pruning/ never imports a model, opens a file or talks
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -125,6 +126,9 @@ class FrozenPlan:
     `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
     sample's expected weight is 1 and the expected gradient equals the full-data one.
     `candidates is None` means every sample is a candidate; keep_prob == 1 means full data.
+    `keep_probs` (float32 per sample) replaces the one keep_prob by a probability per sample.
+    `rescale=False` keeps the kept ones at weight 1: the expectation then leans away from what is
+    skipped (a choice to measure on redundant data, not a default).
     """
 
     seed: int
@@ -132,10 +136,12 @@ class FrozenPlan:
     num_samples: int
     keep_prob: float
     candidates: np.ndarray | None  # bool [num_samples], read-only
+    rescale: bool = True
+    keep_probs: np.ndarray | None = None  # float32 [num_samples] in (0, 1], read-only
 
     @property
     def candidate_weight(self) -> np.float32:
-        return np.float32(1.0 / self.keep_prob)
+        return np.float32(1.0 / self.keep_prob) if self.rescale else np.float32(1.0)
 
     def weights(self, ids: np.ndarray) -> np.ndarray:
         ids = as_ids(ids)
@@ -143,6 +149,11 @@ class FrozenPlan:
             bad = ids[(ids < 0) | (ids >= self.num_samples)][0]
             raise ValueError(f"sample id {bad} is outside 0..{self.num_samples - 1} (num_samples of this pruner)")
         weights = np.ones(len(ids), dtype=np.float32)
+        if self.keep_probs is not None:
+            p = self.keep_probs[ids]
+            kept = uniform_coin(self.seed, self.epoch, ids) < p
+            weights[:] = np.where(kept, (np.float32(1.0) / p) if self.rescale else np.float32(1.0), np.float32(0.0))
+            return weights
         if self.keep_prob >= 1.0:
             return weights
         if self.candidates is None:
@@ -155,11 +166,15 @@ class FrozenPlan:
 
     def count_skipped(self) -> int:
         """Exactly how many samples this pass skips (the same coins `weights` draws)."""
-        if self.keep_prob >= 1.0:
+        if self.keep_prob >= 1.0 and self.keep_probs is None:
             return 0
         skipped = 0
         for start in range(0, self.num_samples, _COUNT_CHUNK):  # chunks bound the temporaries at 1e8+ samples
             stop = min(start + _COUNT_CHUNK, self.num_samples)
+            if self.keep_probs is not None:
+                ids = np.arange(start, stop, dtype=np.int64)
+                skipped += int(np.count_nonzero(uniform_coin(self.seed, self.epoch, ids) >= self.keep_probs[start:stop]))
+                continue
             if self.candidates is None:
                 candidate_ids = np.arange(start, stop, dtype=np.int64)
             else:
@@ -168,19 +183,25 @@ class FrozenPlan:
         return skipped
 
     def to_state(self) -> dict:
-        # a copy: torch refuses to wrap the read-only array of a frozen plan
+        # copies: torch refuses to wrap the read-only arrays of a frozen plan
         candidates = None if self.candidates is None else torch.from_numpy(self.candidates.copy())
-        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": candidates}
+        keep_probs = None if self.keep_probs is None else torch.from_numpy(self.keep_probs.copy())
+        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": candidates, "rescale": self.rescale,
+                "keep_probs": keep_probs}
 
     @classmethod
     def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
-        candidates = state["candidates"]
-        if candidates is not None:
-            candidates = np.array(candidates.numpy(), dtype=np.bool_, copy=True)
-            if candidates.shape != (num_samples,):
-                raise ValueError(f"plan candidates have shape {tuple(candidates.shape)}, expected ({num_samples},)")
-            candidates.flags.writeable = False
-        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates)
+        arrays = {}
+        for name, dtype in (("candidates", np.bool_), ("keep_probs", np.float32)):
+            array = state.get(name)  # keep_probs: absent from plans saved before it existed
+            if array is not None:
+                array = np.array(array.numpy(), dtype=dtype, copy=True)
+                if array.shape != (num_samples,):
+                    raise ValueError(f"plan {name} have shape {tuple(array.shape)}, expected ({num_samples},)")
+                array.flags.writeable = False
+            arrays[name] = array
+        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), arrays["candidates"],
+                   bool(state.get("rescale", True)), arrays["keep_probs"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,8 +347,10 @@ class Pruner(abc.ABC):
         """Restore a state saved by the same pruner with the same config (a mismatch raises)."""
         mine = {"pruner": self.name, "num_samples": self.num_samples, "num_epochs": self.num_epochs,
                 "seed": self.seed, "hparams": self.hparams}
-        differing = [f"{key}: saved {state.get(key)!r}, configured {value!r}"
-                     for key, value in mine.items() if state.get(key) != value]
+        # a hyper-parameter added since the state was saved reads as its default there
+        saved = {**state, "hparams": {**self.hparam_defaults(), **state.get("hparams", {})}}
+        differing = [f"{key}: saved {saved.get(key)!r}, configured {value!r}"
+                     for key, value in mine.items() if saved.get(key) != value]
         if differing:
             raise ValueError("pruner state does not match this pruner's config (" + "; ".join(differing) + ")")
         tables = self._tables()
@@ -348,20 +371,39 @@ class Pruner(abc.ABC):
         self._plan = None if plan is None else FrozenPlan.from_state(plan, self.seed, self.num_samples)
         self._load_scalars(state["scalars"])
 
+    @classmethod
+    def hparam_defaults(cls) -> dict[str, Any]:
+        """The keyword-only hyper-parameters of `__init__` with their defaults."""
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return {p.name: p.default for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "seed"}
+
     # -- helpers for subclasses ----------------------------------------------------------------
 
     def _full_plan(self, epoch: int) -> FrozenPlan:
         return FrozenPlan(self.seed, epoch, self.num_samples, 1.0, None)
 
-    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: np.ndarray | None) -> FrozenPlan:
+    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: np.ndarray | None,
+                        rescale: bool = True) -> FrozenPlan:
         if candidates is not None:
             candidates.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
-        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates)
+        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates, bool(rescale))
+
+    def _per_sample_plan(self, epoch: int, keep_probs: np.ndarray, rescale: bool = True) -> FrozenPlan:
+        keep_probs.flags.writeable = False
+        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_probs.mean(dtype=np.float64)), None,
+                          bool(rescale), keep_probs)
 
     def __repr__(self) -> str:
         hparams = ", ".join(f"{key}={value!r}" for key, value in self.hparams.items())
         return (f"{type(self).__name__}(num_samples={self.num_samples}, num_epochs={self.num_epochs}, "
                 f"seed={self.seed}, {hparams})")
+
+
+def check_flag(pruner: str, name: str, value: Any) -> bool:
+    """A true/false hyper-parameter, or a ValueError naming the field."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{pruner}: {name} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def check_range(pruner: str, name: str, value: float, low: float, high: float, *, low_open: bool = False,

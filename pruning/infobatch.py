@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import FrozenPlan, Pruner, check_range, first_full_pass
+from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass
 
 
 def float32_strictly_below(threshold: float) -> np.float32:
@@ -28,7 +28,8 @@ def float32_strictly_below(threshold: float) -> np.float32:
 class InfoBatch(Pruner):
     """Score = last loss of each sample; each pass, samples scored below the mean of the seen
     scores are skipped with probability `prune_ratio` and kept ones weighted 1/(1 - prune_ratio)
-    (the paper's "prune and rescale": the expected gradient is unchanged); passes from
+    (the paper's "prune and rescale": the expected gradient is unchanged; `rescale=False` keeps
+    them at weight 1, so skipped samples lose weight); passes from
     ceil(num_epochs * delta) on train on full data with weight 1 (the paper's "annealing").
     Unseen samples are never pruned.
     """
@@ -36,11 +37,12 @@ class InfoBatch(Pruner):
     name = "infobatch"
 
     def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, prune_ratio: float = 0.5,
-                 delta: float = 0.875):
+                 delta: float = 0.875, rescale: bool = True):
         prune_ratio = check_range("infobatch", "prune_ratio", prune_ratio, 0.0, 1.0, high_open=True)
         delta = check_range("infobatch", "delta", delta, 0.0, 1.0)
-        super().__init__(num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta)
-        self.prune_ratio = prune_ratio
+        rescale = check_flag("infobatch", "rescale", rescale)
+        super().__init__(num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale)
+        self.prune_ratio, self.rescale = prune_ratio, rescale
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         # 5 bytes per sample: the last loss, and whether there is one. Zero means "unseen" in both,
         # so np.zeros (calloc) leaves the pages of never-seen ids unallocated.
@@ -66,7 +68,7 @@ class InfoBatch(Pruner):
         below = self._score < float32_strictly_below(self._threshold)
         below &= seen  # unseen samples (score 0.0) are never pruned
         self._candidates = int(np.count_nonzero(below))
-        return self._candidate_plan(epoch, 1.0 - self.prune_ratio, below)
+        return self._candidate_plan(epoch, 1.0 - self.prune_ratio, below, self.rescale)
 
     def _tables(self) -> dict[str, np.ndarray]:
         return {"score": self._score, "seen": self._seen}

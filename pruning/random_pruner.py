@@ -4,7 +4,7 @@ reviewers asked for). Scores are ignored; the coin of (seed, epoch, id) is the o
 
 from __future__ import annotations
 
-from .base import FrozenPlan, Pruner, check_range, first_full_pass
+from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass
 
 
 class Random(Pruner):
@@ -16,14 +16,16 @@ class Random(Pruner):
 
     name = "random"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7, delta: float = 1.0):
+    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7, delta: float = 1.0,
+                 rescale: bool = True):
         keep = check_range("random", "keep", keep, 0.0, 1.0, low_open=True)
         delta = check_range("random", "delta", delta, 0.0, 1.0)
-        super().__init__(num_samples, num_epochs, seed=seed, keep=keep, delta=delta)
-        self.keep = keep
+        rescale = check_flag("random", "rescale", rescale)
+        super().__init__(num_samples, num_epochs, seed=seed, keep=keep, delta=delta, rescale=rescale)
+        self.keep, self.rescale = keep, rescale
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
 
     def _freeze(self, epoch: int) -> FrozenPlan:
         if epoch >= self.first_full_pass:
             return self._full_plan(epoch)
-        return self._candidate_plan(epoch, self.keep, None)
+        return self._candidate_plan(epoch, self.keep, None, self.rescale)

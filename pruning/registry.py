@@ -5,22 +5,21 @@ Only names and hyper-parameters are checked here; each pruner checks the values 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from .base import Pruner
 from .full import Full
+from .importance import Importance
 from .infobatch import InfoBatch
 from .random_pruner import Random
 from .ted import TED
 
-PRUNERS: dict[str, type[Pruner]] = {cls.name: cls for cls in (Full, Random, InfoBatch, TED)}
+PRUNERS: dict[str, type[Pruner]] = {cls.name: cls for cls in (Full, Random, InfoBatch, TED, Importance)}
 
 
 def hparam_names(cls: type[Pruner]) -> list[str]:
     """The hyper-parameters a pruner accepts: its keyword-only arguments other than `seed`."""
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "seed"]
+    return list(cls.hparam_defaults())
 
 
 def build_pruner(name: str, num_samples: int, num_epochs: int, seed: int = 0, **hparams: Any) -> Pruner:

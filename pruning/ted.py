@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import FrozenPlan, Pruner, check_range, first_full_pass, uniform_coin
+from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass, uniform_coin
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TIE_BREAK_SALT = 0x7ED_71E5  # a coin stream of its own for breaking score ties in plan()
@@ -49,16 +49,18 @@ class TED(Pruner):
 
     def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, target: float = 0.7,
                  ramp: float = 0.25, explore: float = 0.1, momentum: float = 0.5, min_span: float = 0.5,
-                 delta: float = 0.875):
+                 delta: float = 0.875, rescale: bool = True):
         target = check_range("ted", "target", target, 0.0, 1.0, low_open=True)
+        rescale = check_flag("ted", "rescale", rescale)
         ramp = check_range("ted", "ramp", ramp, 0.0, 1.0)
         explore = check_range("ted", "explore", explore, 0.0, 1.0, low_open=True)
         momentum = check_range("ted", "momentum", momentum, 0.0, 1.0, high_open=True)
         min_span = check_range("ted", "min_span", min_span, 0.0, 1.0)
         delta = check_range("ted", "delta", delta, 0.0, 1.0)
         super().__init__(num_samples, num_epochs, seed=seed, target=target, ramp=ramp, explore=explore,
-                         momentum=momentum, min_span=min_span, delta=delta)
+                         momentum=momentum, min_span=min_span, delta=delta, rescale=rescale)
         self.target, self.ramp, self.explore, self.momentum = target, ramp, explore, momentum
+        self.rescale = rescale
         self.min_span = min_span
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         # 13 bytes per sample (+1 for the frozen plan); zero means "nothing yet" in every table,
@@ -136,7 +138,7 @@ class TED(Pruner):
             return self._full_plan(epoch)
         pruned_set = self._highest_scores(scored, num_scored, pruned_set_size, epoch)
         self._pruned_set = pruned_set_size
-        return self._candidate_plan(epoch, self.explore, pruned_set)
+        return self._candidate_plan(epoch, self.explore, pruned_set, self.rescale)
 
     def _highest_scores(self, scored: np.ndarray, num_scored: int, count: int, epoch: int) -> np.ndarray:
         """Mask of the `count` scored samples with the highest scores; ties broken by a coin, not by id."""

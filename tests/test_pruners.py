@@ -14,7 +14,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pruning import PRUNERS, TED, FrozenPlan, Full, InfoBatch, Pruner, Random, build_pruner, uniform_coin
+from pruning import PRUNERS, TED, FrozenPlan, Full, Importance, InfoBatch, Pruner, Random, build_pruner, uniform_coin
 
 ALPHA = 1e-3  # significance level of every binomial / goodness-of-fit check in this file
 
@@ -221,7 +221,7 @@ def scored_pruner(name: str, losses: np.ndarray, num_epochs: int) -> Pruner:
     return pruner
 
 
-@pytest.mark.parametrize("name", ["random", "infobatch", "ted"])
+@pytest.mark.parametrize("name", ["random", "infobatch", "ted", "importance"])
 def test_pruners_keep_the_expected_gradient(name):
     gradients, losses = least_squares_gradients()
     full_gradient = gradients.sum(axis=0)
@@ -304,8 +304,9 @@ def test_state_takes_at_most_16_bytes_per_sample_with_the_frozen_plan(name):
     pruner = trained(name)
     state = pruner.state_dict()
     per_sample = [tensor for tensor in state["tables"].values()]
-    if state["plan"]["candidates"] is not None:
-        per_sample.append(state["plan"]["candidates"])
+    for plan_table in ("candidates", "keep_probs"):
+        if state["plan"][plan_table] is not None:
+            per_sample.append(state["plan"][plan_table])
     assert all(tensor.shape == (5000,) for tensor in per_sample)
     assert sum(tensor.element_size() for tensor in per_sample) <= 16
 
@@ -353,7 +354,7 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * 4096
 
 
-@pytest.mark.parametrize("cls", [InfoBatch, TED])
+@pytest.mark.parametrize("cls", [InfoBatch, TED, Importance])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_losses_at_ids_near_5e9_in_half_precision_are_recorded_at_the_right_id(cls, dtype):
     before = resident_bytes()
@@ -366,7 +367,7 @@ def test_losses_at_ids_near_5e9_in_half_precision_are_recorded_at_the_right_id(c
     pruner.update(ids, losses)
     recorded = pruner.score_of(ids.numpy())
     expected = losses.float().numpy()
-    if cls is InfoBatch:
+    if cls in (InfoBatch, Importance):
         np.testing.assert_array_equal(recorded[0], expected)
         assert recorded[1].all() and not pruner.score_of(np.array([5_000_000_002]))[1][0]
     else:
@@ -415,17 +416,17 @@ def test_padding_ids_are_ignored_and_repeated_ids_keep_their_last_loss():
 def test_build_pruner_by_config_name():
     assert isinstance(build_pruner("full", 10, 2), Full)
     pruner = build_pruner("InfoBatch", 10, 2, seed=4, prune_ratio=0.25, delta=0.5)
-    assert isinstance(pruner, InfoBatch) and pruner.hparams == {"prune_ratio": 0.25, "delta": 0.5}
+    assert isinstance(pruner, InfoBatch) and pruner.hparams == {"prune_ratio": 0.25, "delta": 0.5, "rescale": True}
     assert pruner.seed == 4 and pruner.first_full_pass == 1
 
 
 def test_unknown_pruner_name_lists_the_accepted_names():
-    with pytest.raises(ValueError, match="accepted names: full, infobatch, random, ted"):
+    with pytest.raises(ValueError, match="accepted names: full, importance, infobatch, random, ted"):
         build_pruner("infobach", 10, 2)
 
 
 def test_unknown_hyper_parameter_lists_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta"):
+    with pytest.raises(ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta, rescale"):
         build_pruner("infobatch", 10, 2, prune_rate=0.5)
     with pytest.raises(ValueError, match="accepted: none"):
         build_pruner("full", 10, 2, keep=0.5)
@@ -437,7 +438,94 @@ def test_unknown_hyper_parameter_lists_the_accepted_ones():
     ("random", dict(keep=0.0), "keep"),
     ("ted", dict(explore=0.0), "explore"),
     ("ted", dict(target=float("nan")), "target"),
+    ("importance", dict(p_min=0.0), "p_min"),
+    ("importance", dict(keep=1.5), "keep"),
 ])
 def test_out_of_range_hyper_parameter_names_field_and_range(name, hparams, field):
     with pytest.raises(ValueError, match=rf"{name}: {field} must be in"):
         build_pruner(name, 10, 2, **hparams)
+
+
+def test_a_flag_hyper_parameter_must_be_true_or_false():
+    with pytest.raises(ValueError, match="infobatch: rescale must be true or false, got 'no'"):
+        build_pruner("infobatch", 10, 2, rescale="no")
+
+
+# ----------------------------------------------------------------------------------------------
+# rescale: false
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, hparams", [("infobatch", {}), ("random", {"keep": 0.6}), ("ted", {}),
+                                           ("importance", {})])
+def test_without_rescaling_the_same_samples_are_kept_at_weight_one(name, hparams):
+    rescaled, plain = trained(name, **hparams), trained(name, rescale=False, **hparams)
+    ids = np.arange(5000)
+    with_weights, without = rescaled.weights(ids), plain.weights(ids)
+    np.testing.assert_array_equal(with_weights > 0, without > 0)  # the same coins decide
+    assert set(np.unique(without).tolist()) <= {0.0, 1.0} and (with_weights > 1).any()
+    assert plain.stats()["kept_fraction"] == rescaled.stats()["kept_fraction"]
+
+
+def test_a_state_saved_before_rescale_and_keep_probs_existed_loads():
+    original = trained("infobatch")
+    state = original.state_dict()
+    del state["hparams"]["rescale"], state["plan"]["rescale"], state["plan"]["keep_probs"]
+    restored = build_pruner("infobatch", 5000, 40, seed=3)
+    restored.load_state_dict(state)
+    np.testing.assert_array_equal(restored.weights(np.arange(5000)), original.weights(np.arange(5000)))
+    with pytest.raises(ValueError, match=r"hparams: saved .*'rescale': True.*configured .*'rescale': False"):
+        build_pruner("infobatch", 5000, 40, seed=3, rescale=False).load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------------------------
+# importance
+# ----------------------------------------------------------------------------------------------
+
+
+def importance_on_fixed_scores(num_samples: int = 20_000, unseen: int = 0, **hparams) -> tuple[Importance, np.ndarray]:
+    pruner = Importance(num_samples, 40, seed=5, **hparams)
+    scores = np.random.default_rng(2).exponential(1.0, num_samples).astype(np.float32)
+    record_scores(pruner, np.arange(unseen, num_samples), scores[unseen:])
+    pruner.plan(3)
+    return pruner, scores
+
+
+@pytest.mark.parametrize("keep, alpha", [(0.5, 1.0), (0.7, 0.5), (0.3, 2.0)])
+def test_importance_meets_the_target_kept_fraction(keep, alpha):
+    pruner, _ = importance_on_fixed_scores(keep=keep, alpha=alpha, p_min=0.05)
+    p, _ = pruner.keep_probabilities()
+    assert p.mean(dtype=np.float64) == pytest.approx(keep, abs=1e-5)  # c solves the target in expectation
+    kept = int(np.count_nonzero(pruner.weights(np.arange(20_000))))
+    assert scipy.stats.binomtest(kept, 20_000, keep).pvalue > ALPHA or abs(kept / 20_000 - keep) < 0.01
+    assert pruner.stats()["kept_this_pass"] == kept
+
+
+def test_importance_keeps_high_scores_more_and_weights_them_one_over_p():
+    pruner, scores = importance_on_fixed_scores(keep=0.5, alpha=1.0, p_min=0.1)
+    p, scale = pruner.keep_probabilities()
+    order = np.argsort(scores)
+    assert np.all(np.diff(p[order]) >= 0)  # monotone in the score
+    assert p.min() == pytest.approx(0.1) and p.max() == 1.0  # clipped at p_min and at 1
+    inside = (p > 0.1) & (p < 1.0)
+    np.testing.assert_allclose(p[inside], scale * scores[inside] / scores.mean(), rtol=1e-5)
+    weights = pruner.weights(np.arange(20_000))
+    kept = weights > 0
+    np.testing.assert_allclose(weights[kept], 1.0 / p[kept], rtol=1e-6)
+
+
+def test_importance_with_alpha_zero_is_random_pruning_and_unseen_samples_are_kept():
+    pruner, _ = importance_on_fixed_scores(unseen=2000, keep=0.7, alpha=0.0, p_min=0.05)
+    p, _ = pruner.keep_probabilities()
+    np.testing.assert_array_equal(p[:2000], 1.0)  # unseen: always kept, weight 1
+    np.testing.assert_array_equal(pruner.weights(np.arange(2000)), 1.0)
+    expected = (0.7 * 20_000 - 2000) / 18_000
+    np.testing.assert_allclose(p[2000:], expected, rtol=1e-5)  # one probability for every seen sample
+
+
+def test_importance_keeps_p_min_when_the_target_is_below_it_and_anneals():
+    pruner, _ = importance_on_fixed_scores(keep=0.05, p_min=0.2, delta=0.5)
+    assert pruner.stats()["expected_keep"] == pytest.approx(0.2, abs=1e-6)
+    pruner.plan(20)  # ceil(40 * 0.5): full data from here
+    np.testing.assert_array_equal(pruner.weights(np.arange(20_000)), 1.0)
+    assert pruner.stats()["annealing"]
