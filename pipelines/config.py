@@ -67,6 +67,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class ScoreConfig:
+    """What the pruner is told about each sample (pruning/scores.py): its loss, or its loss made
+    comparable within its stratum (ldm: the timestep bucket). The training loss is never changed."""
+
+    normalise: str = "none"  # none | stratum_mean (loss / bucket's running mean) | stratum_zscore
+    buckets: int = 20  # equal-width strata buckets (ldm: of the T timesteps)
+    momentum: float = 0.99  # per-sample momentum of the buckets' running statistics
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     runs_dir: str = "runs"
@@ -81,6 +91,7 @@ class RunConfig:
     debug_sync: bool = False  # check each pass that all ranks hold the same plan; save ids per rank
     data: DataConfig = field(default_factory=DataConfig)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
+    score: ScoreConfig = field(default_factory=ScoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
@@ -173,7 +184,7 @@ def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Values the type system cannot check."""
-    from pruning import PRUNERS, build_pruner
+    from pruning import NORMALISATIONS, PRUNERS, build_pruner
 
     _choice("task", cfg.task, TASKS)
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
@@ -197,6 +208,13 @@ def validate(cfg: RunConfig) -> None:
                 f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
                 f"`prunepipe shards index`"
             )
+    _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
+    if cfg.score.normalise != "none" and cfg.task == "mae":
+        raise ConfigError(f"config: score.normalise={cfg.score.normalise} normalises within strata (ldm: timesteps); "
+                          f"the mae task draws none: set score.normalise=none")
+    if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
+        raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
+                          f"{cfg.score.momentum}")
     if cfg.eval.every_passes and not cfg.data.val:
         raise ConfigError(f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
                           f"is empty; set data.val=DIR or eval.every_passes=0")

@@ -9,10 +9,11 @@ from .importance import Importance
 from .infobatch import InfoBatch
 from .random_pruner import Random
 from .registry import PRUNERS, build_pruner, hparam_names
-from .sync import gather_ids_losses
+from .scores import NORMALISATIONS, ScoreNormaliser
+from .sync import gather_batch, gather_ids_losses
 from .ted import TED
 
 __all__ = [
     "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "build_pruner", "PRUNERS", "hparam_names",
-    "gather_ids_losses", "uniform_coin", "first_full_pass", "FrozenPlan",
+    "gather_ids_losses", "gather_batch", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "first_full_pass", "FrozenPlan",
 ]

@@ -34,7 +34,7 @@ RANK_PROGRAM = textwrap.dedent("""
     import datetime, json, sys
     import torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[3])
-    from pruning import gather_ids_losses
+    from pruning import gather_batch, gather_ids_losses
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -42,8 +42,11 @@ RANK_PROGRAM = textwrap.dedent("""
     ids = torch.tensor([2**33 + 1 + rank, 2**53 + 1 + rank, -1], dtype=torch.int64)
     losses = torch.tensor([0.5 + rank, 3.0, 7.0], dtype=torch.float16, requires_grad=True)
     gathered_ids, gathered_losses = gather_ids_losses(ids, losses)
+    with_ids, with_losses, strata = gather_batch(ids, losses, torch.tensor([999, rank, 7]))
+    assert (with_ids == gathered_ids).all() and (with_losses == gathered_losses).all()
     print(json.dumps({"ids": [int(i) for i in gathered_ids], "ids_dtype": str(gathered_ids.dtype),
-                      "losses": gathered_losses.tolist(), "losses_dtype": str(gathered_losses.dtype)}))
+                      "losses": gathered_losses.tolist(), "losses_dtype": str(gathered_losses.dtype),
+                      "strata": [int(s) for s in strata]}))
     dist.destroy_process_group()
 """)
 
@@ -77,3 +80,4 @@ def test_two_gloo_ranks_gather_large_ids_exactly(tmp_path):
     for output in outputs:  # every rank sees the same global batch, in rank order
         assert output["ids"] == expected_ids and output["ids_dtype"] == "int64"
         assert output["losses"] == [0.5, 3.0, 7.0, 1.5, 3.0, 7.0] and output["losses_dtype"] == "float32"
+        assert output["strata"] == [999, 0, 7, 999, 1, 7]  # beside their ids, in the same rank order

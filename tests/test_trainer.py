@@ -239,3 +239,36 @@ def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards
     _, weights_b, _ = final_state(str(tmp_path / "stopped"))
     for key in weights_a:
         assert torch.equal(weights_a[key], weights_b[key]), f"weight {key} differs after resume"
+
+
+def test_normalised_scores_reach_the_pruner_and_leave_the_training_loss_alone(digits_shards, tmp_path):
+    runs = {}
+    for normalise in ("none", "stratum_mean"):
+        cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml"),
+                          overrides(digits_shards, tmp_path, normalise, [*TINY_LDM, "passes=4", "max_steps=25",
+                                                                         f"score.normalise={normalise}"]))
+        train(cfg)
+        runs[normalise] = final_state(cfg.run_dir)
+    (_, raw_weights, raw_pruner), (checkpoint, weights, pruner) = runs["none"], runs["stratum_mean"]
+    assert all(torch.equal(raw_weights[k], weights[k]) for k in raw_weights)  # pass 1 trains on the same loss
+    raw_scores, scores = raw_pruner["tables"]["score"].numpy(), pruner["tables"]["score"].numpy()
+    seen = pruner["tables"]["seen"].numpy().astype(bool)
+    assert not np.array_equal(raw_scores[seen], scores[seen])
+    assert 0.5 < float(scores[seen].mean()) < 1.5  # a loss over its timestep's running mean (which lags)
+    spread = lambda x: float(x.std() / x.mean())  # noqa: E731
+    assert spread(scores[seen]) < spread(raw_scores[seen])  # the timestep's share of the spread is gone
+    normaliser = torch.load(os.path.join(checkpoint, "custom_checkpoint_3.pkl"), weights_only=True)
+    assert normaliser["score_normaliser"] == "stratum_mean" and int(normaliser["seen"].sum()) == seen.sum()
+
+
+def test_a_run_with_normalised_scores_resumes_bitwise(digits_shards, tmp_path):
+    config = os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml")
+    base = [*TINY_LDM, "passes=4", "score.normalise=stratum_zscore", "checkpoint.every_steps=10"]
+    train(load_config(config, overrides(digits_shards, tmp_path, "straight", [*base, "max_steps=45"])))
+    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=30"])))
+    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=45",
+                                                                             "checkpoint.resume=latest"])))
+    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = (final_state(tmp_path / "straight"),
+                                                                    final_state(tmp_path / "resumed"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores

@@ -20,6 +20,7 @@ from huggingface_hub import constants as hub_constants
 
 from pipelines.data.batch import real_samples
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
+from pipelines.tasks.sample_losses import SampleLosses
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -202,8 +203,18 @@ class DiffusionTask:
             weights = torch.clamp(snr, max=gamma) / (snr + 1.0)
         return weights.float()
 
+    @property
+    def num_strata(self) -> int:
+        """Per-sample strata: the timesteps, 0..T-1."""
+        return self.cfg.num_train_timesteps
+
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
-        """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured.
+        """`per_sample(...).loss`."""
+        return self.per_sample(model, batch, generator).loss
+
+    def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
+        """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured, with
+        each sample's timestep as its stratum.
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
         pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
@@ -224,7 +235,7 @@ class DiffusionTask:
         losses = self._denoising_mse(model, x0, noise, timesteps, batch.labels.to(device))
         if self.cfg.min_snr_gamma > 0:
             losses = losses * self.min_snr_weights(timesteps)
-        return losses
+        return SampleLosses(losses, timesteps)
 
     def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
         noisy = self.scheduler.add_noise(x0, noise, timesteps)

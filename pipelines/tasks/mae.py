@@ -20,6 +20,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from pipelines.data.batch import real_samples
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
+from pipelines.tasks.sample_losses import SampleLosses
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 ENCODER_WEIGHTS = "encoder.safetensors"
@@ -271,6 +272,12 @@ class MAETask:
             norm_pix_loss=cfg.norm_pix_loss,
         )
         self.num_patches = self.model.num_patches
+
+    num_strata = 0  # the mask is drawn per sample, but no stratum makes scores comparable
+
+    def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
+        """`per_sample_loss` as SampleLosses (no stratum)."""
+        return SampleLosses(self.per_sample_loss(model, batch, generator))
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
         """[B] float32 masked-patch MSE with a fresh random mask drawn from `generator` (a

@@ -31,7 +31,7 @@ from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.sync_check import SyncDebug
-from pruning import build_pruner, gather_ids_losses
+from pruning import ScoreNormaliser, build_pruner, gather_batch
 from pruning.pass_plan import PassPlan
 
 
@@ -122,6 +122,10 @@ def train(cfg: RunConfig) -> dict:
     ema.to(device)
     position = TrainingPosition()
     accelerator.register_for_checkpointing(pruner, ema, position)
+    scorer = ScoreNormaliser(cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets,
+                             momentum=cfg.score.momentum)
+    if cfg.score.normalise != "none":  # registered only when used: older checkpoints hold three objects
+        accelerator.register_for_checkpointing(scorer)
 
     resume_from = choose_resume(accelerator, cfg.checkpoint.resume, run_dir)  # the newest intact checkpoint
     if resume_from is not None:
@@ -170,8 +174,9 @@ def train(cfg: RunConfig) -> dict:
                 debug.saw(batch.ids)
             batch = batch.to(device, non_blocking=True)
             with accelerator.autocast():
-                losses = task.per_sample_loss(model, batch, randomness).float()
-            ids, gathered = gather_ids_losses(batch.ids, losses.detach())
+                out = task.per_sample(model, batch, randomness)
+            losses = out.loss.float()
+            ids, gathered, strata = gather_batch(batch.ids, losses.detach(), out.stratum)
             real = ids >= 0
             position.consumed[ids[real]] = True
             lost_here += sum(e.samples_lost for e in batch.bad)
@@ -188,7 +193,7 @@ def train(cfg: RunConfig) -> dict:
                 loss = (losses * batch.weights).mean() / accum  # mean(w * loss), InfoBatch's rescaling
                 with accelerator.no_sync(model) if not is_step else nullcontext():
                     accelerator.backward(loss)
-                pruner.update(ids, gathered)
+                pruner.update(ids, scorer(ids, gathered, strata))
                 position.samples_forwarded += int(real.sum())
                 if real.any():  # a batch of padding only has no loss to report
                     pass_losses.append(float(gathered[real].mean()))
