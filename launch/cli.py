@@ -22,6 +22,8 @@ def _shards_write(args) -> None:
         seed=args.seed,
         folder=args.folder,
         crops_per_photo=args.crops_per_photo,
+        redundant_fraction=args.redundant_fraction,
+        redundant_originals=args.redundant_originals,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
@@ -142,13 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
     write = shards_sub.add_parser("write", help="write train/val shards from bundled data or a folder")
-    write.add_argument("--source", choices=("digits", "photos", "folder"), default="digits")
+    write.add_argument("--source", choices=("digits", "photos", "redundant", "folder"), default="digits",
+                       help="redundant: photo crops of which a fraction are near-duplicates, with a clean val "
+                            "and an in-distribution val_mix")
     write.add_argument("--out", required=True, help="output folder (gets train/ and val/)")
     write.add_argument("--folder", help="image folder, for --source folder")
     write.add_argument("--size", type=int, default=32, help="image side in pixels")
     write.add_argument("--shard-size", type=int, default=500, help="samples per shard")
     write.add_argument("--val-fraction", type=float, default=0.1)
-    write.add_argument("--crops-per-photo", type=int, default=250, help="for --source photos")
+    write.add_argument("--crops-per-photo", type=int, default=250, help="for --source photos and redundant")
+    write.add_argument("--redundant-fraction", type=float, default=0.5,
+                       help="for --source redundant: fraction of train that are near-duplicates")
+    write.add_argument("--redundant-originals", type=int, default=64,
+                       help="for --source redundant: how many train crops the duplicates copy")
     write.add_argument("--seed", type=int, default=0)
     write.set_defaults(func=_shards_write)
     index = shards_sub.add_parser("index", help="write index.json for shards written elsewhere")

@@ -285,3 +285,34 @@ def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_pat
     open(path, "wb").write(bytes(data))
     assert [sample for _, sample in read_shard(path)] == webdataset_samples(path)
     assert [sorted(k for k in s if not k.startswith("__")) for _, s in read_shard(path)] == [["jpg"], ["cls", "jpg"]]
+
+
+def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clean_val(tmp_path):
+    from pipelines.data.splits import read_split
+    from tools.shards import write_shards
+
+    paths = write_shards("redundant", str(tmp_path), size=16, shard_size=200, crops_per_photo=20,
+                         redundant_fraction=0.5, redundant_originals=8)
+    assert set(paths) == {"train", "val", "val_mix"}
+    train, val, mix = (ShardIndex.load(str(tmp_path / split)) for split in ("train", "val", "val_mix"))
+    assert train.meta["redundant_fraction"] == 0.5 and train.meta["redundant_originals"] == 8
+    keys = {split: [s["__key__"] for url in ShardIndex.load(str(tmp_path / split)).urls for _, s in read_shard(url)]
+            for split in ("train", "val", "val_mix")}
+    duplicates = [k for k in keys["train"] if "_dup" in k]
+    assert abs(len(duplicates) / len(keys["train"]) - 0.5) < 0.01  # the stated fraction
+    originals = {k.split("_dup")[0] for k in duplicates}
+    assert len(originals) == 8 and originals <= set(keys["train"])  # copies of 8 train crops, which stay in train
+    assert not any("dup" in k for k in keys["val"])  # clean: no duplicates at all
+    assert not set(keys["val"]) & set(keys["train"])  # and held out
+    assert {k.split("_heldoutdup")[0] for k in keys["val_mix"] if "dup" in k} <= originals  # the train mix
+    assert abs(mix.num_samples - 2 * val.num_samples) <= 1
+
+    # a near-duplicate is near its original, and unlike another crop
+    images = {b.ids[i].item(): b.images[i] for b in read_split(str(tmp_path / "train"), resolution=16, channels=3,
+                                                                batch_size=500) for i in range(len(b.ids))}
+    ids = {k: i for i, k in enumerate(keys["train"])}
+    first = duplicates[0]
+    original = ids[first.split("_dup")[0]]
+    other = next(ids[k] for k in keys["train"] if "_dup" not in k and k != first.split("_dup")[0])
+    near = (images[ids[first]] - images[original]).abs().mean()
+    assert near < 0.5 * (images[other] - images[original]).abs().mean()

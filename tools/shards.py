@@ -1,7 +1,8 @@
 """`prunepipe shards write | index | inspect`: make WebDataset shards, index shards written
 elsewhere, and look at what a shard folder holds.
 
-Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val.
+Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val (and, for
+the redundant source, val_mix: held-out data drawn from the train mix; val is clean).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from PIL import Image
 
 from pipelines.data.shards import ShardIndex, count_samples, read_shard
 from pipelines.progress import tracked
-from tools.sources import load_source
+from tools.sources import load_source, redundant_splits
 
 SPLITS = ("train", "val")
 
@@ -39,34 +40,44 @@ def write_shards(
     seed: int = 0,
     folder: str | None = None,
     crops_per_photo: int = 250,
+    redundant_fraction: float = 0.5,
+    redundant_originals: int = 64,
 ) -> dict[str, str]:
-    """Write train/val shards of `source` with webdataset's ShardWriter; returns index paths."""
+    """Write the splits of `source` (train and val; `redundant` also val_mix) with webdataset's
+    ShardWriter; returns index paths."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
-    # A fixed permutation decides the split, so val holds every class in proportion.
-    is_val = np.zeros(len(items), dtype=bool)
-    is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
-    written = {}
-    for split in SPLITS:
-        chosen = [item for item, v in zip(items, is_val) if v == (split == "val")]
-        if not chosen:
-            continue
-        folder_out = os.path.join(out, split)
-        os.makedirs(folder_out, exist_ok=True)
-        for stale in glob.glob(os.path.join(folder_out, "shard-*.tar")):
-            os.remove(stale)
-        entries: list[tuple[str, int]] = []
-        pattern = os.path.join(folder_out, "shard-%06d.tar")
-        with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
-            writer.post = lambda fname: entries.append((fname, writer.count))
-            for key, image, label in tracked(chosen, desc=f"{source}/{split}", unit="img"):
-                sample = {"__key__": key, "png": png_bytes(image)}
-                if label >= 0:
-                    sample["cls"] = str(label)
-                writer.write(sample)
-        written[split] = ShardIndex.write(folder_out, entries, source=source, size=size, keys=["png", "cls"])
-    return written
+    if source == "redundant":
+        splits = redundant_splits(size, fraction=redundant_fraction, originals=redundant_originals,
+                                  val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed)
+        meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals}
+    else:
+        items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
+        # A fixed permutation decides the split, so val holds every class in proportion.
+        is_val = np.zeros(len(items), dtype=bool)
+        is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
+        splits = {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in SPLITS}
+        meta = {}
+    return {split: write_split(os.path.join(out, split), chosen, source=source, size=size, shard_size=shard_size,
+                               desc=f"{source}/{split}", **meta)
+            for split, chosen in splits.items() if chosen}
+
+
+def write_split(folder: str, items: list, *, source: str, size: int, shard_size: int, desc: str, **meta) -> str:
+    """(key, image, label) items as PNG shards in `folder` with their index.json; returns its path."""
+    os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(os.path.join(folder, "shard-*.tar")):
+        os.remove(stale)
+    entries: list[tuple[str, int]] = []
+    pattern = os.path.join(folder, "shard-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
+        writer.post = lambda fname: entries.append((fname, writer.count))
+        for key, image, label in tracked(items, desc=desc, unit="img"):
+            sample = {"__key__": key, "png": png_bytes(image)}
+            if label >= 0:
+                sample["cls"] = str(label)
+            writer.write(sample)
+    return ShardIndex.write(folder, entries, source=source, size=size, keys=["png", "cls"], **meta)
 
 
 def shard_urls(sources: list[str]) -> list[str]:

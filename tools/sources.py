@@ -10,11 +10,11 @@ import os
 from typing import Iterator
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageEnhance
 
 from pipelines.data.decode import resize_center_crop
 
-SOURCES = ("digits", "photos", "folder")
+SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
 
 # scikit-image's bundled photographs (in the wheel, not fetched) and scikit-learn's two samples.
@@ -62,6 +62,51 @@ def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> It
             left, top = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
             crop = photo.crop((left, top, left + side, top + side)).resize((size, size), Image.BICUBIC)
             yield f"photo_{name}_{i:04d}", crop, label
+
+
+def near_duplicate(image: Image.Image, rng: np.random.Generator, shift: int = 2) -> Image.Image:
+    """A near-duplicate, as web crawls hold them: the image moved by up to `shift` pixels (enlarged by
+    2 * shift and cropped back) with its brightness, contrast and colour changed by up to 10%."""
+    size = image.size[0]
+    big = image.resize((size + 2 * shift, size + 2 * shift), Image.BICUBIC)
+    dx, dy = (int(v) for v in rng.integers(0, 2 * shift + 1, 2))
+    moved = big.crop((dx, dy, dx + size, dy + size))
+    for enhance in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
+        moved = enhance(moved).enhance(float(rng.uniform(0.9, 1.1)))
+    return moved
+
+
+def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 64, val_fraction: float = 0.1,
+                     crops_per_photo: int = 250, seed: int = 0) -> dict[str, list[tuple[str, Image.Image, int]]]:
+    """Photo crops with a known redundancy, like web data: in `train`, `fraction` of the samples are
+    near-duplicates of `originals` unique train crops; `val` is clean (unique held-out crops, no
+    duplicates: curated data, as web pretraining is judged on); `val_mix` is held-out data drawn from
+    the train mix (the clean held-out crops plus the same fraction of new near-duplicates of the
+    train originals). Labels are the photograph, as for `photos`."""
+    if not 0.0 <= fraction < 1.0 or originals < 1:
+        raise ValueError(f"redundant: need 0 <= fraction < 1 and originals >= 1, got {fraction}, {originals}")
+    crops = list(photo_crops(size, crops_per_photo=crops_per_photo, seed=seed))
+    rng = np.random.default_rng([seed, 1])
+    order = rng.permutation(len(crops))
+    held = int(round(val_fraction * len(crops)))
+    val = [crops[i] for i in sorted(order[:held])]
+    unique = [crops[i] for i in sorted(order[held:])]
+    if originals > len(unique):
+        raise ValueError(f"redundant: {originals} originals asked, but only {len(unique)} unique train crops")
+    sources = [unique[i] for i in rng.choice(len(unique), originals, replace=False)]
+
+    def copies(count: int, tag: str) -> list[tuple[str, Image.Image, int]]:
+        made = []
+        for i in range(count):
+            key, image, label = sources[i % originals]
+            made.append((f"{key}_{tag}{i:05d}", near_duplicate(image, rng), label))
+        return made
+
+    duplicates = int(round(fraction / (1.0 - fraction) * len(unique)))
+    train = unique + copies(duplicates, "dup")
+    train = [train[i] for i in rng.permutation(len(train))]  # duplicates spread over the shards
+    mix = val + copies(int(round(fraction / (1.0 - fraction) * len(val))), "heldoutdup")
+    return {"train": train, "val": val, "val_mix": [mix[i] for i in rng.permutation(len(mix))]}
 
 
 def image_folder(root: str, size: int | None = None) -> Iterator[tuple[str, Image.Image, int]]:
