@@ -119,3 +119,37 @@ def test_cli_has_bench_lossless():
 
     args = build_parser().parse_args(["bench", "lossless", "--task", "mae", "--quick", "--out", "x"])
     assert (args.task, args.quick, args.out, args.workers, args.from_json) == ("mae", True, "x", 2, None)
+
+
+def test_pooled_std_verdicts_of_arms_at_three_seeds():
+    from tools.bench.lossless.verdicts import arms, pays_targets
+
+    plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {}, pruned_seeds=(0, 1, 2))
+    results = [_result(f"Full s{s}", "full", v, 1000, seed=s) for s, v in enumerate((1.00, 1.10, 0.90))]
+    for seed, (mine, equal) in enumerate(((0.95, 1.40), (1.05, 1.50), (1.00, 1.45))):
+        results += [_result("Pays", "pruned", mine, 700, seed=seed),
+                    _result("Full @ Pays", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Pays")]
+    for seed, (mine, equal) in enumerate(((1.35, 1.40), (1.45, 1.50), (1.40, 1.45))):
+        results += [_result("Less", "pruned", mine, 700, seed=seed),
+                    _result("Full @ Less", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Less")]
+    rows = {r["label"]: r["metrics"]["masked_mse"] for r in arms(results, [plan])}
+    # Pays: mean 1.00 (std 0.05) vs Full 1.00 (std 0.10) and vs equal compute 1.45 (std 0.05)
+    assert rows["Pays"]["delta_passes"] == pytest.approx(0.0, abs=1e-9) and rows["Pays"]["lossless"]
+    assert rows["Pays"]["delta_compute"] == pytest.approx(-0.45 / 0.05) and rows["Pays"]["pays"]
+    assert not rows["Less"]["lossless"] and not rows["Less"]["pays"]  # what training less buys, no more
+    [target] = pays_targets(arms(results, [plan]))
+    assert target["met"] and "best at equal compute: Pays" in target["measured"]
+
+
+def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_path):
+    report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"))
+    keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
+    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance") for s in ("", "_s1", "_s2")}
+    for arm in report["arms"]:
+        assert arm["seeds"] == [0, 1, 2] and {"masked_mse", "masked_mse@val_mix"} <= set(arm["metrics"])
+    equal = [r for r in report["results"] if r["role"] == "equal_compute"]
+    assert sorted((r["compute_of"], r["seed"]) for r in equal) == sorted(
+        (arm, s) for arm in ("InfoBatch", "Importance") for s in (0, 1, 2))
+    text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
+    assert "beats Full at equal compute by > 2 pooled std" in text

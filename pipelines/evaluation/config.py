@@ -62,6 +62,7 @@ class EvalConfig:
     # Masks, noise and sample seeds: fixed and independent of the run's seed, so runs with
     # different seeds are measured on the very same inputs.
     seed: int = 0
+    val: str = ""  # held-out shards to evaluate on; "" = the run's data.val (e.g. val_mix of redundant shards)
     val_samples: int = 10000  # held-out images for reconstruction / denoising loss (0 = all)
     batch_size: int = 64
     fid: FIDConfig = field(default_factory=FIDConfig)

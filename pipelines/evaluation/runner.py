@@ -52,9 +52,11 @@ class Evaluator:
     # ------------------------------------------------------------------ per task
     def _val_batches(self, max_samples: int):
         data = self.run_cfg.data
-        if not data.val:
-            raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards")
-        return read_split(data.val, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
+        folder = self.cfg.val or data.val
+        if not folder:
+            raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
+                             f"(or the eval setting val=DIR)")
+        return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
                           max_samples=max_samples, desc="val")
 
     def _mae(self, task, model: nn.Module) -> dict:

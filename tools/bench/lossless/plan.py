@@ -25,6 +25,10 @@ class TaskPlan:
     fid_steps: int = 20
     overrides: list = field(default_factory=list)
     timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
+    data: str = "digits"  # digits | photos | redundant (prunepipe shards write --source)
+    crops_per_photo: int = 0  # photos and redundant: crops of each of the 15 bundled photographs
+    pruned_seeds: tuple = (0,)  # seeds of every pruned run and of its equal-compute Full
+    extra_splits: tuple = ()  # held-out splits evaluated besides val, e.g. ("val_mix",) of redundant data
 
 
 PRUNERS = {
@@ -47,6 +51,9 @@ LDM_ABLATIONS = {
 def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
     pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
+    if mode.startswith("pays_"):  # pays_{digits,photos,redundant}, pays_micro_{...}: the harness test
+        micro = mode.startswith("pays_micro_")
+        return [p for p in pays_plans(mode.rsplit("_", 1)[-1], micro=micro) if p.task in tasks]
     if mode == "full":
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
                           timing_rounds=2),
@@ -60,7 +67,7 @@ def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
     else:
-        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro")
+        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro, pays_DATA")
     return [p for p in plans if p.task in tasks]
 
 
@@ -77,6 +84,42 @@ class RunSpec:
     compute_of: str = ""  # equal_compute: the label of the pruned run it matches
 
 
+# Arms of the "pays" suite: where selection might be worth more than stopping early. A pruner dict
+# may carry `score` (score.* settings of the run, e.g. timestep-normalised scores for diffusion).
+PAYS_MAE = {
+    "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
+    "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
+    "InfoBatch no rescale": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875, "rescale": False},
+    "Importance": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875},
+}
+PAYS_LDM = {
+    "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
+    "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
+    "InfoBatch t-norm": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
+                         "score": {"normalise": "stratum_mean"}},
+    "Importance t-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
+                          "score": {"normalise": "stratum_mean"}},
+}
+
+
+def pays_plans(data: str, micro: bool = False) -> list[TaskPlan]:
+    """Every arm at 3 seeds, each with an equal-compute Full at the same seeds, on `data`."""
+    if data not in ("digits", "photos", "redundant"):
+        raise ValueError(f"bench data {data!r}: accepted: digits, photos, redundant")
+    extra = ("val_mix",) if data == "redundant" else ()
+    photos = 60 if data != "digits" else 0  # 900 crops: 810 unique train (+ as many duplicates), 90 val
+    channels = ["data.channels=3"] if data != "digits" else []
+    if micro:
+        tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1", *channels]
+        return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0,
+                         {k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, overrides=tiny, timing_rounds=0,
+                         data=data, crops_per_photo=8 if photos else 0, pruned_seeds=SEEDS, extra_splits=extra)]
+    return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, PAYS_MAE, overrides=channels,
+                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=SEEDS, extra_splits=extra),
+            TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, PAYS_LDM, overrides=channels,
+                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=SEEDS, extra_splits=extra)]
+
+
 def first_specs(plan: TaskPlan) -> list[RunSpec]:
     """Every run that does not depend on another's result."""
     specs = []
@@ -89,16 +132,23 @@ def first_specs(plan: TaskPlan) -> list[RunSpec]:
         groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
         for role, pruners in groups:
             for label, pruner in pruners.items():
-                specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}", plan.task, schedule, label, role,
-                                     dict(pruner), 0, passes))
+                for seed in plan.pruned_seeds:
+                    specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}{seed_suffix(seed)}", plan.task,
+                                         schedule, label, role, dict(pruner), seed, passes))
     return specs
 
 
+def seed_suffix(seed: int) -> str:
+    """Seed 0 keeps the key runs had before pruned runs had seeds (recorded benchmarks re-render)."""
+    return f"_s{seed}" if seed else ""
+
+
 def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
-    """Full (seed 0) for as many passes as the pruned run's samples forwarded buy, its own schedule."""
+    """Full (the pruned run's seed) for as many passes as its samples forwarded buy, its own schedule."""
     passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
-    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}", pruned["task"],
-                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, 0, passes,
+    seed = int(pruned.get("seed", 0))
+    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}{seed_suffix(seed)}", pruned["task"],
+                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, seed, passes,
                    compute_of=pruned["label"])
 
 

@@ -113,7 +113,10 @@ def render(report: dict) -> str:
     for plan in report["plans"]:
         task = plan["task"]
         flat = report["flattening"][task]
-        lines += [f"### {task}: {plan['train_samples']} training digits at 16 px, `{plan['config']}`", "",
+        data = plan.get("data", "digits")
+        what = (f"{plan['train_samples']} training digits" if data == "digits" else
+                f"{data} shards ({plan['crops_per_photo']} crops of each bundled photograph)")
+        lines += [f"### {task}: {what} at 16 px, `{plan['config']}`", "",
                   f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "
                   f"{fmt(flat['change'])} ({fmt(flat['in_std'], 2)} seed std) from pass {flat['from_pass']} to "
                   f"{flat['passes']}: {'flattened' if flat['flattened'] else 'NOT flattened (still improving)'}. "
@@ -127,6 +130,7 @@ def render(report: dict) -> str:
             if table:
                 passes = plan[schedule]
                 lines += [f"#### {task}, {schedule} schedule ({passes} passes)", ""] + table + [""]
+        lines += arms_table(report.get("arms") or [], task)
         lines += [f"![{task} curves](benchmarks/{os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
     if report.get("timing_rows"):
         lines += ["### Wall-clock, one run at a time", "",
@@ -146,6 +150,26 @@ def render(report: dict) -> str:
     lines += ["### Targets", "", "| target | status | measured |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'met' if t['met'] else 'MISSED'} | {t['measured']} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
+
+
+def arms_table(arm_rows: list[dict], task: str) -> list[str]:
+    """Seed means per setting against Full at equal passes and at equal compute, in pooled std."""
+    mine = [r for r in arm_rows if r["task"] == task]
+    if not mine:
+        return []
+    lines = [f"#### {task}: settings at {len(mine[0]['seeds'])} seeds, deltas in pooled std (positive = worse)", "",
+             "| setting | compute | metric | mean ± std | Full, equal passes | Δ | lossless | Full, equal compute "
+             "(passes) | Δ | pays |", "|---|---|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no", None: "n/a"}
+    for r in mine:
+        for metric, c in r["metrics"].items():
+            lines.append(f"| {r['label']} | {r['compute']:.0%} | {metric} | {fmt(c['mean'])} ± {fmt(c['std'], 2)} | "
+                         f"{fmt(c['full_mean'])} | {fmt(c['delta_passes'], 2)} | {yes[c['lossless']]} | "
+                         f"{fmt(c['equal_compute_mean'])} ({', '.join(map(str, r['equal_compute_passes']))}) | "
+                         f"{fmt(c['delta_compute'], 2)} | {yes[c['pays']]} |")
+    return lines + ["", "Lossless: within 1 pooled std of Full at equal passes. Pays: better than Full trained for "
+                        "the same samples forwarded by more than 2 pooled std. Metrics with @val_mix are on held-out "
+                        "data drawn from the train mix; the others on the clean val.", ""]
 
 
 def write_markdown(path: str, mode: str, body: str) -> None:

@@ -35,18 +35,26 @@ import numpy as np
 
 from tools.bench.lossless.plan import RunSpec, TaskPlan, equal_compute_spec, first_specs, slug, task_plans
 from tools.bench.lossless.report import plot_curves, render, write_markdown
-from tools.bench.lossless.verdicts import flattening, summarise, targets
+from tools.bench.lossless.verdicts import arms, flattening, pays_targets, summarise, targets
 
 ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ lives there
 
 
 # ----------------------------------------------------------------------------- data
-def prepare_data(work: str, train_samples: int, size: int = 16) -> str:
-    """Digit shards at `size` px in WORK/data; train/index.json lists only the first shard, which holds
-    exactly `train_samples` images (ids 0..N-1). Returns the folder holding train/ and val/."""
+def prepare_data(work: str, plan_or_samples, size: int = 16) -> str:
+    """The plan's shards at `size` px in WORK, written once; returns the folder holding train/ and val/.
+    Digits: train/index.json lists only the first shard, which holds exactly `train_samples` images
+    (ids 0..N-1). Photos and redundant: `crops_per_photo` crops of each bundled photograph."""
     from pipelines.data.shards import ShardIndex
     from tools.shards import write_shards
 
+    plan = plan_or_samples if isinstance(plan_or_samples, TaskPlan) else None
+    if plan is not None and plan.data != "digits":
+        root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
+        if not os.path.exists(os.path.join(root, "val", "index.json")):
+            write_shards(plan.data, root, size=size, shard_size=100_000, crops_per_photo=plan.crops_per_photo)
+        return root
+    train_samples = plan.train_samples if plan is not None else int(plan_or_samples)
     root = os.path.join(work, f"digits{size}_n{train_samples}")
     if not os.path.exists(os.path.join(root, "val", "index.json")):
         write_shards("digits", root, size=size, shard_size=train_samples)
@@ -54,6 +62,12 @@ def prepare_data(work: str, train_samples: int, size: int = 16) -> str:
         ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)], source="digits",
                          size=size, keys=["png", "cls"])
     return root
+
+
+def train_size(root: str) -> int:
+    from pipelines.data.shards import ShardIndex
+
+    return ShardIndex.load(os.path.join(root, "train")).num_samples
 
 
 def feature_net(root: str, size: int = 16) -> str:
@@ -113,7 +127,9 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     overrides = [f"runs_dir={runs_dir}", f"name={spec.key}", f"seed={spec.seed}", f"passes={spec.passes}",
                  f"data.train={data_root}/train", f"data.val={val}",
                  *plan.overrides]
-    overrides += [f"pruner.{k}={v}" for k, v in spec.pruner.items()]
+    pruner = dict(spec.pruner)
+    overrides += [f"score.{k}={v}" for k, v in pruner.pop("score", {}).items()]  # e.g. timestep-normalised scores
+    overrides += [f"pruner.{k}={v}" for k, v in pruner.items()]
     cfg = load_config(os.path.join(ROOT, plan.config), overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     timed: list[TimedPruner] = []
@@ -144,13 +160,16 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     if not evaluate_runs:
         return result
     result["metrics"].update(evaluate(cfg, plan, fid_weights))
+    for split in plan.extra_splits:  # e.g. val_mix: the train mix's held-out data beside the clean val
+        extra = evaluate(cfg, plan, fid_weights, val=f"{data_root}/{split}", fid=False)
+        result["metrics"].update({f"{name.removeprefix('eval_')}@{split}": value for name, value in extra.items()})
     if result["metrics"].get("eval_" + plan.main) is not None:
         result["metrics"][plan.main] = result["metrics"].pop("eval_" + plan.main)
         result["metrics_source"] = "evaluators, raw final weights, eval seed 0, all val"
     return result
 
 
-def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
+def evaluate(cfg, plan: TaskPlan, fid_weights: str, val: str = "", fid: bool = True) -> dict:
     """PSNR, linear probe (MAE) and FID (diffusion) of the final raw weights, through the evaluators
     of pipelines/evaluate*.py."""
     import contextlib
@@ -161,12 +180,12 @@ def evaluate(cfg, plan: TaskPlan, fid_weights: str) -> dict:
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
     # features are already ~90% linearly separable with all labels (pipelines/evaluation/config.py).
-    fid = FIDConfig(enabled=plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2), sampler_steps=plan.fid_steps,
+    fid = FIDConfig(enabled=fid and plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2), sampler_steps=plan.fid_steps,
                     feature="classifier", weights=fid_weights, reference="train", reference_samples=0)
-    eval_cfg = EvalConfig(weights="raw", seed=0, val_samples=0, fid=fid,
+    eval_cfg = EvalConfig(weights="raw", seed=0, val=val, val_samples=0, fid=fid,
                           probe=ProbeConfig(enabled=plan.task == "mae", pool="avg", per_class=10))
     with contextlib.redirect_stderr(io.StringIO()):  # progress bars
-        record = evaluate_checkpoint(cfg.run_dir, "latest", eval_cfg, device="cpu")
+        record = evaluate_checkpoint(cfg.run_dir, "latest", eval_cfg, device="cpu", write=not val)
     details = record["details"]
     keep = {"psnr": "psnr", "probe_accuracy": "probe_accuracy", "fid": "fid", plan.main: "eval_" + plan.main}
     return {name: float(details[key]) for key, name in keep.items() if isinstance(details.get(key), (int, float))}
@@ -180,7 +199,7 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[di
     jobs = []
     context = {}
     for plan in plans:
-        root = prepare_data(work, plan.train_samples)
+        root = prepare_data(work, plan)
         fid_weights = feature_net(root) if plan.fid_samples > 0 else ""
         context[plan.task] = (plan, root, fid_weights)
         jobs += first_specs(plan)
@@ -211,9 +230,10 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[di
                     results.append({**result, "label": alias.label, "role": alias.role, "compute_of": alias.compute_of})
                 if spec.role == "pruned":
                     batch = 32  # configs/bench_*.yaml; one rank, no worker split: a pass forwards N // B * B
-                    follow = equal_compute_spec(result, (plan.train_samples // batch) * batch)
-                    # Full at the same passes is a run we already have (seed 0), or one already asked for
-                    same = (f"{spec.task}_{spec.schedule}_full_s0" if follow.passes == spec.passes else follow.key)
+                    follow = equal_compute_spec(result, (train_size(context[spec.task][1]) // batch) * batch)
+                    # Full at the same passes is a run we already have (that seed), or one already asked for
+                    same = (f"{spec.task}_{spec.schedule}_full_s{spec.seed}" if follow.passes == spec.passes
+                            else follow.key)
                     if same in done_keys:
                         results.append({**done_keys[same], "label": follow.label, "role": follow.role,
                                         "compute_of": follow.compute_of})
@@ -235,7 +255,7 @@ def timing_runs(plans: list[TaskPlan], work: str, log=None) -> list[dict]:
     with ProcessPoolExecutor(max_workers=1, initializer=_init_worker,
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         for plan in plans:
-            root = prepare_data(work, plan.train_samples)
+            root = prepare_data(work, plan)
             for round_ in range(plan.timing_rounds):
                 for label, pruner in [("Full", {"name": "full"}), *plan.pruners.items()]:
                     spec = RunSpec(f"{plan.task}_timing_{slug(label)}_r{round_}", plan.task, "long", label,
@@ -311,7 +331,9 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
     report = {**meta, "plans": [dataclasses.asdict(p) for p in plans], "results": results, "rows": rows,
               "flattening": flat, "plots": {p.task: plot_curves(results, p, plot_dir, mode) for p in plans}}
     report["timing_rows"] = summarise_timing(meta.get("timing") or [])
-    report["targets"] = targets(rows, flat, report["timing_rows"])
+    report["arms"] = arms(results, plans)
+    report["targets"] = (pays_targets(report["arms"]) if mode.startswith("pays_")
+                         else targets(rows, flat, report["timing_rows"]))
     report["markdown"] = render(report)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1, default=float)
@@ -348,6 +370,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
     parser.add_argument("--workers", type=int, default=2, help="runs side by side (one torch thread each)")
     parser.add_argument("--from-json", help="only rewrite the report from a finished run's WORK/lossless_MODE.json")
+    parser.add_argument("--suite", choices=("lossless", "pays"), default="lossless",
+                        help="pays: every arm at 3 seeds with its equal-compute Full at the same seeds, on --data "
+                             "(rescale, importance, timestep-normalised scores); pooled-std verdicts")
+    parser.add_argument("--data", choices=("digits", "photos", "redundant"), default="digits",
+                        help="with --suite pays: the shards (redundant: clean val and val_mix)")
     parser.add_argument("--timing-only", action="store_true",
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
@@ -357,9 +384,11 @@ def run_from_args(args) -> int:
         print(rerender(args.from_json, args.out, timing=args.timing_only, work=args.work)["markdown"])
         return 0
     tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
-    command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''} --out {args.out}"
+    suite = f" --suite pays --data {args.data}" if args.suite == "pays" else ""
+    command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    report = bench("quick" if args.quick else "full", tasks, args.out, args.work, args.workers, command=command)
+    mode = f"pays_{args.data}" if args.suite == "pays" else ("quick" if args.quick else "full")
+    report = bench(mode, tasks, args.out, args.work, args.workers, command=command)
     print(report["markdown"])
     return 0
 

@@ -67,7 +67,7 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
             full0 = next(r for r in fulls if r["seed"] == 0)
             frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
                         if r["role"] in ("equal_compute",) or r is full0]
-            equal = {r["compute_of"]: r for r in group if r["role"] == "equal_compute"}
+            equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
             mean, std = stats[plan.main]
             lower = LOWER_IS_BETTER[plan.main]
             for r in group:
@@ -79,7 +79,7 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                        "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
                        "realised": saving / skipped if skipped > 0.02 else float("nan"),
                        "metrics": r["metrics"], "main": plan.main,
-                       "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m])
+                       "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m.split("@")[0]])
                                   for m in metric_names},
                        "full_mean": mean, "full_std": std,
                        "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
@@ -87,8 +87,8 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 if r["role"] in ("pruned", "ablation"):
                     value = r["metrics"][plan.main]
                     row["lossless"] = lossless(value, mean, std, lower)
-                    if r["label"] in equal:
-                        reference, how = equal[r["label"]]["metrics"][plan.main], "run"
+                    if (r["label"], r["seed"]) in equal:
+                        reference, how = equal[(r["label"], r["seed"])]["metrics"][plan.main], "run"
                     else:
                         reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
                     row["equal_compute_value"], row["equal_compute_how"] = reference, how
@@ -97,6 +97,74 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                                                   if reference is not None else None)
                 rows.append(row)
     return rows
+
+
+def pooled_std(a: list[float], b: list[float]) -> float:
+    """sqrt of the mean of the two sample variances: the noise of a difference of two seed means."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    return math.sqrt((np.var(a, ddof=1) + np.var(b, ddof=1)) / 2)
+
+
+def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """Per task, schedule and pruner setting run at several seeds: the seed means of its metrics, of
+    Full at equal passes and of Full at equal compute (the same seeds), and both deltas in pooled std
+    (positive = worse). Lossless: within 1 pooled std of Full at equal passes; pays: better than
+    equal-compute Full by more than 2 pooled std."""
+    rows = []
+    for plan in plans:
+        if len(plan.pruned_seeds) < 2:
+            continue
+        for schedule in ("long", "short"):
+            group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
+            fulls = [r for r in group if r["role"] == "full"]
+            if not fulls:
+                continue
+            metrics = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
+            for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
+                mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
+                equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
+                row = {"task": plan.task, "schedule": schedule, "label": label, "seeds": sorted(r["seed"] for r in mine),
+                       "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
+                       "compute": float(np.mean([r["samples_forwarded"] for r in mine]))
+                       / float(np.mean([r["samples_forwarded"] for r in fulls])),
+                       "equal_compute_passes": sorted({r["passes"] for r in equal}), "main": plan.main, "metrics": {}}
+                for metric in metrics:
+                    lower = LOWER_IS_BETTER[metric.split("@")[0]]
+                    values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
+                    full = [r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None]
+                    same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
+                    if len(values) < 2:
+                        continue
+                    cell = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)), "n": len(values),
+                            "full_mean": float(np.mean(full)) if full else float("nan"),
+                            "equal_compute_mean": float(np.mean(same)) if same else float("nan")}
+                    cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
+                    cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"],
+                                                         pooled_std(values, same), lower)
+                    cell["lossless"] = bool(cell["delta_passes"] <= 1.0) if math.isfinite(cell["delta_passes"]) else None
+                    cell["pays"] = bool(cell["delta_compute"] < -2.0) if math.isfinite(cell["delta_compute"]) else None
+                    row["metrics"][metric] = cell
+                rows.append(row)
+    return rows
+
+
+def pays_targets(arm_rows: list[dict]) -> list[dict]:
+    """The goal per task: one setting beats equal-compute Full by more than 2 pooled std and is
+    within 1 pooled std of Full at equal passes, on the main metric."""
+    targets_ = []
+    for task in dict.fromkeys(r["task"] for r in arm_rows):
+        judged = [(r, r["metrics"][r["main"]]) for r in arm_rows if r["task"] == task and r["main"] in r["metrics"]]
+        if not judged:
+            continue
+        best, cell = min(judged, key=lambda rc: rc[1]["delta_compute"] if math.isfinite(rc[1]["delta_compute"])
+                         else float("inf"))
+        targets_.append({"target": f"{task}: a setting beats Full at equal compute by > 2 pooled std and is within "
+                                   f"1 pooled std of Full at equal passes ({best['main']})",
+                         "met": bool(cell["pays"] and cell["lossless"]),
+                         "measured": f"best at equal compute: {best['label']}, {fmt(cell['delta_compute'], 2)} pooled "
+                                     f"std vs equal-compute Full, {fmt(cell['delta_passes'], 2)} vs Full at equal passes"})
+    return targets_
 
 
 def flattening(results: list[dict], plan: TaskPlan) -> dict:
