@@ -24,6 +24,7 @@ from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
 from pipelines.tasks.diffusion import DiffusionConfig
 from pipelines.tasks.mae import MAEConfig
+from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
@@ -209,6 +210,7 @@ def validate(cfg: RunConfig) -> None:
                 f"`prunepipe shards index`"
             )
     _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
+    _choice("ldm.timestep_sampling", cfg.ldm.timestep_sampling, TIMESTEP_SAMPLING)
     if cfg.score.normalise != "none" and cfg.task == "mae":
         raise ConfigError(f"config: score.normalise={cfg.score.normalise} normalises within strata (ldm: timesteps); "
                           f"the mae task draws none: set score.normalise=none")

@@ -21,6 +21,7 @@ from huggingface_hub import constants as hub_constants
 from pipelines.data.batch import real_samples
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
+from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -46,6 +47,9 @@ class DiffusionConfig:
     beta_schedule: str = "squaredcos_cap_v2"
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
     min_snr_gamma: float = 0.0  # 0 = off; 5.0 is the paper's choice
+    # uniform | loss_second_moment: importance-sample t by sqrt(E[loss_t^2]), loss weighted 1/(T p_t)
+    # (improved-diffusion's LossSecondMomentResampler; pipelines/tasks/timesteps.py)
+    timestep_sampling: str = "uniform"
     # "identity" (pixel space) | "latents" (shards hold scaled latents) | a local folder or hub
     # repo id of a diffusers AutoencoderKL, loaded with local_files_only=True
     autoencoder: str = PIXEL_SPACE
@@ -106,6 +110,11 @@ class DiffusionTask:
             )
         if cfg.min_snr_gamma < 0:
             raise ValueError(f"ldm.min_snr_gamma must be >= 0 (0 = off), got {cfg.min_snr_gamma}")
+        if cfg.timestep_sampling not in TIMESTEP_SAMPLING:
+            raise ValueError(f"ldm.timestep_sampling: got {cfg.timestep_sampling!r}, accepted: "
+                             f"{', '.join(TIMESTEP_SAMPLING)}")
+        self.timestep_sampler = (LossSecondMomentSampler(cfg.num_train_timesteps)
+                                 if cfg.timestep_sampling == "loss_second_moment" else None)
         if cfg.num_classes < 0:
             raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
         bad_groups = [c for c in cfg.block_out_channels if c % cfg.norm_num_groups]
@@ -214,7 +223,8 @@ class DiffusionTask:
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
         """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured, with
-        each sample's timestep as its stratum.
+        each sample's timestep as its stratum. With importance-sampled timesteps the loss is also
+        weighted 1 / (T p_t) and the score (what the pruner and the sampler see) is the loss without it.
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
         pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
@@ -231,11 +241,21 @@ class DiffusionTask:
             )
         device = x0.device
         noise = draws.randn(*x0.shape[1:]).to(device)
-        timesteps = draws.randint(self.cfg.num_train_timesteps).to(device)
+        if self.timestep_sampler is None:
+            timesteps, importance = draws.randint(self.cfg.num_train_timesteps).to(device), None
+        else:
+            timesteps, importance = self.timestep_sampler.draw(draws.rand().to(device))
         losses = self._denoising_mse(model, x0, noise, timesteps, batch.labels.to(device))
         if self.cfg.min_snr_gamma > 0:
             losses = losses * self.min_snr_weights(timesteps)
-        return SampleLosses(losses, timesteps)
+        if importance is None:
+            return SampleLosses(losses, timesteps)
+        return SampleLosses(losses * importance, timesteps, score=losses.detach())
+
+    def observe(self, ids: np.ndarray, strata: np.ndarray | None, scores: np.ndarray) -> None:
+        """After each step, the gathered batch's (timesteps, unweighted losses) feed the timestep sampler."""
+        if self.timestep_sampler is not None:
+            self.timestep_sampler.update(ids, strata, scores)
 
     def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
         noisy = self.scheduler.add_noise(x0, noise, timesteps)

@@ -274,6 +274,10 @@ class MAETask:
         self.num_patches = self.model.num_patches
 
     num_strata = 0  # the mask is drawn per sample, but no stratum makes scores comparable
+    timestep_sampler = None
+
+    def observe(self, ids, strata, scores) -> None:
+        """Nothing of MAE learns from the gathered batch."""
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
         """`per_sample_loss` as SampleLosses (no stratum)."""

@@ -126,6 +126,8 @@ def train(cfg: RunConfig) -> dict:
                              momentum=cfg.score.momentum)
     if cfg.score.normalise != "none":  # registered only when used: older checkpoints hold three objects
         accelerator.register_for_checkpointing(scorer)
+    if task.timestep_sampler is not None:
+        accelerator.register_for_checkpointing(task.timestep_sampler)
 
     resume_from = choose_resume(accelerator, cfg.checkpoint.resume, run_dir)  # the newest intact checkpoint
     if resume_from is not None:
@@ -176,7 +178,7 @@ def train(cfg: RunConfig) -> dict:
             with accelerator.autocast():
                 out = task.per_sample(model, batch, randomness)
             losses = out.loss.float()
-            ids, gathered, strata = gather_batch(batch.ids, losses.detach(), out.stratum)
+            ids, gathered, strata = gather_batch(batch.ids, out.for_pruner(), out.stratum)
             real = ids >= 0
             position.consumed[ids[real]] = True
             lost_here += sum(e.samples_lost for e in batch.bad)
@@ -194,6 +196,7 @@ def train(cfg: RunConfig) -> dict:
                 with accelerator.no_sync(model) if not is_step else nullcontext():
                     accelerator.backward(loss)
                 pruner.update(ids, scorer(ids, gathered, strata))
+                task.observe(ids, strata, gathered)
                 position.samples_forwarded += int(real.sum())
                 if real.any():  # a batch of padding only has no loss to report
                     pass_losses.append(float(gathered[real].mean()))

@@ -85,7 +85,7 @@ class RunSpec:
 
 
 # Arms of the "pays" suite: where selection might be worth more than stopping early. A pruner dict
-# may carry `score` (score.* settings of the run, e.g. timestep-normalised scores for diffusion).
+# may carry `run`: other settings of the run (timestep-normalised scores, importance-sampled timesteps).
 PAYS_MAE = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
     "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
@@ -96,9 +96,14 @@ PAYS_LDM = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
     "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
     "InfoBatch t-norm": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
-                         "score": {"normalise": "stratum_mean"}},
+                         "run": {"score.normalise": "stratum_mean"}},
     "Importance t-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
-                          "score": {"normalise": "stratum_mean"}},
+                          "run": {"score.normalise": "stratum_mean"}},
+    # the other axis: which timesteps, not which samples (all data, so its equal compute is Full itself)
+    "Full, sampled t": {"name": "full", "run": {"ldm.timestep_sampling": "loss_second_moment"}},
+    "InfoBatch t-norm, sampled t": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
+                                    "run": {"score.normalise": "stratum_mean",
+                                            "ldm.timestep_sampling": "loss_second_moment"}},
 }
 
 

@@ -128,7 +128,7 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
                  f"data.train={data_root}/train", f"data.val={val}",
                  *plan.overrides]
     pruner = dict(spec.pruner)
-    overrides += [f"score.{k}={v}" for k, v in pruner.pop("score", {}).items()]  # e.g. timestep-normalised scores
+    overrides += [f"{k}={v}" for k, v in pruner.pop("run", {}).items()]  # e.g. timestep-normalised scores
     overrides += [f"pruner.{k}={v}" for k, v in pruner.items()]
     cfg = load_config(os.path.join(ROOT, plan.config), overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)

@@ -1,0 +1,91 @@
+"""Importance-sampled timesteps (pipelines/tasks/timesteps.py) as a specification: uniform until
+every timestep has its history of losses, then p_t proportional to sqrt(E[loss_t^2]) with a little
+uniform mass; draws follow p_t; the weight 1/(T p_t) keeps the expected loss that of uniform t; the
+table is state; in a task the pruner is scored without the importance weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask
+from pipelines.tasks.timesteps import LossSecondMomentSampler
+
+T = 50
+
+
+def warmed(losses_per_t: np.ndarray, history: int = 10) -> LossSecondMomentSampler:
+    sampler = LossSecondMomentSampler(T, history=history)
+    for _ in range(history):
+        sampler.update(np.arange(T), np.arange(T), losses_per_t)
+    return sampler
+
+
+def test_uniform_until_every_timestep_has_its_history():
+    sampler = LossSecondMomentSampler(T, history=3)
+    sampler.update(np.arange(T - 1), np.arange(T - 1), np.ones(T - 1))  # one timestep never seen
+    assert not sampler.warmed_up and np.allclose(sampler.probabilities(), 1 / T)
+    t, weights = sampler.draw(torch.rand(1000, generator=torch.Generator().manual_seed(0)))
+    assert torch.all(weights == 1.0) and t.min() >= 0 and t.max() < T
+
+
+def test_probabilities_follow_the_second_moment_and_draws_follow_them():
+    losses = np.linspace(0.1, 5.0, T)
+    sampler = warmed(losses)
+    p = sampler.probabilities()
+    expected = losses / losses.sum() * (1 - 0.001) + 0.001 / T  # constant history: sqrt(E[l^2]) = l
+    np.testing.assert_allclose(p, expected, rtol=1e-12)
+    t, weights = sampler.draw(torch.rand(200_000, generator=torch.Generator().manual_seed(1)))
+    counts = np.bincount(t.numpy(), minlength=T)
+    assert scipy.stats.chisquare(counts, 200_000 * p).pvalue > 1e-3
+    torch.testing.assert_close(weights, torch.from_numpy(1 / (T * p[t.numpy()])).float())
+
+
+def test_weighted_losses_keep_the_uniform_expectation():
+    rng = np.random.default_rng(2)
+    losses = rng.exponential(1.0, T)
+    sampler = warmed(losses)
+    t, weights = sampler.draw(torch.rand(400_000, generator=torch.Generator().manual_seed(3)))
+    estimate = (weights.double().numpy() * losses[t.numpy()])
+    standard_error = estimate.std() / np.sqrt(len(estimate))
+    assert abs(estimate.mean() - losses.mean()) < 4 * standard_error
+    assert estimate.std() < (losses[rng.integers(0, T, 400_000)]).std()  # and with less variance
+
+
+def test_history_keeps_the_latest_losses_and_ignores_padding_and_nonfinite():
+    sampler = LossSecondMomentSampler(T, history=2)
+    sampler.update(np.array([0, 1, -1, 2]), np.array([4, 4, 4, 4]), np.array([1.0, 2.0, 99.0, np.nan]))
+    sampler.update(np.array([3]), np.array([4]), np.array([3.0]))
+    assert sampler.count[4] == 2 and list(sampler.losses[4]) == [2.0, 3.0]
+
+
+def test_state_round_trip_gives_the_same_draws():
+    first = warmed(np.linspace(1, 2, T))
+    second = LossSecondMomentSampler(T)
+    second.load_state_dict(first.state_dict())
+    u = torch.rand(64, generator=torch.Generator().manual_seed(4))
+    for a, b in zip(first.draw(u), second.draw(u)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="history saved 10, configured 5"):
+        LossSecondMomentSampler(T, history=5).load_state_dict(first.state_dict())
+
+
+def test_a_task_weights_the_loss_and_scores_without_the_weight():
+    task = DiffusionTask(DiffusionConfig(block_out_channels=[16, 32], norm_num_groups=8, num_train_timesteps=T,
+                                         timestep_sampling="loss_second_moment"), image_size=16, channels=1)
+    sampler = task.timestep_sampler
+    for _ in range(10):
+        sampler.update(np.arange(T), np.arange(T), np.linspace(0.1, 5.0, T))
+    from pipelines.data.batch import Batch
+
+    batch = Batch(torch.arange(8), torch.ones(8), torch.rand(8, 1, 16, 16) * 2 - 1, torch.full((8,), -1))
+    out = task.per_sample(task.model, batch, torch.Generator().manual_seed(5))
+    p = torch.from_numpy(sampler.probabilities())
+    torch.testing.assert_close(out.loss, out.score * (1 / (T * p[out.stratum])).float())
+    task.observe(np.arange(8), out.stratum.numpy(), out.score.numpy())
+    last = int(np.flatnonzero(out.stratum.numpy() == int(out.stratum[0]))[-1])  # the newest loss of that t
+    assert sampler.losses[out.stratum[0]].tolist()[-1] == pytest.approx(float(out.score[last]))
+    with pytest.raises(ValueError, match="ldm.timestep_sampling: got 'uniformly'"):
+        DiffusionTask(DiffusionConfig(timestep_sampling="uniformly"), image_size=16, channels=1)
