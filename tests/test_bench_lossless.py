@@ -153,3 +153,15 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "beats Full at equal compute by > 2 pooled std" in text
+
+
+def test_pays_modes_name_the_data_and_optionally_the_passes():
+    from tools.bench.lossless.plan import task_plans
+
+    default = {p.task: p for p in task_plans("pays_redundant", ["mae", "ldm"])}
+    assert default["mae"].data == "redundant" and default["mae"].extra_splits == ("val_mix",)
+    assert default["mae"].pruned_seeds == (0, 1, 2) and "data.channels=3" in default["mae"].overrides
+    longer = task_plans("pays_digits_p200", ["mae"])
+    assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
+    with pytest.raises(ValueError, match="bench data 'lsun'"):
+        task_plans("pays_lsun", ["mae"])

@@ -4,6 +4,8 @@ Plain data; trains nothing (run.py does)."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 
 SEEDS = (0, 1, 2)
@@ -51,9 +53,10 @@ LDM_ABLATIONS = {
 def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
     pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
-    if mode.startswith("pays_"):  # pays_{digits,photos,redundant}, pays_micro_{...}: the harness test
-        micro = mode.startswith("pays_micro_")
-        return [p for p in pays_plans(mode.rsplit("_", 1)[-1], micro=micro) if p.task in tasks]
+    suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?", mode)
+    if suite:  # pays_DATA[_pPASSES]; pays_micro_DATA: the harness test
+        plans = [p for p in pays_plans(suite.group(2), micro=bool(suite.group(1))) if p.task in tasks]
+        return [dataclasses.replace(p, long=int(suite.group(3))) for p in plans] if suite.group(3) else plans
     if mode == "full":
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
                           timing_rounds=2),

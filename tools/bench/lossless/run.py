@@ -375,6 +375,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(rescale, importance, timestep-normalised scores); pooled-std verdicts")
     parser.add_argument("--data", choices=("digits", "photos", "redundant"), default="digits",
                         help="with --suite pays: the shards (redundant: clean val and val_mix)")
+    parser.add_argument("--passes", type=int, default=0,
+                        help="with --suite pays: the long schedule's passes (0: the suite's own)")
     parser.add_argument("--timing-only", action="store_true",
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
@@ -384,10 +386,12 @@ def run_from_args(args) -> int:
         print(rerender(args.from_json, args.out, timing=args.timing_only, work=args.work)["markdown"])
         return 0
     tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
-    suite = f" --suite pays --data {args.data}" if args.suite == "pays" else ""
+    suite = (f" --suite pays --data {args.data}{f' --passes {args.passes}' if args.passes else ''}"
+             if args.suite == "pays" else "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    mode = f"pays_{args.data}" if args.suite == "pays" else ("quick" if args.quick else "full")
+    mode = (f"pays_{args.data}{f'_p{args.passes}' if args.passes else ''}" if args.suite == "pays"
+            else ("quick" if args.quick else "full"))
     report = bench(mode, tasks, args.out, args.work, args.workers, command=command)
     print(report["markdown"])
     return 0
