@@ -119,6 +119,8 @@ def test_cli_has_bench_lossless():
 
     args = build_parser().parse_args(["bench", "lossless", "--task", "mae", "--quick", "--out", "x"])
     assert (args.task, args.quick, args.out, args.workers, args.from_json) == ("mae", True, "x", 2, None)
+    args = build_parser().parse_args(["bench", "lossless", "--from-json", "a.json", "b.json"])
+    assert args.from_json == ["a.json", "b.json"] and args.suite == "lossless"
 
 
 def test_pooled_std_verdicts_of_arms_at_three_seeds():
@@ -153,6 +155,24 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "beats Full at equal compute by > 2 pooled std" in text
+
+    # the tasks of a suite run as two invocations re-render as one report
+    import json
+
+    from tools.bench.lossless.run import rerender
+
+    recorded = tmp_path / "work" / "lossless_pays_micro_redundant.json"
+    other = json.loads(recorded.read_text())
+    for item in other["plans"] + other["results"]:
+        item["task"] = "ldm"
+    for result in other["results"]:
+        result["key"] = result["key"].replace("mae_", "ldm_")
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    both = rerender([str(recorded), str(tmp_path / "other.json")], str(tmp_path / "docs"))
+    assert {a["task"] for a in both["arms"]} == {"mae", "ldm"} and len(both["targets"]) == 2
+    assert (tmp_path / "docs" / "benchmarks" / "lossless_pays_micro_redundant.json").exists()
+    with pytest.raises(ValueError, match="a task appears in more than one report"):
+        rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
 
 
 def test_pays_modes_name_the_data_and_optionally_the_passes():

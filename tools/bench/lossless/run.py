@@ -341,11 +341,36 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
     return report
 
 
-def rerender(path: str, out: str, timing: bool = False, work: str = "/tmp/bench_lossless") -> dict:
+def merged(paths: list[str]) -> dict:
+    """Recorded reports of one mode (e.g. the tasks of a suite run as separate invocations) as one."""
+    saved = []
+    for path in paths:
+        with open(path) as f:
+            saved.append(json.load(f))
+    modes = {s["mode"] for s in saved}
+    if len(modes) != 1:
+        raise ValueError(f"--from-json: the reports are of different modes {sorted(modes)}; merge one mode at a time")
+    tasks = [p["task"] for s in saved for p in s["plans"]]
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"--from-json: a task appears in more than one report ({tasks}); each must hold other tasks")
+    first = saved[0]
+    return {**first, "plans": [p for s in saved for p in s["plans"]], "results": [r for s in saved for r in s["results"]],
+            "command": "; ".join(s["command"] for s in saved),
+            "bench_seconds": sum(s["bench_seconds"] for s in saved), "load_end": saved[-1]["load_end"],
+            "timing": [t for s in saved for t in (s.get("timing") or [])]}
+
+
+def rerender(path: str | list[str], out: str, timing: bool = False, work: str = "/tmp/bench_lossless") -> dict:
     """Rewrite the report of a finished benchmark from its lossless_{mode}.json (no training), after
-    running the sequential timing phase again when `timing`."""
-    with open(path) as f:
-        saved = json.load(f)
+    running the sequential timing phase again when `timing`. Several paths: their runs as one report,
+    recorded as OUT/benchmarks/lossless_{mode}.json."""
+    paths = [path] if isinstance(path, str) else list(path)
+    saved = merged(paths)
+    if len(paths) > 1:
+        path = os.path.join(out, "benchmarks", f"lossless_{saved['mode']}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    else:
+        path = paths[0]
     plans = [TaskPlan(**p) for p in saved["plans"]]
     if timing:
         plans = [dataclasses.replace(p, timing_rounds=task_plans(saved["mode"], [p.task])[0].timing_rounds)
@@ -369,7 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
     parser.add_argument("--workers", type=int, default=2, help="runs side by side (one torch thread each)")
-    parser.add_argument("--from-json", help="only rewrite the report from a finished run's WORK/lossless_MODE.json")
+    parser.add_argument("--from-json", nargs="+",
+                        help="only rewrite the report from finished runs' WORK/lossless_MODE.json (several: "
+                             "one mode's invocations, e.g. one per task, as one report)")
     parser.add_argument("--suite", choices=("lossless", "pays"), default="lossless",
                         help="pays: every arm at 3 seeds with its equal-compute Full at the same seeds, on --data "
                              "(rescale, importance, timestep-normalised scores); pooled-std verdicts")
