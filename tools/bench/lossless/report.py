@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from tools.bench.lossless.plan import TaskPlan
 from tools.bench.lossless.verdicts import fmt
 
@@ -55,6 +57,54 @@ def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) ->
             ax.set_ylim(0.95 * min(tails), 1.05 * max(tails))
     fig.tight_layout()
     path = os.path.join(out_dir, f"lossless_{mode}_{plan.task}_curves.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
+    """Final quality against samples forwarded, seed means +- std: Full with its own schedules (the
+    line a pruner must beat to be worth more than training less) and every setting, per held-out split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tools.bench.lossless.verdicts import LOWER_IS_BETTER
+
+    metrics = [plan.main] + [f"{plan.main}@{split}" for split in plan.extra_splits]
+    runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        full = {}  # passes -> {key: run}: an equal-compute Full that is another run's alias counts once
+        for r in runs:
+            if r["role"] in ("full", "equal_compute") and r["metrics"].get(metric) is not None:
+                full.setdefault(r["passes"], {})[r["key"]] = r
+        line = sorted((np.mean([r["samples_forwarded"] for r in g.values()]) / 1000,
+                       np.mean([r["metrics"][metric] for r in g.values()]),
+                       np.std([r["metrics"][metric] for r in g.values()], ddof=1) if len(g) > 1 else 0.0)
+                      for g in full.values())
+        if line:
+            xs, ys, es = zip(*line)
+            ax.errorbar(xs, ys, yerr=es, color="black", marker="o", ms=4, capsize=3, lw=1.5,
+                        label="Full, its own schedule")
+        arms = dict.fromkeys(r["label"] for r in runs if r["role"] in ("pruned", "ablation"))
+        for i, label in enumerate(arms):
+            mine = [r for r in runs if r["label"] == label and r["metrics"].get(metric) is not None]
+            if not mine:
+                continue
+            values = [r["metrics"][metric] for r in mine]
+            ax.errorbar([np.mean([r["samples_forwarded"] for r in mine]) / 1000], [np.mean(values)],
+                        yerr=[np.std(values, ddof=1) if len(values) > 1 else 0.0], color=f"C{i}", marker="s", ms=6,
+                        capsize=3, ls="none", label=f"{label} ({len(values)} seeds)")
+        better = "below" if LOWER_IS_BETTER[metric.split("@")[0]] else "above"
+        ax.set_title(f"{plan.task}: final {metric}\n{better} the black line = better than training less")
+        ax.set_xlabel("samples forwarded (thousands)")
+        ax.set_ylabel(f"{metric} (evaluators, mean +- seed std)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"lossless_{mode}_{plan.task}_frontier.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]

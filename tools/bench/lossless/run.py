@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench.lossless.plan import RunSpec, TaskPlan, equal_compute_spec, first_specs, slug, task_plans
-from tools.bench.lossless.report import plot_curves, render, write_markdown
+from tools.bench.lossless.report import plot_curves, plot_frontier, render, write_markdown
 from tools.bench.lossless.verdicts import arms, flattening, pays_targets, summarise, targets
 
 ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ lives there
@@ -329,7 +329,8 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
     plot_dir = os.path.join(out, "benchmarks")
     os.makedirs(plot_dir, exist_ok=True)
     report = {**meta, "plans": [dataclasses.asdict(p) for p in plans], "results": results, "rows": rows,
-              "flattening": flat, "plots": {p.task: plot_curves(results, p, plot_dir, mode) for p in plans}}
+              "flattening": flat, "plots": {p.task: (plot_frontier if len(p.pruned_seeds) > 1 else plot_curves)(results, p, plot_dir, mode)
+                        for p in plans}}
     report["timing_rows"] = summarise_timing(meta.get("timing") or [])
     report["arms"] = arms(results, plans)
     report["targets"] = (pays_targets(report["arms"]) if mode.startswith("pays_")
