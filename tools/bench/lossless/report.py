@@ -125,8 +125,10 @@ def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
                                                   "beats equal compute"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {"full": 0, "pruned": 1, "ablation": 2, "equal_compute": 3}
-    for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"])):
-        cells = [r["label"], str(r["passes"]), f"{r['samples_forwarded']:,}", f"{r['compute']:.0%}",
+    repeated = {r["label"] for r in rows if sum(o["label"] == r["label"] for o in rows) > 1}
+    for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"], r.get("seed", 0))):
+        name = f"{r['label']} s{r['seed']}" if r["label"] in repeated and "seed" in r else r["label"]
+        cells = [name, str(r["passes"]), f"{r['samples_forwarded']:,}", f"{r['compute']:.0%}",
                  str(r["optimizer_steps"]), f"{r['wall_seconds']:.0f}", f"{r['saving']:+.0%}",
                  fmt(r["metrics"].get(main)), fmt(r["deltas"][main], 2)]
         cells += [f"{fmt(r['metrics'].get(m))} ({fmt(r['deltas'][m], 2)})" for m in extra]

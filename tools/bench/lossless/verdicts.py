@@ -74,7 +74,7 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 skipped = 1.0 - r["samples_forwarded"] / sf_full
                 saving = 1.0 - r["wall_seconds"] / wall_full
                 row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
-                       "role": r["role"], "samples_forwarded": r["samples_forwarded"],
+                       "role": r["role"], "seed": r["seed"], "samples_forwarded": r["samples_forwarded"],
                        "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
                        "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
                        "realised": saving / skipped if skipped > 0.02 else float("nan"),
