@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass
+from .infobatch import smoothed
 
 _BISECTIONS = 60  # c to float64 precision on [0, hi]
 
@@ -25,15 +26,16 @@ class Importance(Pruner):
     name = "importance"
 
     def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7, alpha: float = 1.0,
-                 p_min: float = 0.1, delta: float = 0.875, rescale: bool = True):
+                 p_min: float = 0.1, delta: float = 0.875, rescale: bool = True, momentum: float = 0.0):
         keep = check_range("importance", "keep", keep, 0.0, 1.0, low_open=True)
         alpha = check_range("importance", "alpha", alpha, 0.0, 8.0)
         p_min = check_range("importance", "p_min", p_min, 0.0, 1.0, low_open=True)
         delta = check_range("importance", "delta", delta, 0.0, 1.0)
         rescale = check_flag("importance", "rescale", rescale)
+        momentum = check_range("importance", "momentum", momentum, 0.0, 1.0, high_open=True)
         super().__init__(num_samples, num_epochs, seed=seed, keep=keep, alpha=alpha, p_min=p_min, delta=delta,
-                         rescale=rescale)
-        self.keep, self.alpha, self.p_min, self.rescale = keep, alpha, p_min, rescale
+                         rescale=rescale, momentum=momentum)
+        self.keep, self.alpha, self.p_min, self.rescale, self.momentum = keep, alpha, p_min, rescale, momentum
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
         self._seen = np.zeros(self.num_samples, dtype=np.uint8)
@@ -41,7 +43,8 @@ class Importance(Pruner):
         self._expected_keep = 1.0
 
     def _record(self, ids: np.ndarray, losses: np.ndarray) -> None:
-        self._score[ids] = np.maximum(losses, 0.0)  # a size: a negative score (a normalised one) counts as 0
+        # a size: a negative score (a normalised one) counts as 0; `momentum` averages over visits
+        self._score[ids] = smoothed(self._score[ids], self._seen[ids], np.maximum(losses, 0.0), self.momentum)
         self._seen[ids] = 1
 
     def keep_probabilities(self) -> tuple[np.ndarray, float]:

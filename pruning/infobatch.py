@@ -25,24 +25,36 @@ def float32_strictly_below(threshold: float) -> np.float32:
     return rounded
 
 
+def smoothed(previous: np.ndarray, seen: np.ndarray, losses: np.ndarray, momentum: float) -> np.ndarray:
+    """The new score of each id: its loss on a first visit (or with momentum 0), else
+    momentum * previous + (1 - momentum) * loss."""
+    if momentum == 0.0:
+        return losses
+    return np.where(seen.astype(bool), np.float32(momentum) * previous + np.float32(1.0 - momentum) * losses,
+                    losses).astype(np.float32)
+
+
 class InfoBatch(Pruner):
     """Score = last loss of each sample; each pass, samples scored below the mean of the seen
     scores are skipped with probability `prune_ratio` and kept ones weighted 1/(1 - prune_ratio)
     (the paper's "prune and rescale": the expected gradient is unchanged; `rescale=False` keeps
     them at weight 1, so skipped samples lose weight); passes from
     ceil(num_epochs * delta) on train on full data with weight 1 (the paper's "annealing").
-    Unseen samples are never pruned.
+    Unseen samples are never pruned. `momentum` > 0 (ours, not the paper's) scores each sample by an
+    average over its visits instead of its last loss, so one noisy mask or timestep weighs less.
     """
 
     name = "infobatch"
 
     def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, prune_ratio: float = 0.5,
-                 delta: float = 0.875, rescale: bool = True):
+                 delta: float = 0.875, rescale: bool = True, momentum: float = 0.0):
         prune_ratio = check_range("infobatch", "prune_ratio", prune_ratio, 0.0, 1.0, high_open=True)
         delta = check_range("infobatch", "delta", delta, 0.0, 1.0)
         rescale = check_flag("infobatch", "rescale", rescale)
-        super().__init__(num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale)
-        self.prune_ratio, self.rescale = prune_ratio, rescale
+        momentum = check_range("infobatch", "momentum", momentum, 0.0, 1.0, high_open=True)
+        super().__init__(num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale,
+                         momentum=momentum)
+        self.prune_ratio, self.rescale, self.momentum = prune_ratio, rescale, momentum
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         # 5 bytes per sample: the last loss, and whether there is one. Zero means "unseen" in both,
         # so np.zeros (calloc) leaves the pages of never-seen ids unallocated.
@@ -52,7 +64,7 @@ class InfoBatch(Pruner):
         self._candidates = 0
 
     def _record(self, ids: np.ndarray, losses: np.ndarray) -> None:
-        self._score[ids] = losses
+        self._score[ids] = smoothed(self._score[ids], self._seen[ids], losses, self.momentum)
         self._seen[ids] = 1
 
     def _freeze(self, epoch: int) -> FrozenPlan:

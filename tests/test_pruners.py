@@ -416,7 +416,8 @@ def test_padding_ids_are_ignored_and_repeated_ids_keep_their_last_loss():
 def test_build_pruner_by_config_name():
     assert isinstance(build_pruner("full", 10, 2), Full)
     pruner = build_pruner("InfoBatch", 10, 2, seed=4, prune_ratio=0.25, delta=0.5)
-    assert isinstance(pruner, InfoBatch) and pruner.hparams == {"prune_ratio": 0.25, "delta": 0.5, "rescale": True}
+    assert isinstance(pruner, InfoBatch) and pruner.hparams == {"prune_ratio": 0.25, "delta": 0.5, "rescale": True,
+                                                          "momentum": 0.0}
     assert pruner.seed == 4 and pruner.first_full_pass == 1
 
 
@@ -426,7 +427,7 @@ def test_unknown_pruner_name_lists_the_accepted_names():
 
 
 def test_unknown_hyper_parameter_lists_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta, rescale"):
+    with pytest.raises(ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta, rescale, momentum"):
         build_pruner("infobatch", 10, 2, prune_rate=0.5)
     with pytest.raises(ValueError, match="accepted: none"):
         build_pruner("full", 10, 2, keep=0.5)
@@ -529,3 +530,15 @@ def test_importance_keeps_p_min_when_the_target_is_below_it_and_anneals():
     pruner.plan(20)  # ceil(40 * 0.5): full data from here
     np.testing.assert_array_equal(pruner.weights(np.arange(20_000)), 1.0)
     assert pruner.stats()["annealing"]
+
+
+@pytest.mark.parametrize("cls", [InfoBatch, Importance])
+def test_momentum_averages_a_sample_s_score_over_its_visits(cls):
+    plain, smooth = cls(4, 10), cls(4, 10, momentum=0.75)
+    for pruner in (plain, smooth):
+        pruner.update(np.array([0, 1]), np.array([4.0, 2.0], np.float32))
+        pruner.update(np.array([0, 2]), np.array([8.0, 6.0], np.float32))
+    np.testing.assert_array_equal(plain.score_of(np.arange(3))[0], [8.0, 2.0, 6.0])  # the last loss
+    np.testing.assert_allclose(smooth.score_of(np.arange(3))[0], [0.75 * 4 + 0.25 * 8, 2.0, 6.0])  # first visit: as is
+    with pytest.raises(ValueError, match=rf"{cls.name}: momentum must be in \[0.0, 1.0\)"):
+        cls(4, 10, momentum=1.0)

@@ -94,6 +94,10 @@ PAYS_MAE = {
     "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
     "InfoBatch no rescale": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875, "rescale": False},
     "Importance": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875},
+    # scores averaged over visits: one noisy mask draw weighs less (hypothesis 2 for MAE)
+    "InfoBatch smoothed": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875, "momentum": 0.5},
+    "Importance smoothed": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
+                            "momentum": 0.5},
 }
 PAYS_LDM = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
