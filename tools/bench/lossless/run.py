@@ -41,20 +41,19 @@ ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ live
 
 
 # ----------------------------------------------------------------------------- data
-def prepare_data(work: str, plan_or_samples, size: int = 16) -> str:
+def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
     """The plan's shards at `size` px in WORK, written once; returns the folder holding train/ and val/.
     Digits: train/index.json lists only the first shard, which holds exactly `train_samples` images
     (ids 0..N-1). Photos and redundant: `crops_per_photo` crops of each bundled photograph."""
     from pipelines.data.shards import ShardIndex
     from tools.shards import write_shards
 
-    plan = plan_or_samples if isinstance(plan_or_samples, TaskPlan) else None
-    if plan is not None and plan.data != "digits":
+    if plan.data != "digits":
         root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
         if not os.path.exists(os.path.join(root, "val", "index.json")):
             write_shards(plan.data, root, size=size, shard_size=100_000, crops_per_photo=plan.crops_per_photo)
         return root
-    train_samples = plan.train_samples if plan is not None else int(plan_or_samples)
+    train_samples = plan.train_samples
     root = os.path.join(work, f"digits{size}_n{train_samples}")
     if not os.path.exists(os.path.join(root, "val", "index.json")):
         write_shards("digits", root, size=size, shard_size=train_samples)

@@ -50,52 +50,58 @@ def interpolate_frontier(points: list[tuple[float, float]], samples: float) -> f
     return float(np.interp(samples, xs, ys))
 
 
-def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
-    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
-    rows = []
+def schedule_groups(results: list[dict], plans: list[TaskPlan]):
+    """(plan, schedule, its runs, its Full seed runs, its metric names main first) of every schedule
+    that has Full runs."""
     for plan in plans:
         for schedule in ("long", "short"):
             group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
             fulls = [r for r in group if r["role"] == "full"]
-            if not fulls:
-                continue
-            metric_names = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
-            stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
-                     for m in metric_names}
-            wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
-            sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
-            full0 = next(r for r in fulls if r["seed"] == 0)
-            frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
-                        if r["role"] in ("equal_compute",) or r is full0]
-            equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
-            mean, std = stats[plan.main]
-            lower = LOWER_IS_BETTER[plan.main]
-            for r in group:
-                skipped = 1.0 - r["samples_forwarded"] / sf_full
-                saving = 1.0 - r["wall_seconds"] / wall_full
-                row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
-                       "role": r["role"], "seed": r["seed"], "samples_forwarded": r["samples_forwarded"],
-                       "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
-                       "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
-                       "realised": saving / skipped if skipped > 0.02 else float("nan"),
-                       "metrics": r["metrics"], "main": plan.main,
-                       "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m.split("@")[0]])
-                                  for m in metric_names},
-                       "full_mean": mean, "full_std": std,
-                       "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
-                       "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
-                if r["role"] in ("pruned", "ablation"):
-                    value = r["metrics"][plan.main]
-                    row["lossless"] = lossless(value, mean, std, lower)
-                    if (r["label"], r["seed"]) in equal:
-                        reference, how = equal[(r["label"], r["seed"])]["metrics"][plan.main], "run"
-                    else:
-                        reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
-                    row["equal_compute_value"], row["equal_compute_how"] = reference, how
-                    row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
-                    row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
-                                                  if reference is not None else None)
-                rows.append(row)
+            if fulls:
+                metrics = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
+                yield plan, schedule, group, fulls, metrics
+
+
+def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
+    rows = []
+    for plan, schedule, group, fulls, metric_names in schedule_groups(results, plans):
+        stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
+                 for m in metric_names}
+        wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
+        sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
+        full0 = next(r for r in fulls if r["seed"] == 0)
+        frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
+                    if r["role"] in ("equal_compute",) or r is full0]
+        equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
+        mean, std = stats[plan.main]
+        lower = LOWER_IS_BETTER[plan.main]
+        for r in group:
+            skipped = 1.0 - r["samples_forwarded"] / sf_full
+            saving = 1.0 - r["wall_seconds"] / wall_full
+            row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
+                   "role": r["role"], "seed": r["seed"], "samples_forwarded": r["samples_forwarded"],
+                   "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
+                   "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
+                   "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                   "metrics": r["metrics"], "main": plan.main,
+                   "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], LOWER_IS_BETTER[m.split("@")[0]])
+                              for m in metric_names},
+                   "full_mean": mean, "full_std": std,
+                   "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
+                   "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
+            if r["role"] in ("pruned", "ablation"):
+                value = r["metrics"][plan.main]
+                row["lossless"] = lossless(value, mean, std, lower)
+                if (r["label"], r["seed"]) in equal:
+                    reference, how = equal[(r["label"], r["seed"])]["metrics"][plan.main], "run"
+                else:
+                    reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
+                row["equal_compute_value"], row["equal_compute_how"] = reference, how
+                row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
+                row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
+                                              if reference is not None else None)
+            rows.append(row)
     return rows
 
 
@@ -112,40 +118,33 @@ def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
     (positive = worse). Lossless: within 1 pooled std of Full at equal passes; pays: better than
     equal-compute Full by more than 2 pooled std."""
     rows = []
-    for plan in plans:
-        if len(plan.pruned_seeds) < 2:
-            continue
-        for schedule in ("long", "short"):
-            group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
-            fulls = [r for r in group if r["role"] == "full"]
-            if not fulls:
-                continue
-            metrics = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
-            for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
-                mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
-                equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
-                row = {"task": plan.task, "schedule": schedule, "label": label, "seeds": sorted(r["seed"] for r in mine),
-                       "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
-                       "compute": float(np.mean([r["samples_forwarded"] for r in mine]))
-                       / float(np.mean([r["samples_forwarded"] for r in fulls])),
-                       "equal_compute_passes": sorted({r["passes"] for r in equal}), "main": plan.main, "metrics": {}}
-                for metric in metrics:
-                    lower = LOWER_IS_BETTER[metric.split("@")[0]]
-                    values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
-                    full = [r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None]
-                    same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
-                    if len(values) < 2:
-                        continue
-                    cell = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)), "n": len(values),
-                            "full_mean": float(np.mean(full)) if full else float("nan"),
-                            "equal_compute_mean": float(np.mean(same)) if same else float("nan")}
-                    cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
-                    cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"],
-                                                         pooled_std(values, same), lower)
-                    cell["lossless"] = bool(cell["delta_passes"] <= 1.0) if math.isfinite(cell["delta_passes"]) else None
-                    cell["pays"] = bool(cell["delta_compute"] < -2.0) if math.isfinite(cell["delta_compute"]) else None
-                    row["metrics"][metric] = cell
-                rows.append(row)
+    seeded = [p for p in plans if len(p.pruned_seeds) > 1]
+    for plan, schedule, group, fulls, metrics in schedule_groups(results, seeded):
+        for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
+            mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
+            equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
+            row = {"task": plan.task, "schedule": schedule, "label": label, "seeds": sorted(r["seed"] for r in mine),
+                   "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
+                   "compute": float(np.mean([r["samples_forwarded"] for r in mine]))
+                   / float(np.mean([r["samples_forwarded"] for r in fulls])),
+                   "equal_compute_passes": sorted({r["passes"] for r in equal}), "main": plan.main, "metrics": {}}
+            for metric in metrics:
+                lower = LOWER_IS_BETTER[metric.split("@")[0]]
+                values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
+                full = [r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None]
+                same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
+                if len(values) < 2:
+                    continue
+                cell = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)), "n": len(values),
+                        "full_mean": float(np.mean(full)) if full else float("nan"),
+                        "equal_compute_mean": float(np.mean(same)) if same else float("nan")}
+                cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
+                cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"],
+                                                     pooled_std(values, same), lower)
+                cell["lossless"] = bool(cell["delta_passes"] <= 1.0) if math.isfinite(cell["delta_passes"]) else None
+                cell["pays"] = bool(cell["delta_compute"] < -2.0) if math.isfinite(cell["delta_compute"]) else None
+                row["metrics"][metric] = cell
+            rows.append(row)
     return rows
 
 
