@@ -230,3 +230,17 @@ def test_a_save_the_file_system_refuses_midway_keeps_the_previous_checkpoint(run
     assert not [n for n in os.listdir(checkpoints_dir(run_dir)) if n.startswith(".tmp-")]  # the partial save is gone
     assert verify(before).intact
     assert load_checkpoint_states(before)["position"]["optimizer_steps"] == STOP
+
+
+def test_a_reader_of_the_pruner_state_checks_only_the_files_it_reads(runs, tmp_path):
+    from pipelines.report.plots import checkpoint_scores
+
+    run_dir = copy_of_stopped(runs, "scores_only")
+    newest, previous = complete_checkpoints(run_dir)[-1], complete_checkpoints(run_dir)[-2]
+    damage(os.path.join(newest, "optimizer.bin"), "flip")  # not read for the histograms
+    damage(os.path.join(previous, "custom_checkpoint_0.pkl"), "flip")  # read: that checkpoint is left out
+    assert verify(newest, only=lambda name: name.startswith("custom_checkpoint_")).intact
+    assert not verify(newest).intact
+    steps = [s["optimizer_steps"] for s in checkpoint_scores(run_dir)]
+    assert STOP in steps and 40 not in steps
+    assert load_checkpoint_states(newest, read_model=False)["model"] is None

@@ -183,13 +183,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def load_checkpoint_states(checkpoint: str) -> dict:
+def load_checkpoint_states(checkpoint: str, read_model: bool = True) -> dict:
     """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
-    of one accelerate `save_state` folder; the registered objects are told apart by their keys."""
+    of one accelerate `save_state` folder; the registered objects are told apart by their keys.
+    `read_model=False` leaves the weights unread ("model": None), for readers of the pruner state only."""
     from safetensors.torch import load_file
 
     weights = os.path.join(checkpoint, "model.safetensors")
-    if os.path.isfile(weights):
+    if not read_model:
+        model = None
+    elif os.path.isfile(weights):
         model = load_file(weights)
     elif os.path.isfile(os.path.join(checkpoint, "pytorch_model.bin")):
         model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)

@@ -89,9 +89,10 @@ def checkpoint_scores(run_path: str) -> list[dict]:
 
     found = []
     for folder in complete_checkpoints(run_path):
-        if verify(folder).problem is not None:  # damaged: `prunepipe checkpoints verify` says how
-            continue
-        states = load_checkpoint_states(folder)
+        # only the small registered-object files are read, so only they are checked
+        if verify(folder, only=lambda name: name.startswith("custom_checkpoint_")).problem is not None:
+            continue  # damaged: `prunepipe checkpoints verify` says how
+        states = load_checkpoint_states(folder, read_model=False)
         pruner, position = states["pruner"], states["position"] or {}
         if pruner is None or "score" not in pruner["tables"]:
             continue
