@@ -58,7 +58,7 @@ def test_history_keeps_the_latest_losses_and_ignores_padding_and_nonfinite():
     sampler = LossSecondMomentSampler(T, history=2)
     sampler.update(np.array([0, 1, -1, 2]), np.array([4, 4, 4, 4]), np.array([1.0, 2.0, 99.0, np.nan]))
     sampler.update(np.array([3]), np.array([4]), np.array([3.0]))
-    assert sampler.count[4] == 2 and list(sampler.losses[4]) == [2.0, 3.0]
+    assert sampler.count[4] == 2 and sampler.history_of(4) == [2.0, 3.0]
 
 
 def test_state_round_trip_gives_the_same_draws():
@@ -86,6 +86,25 @@ def test_a_task_weights_the_loss_and_scores_without_the_weight():
     torch.testing.assert_close(out.loss, out.score * (1 / (T * p[out.stratum])).float())
     task.observe(np.arange(8), out.stratum.numpy(), out.score.numpy())
     last = int(np.flatnonzero(out.stratum.numpy() == int(out.stratum[0]))[-1])  # the newest loss of that t
-    assert sampler.losses[out.stratum[0]].tolist()[-1] == pytest.approx(float(out.score[last]))
+    assert sampler.history_of(int(out.stratum[0]))[-1] == pytest.approx(float(out.score[last]))
     with pytest.raises(ValueError, match="ldm.timestep_sampling: got 'uniformly'"):
         DiffusionTask(DiffusionConfig(timestep_sampling="uniformly"), image_size=16, channels=1)
+
+
+def test_a_batch_is_recorded_as_one_loss_after_another():
+    # the vectorised update against the plain definition: append each real, finite loss in batch
+    # order to its timestep's history and keep the newest `history`
+    rng = np.random.default_rng(6)
+    sampler, reference = LossSecondMomentSampler(8, history=3), {t: [] for t in range(8)}
+    for _ in range(20):
+        t = rng.integers(0, 8, 30)  # repeats within a batch, more than `history` of some t
+        losses = rng.exponential(1.0, 30)
+        ids = np.where(rng.random(30) < 0.1, -1, np.arange(30))
+        losses[rng.random(30) < 0.05] = np.nan
+        sampler.update(ids, t, losses)
+        for i, step, loss in zip(ids, t, losses):
+            if i >= 0 and np.isfinite(loss):
+                reference[int(step)] = (reference[int(step)] + [float(loss)])[-3:]
+        assert all(sampler.history_of(step) == reference[step] for step in range(8))
+    sampler.update(np.array([-1]), np.array([2]), np.array([1.0]))  # nothing real: nothing recorded
+    assert sampler.history_of(2) == reference[2]

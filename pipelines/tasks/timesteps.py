@@ -22,8 +22,10 @@ TIMESTEP_SAMPLING = ("uniform", "loss_second_moment")
 class LossSecondMomentSampler:
     def __init__(self, num_timesteps: int, history: int = 10, uniform_mass: float = 0.001):
         self.num_timesteps, self.history, self.uniform_mass = int(num_timesteps), int(history), float(uniform_mass)
+        # a ring per timestep: loss number k of timestep t sits in slot k % history
         self.losses = np.zeros((self.num_timesteps, self.history), dtype=np.float64)
         self.count = np.zeros(self.num_timesteps, dtype=np.int64)  # losses recorded per timestep (capped)
+        self.written = np.zeros(self.num_timesteps, dtype=np.int64)  # losses recorded per timestep, all
         self._probabilities: torch.Tensor | None = None  # cached between updates
 
     @property
@@ -48,23 +50,38 @@ class LossSecondMomentSampler:
         return t, (1.0 / (self.num_timesteps * p[t])).float()
 
     def update(self, ids: np.ndarray, timesteps: np.ndarray | None, losses: np.ndarray) -> None:
-        """Record the unweighted losses of the real, finite samples of a gathered batch, in order."""
+        """Record the unweighted losses of the real, finite samples of a gathered batch, in order
+        (vectorised: this runs every step)."""
         if timesteps is None:
             return
         keep = (np.asarray(ids) >= 0) & np.isfinite(losses)
-        for t, loss in zip(np.asarray(timesteps)[keep], np.asarray(losses, dtype=np.float64)[keep]):
-            if self.count[t] == self.history:  # a full history shifts: the oldest loss leaves
-                self.losses[t, :-1] = self.losses[t, 1:]
-                self.losses[t, -1] = loss
-            else:
-                self.losses[t, self.count[t]] = loss
-                self.count[t] += 1
+        t = np.asarray(timesteps, dtype=np.int64)[keep]
+        values = np.asarray(losses, dtype=np.float64)[keep]
+        if not len(t):
+            return
+        order = np.argsort(t, kind="stable")  # batch order kept within each timestep
+        t, values = t[order], values[order]
+        firsts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+        sizes = np.diff(np.r_[firsts, len(t)])
+        rank = np.arange(len(t)) - np.repeat(firsts, sizes)  # k-th loss of its timestep in this batch
+        newest = rank >= np.repeat(sizes, sizes) - self.history  # more than `history` of one t: the last ones
+        t, values, rank = t[newest], values[newest], rank[newest]
+        self.losses[t, (self.written[t] + rank) % self.history] = values  # (t, slot) pairs are distinct
+        distinct = t[np.r_[True, t[1:] != t[:-1]]]
+        self.written[distinct] += sizes
+        self.count[distinct] = np.minimum(self.written[distinct], self.history)
         self._probabilities = None
+
+    def history_of(self, timestep: int) -> list[float]:
+        """The recorded losses of `timestep`, oldest first."""
+        n, start = int(self.count[timestep]), int(self.written[timestep])
+        return [float(self.losses[timestep, (start - n + k) % self.history]) for k in range(n)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"timestep_sampler": "loss_second_moment", "num_timesteps": self.num_timesteps,
                 "history": self.history, "uniform_mass": self.uniform_mass,
-                "losses": torch.from_numpy(self.losses.copy()), "count": torch.from_numpy(self.count.copy())}
+                "losses": torch.from_numpy(self.losses.copy()), "count": torch.from_numpy(self.count.copy()),
+                "written": torch.from_numpy(self.written.copy())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_timesteps", "history", "uniform_mass"):
@@ -73,4 +90,5 @@ class LossSecondMomentSampler:
                                  f"configured {getattr(self, key)!r}")
         self.losses[...] = state["losses"].numpy()
         self.count[...] = state["count"].numpy()
+        self.written[...] = state["written"].numpy()
         self._probabilities = None
