@@ -130,6 +130,13 @@ def _compare(args) -> None:
     print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
 
 
+def _bench_scores(args) -> int:
+    """Score reliability over repeated draws, raw and normalised (tools/bench/score_noise.py)."""
+    from tools.bench.score_noise import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench_lossless(args) -> None:
     """Pruned vs full runs side by side, at equal passes and equal compute (tools/bench/lossless/run.py)."""
     from tools.bench.lossless.run import run_from_args
@@ -238,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_lossless_arguments(lossless)
     lossless.set_defaults(func=_bench_lossless)
+    scores = bench_sub.add_parser("scores", help="how much of a run's per-sample scores is the sample, and how "
+                                                 "much the mask or timestep drawn; what its pruner skips")
+    from tools.bench.score_noise import add_arguments as bench_scores_arguments
+
+    bench_scores_arguments(scores)
+    scores.set_defaults(func=_bench_scores)
     return parser
 
 

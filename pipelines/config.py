@@ -211,9 +211,6 @@ def validate(cfg: RunConfig) -> None:
             )
     _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
     _choice("ldm.timestep_sampling", cfg.ldm.timestep_sampling, TIMESTEP_SAMPLING)
-    if cfg.score.normalise != "none" and cfg.task == "mae":
-        raise ConfigError(f"config: score.normalise={cfg.score.normalise} normalises within strata (ldm: timesteps); "
-                          f"the mae task draws none: set score.normalise=none")
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
         raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
                           f"{cfg.score.momentum}")

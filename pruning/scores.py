@@ -1,8 +1,9 @@
 """Scores that measure the sample, not the noise drawn with it: per-sample losses made comparable
 across strata before they reach a pruner. A diffusion loss is dominated by the timestep drawn (at
 small t the noise is nearly visible, at large t the target is nearly unpredictable), so a sample's
-last loss says more about its last timestep than about the sample. Dividing by the running mean
-loss of its timestep bucket (or taking a z-score within the bucket) leaves what is the sample's.
+last loss says more about its last timestep than about the sample; an MAE loss depends on whether
+the mask hid the image's busy or its flat patches. Dividing by the running mean loss of its stratum
+bucket (or taking a z-score within the bucket) leaves what is the sample's.
 
 The statistics are updated from the globally gathered batch, so every rank holds the same ones; the
 normaliser is a state object like a pruner. The training loss is never changed here.
@@ -47,8 +48,8 @@ class ScoreNormaliser:
         if self.kind == "none":
             return losses
         if strata is None:
-            raise ValueError(f"score.normalise={self.kind} needs a task that reports strata (ldm: the timestep); "
-                             f"this task reports none: set score.normalise=none")
+            raise ValueError(f"score.normalise={self.kind} needs a task that reports strata (ldm: the timestep, "
+                             f"mae: the share its mask hid); this task reports none: set score.normalise=none")
         buckets = self.bucket(strata)
         usable = (np.asarray(ids) >= 0) & np.isfinite(losses)
         self._update(buckets[usable], losses[usable].astype(np.float64))

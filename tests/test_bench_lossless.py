@@ -176,7 +176,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
 
 
 def test_pays_modes_name_the_data_and_optionally_the_passes():
-    from tools.bench.lossless.plan import task_plans
+    from tools.bench.lossless.plan import first_specs, task_plans
 
     default = {p.task: p for p in task_plans("pays_redundant", ["mae", "ldm"])}
     assert default["mae"].data == "redundant" and default["mae"].extra_splits == ("val_mix",)
@@ -185,3 +185,11 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
     with pytest.raises(ValueError, match="bench data 'lsun'"):
         task_plans("pays_lsun", ["mae"])
+    (five,) = task_plans("pays_redundant_p200_s5", ["mae"], arms=("InfoBatch no rescale",))
+    assert five.long == 200 and five.pruned_seeds == five.full_seeds == (0, 1, 2, 3, 4)
+    assert list(five.pruners) == ["InfoBatch no rescale"]
+    specs = [s.key for s in first_specs(five)]
+    assert specs == [f"mae_long_full_s{i}" for i in range(5)] + ["mae_long_infobatch_no_rescale"] + [
+        f"mae_long_infobatch_no_rescale_s{i}" for i in range(1, 5)]
+    with pytest.raises(ValueError, match="no setting 'Infobatch'; accepted: Random, InfoBatch"):
+        task_plans("pays_redundant", ["mae"], arms=("Infobatch",))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import pytest
+import scipy.stats
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
@@ -18,6 +20,7 @@ from pipelines.tasks.mae import (
     ENCODER_WEIGHTS,
     MAEConfig,
     MAETask,
+    hidden_share,
     load_exported_encoder,
     sincos_pos_embed,
 )
@@ -263,3 +266,49 @@ def test_config_mistakes_name_the_field():
         MAETask(MAEConfig(patch_size=5), image_size=IMAGE, channels=CHANNELS)
     with pytest.raises(ValueError, match=r"mae\.mask_ratio"):
         MAETask(MAEConfig(mask_ratio=1.0), image_size=IMAGE, channels=CHANNELS)
+
+
+def test_the_stratum_is_the_share_of_variation_the_models_own_mask_hid():
+    task = make_task()
+    batch = random_batch(4)
+    noise = torch.rand(4, task.num_patches, generator=torch.Generator().manual_seed(3))
+    _, mask, _ = task.model.forward_encoder(batch.images, noise)
+    patches = task.model.patchify(batch.images)
+    variation = (patches - patches.mean(dim=(1, 2), keepdim=True)).pow(2).mean(dim=2)
+    expected = (variation * mask).sum(1) / variation.sum(1)
+    torch.testing.assert_close(hidden_share(patches, noise, task.cfg.mask_ratio), expected)
+    flat = torch.zeros_like(patches)
+    assert hidden_share(flat, noise, 0.75).tolist() == [0.75] * 4
+
+
+def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
+    """Images whose left half is busy and right half flat, and a model that has learnt only the flat
+    background (it predicts 0 everywhere): how much of the busy half a mask hides moves the raw loss
+    of one image from draw to draw; its score normalised within the hidden share moves much less
+    with it, and still ranks the images as their mean raw loss does."""
+    from pruning import ScoreNormaliser
+
+    task = make_task()
+    with torch.no_grad():
+        task.model.decoder_pred.weight.zero_()
+        task.model.decoder_pred.bias.zero_()
+    n, draws = 32, 40
+    g = torch.Generator().manual_seed(0)
+    images = torch.zeros(n, CHANNELS, IMAGE, IMAGE)
+    images[..., : IMAGE // 2] = torch.rand(n, CHANNELS, IMAGE, IMAGE // 2, generator=g)
+    images *= torch.linspace(0.5, 1.5, n).view(n, 1, 1, 1)  # samples of graded difficulty
+    batch = Batch(torch.arange(n), torch.ones(n), images, torch.full((n,), -1))
+    normaliser = ScoreNormaliser("stratum_mean", task.num_strata, buckets=20, momentum=0.9)
+    raw, normalised, shares = np.zeros((draws, n)), np.zeros((draws, n)), np.zeros((draws, n))
+    with torch.no_grad():
+        for draw in range(draws):
+            out = task.per_sample(task.model, batch, torch.Generator().manual_seed(100 + draw))
+            normalised[draw] = normaliser(batch.ids.numpy(), out.loss.numpy(), out.stratum.numpy())
+            raw[draw], shares[draw] = out.loss.numpy(), out.stratum.numpy()
+    settled = slice(10, None)  # once the bucket means have settled
+    per_image = lambda scores: np.mean([scipy.stats.spearmanr(shares[settled, i], scores[settled, i])[0]  # noqa: E731
+                                        for i in range(n)])
+    with_raw, with_normalised = per_image(raw), per_image(normalised)
+    assert with_raw > 0.5 and abs(with_normalised) < with_raw / 2, (with_raw, with_normalised)
+    ranking = scipy.stats.spearmanr(raw[settled].mean(0), normalised[settled].mean(0))[0]
+    assert ranking > 0.9, ranking

@@ -35,6 +35,28 @@ PRESETS = {
 PAPER_DECODER = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16, mlp_ratio=4.0)
 
 
+MASK_SHARE_STRATA = 100
+
+
+def hidden_share(patches: torch.Tensor, noise: torch.Tensor, mask_ratio: float) -> torch.Tensor:
+    """[N] share of each image's variation in the patches its mask hides (the mask that
+    MaskedAutoencoder.random_masking draws from `noise`): sum over hidden patches of the patch's
+    mean squared deviation from the image mean, over the sum for all patches. About `mask_ratio`
+    on average; a flat image (no variation) counts as exactly `mask_ratio`.
+
+    patches [N, L, P] (patchify), noise [N, L].
+    """
+    length = noise.shape[1]
+    len_keep = int(length * (1 - mask_ratio))
+    centred = patches - patches.mean(dim=(1, 2), keepdim=True)
+    variation = centred.pow(2).mean(dim=2)  # [N, L]
+    rank = torch.argsort(torch.argsort(noise, dim=1), dim=1)  # the patches with rank >= len_keep are hidden
+    hidden = (variation * (rank >= len_keep)).sum(dim=1)
+    total = variation.sum(dim=1)
+    flat = total <= 1e-12
+    return torch.where(flat, torch.full_like(total, mask_ratio), hidden / total.clamp_min(1e-12))
+
+
 @dataclass
 class MAEConfig:
     """Model and loss settings; a non-empty `preset` overrides the size fields with the paper's."""
@@ -273,15 +295,22 @@ class MAETask:
         )
         self.num_patches = self.model.num_patches
 
-    num_strata = 0  # the mask is drawn per sample, but no stratum makes scores comparable
+    # The stratum of a draw is the share of the image's variation its mask hid, in hundredths: a mask
+    # that happens to hide the flat patches gives a low loss whatever the sample, so scores are made
+    # comparable within a share (score.normalise, pruning/scores.py), as diffusion's within a timestep.
+    num_strata = MASK_SHARE_STRATA
     timestep_sampler = None
 
     def observe(self, ids, strata, scores) -> None:
         """Nothing of MAE learns from the gathered batch."""
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
-        """`per_sample_loss` as SampleLosses (no stratum)."""
-        return SampleLosses(self.per_sample_loss(model, batch, generator))
+        """The masked-patch MSE of each sample with its mask's hidden share as the stratum."""
+        images = batch.images
+        noise = batch_draws(generator, len(images)).rand(self.num_patches).to(images.device)  # [B, L]
+        share = hidden_share(unwrap(model).patchify(images.float()), noise, self.cfg.mask_ratio)
+        stratum = (share * MASK_SHARE_STRATA).long().clamp_(0, MASK_SHARE_STRATA - 1)
+        return SampleLosses(model(images, noise), stratum)
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
         """[B] float32 masked-patch MSE with a fresh random mask drawn from `generator` (a
@@ -290,9 +319,7 @@ class MAETask:
         `model` is self.model or its DDP/accelerate wrapper: always call the one passed, so the
         wrapper's gradient hooks run.
         """
-        images = batch.images
-        noise = batch_draws(generator, len(images)).rand(self.num_patches)  # [B, L]
-        return model(images, noise.to(images.device))
+        return self.per_sample(model, batch, generator).loss
 
     @torch.no_grad()
     def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:

@@ -30,6 +30,7 @@ class TaskPlan:
     data: str = "digits"  # digits | photos | redundant (prunepipe shards write --source)
     crops_per_photo: int = 0  # photos and redundant: crops of each of the 15 bundled photographs
     pruned_seeds: tuple = (0,)  # seeds of every pruned run and of its equal-compute Full
+    full_seeds: tuple = SEEDS  # seeds of Full at the full schedule
     extra_splits: tuple = ()  # held-out splits evaluated besides val, e.g. ("val_mix",) of redundant data
 
 
@@ -50,13 +51,16 @@ LDM_ABLATIONS = {
 }
 
 
-def task_plans(mode: str, tasks: list[str]) -> list[TaskPlan]:
+def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = ()) -> list[TaskPlan]:
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
-    pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement)."""
-    suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?", mode)
-    if suite:  # pays_DATA[_pPASSES]; pays_micro_DATA: the harness test
-        plans = [p for p in pays_plans(suite.group(2), micro=bool(suite.group(1))) if p.task in tasks]
-        return [dataclasses.replace(p, long=int(suite.group(3))) for p in plans] if suite.group(3) else plans
+    pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement). `arms`: only
+    these pruned settings (labels) beside Full."""
+    suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?(?:_s(\d+))?", mode)
+    if suite:  # pays_DATA[_pPASSES][_sSEEDS]; pays_micro_DATA: the harness test
+        seeds = int(suite.group(4) or len(SEEDS))
+        plans = [p for p in pays_plans(suite.group(2), micro=bool(suite.group(1)), seeds=seeds) if p.task in tasks]
+        plans = [dataclasses.replace(p, long=int(suite.group(3))) for p in plans] if suite.group(3) else plans
+        return [only_arms(p, arms) for p in plans] if arms else plans
     if mode == "full":
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
                           timing_rounds=2),
@@ -98,6 +102,11 @@ PAYS_MAE = {
     "InfoBatch smoothed": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875, "momentum": 0.5},
     "Importance smoothed": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
                             "momentum": 0.5},
+    # scores normalised within the share of the image the mask hid (the mask draw, hypothesis 2 for MAE)
+    "InfoBatch mask-norm": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
+                            "run": {"score.normalise": "stratum_mean"}},
+    "Importance mask-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
+                             "run": {"score.normalise": "stratum_mean"}},
 }
 PAYS_LDM = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
@@ -114,10 +123,22 @@ PAYS_LDM = {
 }
 
 
-def pays_plans(data: str, micro: bool = False) -> list[TaskPlan]:
-    """Every arm at 3 seeds, each with an equal-compute Full at the same seeds, on `data`."""
+def only_arms(plan: TaskPlan, arms: tuple[str, ...]) -> TaskPlan:
+    """The plan with only the pruned settings labelled `arms` (Full and its seeds stay)."""
+    unknown = [a for a in arms if a not in plan.pruners]
+    if unknown:
+        raise ValueError(f"bench --arms: {plan.task} has no setting {', '.join(map(repr, unknown))}; accepted: "
+                         f"{', '.join(plan.pruners)}")
+    return dataclasses.replace(plan, pruners={a: plan.pruners[a] for a in arms})
+
+
+def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[TaskPlan]:
+    """Every arm at `seeds` seeds (Full too), each with an equal-compute Full at the same seeds, on `data`."""
     if data not in ("digits", "photos", "redundant"):
         raise ValueError(f"bench data {data!r}: accepted: digits, photos, redundant")
+    if seeds < 2:
+        raise ValueError(f"bench --seeds must be >= 2 (verdicts need a seed spread), got {seeds}")
+    each = tuple(range(seeds))
     extra = ("val_mix",) if data == "redundant" else ()
     photos = 60 if data != "digits" else 0  # 900 crops: 810 unique train (+ as many duplicates), 90 val
     channels = ["data.channels=3"] if data != "digits" else []
@@ -125,11 +146,14 @@ def pays_plans(data: str, micro: bool = False) -> list[TaskPlan]:
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1", *channels]
         return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0,
                          {k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, overrides=tiny, timing_rounds=0,
-                         data=data, crops_per_photo=8 if photos else 0, pruned_seeds=SEEDS, extra_splits=extra)]
+                         data=data, crops_per_photo=8 if photos else 0, pruned_seeds=each, full_seeds=each,
+                         extra_splits=extra)]
     return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, PAYS_MAE, overrides=channels,
-                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=SEEDS, extra_splits=extra),
+                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
+                     extra_splits=extra),
             TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, PAYS_LDM, overrides=channels,
-                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=SEEDS, extra_splits=extra)]
+                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
+                     extra_splits=extra)]
 
 
 def first_specs(plan: TaskPlan) -> list[RunSpec]:
@@ -138,7 +162,7 @@ def first_specs(plan: TaskPlan) -> list[RunSpec]:
     for schedule, passes in (("long", plan.long), ("short", plan.short)):
         if passes <= 0:
             continue
-        for seed in SEEDS:
+        for seed in plan.full_seeds:
             specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
                                  {"name": "full"}, seed, passes))
         groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])

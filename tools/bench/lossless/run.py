@@ -301,9 +301,10 @@ def running_keys(futures: dict) -> set[str]:
 
 # ----------------------------------------------------------------------------- entry point
 def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str = "docs",
-          work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None) -> dict:
+          work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None,
+          arms: tuple[str, ...] = ()) -> dict:
     """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict."""
-    plans = task_plans(mode, list(tasks))
+    plans = task_plans(mode, list(tasks), arms)
     os.makedirs(work, exist_ok=True)
     load_start = os.getloadavg()
     start = time.perf_counter()
@@ -404,6 +405,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --suite pays: the shards (redundant: clean val and val_mix)")
     parser.add_argument("--passes", type=int, default=0,
                         help="with --suite pays: the long schedule's passes (0: the suite's own)")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help="with --suite pays: seeds of every arm and of Full (0: the suite's 3)")
+    parser.add_argument("--arms", default="",
+                        help="with --suite pays: only these settings beside Full, comma-separated labels "
+                             "(e.g. 'InfoBatch,InfoBatch no rescale')")
     parser.add_argument("--timing-only", action="store_true",
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
@@ -413,13 +419,17 @@ def run_from_args(args) -> int:
         print(rerender(args.from_json, args.out, timing=args.timing_only, work=args.work)["markdown"])
         return 0
     tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
+    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    if (args.seeds or arms) and args.suite != "pays":
+        raise ValueError("bench lossless: --seeds and --arms belong to --suite pays")
     suite = (f" --suite pays --data {args.data}{f' --passes {args.passes}' if args.passes else ''}"
+             f"{f' --seeds {args.seeds}' if args.seeds else ''}{f' --arms {chr(39)}{args.arms}{chr(39)}' if arms else ''}"
              if args.suite == "pays" else "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    mode = (f"pays_{args.data}{f'_p{args.passes}' if args.passes else ''}" if args.suite == "pays"
-            else ("quick" if args.quick else "full"))
-    report = bench(mode, tasks, args.out, args.work, args.workers, command=command)
+    mode = (f"pays_{args.data}{f'_p{args.passes}' if args.passes else ''}{f'_s{args.seeds}' if args.seeds else ''}"
+            if args.suite == "pays" else ("quick" if args.quick else "full"))
+    report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms)
     print(report["markdown"])
     return 0
 
