@@ -174,6 +174,16 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     with pytest.raises(ValueError, match="a task appears in more than one report"):
         rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
 
+    # which samples the pruner skips, by kind, and how reliable its scores are over draws
+    from tools.bench.score_noise import analyse, render
+
+    scored = analyse(str(tmp_path / "work" / "runs" / "mae_long_infobatch"), draws=4, samples=0)
+    kinds = scored["kinds"]
+    assert kinds["unique"]["samples"] + kinds["duplicate"]["samples"] == scored["samples"]
+    assert kinds["duplicate"]["samples"] > 0 and {"raw", "normalised"} <= set(scored)
+    assert all(0.0 <= row["skip_probability"] <= 1.0 for row in kinds.values())
+    assert "pruner skips" in render(scored)
+
 
 def test_pays_modes_name_the_data_and_optionally_the_passes():
     from tools.bench.lossless.plan import first_specs, task_plans
@@ -185,7 +195,9 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
     with pytest.raises(ValueError, match="bench data 'lsun'"):
         task_plans("pays_lsun", ["mae"])
-    (five,) = task_plans("pays_redundant_p200_s5", ["mae"], arms=("InfoBatch no rescale",))
+    (tagged,) = task_plans("pays_redundant_masknorm", ["mae"])
+    assert (tagged.data, tagged.long, tagged.pruned_seeds) == ("redundant", 60, (0, 1, 2))
+    (five,) = task_plans("pays_redundant_p200_s5_lead", ["mae"], arms=("InfoBatch no rescale",))
     assert five.long == 200 and five.pruned_seeds == five.full_seeds == (0, 1, 2, 3, 4)
     assert list(five.pruners) == ["InfoBatch no rescale"]
     specs = [s.key for s in first_specs(five)]

@@ -87,3 +87,25 @@ def test_state_round_trip_and_a_mismatched_config_is_named():
     np.testing.assert_array_equal(first(ids, losses, t), second(ids, losses, t))
     with pytest.raises(ValueError, match="buckets: saved 8, configured 20"):
         ScoreNormaliser("stratum_zscore", T, buckets=20).load_state_dict(state)
+
+
+def test_score_reliability_measures_the_share_of_variance_between_samples():
+    """tools/bench/score_noise.py: scores that are half sample and half draw have a between-sample
+    share near 0.5, pure draw noise near 0; normalising within strata recovers a sample effect that
+    a strong stratum effect hides."""
+    from tools.bench.score_noise import normalised, reliability
+
+    rng = np.random.default_rng(0)
+    draws, n = 8, 4000
+    sample = rng.normal(size=n)
+    half = reliability(sample + rng.normal(size=(draws, n)))
+    noise = reliability(rng.normal(size=(draws, n)))
+    assert half["between_share"] == pytest.approx(0.5, abs=0.03) and abs(noise["between_share"]) < 0.03
+    assert half["rank_corr"] == pytest.approx(0.5, abs=0.05) and half["below_mean_agree"] > noise["below_mean_agree"]
+    assert noise["below_mean_agree"] == pytest.approx(noise["chance"], abs=0.02)
+
+    difficulty = rng.uniform(0.5, 2.0, n)
+    t = rng.integers(0, T, (draws, n))
+    losses = difficulty * (0.01 + np.exp(-t / 150.0)) * rng.lognormal(0.0, 0.05, (draws, n))
+    raw, fixed = reliability(losses), reliability(normalised(losses, t, T))
+    assert raw["between_share"] < 0.2 and fixed["between_share"] > 0.6

@@ -55,8 +55,8 @@ def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = ()) -> list[
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
     pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement). `arms`: only
     these pruned settings (labels) beside Full."""
-    suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?(?:_s(\d+))?", mode)
-    if suite:  # pays_DATA[_pPASSES][_sSEEDS]; pays_micro_DATA: the harness test
+    suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?(?:_s(\d+))?(?:_(\w+))?", mode)
+    if suite:  # pays_DATA[_pPASSES][_sSEEDS][_TAG]; pays_micro_DATA: the harness test
         seeds = int(suite.group(4) or len(SEEDS))
         plans = [p for p in pays_plans(suite.group(2), micro=bool(suite.group(1)), seeds=seeds) if p.task in tasks]
         plans = [dataclasses.replace(p, long=int(suite.group(3))) for p in plans] if suite.group(3) else plans

@@ -410,6 +410,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default="",
                         help="with --suite pays: only these settings beside Full, comma-separated labels "
                              "(e.g. 'InfoBatch,InfoBatch no rescale')")
+    parser.add_argument("--tag", default="",
+                        help="with --suite pays: a name for this invocation's report block (e.g. with --arms, "
+                             "so that it does not replace the whole suite's)")
     parser.add_argument("--timing-only", action="store_true",
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
@@ -420,15 +423,18 @@ def run_from_args(args) -> int:
         return 0
     tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-    if (args.seeds or arms) and args.suite != "pays":
-        raise ValueError("bench lossless: --seeds and --arms belong to --suite pays")
+    if (args.seeds or arms or args.tag) and args.suite != "pays":
+        raise ValueError("bench lossless: --seeds, --arms and --tag belong to --suite pays")
+    if args.tag and not args.tag.isidentifier():
+        raise ValueError(f"bench lossless: --tag {args.tag!r} must be letters, digits and underscores")
     suite = (f" --suite pays --data {args.data}{f' --passes {args.passes}' if args.passes else ''}"
              f"{f' --seeds {args.seeds}' if args.seeds else ''}{f' --arms {chr(39)}{args.arms}{chr(39)}' if arms else ''}"
+             f"{f' --tag {args.tag}' if args.tag else ''}"
              if args.suite == "pays" else "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
     mode = (f"pays_{args.data}{f'_p{args.passes}' if args.passes else ''}{f'_s{args.seeds}' if args.seeds else ''}"
-            if args.suite == "pays" else ("quick" if args.quick else "full"))
+            f"{f'_{args.tag}' if args.tag else ''}" if args.suite == "pays" else ("quick" if args.quick else "full"))
     report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms)
     print(report["markdown"])
     return 0
