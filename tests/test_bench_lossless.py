@@ -146,12 +146,16 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
 def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_path):
     report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"))
     keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
-    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance") for s in ("", "_s1", "_s2")}
+    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle")
+                    for s in ("", "_s1", "_s2")}
+    oracle = next(r for r in report["results"] if r["key"] == "mae_long_dedup_oracle")
+    full = next(r for r in report["results"] if r["key"] == "mae_long_full_s0")
+    assert oracle["samples_forwarded"] < 0.8 * full["samples_forwarded"]  # trained on train_dedup
     for arm in report["arms"]:
         assert arm["seeds"] == [0, 1, 2] and {"masked_mse", "masked_mse@val_mix"} <= set(arm["metrics"])
     equal = [r for r in report["results"] if r["role"] == "equal_compute"]
     assert sorted((r["compute_of"], r["seed"]) for r in equal) == sorted(
-        (arm, s) for arm in ("InfoBatch", "Importance") for s in (0, 1, 2))
+        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle") for s in (0, 1, 2))
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "beats Full at equal compute by > 2 pooled std" in text

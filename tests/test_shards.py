@@ -293,12 +293,15 @@ def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clea
 
     paths = write_shards("redundant", str(tmp_path), size=16, shard_size=200, crops_per_photo=20,
                          redundant_fraction=0.5, redundant_originals=8)
-    assert set(paths) == {"train", "val", "val_mix"}
+    assert set(paths) == {"train", "val", "val_mix", "train_dedup"}
     train, val, mix = (ShardIndex.load(str(tmp_path / split)) for split in ("train", "val", "val_mix"))
     assert train.meta["redundant_fraction"] == 0.5 and train.meta["redundant_originals"] == 8
     keys = {split: [s["__key__"] for url in ShardIndex.load(str(tmp_path / split)).urls for _, s in read_shard(url)]
-            for split in ("train", "val", "val_mix")}
+            for split in ("train", "val", "val_mix", "train_dedup")}
     duplicates = [k for k in keys["train"] if "_dup" in k]
+    kept = [k for k in keys["train_dedup"] if "_dup" in k]  # the oracle keeps 2 in 5 copies, every unique crop
+    assert set(keys["train_dedup"]) - set(kept) == {k for k in keys["train"] if "_dup" not in k}
+    assert set(kept) < set(duplicates) and abs(len(kept) / len(duplicates) - 0.4) < 0.01
     assert abs(len(duplicates) / len(keys["train"]) - 0.5) < 0.01  # the stated fraction
     originals = {k.split("_dup")[0] for k in duplicates}
     assert len(originals) == 8 and originals <= set(keys["train"])  # copies of 8 train crops, which stay in train

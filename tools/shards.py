@@ -43,7 +43,7 @@ def write_shards(
     redundant_fraction: float = 0.5,
     redundant_originals: int = 64,
 ) -> dict[str, str]:
-    """Write the splits of `source` (train and val; `redundant` also val_mix) with webdataset's
+    """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
     ShardWriter; returns index paths."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")

@@ -140,15 +140,18 @@ def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[
         raise ValueError(f"bench --seeds must be >= 2 (verdicts need a seed spread), got {seeds}")
     each = tuple(range(seeds))
     extra = ("val_mix",) if data == "redundant" else ()
+    # the ceiling of selection on redundant data: Full on what an oracle deduplication leaves
+    oracle = {"Dedup oracle": {"name": "full", "run": {"data.train": "{data}/train_dedup"}}} if data == "redundant" else {}
     photos = 60 if data != "digits" else 0  # 900 crops: 810 unique train (+ as many duplicates), 90 val
     channels = ["data.channels=3"] if data != "digits" else []
     if micro:
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1", *channels]
         return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0,
-                         {k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, overrides=tiny, timing_rounds=0,
+                         {**{k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, **oracle}, overrides=tiny,
+                         timing_rounds=0,
                          data=data, crops_per_photo=8 if photos else 0, pruned_seeds=each, full_seeds=each,
                          extra_splits=extra)]
-    return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, PAYS_MAE, overrides=channels,
+    return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, {**PAYS_MAE, **oracle}, overrides=channels,
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
                      extra_splits=extra),
             TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, PAYS_LDM, overrides=channels,

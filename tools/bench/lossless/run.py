@@ -127,7 +127,8 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
                  f"data.train={data_root}/train", f"data.val={val}",
                  *plan.overrides]
     pruner = dict(spec.pruner)
-    overrides += [f"{k}={v}" for k, v in pruner.pop("run", {}).items()]  # e.g. timestep-normalised scores
+    # e.g. timestep-normalised scores, or another train split ("{data}" is the bench's data folder)
+    overrides += [f"{k}={v.format(data=data_root) if isinstance(v, str) else v}" for k, v in pruner.pop("run", {}).items()]
     overrides += [f"pruner.{k}={v}" for k, v in pruner.items()]
     cfg = load_config(os.path.join(ROOT, plan.config), overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
