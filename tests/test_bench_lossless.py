@@ -3,6 +3,8 @@ verdicts say what docs/design.md's "What lossless means" says, both ways. No tim
 
 from __future__ import annotations
 
+import argparse
+
 import math
 import os
 
@@ -199,6 +201,11 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
     with pytest.raises(ValueError, match="bench data 'lsun'"):
         task_plans("pays_lsun", ["mae"])
+    from tools.bench.lossless.run import pays_invocation
+
+    args = argparse.Namespace(data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead")
+    assert pays_invocation(args) == ("pays_redundant_p200_s5_lead", " --suite pays --data redundant --passes 200 "
+                                     "--seeds 5 --arms 'InfoBatch no rescale' --tag lead")
     (tagged,) = task_plans("pays_redundant_masknorm", ["mae"])
     assert (tagged.data, tagged.long, tagged.pruned_seeds) == ("redundant", 60, (0, 1, 2))
     (five,) = task_plans("pays_redundant_p200_s5_lead", ["mae"], arms=("InfoBatch no rescale",))

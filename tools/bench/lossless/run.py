@@ -418,6 +418,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
 
+def pays_invocation(args) -> tuple[str, str]:
+    """The mode of a --suite pays invocation (it names the report block: pays_DATA[_pN][_sN][_TAG])
+    and its flags as the recorded command repeats them."""
+    mode, flags = f"pays_{args.data}", f" --suite pays --data {args.data}"
+    for name, letter in (("passes", "p"), ("seeds", "s")):
+        value = getattr(args, name)
+        if value:
+            mode, flags = f"{mode}_{letter}{value}", f"{flags} --{name} {value}"
+    if args.arms:
+        flags += f" --arms '{args.arms}'"
+    if args.tag:
+        mode, flags = f"{mode}_{args.tag}", f"{flags} --tag {args.tag}"
+    return mode, flags
+
+
 def run_from_args(args) -> int:
     if args.from_json:
         print(rerender(args.from_json, args.out, timing=args.timing_only, work=args.work)["markdown"])
@@ -428,14 +443,9 @@ def run_from_args(args) -> int:
         raise ValueError("bench lossless: --seeds, --arms and --tag belong to --suite pays")
     if args.tag and not args.tag.isidentifier():
         raise ValueError(f"bench lossless: --tag {args.tag!r} must be letters, digits and underscores")
-    suite = (f" --suite pays --data {args.data}{f' --passes {args.passes}' if args.passes else ''}"
-             f"{f' --seeds {args.seeds}' if args.seeds else ''}{f' --arms {chr(39)}{args.arms}{chr(39)}' if arms else ''}"
-             f"{f' --tag {args.tag}' if args.tag else ''}"
-             if args.suite == "pays" else "")
+    mode, suite = pays_invocation(args) if args.suite == "pays" else ("quick" if args.quick else "full", "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    mode = (f"pays_{args.data}{f'_p{args.passes}' if args.passes else ''}{f'_s{args.seeds}' if args.seeds else ''}"
-            f"{f'_{args.tag}' if args.tag else ''}" if args.suite == "pays" else ("quick" if args.quick else "full"))
     report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms)
     print(report["markdown"])
     return 0
