@@ -90,6 +90,9 @@ class RunConfig:
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
     debug_sync: bool = False  # check each pass that all ranks hold the same plan; save ids per rank
+    # CUDA only: raise at any device-to-host synchronisation inside a training step (from the run's
+    # second step on; checkpoints and pass ends may wait). on_nonfinite_loss=skip waits by design.
+    debug_device_sync: bool = False
     data: DataConfig = field(default_factory=DataConfig)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
     score: ScoreConfig = field(default_factory=ScoreConfig)
@@ -191,6 +194,9 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
+    if cfg.debug_device_sync and cfg.on_nonfinite_loss == "skip":
+        raise ConfigError("config: debug_device_sync=true forbids waiting on the device, but on_nonfinite_loss=skip "
+                          "reads each step's losses before backward; use on_nonfinite_loss=stop with it")
     positive = {
         "passes": cfg.passes, "data.batch_size": cfg.data.batch_size, "data.resolution": cfg.data.resolution,
         "optim.grad_accum": cfg.optim.grad_accum, "checkpoint.every_steps": cfg.checkpoint.every_steps,
