@@ -25,10 +25,12 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
+from pipelines.data.workers import loader_workers
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
+from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.sync_check import SyncDebug
@@ -80,15 +82,6 @@ def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int,
     return plan
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases, norms and embeddings of one dimension (as MAE and DiT do)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def mixed_precision(cfg: RunConfig) -> str:
     if cfg.mixed_precision == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -121,8 +114,9 @@ def train(cfg: RunConfig) -> dict:
     index = ShardIndex.load(cfg.data.train)
     hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
     pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **hparams)
-    optimizer = torch.optim.AdamW(parameter_groups(task.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                  betas=tuple(cfg.optim.betas))
+    set_backend_flags(cfg, device)
+    place_model(cfg, task.model, device)  # before the optimizer: the fused kernel checks the parameters' device
+    optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
@@ -153,6 +147,7 @@ def train(cfg: RunConfig) -> dict:
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
+    workers = loader_workers(cfg.data.num_workers)  # decoding stays in these processes, beside the step
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
@@ -163,11 +158,11 @@ def train(cfg: RunConfig) -> dict:
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
-        plan = begin_pass(position, pruner, index.num_samples, world, cfg.data.num_workers)
+        plan = begin_pass(position, pruner, index.num_samples, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
-        undecodable_here = undecodable_of_rank(position, rank, world, max(1, cfg.data.num_workers))
-        loader = stream.pass_loader(epoch, plan, num_workers=cfg.data.num_workers,
+        undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
+        loader = stream.pass_loader(epoch, plan, num_workers=workers,
                                     skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
                                     pin_memory=device.type == "cuda")
         total = loader.layout.steps
