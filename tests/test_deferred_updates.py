@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from pipelines.tasks.mae import MAETask
 from pipelines.training import loop
 from pipelines.training.deferred import DeferredRecords
 from pruning import build_pruner
+from test_trainer import assert_states_equal, write_latent_shards  # pytest puts tests/ on the path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
@@ -37,19 +37,6 @@ def checkpoint_states(run_dir) -> dict:
         pruner = torch.load(os.path.join(folder, "custom_checkpoint_0.pkl"), weights_only=False)
         states[os.path.basename(folder)] = (pruner, load_file(os.path.join(folder, "model.safetensors")))
     return states
-
-
-def assert_same(a, b, path=""):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{path} differs"
-    elif isinstance(a, np.ndarray):
-        np.testing.assert_array_equal(a, b, err_msg=path)
-    else:
-        assert a == b or (a != a and b != b), f"{path}: {a} != {b}"
 
 
 def test_records_are_consumed_lag_records_late_and_all_at_a_drain():
@@ -75,8 +62,8 @@ def test_deferred_updates_leave_the_pruner_state_of_immediate_ones_at_every_chec
     deferred, immediate = checkpoint_states(tmp_path / "deferred"), checkpoint_states(tmp_path / "immediate")
     assert len(deferred) >= 8 and deferred.keys() == immediate.keys()
     for step in deferred:
-        assert_same(deferred[step][0], immediate[step][0], f"{step} pruner")
-        assert_same(deferred[step][1], immediate[step][1], f"{step} model")
+        assert_states_equal(deferred[step][0], immediate[step][0], f"{step} pruner")
+        assert_states_equal(deferred[step][1], immediate[step][1], f"{step} model")
     assert deferred[max(deferred)][0]["counters"]["recorded_losses"] > 0  # the states compared hold scores
 
 
@@ -122,8 +109,6 @@ def test_the_pruner_gets_step_k_scores_only_after_step_k_plus_1_forward_began(di
 
 
 def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
-    from test_trainer import write_latent_shards  # pytest puts tests/ on the path
-
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=45)
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
         f"data.train={shards}", "data.val=", f"runs_dir={tmp_path}", "name=nan", "passes=1", "data.batch_size=8",

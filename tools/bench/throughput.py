@@ -165,7 +165,8 @@ def bench_config(task: str, size: str, train_dir: str, runs_dir: str, name: str,
                  overrides: list[str]) -> RunConfig:
     return load_config(os.path.join(ROOT, CONFIGS[task]), [
         f"data.train={train_dir}", "data.val=", f"runs_dir={runs_dir}", f"name={name}", f"passes={passes}",
-        "checkpoint.every_steps=1000000", "log_every=1000000", *SIZES[size][task], *overrides])
+        "checkpoint.every_steps=1000000", "log_every=1000000", "data.num_workers=auto", *SIZES[size][task],
+        *overrides])
 
 
 def run_bench(tasks: list[str], *, size: str = "tiny", passes: int = 3, repeats: int = 3, data: str | None = None,
