@@ -144,6 +144,13 @@ def _bench_lossless(args) -> None:
     run_from_args(args)
 
 
+def _bench_throughput(args) -> None:
+    """The project loop against a bare example-script loop, same model and batch (tools/bench/throughput.py)."""
+    from tools.bench.throughput import run_from_args
+
+    run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_scores_arguments(scores)
     scores.set_defaults(func=_bench_scores)
+
+    throughput = bench_sub.add_parser("throughput", help="samples/s of the project loop against a bare loop, "
+                                                         "same model and batch, for mae and ldm")
+    from tools.bench.throughput import add_arguments as bench_throughput_arguments
+
+    bench_throughput_arguments(throughput)
+    throughput.set_defaults(func=_bench_throughput)
     return parser
 
 

@@ -21,6 +21,7 @@ from omegaconf.errors import (
 )
 
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
+from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
 from pipelines.tasks.diffusion import DiffusionConfig
 from pipelines.tasks.mae import MAEConfig
@@ -42,11 +43,21 @@ class DataConfig:
     resolution: int = 32
     channels: int = 3
     batch_size: int = 32  # per rank and micro-batch
-    num_workers: int = 0
+    num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
     shuffle_buffer: int = 1000
     hflip: bool = False
     on_bad_sample: str = "stop"  # stop | skip
     val_batches: int = 8  # held-out batches per evaluation
+
+
+@dataclass
+class CudaConfig:
+    """What users expect on CUDA (docs/gpu.md); each is ignored on a CPU run."""
+
+    tf32: bool = True  # TF32 matmuls and convolutions (Ampere and newer): ~fp32 accuracy at tensor-core speed
+    fused_adamw: bool = True  # AdamW's fused kernel: one launch per step instead of several per tensor
+    channels_last: bool = True  # the UNet (task ldm) in channels_last memory format; MAE has no convs to speed up
+    compile: bool = False  # torch.compile the model; off by default: not verified for bitwise resume
 
 
 @dataclass
@@ -90,10 +101,14 @@ class RunConfig:
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
     debug_sync: bool = False  # check each pass that all ranks hold the same plan; save ids per rank
+    # CUDA only: raise at any device-to-host synchronisation inside a training step (from the run's
+    # second step on; checkpoints and pass ends may wait). on_nonfinite_loss=skip waits by design.
+    debug_device_sync: bool = False
     data: DataConfig = field(default_factory=DataConfig)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
     score: ScoreConfig = field(default_factory=ScoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    cuda: CudaConfig = field(default_factory=CudaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mae: MAEConfig = field(default_factory=MAEConfig)
     ldm: DiffusionConfig = field(default_factory=DiffusionConfig)
@@ -191,6 +206,13 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
+    try:
+        cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if cfg.debug_device_sync and cfg.on_nonfinite_loss == "skip":
+        raise ConfigError("config: debug_device_sync=true forbids waiting on the device, but on_nonfinite_loss=skip "
+                          "reads each step's losses before backward; use on_nonfinite_loss=stop with it")
     positive = {
         "passes": cfg.passes, "data.batch_size": cfg.data.batch_size, "data.resolution": cfg.data.resolution,
         "optim.grad_accum": cfg.optim.grad_accum, "checkpoint.every_steps": cfg.checkpoint.every_steps,

@@ -10,10 +10,10 @@ from .infobatch import InfoBatch
 from .random_pruner import Random
 from .registry import PRUNERS, build_pruner, hparam_names
 from .scores import NORMALISATIONS, ScoreNormaliser
-from .sync import gather_batch, gather_ids_losses
+from .sync import gather_batch, gather_ids_losses, gather_tensors
 from .ted import TED
 
 __all__ = [
     "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "build_pruner", "PRUNERS", "hparam_names",
-    "gather_ids_losses", "gather_batch", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "first_full_pass", "FrozenPlan",
+    "gather_ids_losses", "gather_batch", "gather_tensors", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "first_full_pass", "FrozenPlan",
 ]

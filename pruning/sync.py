@@ -43,20 +43,30 @@ def gather_batch(ids: Any, losses: Any, strata: Any = None) -> tuple[np.ndarray,
     they travel in the ids' integer collective, two rows of one int64 tensor."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return as_ids(ids), as_losses(losses), None if strata is None else as_ids(strata)
-    device = _collective_device()
-    ids_tensor = torch.as_tensor(ids).detach().reshape(-1).to(device=device, dtype=torch.int64)
-    losses_tensor = torch.as_tensor(losses).detach().reshape(-1).to(device=device, dtype=torch.float32)
+    ids, losses, strata = gather_tensors(torch.as_tensor(ids), torch.as_tensor(losses),
+                                         None if strata is None else torch.as_tensor(strata))
+    return ids.cpu().numpy(), losses.cpu().numpy(), None if strata is None else strata.cpu().numpy()
+
+
+def gather_tensors(ids: torch.Tensor, losses: torch.Tensor, strata: torch.Tensor | None = None):
+    """`gather_batch` without leaving the device: (ids int64, losses float32, strata int64 | None)
+    tensors [world * B] on the collective's device, for a loop that must not wait on a host copy
+    (issue 13). On one process they are the inputs, detached, flattened and typed."""
+    ids_tensor = ids.detach().reshape(-1).to(torch.int64)
+    losses_tensor = losses.detach().reshape(-1).to(torch.float32)
+    strata_tensor = None if strata is None else strata.detach().reshape(-1).to(torch.int64)
     if ids_tensor.shape != losses_tensor.shape:
         raise ValueError(f"gather_ids_losses got {ids_tensor.numel()} ids and {losses_tensor.numel()} losses")
-    integers = ids_tensor[None]
-    if strata is not None:
-        strata_tensor = torch.as_tensor(strata).detach().reshape(-1).to(device=device, dtype=torch.int64)
-        if strata_tensor.shape != ids_tensor.shape:
-            raise ValueError(f"gather_batch got {ids_tensor.numel()} ids and {strata_tensor.numel()} strata")
-        integers = torch.stack([ids_tensor, strata_tensor])
-    gathered = torch.cat(_all_gather_rows(integers), dim=1).cpu().numpy()  # [rows, world * B], rank order
-    gathered_losses = _all_gather(losses_tensor).cpu().numpy()
-    return gathered[0], gathered_losses, (gathered[1] if strata is not None else None)
+    if strata_tensor is not None and strata_tensor.shape != ids_tensor.shape:
+        raise ValueError(f"gather_batch got {ids_tensor.numel()} ids and {strata_tensor.numel()} strata")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ids_tensor, losses_tensor, strata_tensor
+    device = _collective_device()
+    ids_tensor, losses_tensor = ids_tensor.to(device), losses_tensor.to(device)
+    integers = ids_tensor[None] if strata_tensor is None else torch.stack([ids_tensor, strata_tensor.to(device)])
+    gathered = torch.cat(_all_gather_rows(integers), dim=1)  # [rows, world * B], rank order
+    gathered_losses = _all_gather(losses_tensor)
+    return gathered[0], gathered_losses, (gathered[1] if strata_tensor is not None else None)
 
 
 def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:

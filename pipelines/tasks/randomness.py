@@ -1,54 +1,106 @@
-"""Per-sample random draws (MAE masks, diffusion noise and timesteps) keyed by (seed, epoch, id).
+"""Per-sample random draws (MAE masks, diffusion noise and timesteps) keyed by (seed, pass, id).
 
 A sample's numbers do not depend on its rank, its batch-mates, the world size or a resume, so a
 run on 2 ranks x B equals one on 1 rank x 2B, and a resumed run draws what the uninterrupted one
-drew. Draws happen on the CPU (one small generator per sample) and move to the device once.
+drew. The draws are a counter-based hash (SplitMix64) of (seed, pass, draw, id, element) evaluated
+with int64 tensor ops on the batch's device: one handful of kernels per draw, no host generator, no
+host-to-device copy (issue 13). The integer math is exact on every device, so CPU and CUDA give the
+same bits; the uniform and normal transforms agree to float tolerance.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from pruning.base import uniform_coin
+from pruning.base import _GOLDEN_GAMMA, _MASK64, _MIX_1, _MIX_2, _stream_key
 
-_SEED_SPACE = float(2**53)
+_UNIFORM_BITS = 24  # a float32 mantissa holds 24 bits exactly: every uniform is k / 2**24 < 1
+
+
+def _signed(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned `value`."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GAMMA, _M1, _M2 = _signed(_GOLDEN_GAMMA), _signed(_MIX_1), _signed(_MIX_2)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: mask the sign copies off)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors. Multiplication wraps modulo 2**64 on every torch
+    device (two's complement), which is exactly the unsigned product's low 64 bits."""
+    z = (z ^ _shift_right(z, 30)) * _M1
+    z = (z ^ _shift_right(z, 27)) * _M2
+    return z ^ _shift_right(z, 31)
+
+
+def hash_bits(key: int, ids: torch.Tensor, elements: int) -> torch.Tensor:
+    """int64 [B, elements]: 64 random bits per (id, element) for a 64-bit `key`.
+
+    Sample `id` starts its own SplitMix64 stream at mix64(key + id * gamma); element e is output
+    e + 1 of that stream, so it depends on (key, id, e) only."""
+    start = mix64(ids.to(torch.int64) * _GAMMA + _signed(key))  # [B]
+    steps = torch.arange(1, elements + 1, dtype=torch.int64, device=ids.device) * _GAMMA  # [E]
+    return mix64(start[:, None] + steps[None, :])
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 in [0, 1) from the top 24 bits (exact: k / 2**24)."""
+    return _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+def bits_to_normal_pairs(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two independent float32 standard normals per 64 bits, by Box-Muller from two 24-bit
+    uniforms: u1 in (0, 1] from the top bits (no log 0), u2 in [0, 1) from the low ones. |z| <= 5.77."""
+    scale = 1.0 / (1 << _UNIFORM_BITS)
+    u1 = (_shift_right(bits, 64 - _UNIFORM_BITS) + 1).to(torch.float32) * scale
+    u2 = (bits & ((1 << _UNIFORM_BITS) - 1)).to(torch.float32) * scale
+    radius, angle = torch.sqrt(-2.0 * torch.log(u1)), (2.0 * math.pi) * u2
+    return radius * torch.cos(angle), radius * torch.sin(angle)
 
 
 class SampleRandomness:
-    """Random tensors [B, *shape] for one batch; each call draws from a fresh stream."""
+    """Random tensors [B, *shape] for one batch, on the ids' device; each call draws from a fresh
+    stream (draw number 1, 2, ... keyed apart), so a task's draws must come in a fixed order."""
 
-    def __init__(self, seed: int, epoch: int, ids: torch.Tensor, device: torch.device | str = "cpu"):
-        self.seed, self.epoch, self.device = int(seed), int(epoch), torch.device(device)
-        self.ids = ids.detach().to("cpu", torch.int64).numpy()
+    def __init__(self, seed: int, epoch: int, ids: torch.Tensor, device: torch.device | str | None = None):
+        self.seed, self.epoch = int(seed), int(epoch)
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        self.ids = ids.to(device, non_blocking=True) if device is not None else ids
+        self.device = self.ids.device
         self._calls = 0
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def _generators(self) -> list[torch.Generator]:
+    def _bits(self, elements: int) -> torch.Tensor:
+        """int64 [B, elements] for the next draw."""
         self._calls += 1
-        # Stream `calls` of sample `id`: a 53-bit seed from the counter-based coin, keyed apart by call.
-        stream_seed = self.seed * 7919 + self._calls
-        seeds = (uniform_coin(stream_seed, self.epoch, self.ids) * _SEED_SPACE).astype(np.int64)
-        generators = []
-        for s in seeds.tolist():
-            g = torch.Generator()
-            g.manual_seed(s)
-            generators.append(g)
-        return generators
+        key = _stream_key(self.seed * 7919 + self._calls, self.epoch)  # one stream per (seed, draw, pass)
+        return hash_bits(key, self.ids, elements)
 
     def rand(self, *shape: int) -> torch.Tensor:
-        return torch.stack([torch.rand(shape, generator=g) for g in self._generators()]).to(self.device)
+        return bits_to_uniform(self._bits(math.prod(shape))).reshape(len(self.ids), *shape)
 
     def randn(self, *shape: int) -> torch.Tensor:
-        return torch.stack([torch.randn(shape, generator=g) for g in self._generators()]).to(self.device)
+        """Element e < E/2 is the cosine normal of hash e, element E/2 + e its sine partner:
+        half the hashing of one normal per hash."""
+        elements = math.prod(shape)
+        first, second = bits_to_normal_pairs(self._bits((elements + 1) // 2))
+        return torch.cat([first, second], dim=1)[:, :elements].reshape(len(self.ids), *shape)
 
     def randint(self, high: int) -> torch.Tensor:
-        draws = [torch.randint(high, (1,), generator=g) for g in self._generators()]
-        return torch.cat(draws).to(self.device)
+        """int64 [B] in [0, high); the modulo bias is below high / 2**63."""
+        return _shift_right(self._bits(1), 1).reshape(-1) % int(high)
 
 
 class SampleDraws(Protocol):

@@ -42,9 +42,12 @@ class LossSecondMomentSampler:
 
     def draw(self, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(timesteps int64 [B], loss weights 1 / (T p_t) float32 [B]) from uniforms in [0, 1), on their device."""
-        if self._probabilities is None:
-            self._probabilities = torch.from_numpy(self.probabilities())
-        p = self._probabilities.to(uniforms.device)
+        if self._probabilities is None or self._probabilities.device != uniforms.device:
+            p = torch.from_numpy(self.probabilities())
+            if uniforms.device.type == "cuda":  # pinned and non-blocking: the step never waits for the copy
+                p = p.pin_memory().to(uniforms.device, non_blocking=True)
+            self._probabilities = p
+        p = self._probabilities
         cdf = torch.cumsum(p, 0)
         t = torch.searchsorted(cdf, uniforms.double().reshape(-1), right=True).clamp_(max=self.num_timesteps - 1)
         return t, (1.0 / (self.num_timesteps * p[t])).float()

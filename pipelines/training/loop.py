@@ -25,18 +25,26 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
+from pipelines.data.workers import loader_workers
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
+from pipelines.training.device import build_optimizer, place_model, set_backend_flags
+from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.sync_check import SyncDebug
-from pruning import ScoreNormaliser, build_pruner, gather_batch
+from pruning import ScoreNormaliser, build_pruner, gather_tensors
 from pruning.pass_plan import PassPlan
 
 
 class NonFiniteLossError(ValueError):
     """A batch produced a NaN or infinite loss; the message names the step and sample ids."""
+
+
+# Step k's scores reach the pruner after step k+1 is enqueued, so the step never waits for the
+# device; checkpoints and pass ends drain the queue (pipelines/training/deferred.py).
+SCORE_LAG = 1
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -74,15 +82,6 @@ def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int,
     return plan
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases, norms and embeddings of one dimension (as MAE and DiT do)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def mixed_precision(cfg: RunConfig) -> str:
     if cfg.mixed_precision == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -115,8 +114,9 @@ def train(cfg: RunConfig) -> dict:
     index = ShardIndex.load(cfg.data.train)
     hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
     pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **hparams)
-    optimizer = torch.optim.AdamW(parameter_groups(task.model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                  betas=tuple(cfg.optim.betas))
+    set_backend_flags(cfg, device)
+    place_model(cfg, task.model, device)  # before the optimizer: the fused kernel checks the parameters' device
+    optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
@@ -147,18 +147,22 @@ def train(cfg: RunConfig) -> dict:
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
+    workers = loader_workers(cfg.data.num_workers)  # decoding stays in these processes, beside the step
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
     lost_here = 0  # samples this rank lost to bad input since position.bad_samples was last summed
+    steps_this_run = 0  # micro-batches since this process started (the first one may wait: lazy setup)
+    if cfg.debug_device_sync and device.type != "cuda":
+        raise ValueError("debug_device_sync=true checks CUDA synchronisation; this run has no CUDA device")
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
-        plan = begin_pass(position, pruner, index.num_samples, world, cfg.data.num_workers)
+        plan = begin_pass(position, pruner, index.num_samples, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
-        undecodable_here = undecodable_of_rank(position, rank, world, max(1, cfg.data.num_workers))
-        loader = stream.pass_loader(epoch, plan, num_workers=cfg.data.num_workers,
+        undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
+        loader = stream.pass_loader(epoch, plan, num_workers=workers,
                                     skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
                                     pin_memory=device.type == "cuda")
         total = loader.layout.steps
@@ -167,39 +171,59 @@ def train(cfg: RunConfig) -> dict:
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
         bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=f"pass {epoch + 1}/{cfg.passes}",
                        unit="sample", unit_scale=cfg.data.batch_size * world)
-        for batch in loader:
-            micro = position.batch_in_pass
-            is_step = (micro + 1) % accum == 0 or micro + 1 == total
-            lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
-            randomness = SampleRandomness(cfg.seed, epoch, batch.ids, device)
-            if debug is not None:
-                debug.saw(batch.ids)
-            batch = batch.to(device, non_blocking=True)
-            with accelerator.autocast():
-                out = task.per_sample(model, batch, randomness)
-            losses = out.loss.float()
-            ids, gathered, strata = gather_batch(batch.ids, out.for_pruner(), out.stratum)
-            real = ids >= 0
-            position.consumed[ids[real]] = True
-            lost_here += sum(e.samples_lost for e in batch.bad)
-            undecodable_here[batch.worker] += batch.undecodable()
-            if not np.isfinite(gathered[real]).all():
-                bad_ids = ids[real & ~np.isfinite(gathered)].tolist()
-                where = f"step {position.optimizer_steps} (pass {epoch}, batch {micro})"
-                if cfg.on_nonfinite_loss == "stop":
-                    raise NonFiniteLossError(f"non-finite loss at {where} for sample ids {bad_ids}; "
-                                             f"set on_nonfinite_loss=skip to skip such batches")
-                position.skipped_nonfinite += 1
-                accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
-            else:
-                loss = (losses * batch.weights).mean() / accum  # mean(w * loss), InfoBatch's rescaling
-                with accelerator.no_sync(model) if not is_step else nullcontext():
-                    accelerator.backward(loss)
+
+        def consume(record: StepRecord) -> None:
+            """What the host does with a step's gathered batch, in step order: the non-finite
+            check, the pruner's and the score statistics' updates, the pass loss and the log line."""
+            if record.ids is not None:
+                ids, gathered, strata = record.host()
+                real = ids >= 0
+                if not np.isfinite(gathered[real]).all():  # on_nonfinite_loss=stop; skip never gets here
+                    report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.epoch, record.micro)
+                position.consumed[ids[real]] = True
                 pruner.update(ids, scorer(ids, gathered, strata))
                 task.observe(ids, strata, gathered)
                 position.samples_forwarded += int(real.sum())
                 if real.any():  # a batch of padding only has no loss to report
                     pass_losses.append(float(gathered[real].mean()))
+            if record.is_step:
+                pruner.on_step(record.lr)
+                steps = record.step + 1
+                if main and steps % cfg.log_every == 0 and pass_losses:
+                    metrics.write({"kind": "train", "optimizer_steps": steps, "epoch": record.epoch,
+                                   "loss": pass_losses[-1], "lr": record.lr,
+                                   "samples_forwarded": position.samples_forwarded})
+                    bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
+
+        deferred = DeferredRecords(consume, lag=SCORE_LAG)
+        for batch in loader:
+            strict_device_sync(cfg.debug_device_sync and steps_this_run > 0)
+            steps_this_run += 1
+            micro = position.batch_in_pass
+            is_step = (micro + 1) % accum == 0 or micro + 1 == total
+            lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
+            if debug is not None:
+                debug.saw(batch.ids)
+            lost_here += sum(e.samples_lost for e in batch.bad)
+            undecodable_here[batch.worker] += batch.undecodable()
+            step_at = position.optimizer_steps
+            batch = batch.to(device, non_blocking=True)
+            randomness = SampleRandomness(cfg.seed, epoch, batch.ids)
+            with accelerator.autocast():
+                out = task.per_sample(model, batch, randomness)
+            losses = out.loss.float()
+            # Gathered on the device and copied to the host without waiting: consumed a step later.
+            ids, gathered, strata = gather_tensors(batch.ids, out.for_pruner(), out.stratum)
+            host, ready = to_host(ids, gathered, strata)
+            if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
+                # skipping needs the answer before backward: one host read per step, under this policy only
+                report_nonfinite(cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch, micro)
+                position.skipped_nonfinite += 1
+                host = [None, None, None]
+            else:
+                loss = (losses * batch.weights).mean() / accum  # mean(w * loss), InfoBatch's rescaling
+                with accelerator.no_sync(model) if not is_step else nullcontext():
+                    accelerator.backward(loss)
             if is_step:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -208,17 +232,14 @@ def train(cfg: RunConfig) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 ema.step(accelerator.unwrap_model(model).parameters())
-                pruner.on_step(lr)
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
             bar.update(1)
+            deferred.push(StepRecord(step_at, epoch, micro, lr, is_step, *host, ready=ready))
             if is_step:
-                if main and position.optimizer_steps % cfg.log_every == 0 and pass_losses:
-                    record = {"kind": "train", "optimizer_steps": position.optimizer_steps, "epoch": epoch,
-                              "loss": pass_losses[-1], "lr": lr, "samples_forwarded": position.samples_forwarded}
-                    metrics.write(record)
-                    bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
+                    strict_device_sync(False)
+                    deferred.drain()  # the checkpoint holds every update, as if none had waited
                     settle_bad_input(accelerator, position, lost_here, undecodable_here)
                     lost_here = 0
                     position.wall_seconds += time.perf_counter() - pass_start
@@ -228,6 +249,8 @@ def train(cfg: RunConfig) -> dict:
                 if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                     stop = True
                     break
+        strict_device_sync(False)
+        deferred.drain()
         bar.close()
         position.wall_seconds += time.perf_counter() - pass_start
         settle_bad_input(accelerator, position, lost_here, undecodable_here)
@@ -256,6 +279,23 @@ def train(cfg: RunConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def strict_device_sync(on: bool) -> None:
+    """Make any device-to-host synchronisation an error (debug_device_sync), or allow it again."""
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+
+def report_nonfinite(cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, epoch: int,
+                     micro: int) -> None:
+    """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
+    bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
+    where = f"step {step} (pass {epoch}, batch {micro})"
+    if cfg.on_nonfinite_loss == "stop":
+        raise NonFiniteLossError(f"non-finite loss at {where} for sample ids {bad_ids}; "
+                                 f"set on_nonfinite_loss=skip to skip such batches")
+    accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
 
 
 def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, workers: int) -> np.ndarray:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (issue 13), for one CUDA GPU in under 8 minutes, run blind in one shot:
+#   1. the CUDA-only tests (draws equal CPU's; steps never wait for the device),
+#   2. `prunepipe bench throughput` at a realistic size in bf16 (MAE ViT-B/16 at 224 px, the base
+#      latent-diffusion UNet on 4x32x32 latents), project loop against a bare loop,
+#   3. kill-and-resume exactness on CUDA with InfoBatch on,
+# then writes docs/gpu.md (and everything under $OUT when set).
+# Usage: tools/gpu_check.sh            (on the GPU machine)
+#        tools/gpu_check.sh --cpu-smoke (every step at the smallest size on a CPU; writes only under $OUT)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+SMOKE=0
+if [ "${1:-}" = "--cpu-smoke" ]; then SMOKE=1; fi
+OUT_DIR=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT_DIR"
+START=$(date +%s)
+say() { echo "[gpu_check $(( $(date +%s) - START ))s] $*"; }
+export HF_HUB_OFFLINE=1
+
+if [ "$SMOKE" = 1 ]; then
+  SIZE=smoke; PASSES=2; REPEATS=1; BENCH_SIZE=(data.batch_size=16); RESUME_SIZE=(passes=2 data.batch_size=32 mae.embed_dim=32 mae.depth=1
+    mae.num_heads=2 mae.decoder_embed_dim=32 mae.decoder_depth=1 mae.decoder_num_heads=2)
+  REPORT="$OUT_DIR/gpu.md"
+else
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use --cpu-smoke')"
+  SIZE=gpu; PASSES=3; REPEATS=2; BENCH_SIZE=(); RESUME_SIZE=(passes=4)
+  REPORT=docs/gpu.md
+fi
+say "python $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")')"
+
+say "1/3 CUDA-only tests"
+set +e
+timeout 180 "$PY" -m pytest -q -m "not slow" -k cuda tests/test_randomness.py tests/test_deferred_updates.py \
+  > "$OUT_DIR/cuda_tests.log" 2>&1
+TESTS_RC=$?
+set -e
+TESTS=$(tail -n 1 "$OUT_DIR/cuda_tests.log")
+say "tests (exit $TESTS_RC): $TESTS"
+
+say "2/3 throughput, size $SIZE"
+timeout 330 "$PY" -m launch.cli bench throughput --task both --size "$SIZE" --passes "$PASSES" \
+  --repeats "$REPEATS" --json "$OUT_DIR/throughput.json" "${BENCH_SIZE[@]}" > "$OUT_DIR/throughput.log" 2>&1 \
+  || say "throughput FAILED (exit $?)"
+grep -E "repeat|project/bare" "$OUT_DIR/throughput.log" || tail -n 20 "$OUT_DIR/throughput.log"
+
+say "3/3 kill-and-resume with InfoBatch"
+DATA="$OUT_DIR/digits"
+[ -f "$DATA/train/index.json" ] || "$PY" -m launch.cli shards write --out "$DATA" > /dev/null
+timeout 240 "$PY" -m tools.bench.resume_check configs/mae_tiny_infobatch.yaml --out "$OUT_DIR/resume" \
+  --json "$OUT_DIR/resume.json" "data.train=$DATA/train" "data.val=$DATA/val" "${RESUME_SIZE[@]}" \
+  > "$OUT_DIR/resume.log" 2>&1 || { cat "$OUT_DIR/resume.log"; say "resume check FAILED"; }
+say "resume: $(grep -o '"bitwise_equal": [a-z]*' "$OUT_DIR/resume.json" || echo 'no verdict')"
+
+"$PY" -m tools.bench.gpu_report --throughput "$OUT_DIR/throughput.json" --resume "$OUT_DIR/resume.json" \
+  --tests "$TESTS (exit $TESTS_RC)" --command "tools/gpu_check.sh${1:+ $1}" --seconds $(( $(date +%s) - START )) \
+  --out "$REPORT"
+[ "$REPORT" = "$OUT_DIR/gpu.md" ] || cp "$REPORT" "$OUT_DIR/gpu.md"
+say "done: $REPORT"
+[ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = 5 ]  # 5: every test deselected or skipped (a CPU)
+grep -q '"bitwise_equal": true' "$OUT_DIR/resume.json"
