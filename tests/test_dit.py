@@ -73,7 +73,7 @@ def test_initialisation_is_the_papers_adaln_zero_so_a_fresh_dit_predicts_zero():
         assert table.shape[0] == 11 and 0.01 < float(table.detach().std()) < 0.03  # N(0, 0.02), not nn.Embedding's N(0, 1)
     assert not model.proj_out_2.weight.any() and not model.proj_out_1.weight.any()
     attention = model.transformer_blocks[0].attn1.to_q
-    assert not attention.bias.any() and float(attention.weight.abs().max()) <= (6 / (32 + 32)) ** 0.5  # xavier
+    assert not attention.bias.any() and float(attention.weight.detach().abs().max()) <= (6 / (32 + 32)) ** 0.5  # xavier
     out = model(torch.randn(2, CHANNELS, SIZE, SIZE), torch.tensor([10.0, 500.0]), class_labels=torch.tensor([1, 10]))
     assert not out.sample.any()
 
