@@ -23,7 +23,9 @@ from omegaconf.errors import (
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion import DiffusionConfig
+from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig
+from pipelines.tasks.dit import DIT_PRESETS
+from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
@@ -233,6 +235,13 @@ def validate(cfg: RunConfig) -> None:
             )
     _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
     _choice("ldm.timestep_sampling", cfg.ldm.timestep_sampling, TIMESTEP_SAMPLING)
+    _choice("ldm.backbone", cfg.ldm.backbone, BACKBONES)
+    _choice("ldm.objective", cfg.ldm.objective, OBJECTIVES)
+    _choice("ldm.flow_weighting", cfg.ldm.flow_weighting, FLOW_WEIGHTINGS)
+    _choice("ldm.dit", cfg.ldm.dit, DIT_PRESETS)
+    if cfg.eval.fid.guidance_scale != 1.0 and cfg.task == "ldm" and not cfg.ldm.num_classes:
+        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class-conditional "
+                          f"models; ldm.num_classes is 0: use 1.0")
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
         raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
                           f"{cfg.score.momentum}")

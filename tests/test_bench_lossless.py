@@ -216,3 +216,17 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
         f"mae_long_infobatch_no_rescale_s{i}" for i in range(1, 5)]
     with pytest.raises(ValueError, match="no setting 'Infobatch'; accepted: Random, InfoBatch"):
         task_plans("pays_redundant", ["mae"], arms=("Infobatch",))
+
+
+@pytest.mark.slow  # ~30 s: five tiny runs in spawned workers
+def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path):
+    report = bench("dit_micro", ("dit",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"), workers=2)
+    rows = {r["label"]: r for r in report["rows"]}
+    assert {"Full s0", "Full s1", "Full s2", "InfoBatch", "Full @ InfoBatch"} <= set(rows)
+    assert isinstance(rows["InfoBatch"]["lossless"], bool) and rows["InfoBatch"]["beats_equal_compute"] in (True, False)
+    assert all(r["task"] == "dit" and r["metrics"]["denoise_mse"] > 0 for r in report["results"])
+    from pipelines.config import load_config
+
+    cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "dit_long_infobatch", "config.yaml"))
+    assert (cfg.ldm.backbone, cfg.ldm.objective) == ("dit", "flow")
+    assert "<!-- bench:dit_micro:end -->" in (tmp_path / "docs" / "BENCHMARKS.md").read_text()

@@ -27,7 +27,7 @@ def data_overrides(digits_shards):
 def test_every_shipped_config_loads(config, digits_shards):
     cfg = load_config(config, data_overrides(digits_shards))
     assert cfg.task in ("mae", "ldm")
-    if re.fullmatch(r"(mae|ldm)(_tiny)?_(full|random|infobatch|ted|importance)\.yaml", os.path.basename(config)):
+    if re.fullmatch(r"(mae|ldm|ldm_dit)(_tiny)?_(full|random|infobatch|ted|importance)\.yaml", os.path.basename(config)):
         assert cfg.name == os.path.basename(config)[: -len(".yaml")]
         assert cfg.pruner["name"] in os.path.basename(config)
 

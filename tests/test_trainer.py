@@ -22,7 +22,7 @@ from pipelines.checkpoint.store import latest_checkpoint, resolve_resume
 from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
 from pipelines.tasks.build import build_task
-from pipelines.tasks.diffusion import load_pipeline
+from pipelines.tasks.diffusion import load_pipeline, sample
 from pipelines.tasks.mae import load_exported_encoder
 from pipelines.training.loop import NonFiniteLossError, learning_rate, train
 
@@ -68,8 +68,9 @@ def assert_states_equal(a, b, path=""):
 
 @pytest.mark.parametrize(
     "config, extra",
-    [("mae_tiny_infobatch.yaml", TINY_MAE), ("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"])],
-    ids=["mae-infobatch", "ldm-ted"],
+    [("mae_tiny_infobatch.yaml", TINY_MAE), ("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"]),
+     pytest.param("ldm_dit_tiny_infobatch.yaml", ["data.val_batches=1"], marks=pytest.mark.slow)],
+    ids=["mae-infobatch", "ldm-ted", "dit-flow-infobatch"],
 )
 def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra, digits_shards, tmp_path):
     config = os.path.join(ROOT, "configs", config)
@@ -105,6 +106,8 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra
     export = tmp_path / "killed" / "export"
     if "mae" in str(config):  # the exports load where users will load them
         assert load_exported_encoder(str(export)).patch_embed is not None
+    elif "dit" in str(config):
+        assert sample(str(export), 1, 2, torch.Generator().manual_seed(0)).shape == (1, 1, 16, 16)
     else:
         image = load_pipeline(str(export))(batch_size=1, num_inference_steps=2, output_type="np").images
         assert image.shape == (1, 16, 16, 3)

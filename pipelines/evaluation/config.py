@@ -23,7 +23,8 @@ class FIDConfig:
 
     enabled: bool = True
     num_samples: int = 1000  # generated images, over all ranks (published numbers use 50,000)
-    sampler_steps: int = 50  # DDIM steps, eta = 0
+    sampler_steps: int = 50  # DDIM steps, eta = 0 (flow: Euler steps)
+    guidance_scale: float = 1.0  # classifier-free guidance of class-conditional models; 1 = none
     batch_size: int = 64  # images per generation and feature batch, per rank
     # inception: Inception-v3 (torch-fidelity's port of the TF FID graph) from `weights`;
     # classifier: a small-domain classifier written by `python -m tools.feature_net` (not

@@ -88,7 +88,7 @@ class Evaluator:
             decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
             images = generate_images(task, unwrap(model), num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
                                      seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
-                                     decode=decode)
+                                     decode=decode, guidance_scale=fid_cfg.guidance_scale)
             first = next(images, None)  # the generated size decides the reference resolution
             if first is None:
                 raise ValueError(f"eval config: fid.num_samples={fid_cfg.num_samples} leaves rank {rank} of {world} "
@@ -96,6 +96,7 @@ class Evaluator:
             fid = self._fid_evaluator(first.shape[-1], first.shape[1])
             results.update(fid.score(_chain(first, images)))
             results["fid_sampler_steps"] = fid_cfg.sampler_steps
+            results["fid_guidance_scale"] = fid_cfg.guidance_scale
         return results
 
     def _fid_evaluator(self, size: int, channels: int) -> FIDEvaluator:

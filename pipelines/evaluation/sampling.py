@@ -1,5 +1,5 @@
-"""Images from an in-memory UNet for FID: DDIM (eta 0) with a diffusers scheduler, then the VAE
-decoder for latent runs. Sample i starts from noise seeded by (seed, i), so the set of images is
+"""Images from an in-memory model for FID: DDIM (eta 0), or Euler for flow, with classifier-free
+guidance when asked (the task's loop, pipelines/tasks/sampler.py), then the VAE decoder for latent runs. Sample i starts from noise seeded by (seed, i), so the set of images is
 the same for any world size and batch size; each rank generates only its share. Nothing here
 measures anything or touches files other than a VAE's.
 """
@@ -11,11 +11,10 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 import torch.nn as nn
-from diffusers import DDIMScheduler
-
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
 from pipelines.tasks.randomness import per_sample_seeded
+from pipelines.tasks.sampler import denoise
 
 
 def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None
@@ -48,7 +47,7 @@ def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", 
 @torch.no_grad()
 def generate_images(
     task: DiffusionTask,
-    unet: nn.Module,
+    model: nn.Module,
     *,
     num_images: int,
     steps: int,
@@ -57,19 +56,22 @@ def generate_images(
     rank: int = 0,
     world_size: int = 1,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    guidance_scale: float = 1.0,
 ) -> Iterator[torch.Tensor]:
     """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
-    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes."""
+    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, guided by
+    `guidance_scale` (1 = none)."""
     decode = decode or latent_decoder(task)
-    device = next(unet.parameters()).device
-    was_training = unet.training
-    unet.eval()
-    scheduler = DDIMScheduler.from_config(task.scheduler.config)
-    scheduler.set_timesteps(steps)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    scheduler = task.sampler()
+    null = task.cfg.num_classes if task.cfg.num_classes else None
     size = task.sample_size
     shape = (task.in_channels, *((size, size) if isinstance(size, int) else size))
     mine = np.arange(rank, num_images, world_size)
-    bar = progress(len(mine), desc=f"sampling (DDIM {steps} steps)", unit="img", disable=rank != 0)
+    name = "Euler" if task.cfg.objective == "flow" else "DDIM"
+    bar = progress(len(mine), desc=f"sampling ({name} {steps} steps)", unit="img", disable=rank != 0)
     try:
         for start in range(0, len(mine), batch_size):
             indices = mine[start:start + batch_size]
@@ -77,10 +79,9 @@ def generate_images(
             labels = None
             if task.cfg.num_classes:
                 labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
-            for t in scheduler.timesteps:
-                x = scheduler.step(unet(x, t, class_labels=labels).sample, t, x).prev_sample
+            x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
             bar.update(len(indices))
             yield (decode(x).float() / 2 + 0.5).clamp(0, 1)
     finally:
         bar.close()
-        unet.train(was_training)
+        model.train(was_training)

@@ -1,6 +1,7 @@
-"""The latent-diffusion task: a diffusers UNet2DModel trained with DDPMScheduler (epsilon or v), in
-pixel space, on precomputed latents, or on latents of a frozen AutoencoderKL; a per-sample loss, a
-low-variance held-out denoising loss, an export diffusers loads, and a sampler for it.
+"""The latent-diffusion task: a diffusers UNet2DModel or DiTTransformer2DModel (pipelines/tasks/dit.py)
+trained with DDPMScheduler (epsilon or v) or flow matching (pipelines/tasks/flow.py), in pixel space,
+on precomputed latents, or on latents of a frozen AutoencoderKL; a per-sample loss, a low-variance
+held-out loss, an export diffusers loads, and a sampler for it (pipelines/tasks/sampler.py).
 Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
 """
 
@@ -15,26 +16,35 @@ from typing import Iterable
 import numpy as np
 import torch
 import torch.nn as nn
-from diffusers import AutoencoderKL, DDIMScheduler, DDPMPipeline, DDPMScheduler, UNet2DModel
+from diffusers import (AutoencoderKL, DDPMPipeline, DDPMScheduler, DiTTransformer2DModel,
+                       FlowMatchEulerDiscreteScheduler, UNet2DModel)
 from huggingface_hub import constants as hub_constants
 
 from pipelines.data.batch import real_samples
+from pipelines.tasks.dit import DIT_PRESETS, build_dit
+from pipelines.tasks.flow import FLOW_WEIGHTINGS, HELD_OUT_S, draw_s, interpolate, s_stratum
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
+from pipelines.tasks.sampler import denoise, predict, sampling_scheduler
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
 
+BACKBONES = ("unet", "dit")
+OBJECTIVES = ("ddpm", "flow")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
 PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
 AUTOENCODER_INFO = "autoencoder.json"
 HELD_OUT_TIMESTEPS = 10
+MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # export subfolders, as diffusers pipelines name them
 
 
 @dataclass
 class DiffusionConfig:
-    """UNet, noise schedule, loss and autoencoder settings (0 = derive from the data)."""
+    """Backbone, objective, noise schedule, loss and autoencoder settings (0 = derive from the data)."""
 
+    backbone: str = "unet"  # unet (the fields below) | dit (DiTTransformer2DModel, the dit* fields)
+    objective: str = "ddpm"  # ddpm (DDPMScheduler, prediction_type) | flow (v = noise - x0, flow_* fields)
     sample_size: int = 0  # UNet input size; 0 = image size, or image size / VAE downsampling
     in_channels: int = 0  # 0 = image channels, or the VAE's latent channels
     block_out_channels: list[int] = field(default_factory=lambda: [32, 64])
@@ -42,7 +52,19 @@ class DiffusionConfig:
     down_block_types: list[str] = field(default_factory=lambda: ["DownBlock2D", "AttnDownBlock2D"])
     up_block_types: list[str] = field(default_factory=lambda: ["AttnUpBlock2D", "UpBlock2D"])
     norm_num_groups: int = 8
-    num_classes: int = 0  # > 0: class-conditional; label -1 maps to an extra "null" class
+    # DiT: a preset (DiT-S/2, B/2, L/2, XL/2; /4 and /8 too); the dit_* numbers override it when > 0
+    dit: str = "DiT-S/2"
+    dit_depth: int = 0
+    dit_width: int = 0
+    dit_heads: int = 0
+    dit_patch_size: int = 0
+    num_classes: int = 0  # > 0: class-conditional; label -1 maps to an extra "null" class (index num_classes)
+    label_dropout: float = 0.1  # class-conditional: share of samples trained on the null label (guidance)
+    # flow: the density of s (compute_density_for_timestep_sampling's): logit_normal | uniform | mode
+    flow_weighting: str = "logit_normal"
+    flow_logit_mean: float = 0.0
+    flow_logit_std: float = 1.0
+    flow_mode_scale: float = 1.29
     num_train_timesteps: int = 1000
     beta_schedule: str = "squaredcos_cap_v2"
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction"
@@ -93,13 +115,24 @@ def load_autoencoder(
 
 
 class DiffusionTask:
-    """What the training loop needs from latent diffusion: the UNet, a per-sample loss, evaluation and export."""
+    """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
     def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int):
         """`image_size` and `channels` describe the decoded images. With autoencoder='latents' the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
         records `latent_shape`), or pass that shape here."""
         self.cfg = cfg
+        for name, value, accepted in (("backbone", cfg.backbone, BACKBONES), ("objective", cfg.objective, OBJECTIVES),
+                                      ("flow_weighting", cfg.flow_weighting, FLOW_WEIGHTINGS),
+                                      ("dit", cfg.dit, DIT_PRESETS)):
+            if value not in accepted:
+                raise ValueError(f"ldm.{name}: got {value!r}, accepted: {', '.join(accepted)}")
+        if not 0.0 <= cfg.label_dropout < 1.0:
+            raise ValueError(f"ldm.label_dropout must be in [0, 1), got {cfg.label_dropout}")
+        if cfg.objective == "flow" and (cfg.min_snr_gamma or cfg.timestep_sampling != "uniform"):
+            raise ValueError(f"ldm.objective='flow' draws s from ldm.flow_weighting: it takes no ldm.min_snr_gamma "
+                             f"(got {cfg.min_snr_gamma}) and ldm.timestep_sampling='uniform' only "
+                             f"(got {cfg.timestep_sampling!r})")
         if cfg.prediction_type not in PREDICTION_TYPES:
             raise ValueError(
                 f"ldm.prediction_type: got {cfg.prediction_type!r}, accepted: {', '.join(PREDICTION_TYPES)}"
@@ -118,7 +151,7 @@ class DiffusionTask:
         if cfg.num_classes < 0:
             raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
         bad_groups = [c for c in cfg.block_out_channels if c % cfg.norm_num_groups]
-        if bad_groups:
+        if bad_groups and cfg.backbone == "unet":
             raise ValueError(
                 f"ldm.norm_num_groups={cfg.norm_num_groups} must divide every ldm.block_out_channels "
                 f"entry; it does not divide {bad_groups}"
@@ -148,14 +181,17 @@ class DiffusionTask:
         self.sample_size = cfg.sample_size or size
         self.in_channels = cfg.in_channels or latent_channels
         downsampling = 2 ** (len(cfg.block_out_channels) - 1)
-        if self.sample_size % downsampling:
+        if self.sample_size % downsampling and cfg.backbone == "unet":
             raise ValueError(
                 f"ldm.sample_size={self.sample_size} must be a multiple of {downsampling} "
                 f"(2 ** (len(ldm.block_out_channels) - 1))"
             )
 
         # ---------------------------------------------------------------- model and schedule
-        self.model = UNet2DModel(
+        self.model = build_dit(
+            cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels, num_classes=cfg.num_classes,
+            depth=cfg.dit_depth, width=cfg.dit_width, heads=cfg.dit_heads, patch_size=cfg.dit_patch_size,
+        ) if cfg.backbone == "dit" else UNet2DModel(
             sample_size=self.sample_size,
             in_channels=self.in_channels,
             out_channels=self.in_channels,
@@ -166,7 +202,9 @@ class DiffusionTask:
             norm_num_groups=cfg.norm_num_groups,
             num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
         )
-        self.scheduler = DDPMScheduler(
+        # flow: the scheduler only records how to sample (timestep = s * T, as in training)
+        self.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps) \
+            if cfg.objective == "flow" else DDPMScheduler(
             num_train_timesteps=cfg.num_train_timesteps,
             beta_schedule=cfg.beta_schedule,
             prediction_type=cfg.prediction_type,
@@ -190,7 +228,8 @@ class DiffusionTask:
         return ((z - self.shift_factor) * self.scaling_factor).float()  # autocast may have run the VAE in bf16
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
-        """Labels for the UNet: None when unconditional; -1 (no label) becomes the null class."""
+        """Labels for the model: None when unconditional (a DiT then gets the null label); -1 (no
+        label) becomes the null class."""
         if not self.cfg.num_classes:
             return None
         if bool((labels >= self.cfg.num_classes).any()):
@@ -198,6 +237,15 @@ class DiffusionTask:
                 f"label {int(labels.max())} is out of range for ldm.num_classes={self.cfg.num_classes}"
             )
         return torch.where(labels < 0, torch.full_like(labels, self.cfg.num_classes), labels)
+
+    def training_labels(self, labels: torch.Tensor, draws: SampleDraws) -> torch.Tensor | None:
+        """class_labels, each replaced by the null label with probability ldm.label_dropout, once per
+        sample from its own draws (so the drop is fixed by (seed, pass, id), whatever the batch)."""
+        mapped = self.class_labels(labels)
+        if mapped is None or self.cfg.label_dropout <= 0:
+            return mapped
+        dropped = draws.rand().to(mapped.device) < self.cfg.label_dropout
+        return torch.where(dropped, torch.full_like(mapped, self.cfg.num_classes), mapped)
 
     # ---------------------------------------------------------------- loss
     def min_snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
@@ -214,7 +262,7 @@ class DiffusionTask:
 
     @property
     def num_strata(self) -> int:
-        """Per-sample strata: the timesteps, 0..T-1."""
+        """Per-sample strata: the timesteps, 0..T-1 (flow: s in T equal buckets)."""
         return self.cfg.num_train_timesteps
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
@@ -225,11 +273,12 @@ class DiffusionTask:
         """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured, with
         each sample's timestep as its stratum. With importance-sampled timesteps the loss is also
         weighted 1 / (T p_t) and the score (what the pruner and the sampler see) is the loss without it.
+        Flow: the velocity MSE at the sample's s, its bucket of s as the stratum.
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
         pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
-        only), the noise [B, C, h, w], the timesteps [B]. `model` may be a DDP/accelerate wrapper:
-        always call the one passed.
+        only), the noise [B, C, h, w], the timesteps or s [B], the label drop [B] (class-conditional
+        with label_dropout > 0 only). `model` may be a DDP/accelerate wrapper: always call the one passed.
         """
         draws = batch_draws(generator, len(batch.images))
         x0 = self.encode(batch.images, draws)
@@ -241,11 +290,17 @@ class DiffusionTask:
             )
         device = x0.device
         noise = draws.randn(*x0.shape[1:]).to(device)
+        cfg = self.cfg
+        if cfg.objective == "flow":
+            s = draw_s(draws, cfg.flow_weighting, logit_mean=cfg.flow_logit_mean, logit_std=cfg.flow_logit_std,
+                       mode_scale=cfg.flow_mode_scale, device=device)
+            losses = self._flow_mse(model, x0, noise, s, self.training_labels(batch.labels.to(device), draws))
+            return SampleLosses(losses, s_stratum(s, cfg.num_train_timesteps))
         if self.timestep_sampler is None:
-            timesteps, importance = draws.randint(self.cfg.num_train_timesteps).to(device), None
+            timesteps, importance = draws.randint(cfg.num_train_timesteps).to(device), None
         else:
             timesteps, importance = self.timestep_sampler.draw(draws.rand().to(device))
-        losses = self._denoising_mse(model, x0, noise, timesteps, batch.labels.to(device))
+        losses = self._denoising_mse(model, x0, noise, timesteps, self.training_labels(batch.labels.to(device), draws))
         if self.cfg.min_snr_gamma > 0:
             losses = losses * self.min_snr_weights(timesteps)
         if importance is None:
@@ -258,15 +313,30 @@ class DiffusionTask:
             self.timestep_sampler.update(ids, strata, scores)
 
     def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
+        """`labels` as class_labels returns them (None or class indices)."""
         noisy = self.scheduler.add_noise(x0, noise, timesteps)
         if self.cfg.prediction_type == "epsilon":
             target = noise
         else:
             target = self.scheduler.get_velocity(x0, noise, timesteps)
-        pred = model(noisy, timesteps, class_labels=self.class_labels(labels)).sample
-        return (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+        return _mse(predict(model, noisy, timesteps, labels), target)
+
+    def _flow_mse(self, model, x0, noise, s, labels) -> torch.Tensor:
+        """Velocity MSE [B] at s [B]; the model sees timestep s * T, as the Euler sampler feeds it."""
+        x_s, velocity = interpolate(x0, noise, s)
+        return _mse(predict(model, x_s, s * self.cfg.num_train_timesteps, labels), velocity)
 
     # ---------------------------------------------------------------- evaluation
+    def sampler(self):
+        """A fresh sampling scheduler: Euler for flow, DDIM (eta 0) for DDPM."""
+        return sampling_scheduler(type(self.scheduler).__name__, self.scheduler.config)
+
+    def held_out_grid(self) -> list[tuple[str, torch.Tensor]]:
+        """(metric key, timestep or s) of the fixed held-out grid of this objective."""
+        if self.cfg.objective == "flow":
+            return [(f"flow_mse_s{round(s * 100):03d}", torch.tensor(s)) for s in HELD_OUT_S]
+        return [(f"denoise_mse_t{t:04d}", torch.tensor(t)) for t in self.held_out_timesteps()]
+
     def held_out_timesteps(self) -> list[int]:
         """The fixed grid: HELD_OUT_TIMESTEPS evenly spaced timesteps from 0 to T-1."""
         grid = np.linspace(0, self.cfg.num_train_timesteps - 1, HELD_OUT_TIMESTEPS)
@@ -276,41 +346,45 @@ class DiffusionTask:
     def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:
         """Unweighted denoising MSE at a fixed grid of timesteps with each sample's noise fixed by
         (seed, id), and the VAE posterior mean: the same inputs every call, so changes are the
-        model's. Keys: denoise_mse (grid mean), denoise_mse_t{t:04d}, num_samples. Padding (id < 0)
-        is ignored; evaluate the unwrapped or EMA model when only one rank runs this."""
+        model's. Keys: denoise_mse (grid mean), denoise_mse_t{t:04d}, num_samples. Flow: the velocity
+        MSE at s = 0.05, 0.15, .., 0.95 (flow_mse_s{100 s:03d}); denoise_mse is then their mean, the
+        objective's own held-out loss. Padding (id < 0) is ignored; evaluate the unwrapped or EMA model
+        when only one rank runs this."""
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        grid = self.held_out_timesteps()
+        grid = self.held_out_grid()
+        mse = self._flow_mse if self.cfg.objective == "flow" else self._denoising_mse
         sums = np.zeros(len(grid))
         count = 0
         try:
             for batch in real_samples(batches):
                 ids = batch.ids.cpu().numpy()
                 x0 = self.encode(batch.images.to(device))
-                labels = batch.labels.to(device)
+                labels = self.class_labels(batch.labels.to(device))
                 noise = per_sample_seeded(tuple(x0.shape[1:]), ids, seed, normal=True).to(device)
-                for k, t in enumerate(grid):
-                    timesteps = torch.full((len(ids),), t, dtype=torch.long, device=device)
-                    sums[k] += float(self._denoising_mse(model, x0, noise, timesteps, labels).double().sum())
+                for k, (_, t) in enumerate(grid):
+                    sums[k] += float(mse(model, x0, noise, t.to(device).expand(len(ids)), labels).double().sum())
                 count += len(ids)
         finally:
             model.train(was_training)
         per_t = sums / max(count, 1)
-        result = {f"denoise_mse_t{t:04d}": float(v) for t, v in zip(grid, per_t)}
+        result = {key: float(v) for (key, _), v in zip(grid, per_t)}
         return {"denoise_mse": float(per_t.mean()), **result, "num_samples": count}
 
     # ---------------------------------------------------------------- export
     def export(self, model: nn.Module, ema_model, out_dir: str) -> list[str]:
-        """Write unet/ (and unet_ema/ when an EMA is given) with save_pretrained, scheduler/, and
+        """Write unet/ (DiT: transformer/), and unet_ema/ (transformer_ema/) when an EMA is given,
+        with save_pretrained; scheduler/ (DDPMScheduler, or FlowMatchEulerDiscreteScheduler for flow);
         autoencoder.json: how samples map back to images (a reference to the VAE, not a copy)."""
         os.makedirs(out_dir, exist_ok=True)
         written = []
-        unet_dir = os.path.join(out_dir, "unet")
-        unwrap(model).save_pretrained(unet_dir)
-        written.append(unet_dir)
+        name = MODEL_FOLDERS[self.cfg.backbone]
+        model_dir = os.path.join(out_dir, name)
+        unwrap(model).save_pretrained(model_dir)
+        written.append(model_dir)
         if ema_model is not None:
-            ema_dir = os.path.join(out_dir, "unet_ema")
+            ema_dir = os.path.join(out_dir, f"{name}_ema")
             weights_module(ema_model, model).save_pretrained(ema_dir)
             written.append(ema_dir)
         scheduler_dir = os.path.join(out_dir, "scheduler")
@@ -330,22 +404,38 @@ class DiffusionTask:
         return written
 
 
+def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[B] float32 MSE over all non-batch dims."""
+    return (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+
+
 # -------------------------------------------------------------------- sampling from an export
-def _load_unet(export_dir: str, ema: bool) -> UNet2DModel:
-    subfolder = "unet_ema" if ema else "unet"
+def _load_model(export_dir: str, ema: bool) -> UNet2DModel | DiTTransformer2DModel:
+    """The export's unet/ or transformer/ (their _ema/ twins with `ema`)."""
+    dit = os.path.isdir(os.path.join(export_dir, MODEL_FOLDERS["dit"] + ("_ema" if ema else "")))
+    subfolder = MODEL_FOLDERS["dit" if dit else "unet"] + ("_ema" if ema else "")
     if not os.path.isdir(os.path.join(export_dir, subfolder)):
         raise FileNotFoundError(
             f"{export_dir}: no {subfolder}/ (written by DiffusionTask.export"
             + ("; the run kept no EMA, pass ema=False)" if ema else ")")
         )
-    return UNet2DModel.from_pretrained(export_dir, subfolder=subfolder)
+    return (DiTTransformer2DModel if dit else UNet2DModel).from_pretrained(export_dir, subfolder=subfolder)
+
+
+def _null_label(model: UNet2DModel | DiTTransformer2DModel) -> int | None:
+    """The null label of a class-conditional model, None for an unconditional UNet."""
+    if isinstance(model, DiTTransformer2DModel):
+        return int(model.config.num_embeds_ada_norm)
+    return model.config.num_class_embeds - 1 if model.config.num_class_embeds else None
 
 
 def load_pipeline(export_dir: str, ema: bool = True) -> DDPMPipeline:
     """A diffusers DDPMPipeline for an unconditional pixel-space export; `sample` covers the rest."""
     with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
         info = json.load(f)
-    unet = _load_unet(export_dir, ema)
+    unet = _load_model(export_dir, ema)
+    if not isinstance(unet, UNet2DModel):
+        raise ValueError(f"{export_dir}: holds a DiT (transformer/); DDPMPipeline samples UNets: use sample()")
     if info["autoencoder"] != PIXEL_SPACE or unet.config.num_class_embeds:
         raise ValueError(
             f"{export_dir}: DDPMPipeline samples unconditional pixel-space models only; this export has "
@@ -365,30 +455,31 @@ def sample(
     class_labels: torch.Tensor | None = None,
     vae: str | None = None,
     vae_subfolder: str = "",
+    guidance_scale: float = 1.0,
 ) -> torch.Tensor:
-    """[num_images, C, H, W] float images in [0, 1] from an export: DDIM (eta 0) over `steps`
-    steps, then the VAE decoder for latent runs. Runs on generator.device.
+    """[num_images, C, H, W] float images in [0, 1] from an export: DDIM (eta 0), or Euler for flow,
+    over `steps` steps from torch.randn(generator), then the VAE decoder for latent runs. Runs on
+    generator.device. The same loop as the FID evaluator's (pipelines/tasks/sampler.py).
 
-    class_labels [N] for class-conditional models (default: the null class). `vae` overrides the
+    class_labels [N] for class-conditional models (default: the null class), with classifier-free
+    guidance when guidance_scale != 1. `vae` overrides the
     autoencoder recorded in autoencoder.json (with `vae_subfolder`); runs on precomputed latents
     must pass it (the latent shards' index.json records "vae" and "subfolder").
     """
     with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
         info = json.load(f)
     device = generator.device
-    unet = _load_unet(export_dir, ema).to(device)
-    scheduler = DDIMScheduler.from_config(DDPMScheduler.load_config(export_dir, subfolder="scheduler"))
-    scheduler.set_timesteps(steps)
-    labels = None
-    if unet.config.num_class_embeds:
-        null = unet.config.num_class_embeds - 1
+    model = _load_model(export_dir, ema).to(device)
+    config = DDPMScheduler.load_config(export_dir, subfolder="scheduler")
+    scheduler = sampling_scheduler(config.get("_class_name", ""), config)
+    labels, null = None, _null_label(model)
+    if null is not None and (null > 0 or isinstance(model, UNet2DModel)):  # a DiT of 0 classes is unconditional
         labels = torch.full((num_images,), null, dtype=torch.long) if class_labels is None else class_labels.long()
         labels = torch.where(labels < 0, torch.full_like(labels, null), labels).to(device)
-    size = unet.config.sample_size
-    shape = (num_images, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+    size = model.config.sample_size
+    shape = (num_images, model.config.in_channels, *((size, size) if isinstance(size, int) else size))
     x = torch.randn(shape, generator=generator, device=device)
-    for t in scheduler.timesteps:
-        x = scheduler.step(unet(x, t, class_labels=labels).sample, t, x).prev_sample
+    x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
 
     name = vae or info["autoencoder"]
     if name == PIXEL_SPACE:

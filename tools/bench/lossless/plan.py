@@ -15,7 +15,7 @@ SEEDS = (0, 1, 2)
 class TaskPlan:
     """One task's benchmark: its config, data size, schedules, pruners and extra settings to try."""
 
-    task: str  # mae | ldm
+    task: str  # mae | ldm | dit (latent diffusion with the DiT + flow recipe)
     config: str  # configs/bench_*.yaml
     main: str  # the metric the verdicts use
     train_samples: int  # the first N digits train; the val split is all of val
@@ -70,12 +70,29 @@ def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = ()) -> list[
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
                  TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 4, 2, PRUNERS, fid_samples=64,
                           fid_steps=10, timing_rounds=0)]
+    elif mode.startswith("dit"):
+        plans = [dit_plan(mode)]
     elif mode == "micro":
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
     else:
-        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro, pays_DATA")
+        raise ValueError(f"bench mode {mode!r}: accepted: full, quick, micro, pays_DATA, dit, dit_quick, dit_micro")
     return [p for p in plans if p.task in tasks]
+
+
+def dit_plan(mode: str) -> TaskPlan:
+    """The DiT + flow task (issue 14), InfoBatch against Full at 3 seeds: dit (the measurement),
+    dit_quick (the same in a few minutes), dit_micro (the harness test)."""
+    infobatch = {"InfoBatch": PRUNERS["InfoBatch"]}
+    if mode == "dit":
+        return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 16, 0, infobatch, fid_samples=128,
+                        fid_steps=10, timing_rounds=0)
+    if mode == "dit_quick":
+        return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 4, 0, infobatch, fid_samples=32,
+                        fid_steps=5, timing_rounds=0)
+    if mode == "dit_micro":
+        return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 96, 2, 0, infobatch, timing_rounds=0)
+    raise ValueError(f"bench mode {mode!r}: accepted: dit, dit_quick, dit_micro")
 
 
 @dataclass

@@ -9,7 +9,7 @@ not depend on load; the long schedule is then rerun one run at a time for wall-c
 trains through `pipelines.training.loop.train` and judges with the evaluators, changing neither (the
 run's pruner is wrapped only to time its calls; its decisions are untouched).
 
-    python -m tools.bench.lossless [--task mae|ldm|both] [--quick] [--out docs] [--work /tmp/bench_lossless]
+    python -m tools.bench.lossless [--task mae|ldm|both|dit] [--quick] [--out docs] [--work /tmp/bench_lossless]
 
 Writes OUT/BENCHMARKS.md (the generated part between the `bench:` markers; text outside them is kept),
 OUT/benchmarks/*.png, and WORK/lossless_{mode}.json with every number (`--from-json` re-renders from it).
@@ -203,7 +203,7 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[di
         fid_weights = feature_net(root) if plan.fid_samples > 0 else ""
         context[plan.task] = (plan, root, fid_weights)
         jobs += first_specs(plan)
-    cost = {"mae": 1.0, "ldm": 4.0}  # seconds per pass, roughly: the costliest job first keeps both workers busy
+    cost = {"mae": 1.0, "ldm": 4.0, "dit": 2.0}  # seconds per pass, roughly: the costliest job first keeps both workers busy
     pending = sorted(jobs, key=lambda s: -s.passes * cost[s.task])
     results = []
     pool_kwargs = dict(max_workers=workers, initializer=_init_worker,
@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=("mae", "ldm", "both"), default="both")
+    parser.add_argument("--task", choices=("mae", "ldm", "both", "dit"), default="both",
+                        help="dit: the DiT + flow latent-diffusion task, InfoBatch vs Full at 3 seeds (its own block)")
     parser.add_argument("--quick", action="store_true", help="a few minutes: same runs, few passes")
     parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
@@ -446,6 +447,8 @@ def run_from_args(args) -> int:
     mode, suite = pays_invocation(args) if args.suite == "pays" else ("quick" if args.quick else "full", "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
+    if args.task == "dit":
+        mode = "dit_quick" if args.quick else "dit"
     report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms)
     print(report["markdown"])
     return 0

@@ -1,0 +1,112 @@
+"""The DiT backbone (Peebles & Xie 2023, arXiv 2212.09748) as diffusers' DiTTransformer2DModel: the
+paper's presets, its initialisation, and the traps of diffusers 0.42 handled once, here.
+It builds and calls the model; it never draws random numbers for training (the task does).
+
+Traps (issue 14): every block owns a timestep MLP and a label table and drops labels itself with a
+hard-coded p = 0.1, an independent mask per block, in train mode: we set that to 0 and drop labels
+once per sample in the task. `class_labels=None` raises, so unconditional = always the null label
+(index num_classes). Timesteps must be a 1-D float tensor. diffusers leaves the default init: we
+apply the paper's (xavier, N(0, 0.02) embeddings, zero adaLN modulation and final layer).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+from diffusers import DiTTransformer2DModel
+
+from pipelines.tasks.wrappers import unwrap
+
+# name -> (depth, hidden size, heads): Table 1 of the paper; the patch size follows the slash
+DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+DIT_PRESETS = tuple(f"DiT-{size}/{patch}" for size in DIT_SIZES for patch in (2, 4, 8))
+
+
+def dit_shape(preset: str, depth: int = 0, width: int = 0, heads: int = 0, patch_size: int = 0) -> dict:
+    """(num_layers, hidden size, heads, patch size) of `preset`, each overridden when > 0
+    (tiny CPU models: `DiT-S/2` with depth 2, width 64, heads 2)."""
+    match = re.fullmatch(r"DiT-(S|B|L|XL)/(\d+)", preset)
+    if not match:
+        raise ValueError(f"ldm.dit={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
+                         f"(ldm.dit_depth, dit_width, dit_heads, dit_patch_size override its numbers)")
+    layers, hidden, n_heads = DIT_SIZES[match.group(1)]
+    shape = {"num_layers": depth or layers, "width": width or hidden, "heads": heads or n_heads,
+             "patch_size": patch_size or int(match.group(2))}
+    if shape["width"] % shape["heads"]:
+        raise ValueError(f"ldm.dit_width={shape['width']} must be a multiple of ldm.dit_heads={shape['heads']}")
+    return shape
+
+
+def build_dit(preset: str, *, sample_size: int, in_channels: int, num_classes: int, depth: int = 0,
+              width: int = 0, heads: int = 0, patch_size: int = 0) -> DiTTransformer2DModel:
+    """A DiT with the paper's initialisation and no built-in label dropout. Predicts as many
+    channels as it takes (no learned sigma: epsilon / v / velocity only)."""
+    shape = dit_shape(preset, depth, width, heads, patch_size)
+    if sample_size % shape["patch_size"]:
+        raise ValueError(f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
+                         f"{shape['patch_size']} (ldm.dit={preset!r}, ldm.dit_patch_size)")
+    model = DiTTransformer2DModel(
+        num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
+        in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
+        sample_size=sample_size, patch_size=shape["patch_size"],
+        num_embeds_ada_norm=num_classes,  # the label table has num_classes + 1 rows: the last is the null label
+    )
+    disable_block_label_dropout(model)
+    initialise_like_dit(model)
+    return model
+
+
+def disable_block_label_dropout(model: DiTTransformer2DModel) -> None:
+    """Every block's LabelEmbedding drops labels on its own (p = 0.1, hard-coded, a fresh mask per
+    block and again for the final layer): off, so the task's one per-sample drop is the only one.
+    An attribute, not config: from_pretrained brings the 0.1 back (harmless in eval mode)."""
+    for block in model.transformer_blocks:
+        block.norm1.emb.class_embedder.dropout_prob = 0.0
+
+
+@torch.no_grad()
+def initialise_like_dit(model: DiTTransformer2DModel) -> None:
+    """DiT's `initialize_weights` (models.py of facebookresearch/DiT) on diffusers' module names."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    patch = model.pos_embed.proj.weight  # a conv: initialised like a Linear over its flattened kernel
+    nn.init.xavier_uniform_(patch.view(patch.shape[0], -1))
+    nn.init.zeros_(model.pos_embed.proj.bias)
+    for block in model.transformer_blocks:
+        emb = block.norm1.emb
+        nn.init.normal_(emb.class_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(emb.timestep_embedder.linear_1.weight, std=0.02)
+        nn.init.normal_(emb.timestep_embedder.linear_2.weight, std=0.02)
+        # adaLN-Zero: each block starts as the identity (the paper's Sec. 3.2)
+        nn.init.zeros_(block.norm1.linear.weight)
+        nn.init.zeros_(block.norm1.linear.bias)
+    for layer in (model.proj_out_1, model.proj_out_2):  # the final layer's modulation and projection
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+
+
+def dit_inputs(model: nn.Module, timesteps: torch.Tensor, labels: torch.Tensor | None, batch_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(timesteps as 1-D float [B], labels with None = the null label [B]) as the DiT forward needs."""
+    timesteps = timesteps.float().reshape(-1).expand(batch_size) if timesteps.numel() == 1 else timesteps.float()
+    if labels is None:
+        null = dit_null_label(model)
+        labels = torch.full((batch_size,), null, dtype=torch.long, device=timesteps.device)
+    return timesteps, labels
+
+
+def dit_null_label(model: nn.Module) -> int:
+    """The index of the null label: num_embeds_ada_norm (= the number of classes)."""
+    return int(unwrap(model).config.num_embeds_ada_norm)
+
+
+def compile_blocks(model: DiTTransformer2DModel, **compile_kwargs) -> None:
+    """torch.compile each transformer block in place: diffusers' compile_repeated_blocks() refuses
+    DiT (it declares no _repeated_blocks), and compiling the whole model recompiles per shape."""
+    for block in model.transformer_blocks:
+        block.compile(**compile_kwargs)
