@@ -1,13 +1,16 @@
 """The model, its optimizer and torch's backend flags set up for the device a run trains on: TF32,
-fused AdamW, channels_last for the UNet and torch.compile, as the `cuda:` config asks (docs/gpu.md).
+fused AdamW, channels_last for the UNet and torch.compile (per block for DiT), as the `cuda:` config
+asks (docs/gpu.md).
 On a CPU every switch is ignored, so CPU runs and tests train exactly as before.
 """
 
 from __future__ import annotations
 
 import torch
+from diffusers import DiTTransformer2DModel
 
 from pipelines.config import RunConfig
+from pipelines.tasks.dit import compile_blocks
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -33,10 +36,11 @@ def place_model(cfg: RunConfig, model: torch.nn.Module, device: torch.device) ->
     model = model.to(device)
     if device.type != "cuda":
         return model
-    if cfg.cuda.channels_last and cfg.task == "ldm":
+    dit = isinstance(model, DiTTransformer2DModel)
+    if cfg.cuda.channels_last and cfg.task == "ldm" and not dit:  # a convolution layout: the UNet's only
         model = model.to(memory_format=torch.channels_last)
     if cfg.cuda.compile:
-        model.compile()
+        compile_blocks(model) if dit else model.compile()  # compile_repeated_blocks() refuses DiT: per block
     return model
 
 
