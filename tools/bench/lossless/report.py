@@ -141,7 +141,8 @@ def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     full = next(r for r in rows if r["role"] == "full")
     lines.append("")
-    lines.append(f"Full over 3 seeds: {main} {fmt(full['full_mean'])} ± {fmt(full['full_std'], 2)} (sample std); "
+    seeds = sum(r["role"] == "full" for r in rows)
+    lines.append(f"Full over {seeds} seeds: {main} {fmt(full['full_mean'])} ± {fmt(full['full_std'], 2)} (sample std); "
                  f"Δ = (worse - better) / that std, positive = worse than Full.")
     return lines
 
