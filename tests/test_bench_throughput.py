@@ -58,7 +58,7 @@ def test_gpu_script_runs_every_step_on_a_cpu(tmp_path):
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.load(open(tmp_path / "throughput.json"))
-    assert [r["task"] for r in rows] == ["mae", "ldm"]
+    assert [r["task"] for r in rows] == ["mae", "ldm", "dit"]
     assert json.load(open(tmp_path / "resume.json"))["bitwise_equal"] is True
     report = open(tmp_path / "gpu.md").read()
     assert "| mae |" in report and "bitwise equal" in report

@@ -40,7 +40,7 @@ TESTS=$(tail -n 1 "$OUT_DIR/cuda_tests.log")
 say "tests (exit $TESTS_RC): $TESTS"
 
 say "2/3 throughput, size $SIZE"
-timeout 330 "$PY" -m launch.cli bench throughput --task both --size "$SIZE" --passes "$PASSES" \
+timeout 330 "$PY" -m launch.cli bench throughput --task all --size "$SIZE" --passes "$PASSES" \
   --repeats "$REPEATS" --json "$OUT_DIR/throughput.json" "${BENCH_SIZE[@]}" > "$OUT_DIR/throughput.log" 2>&1 \
   || say "throughput FAILED (exit $?)"
 grep -E "repeat|project/bare" "$OUT_DIR/throughput.log" || tail -n 20 "$OUT_DIR/throughput.log"

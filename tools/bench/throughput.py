@@ -31,7 +31,9 @@ from pipelines.tasks.randomness import GeneratorDraws
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.loop import mixed_precision, train
 
-CONFIGS = {"mae": "configs/mae_tiny_full.yaml", "ldm": "configs/ldm_tiny_full.yaml"}
+CONFIGS = {"mae": "configs/mae_tiny_full.yaml", "ldm": "configs/ldm_tiny_full.yaml",
+           "dit": "configs/ldm_dit_tiny_full.yaml"}
+LATENTS_4x32x32 = ["ldm.autoencoder=latents", "ldm.in_channels=4", "ldm.sample_size=32", "data.resolution=32"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -132,7 +134,7 @@ def ensure_data(task: str, size: str, data: str | None, scratch: str) -> str:
     GPU size), or for ldm at the GPU size random 4x32x32 latents standing in for encoded images."""
     if data:
         return data
-    if task == "ldm" and size == "gpu":
+    if task in ("ldm", "dit") and size == "gpu":
         from tools.bench.latent_shards import write_random_latents
 
         return write_random_latents(os.path.join(scratch, "latents"), count=2048, shape=(4, 32, 32))
@@ -147,17 +149,21 @@ def ensure_data(task: str, size: str, data: str | None, scratch: str) -> str:
 
 SIZES = {
     # what CI and a laptop can run: the tiny configs as they are
-    "tiny": {"mae": [], "ldm": []},
-    # MAE ViT-B/16 at 224 px and the latent-diffusion UNet of configs/ldm_base.yaml on 4x32x32 latents
+    "tiny": {"mae": [], "ldm": [], "dit": []},
+    # MAE ViT-B/16 at 224 px, the latent-diffusion UNet of configs/ldm_base.yaml and DiT-B/2 (flow,
+    # unconditional) on 4x32x32 latents
     "gpu": {"mae": ["mae.preset=vit_base", "data.resolution=224", "mae.norm_pix_loss=true"],
-            "ldm": ["ldm.autoencoder=latents", "ldm.in_channels=4", "ldm.sample_size=32", "data.resolution=32",
+            "dit": [*LATENTS_4x32x32, "ldm.dit=DiT-B/2", "ldm.dit_depth=0", "ldm.dit_width=0", "ldm.dit_heads=0",
+                    "ldm.num_classes=0", "optim.lr=1e-4"],
+            "ldm": [*LATENTS_4x32x32,
                     "ldm.block_out_channels=[128,256,512,512]", "ldm.layers_per_block=2", "ldm.norm_num_groups=32",
                     "ldm.down_block_types=[DownBlock2D,AttnDownBlock2D,AttnDownBlock2D,DownBlock2D]",
                     "ldm.up_block_types=[UpBlock2D,AttnUpBlock2D,AttnUpBlock2D,UpBlock2D]"]},
     # every code path at the smallest size, for a test of the GPU script on a CPU
     "smoke": {"mae": ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
                       "mae.decoder_depth=1", "mae.decoder_num_heads=2"],
-              "ldm": ["ldm.block_out_channels=[16,32]", "data.resolution=16"]},
+              "ldm": ["ldm.block_out_channels=[16,32]", "data.resolution=16"],
+              "dit": ["ldm.dit_depth=1"]},
 }
 
 
@@ -204,7 +210,8 @@ def format_row(row: dict) -> str:
 
 # ----------------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=("mae", "ldm", "both"), default="mae")
+    parser.add_argument("--task", choices=("mae", "ldm", "dit", "both", "all"), default="mae",
+                        help="both: mae and ldm (the UNet); all: mae, ldm and dit")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny",
                         help="tiny: the tiny configs; gpu: MAE ViT-B/16 at 224 px and the base UNet on 4x32x32 "
                              "latents; smoke: the smallest models, to check the command runs")
@@ -220,7 +227,7 @@ def run_from_args(args) -> None:
     if args.passes < 2 or args.repeats < 1:
         raise ValueError(f"--passes must be >= 2 (the first warms up) and --repeats >= 1, got {args.passes}, "
                          f"{args.repeats}")
-    tasks = ["mae", "ldm"] if args.task == "both" else [args.task]
+    tasks = {"both": ["mae", "ldm"], "all": ["mae", "ldm", "dit"]}.get(args.task, [args.task])
     rows = run_bench(tasks, size=args.size, passes=args.passes, repeats=args.repeats, data=args.data,
                      overrides=args.overrides)
     if args.json:
