@@ -40,6 +40,9 @@ def test_num_workers_takes_auto_or_a_count_and_names_the_field_otherwise(digits_
     cores = len(os.sched_getaffinity(0))
     assert loader_workers("auto", processes_on_node=1) == max(0, min(8, cores - 1))
     assert loader_workers("auto", processes_on_node=cores) == 0, "a rank with one core decodes itself"
+    # training on a CPU: the cores left beside torch's threads, none when they take them all
+    assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=cores) == 0
+    assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=1) == max(0, min(8, cores - 1))
 
 
 def test_cuda_switches_are_typed_config_fields(digits_shards):

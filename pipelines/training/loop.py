@@ -147,7 +147,7 @@ def train(cfg: RunConfig) -> dict:
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
-    workers = loader_workers(cfg.data.num_workers)  # decoding stays in these processes, beside the step
+    workers = loader_workers(cfg.data.num_workers, device_type=device.type)  # decoding beside the step
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
