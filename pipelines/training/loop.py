@@ -35,6 +35,7 @@ from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.sync_check import SyncDebug
 from pruning import ScoreNormaliser, build_pruner, gather_tensors
+from pruning.bitmap import Bitmap
 from pruning.pass_plan import PassPlan
 
 
@@ -68,17 +69,16 @@ def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int,
     """
     if position.batch_in_pass == 0 and position.excluded is None:
         pruner.plan(position.epoch)
-        position.consumed = np.zeros(num_samples, dtype=bool)
+        position.consumed = Bitmap.zeros(num_samples)
         position.pass_offset = 0.0
-    plan = PassPlan.from_pruner(pruner, num_samples)
+    plan = PassPlan.from_pruner(pruner)
     if position.batch_in_pass > 0 and (position.world_size, position.num_workers) != (world, num_workers):
-        kept = plan.kept
         position.excluded = position.consumed.copy()
-        position.pass_offset = float((position.consumed & kept).sum() / max(kept.sum(), 1))
+        position.pass_offset = float(plan.count_kept(among=position.consumed) / max(plan.count_kept(), 1))
         position.batch_in_pass = 0
     position.world_size, position.num_workers = world, num_workers
     if position.excluded is not None:
-        plan = PassPlan(plan.epoch, np.where(position.excluded, np.float32(0), plan.weights))
+        plan = plan.excluding(position.excluded)
     return plan
 
 
@@ -167,7 +167,7 @@ def train(cfg: RunConfig) -> dict:
                                     pin_memory=device.type == "cuda")
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
-        kept_fraction = plan.kept_fraction()
+        kept_fraction = loader.layout.kept / index.num_samples
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
         bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=f"pass {epoch + 1}/{cfg.passes}",
                        unit="sample", unit_scale=cfg.data.batch_size * world)
@@ -180,7 +180,7 @@ def train(cfg: RunConfig) -> dict:
                 real = ids >= 0
                 if not np.isfinite(gathered[real]).all():  # on_nonfinite_loss=stop; skip never gets here
                     report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.epoch, record.micro)
-                position.consumed[ids[real]] = True
+                position.consumed.set(ids[real])
                 pruner.update(ids, scorer(ids, gathered, strata))
                 task.observe(ids, strata, gathered)
                 position.samples_forwarded += int(real.sum())
@@ -330,7 +330,7 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "epoch": position.epoch,
         "optimizer_steps": position.optimizer_steps,
         "steps_in_pass": steps,
-        "kept_fraction": plan.kept_fraction(),
+        "kept_fraction": layout.kept / plan.num_samples,
         "kept_samples": layout.kept,
         "tail": layout.tail,
         "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),

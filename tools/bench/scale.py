@@ -1,0 +1,177 @@
+"""Pruning at scale (issue 15): bytes per sample per node and per rank, plan + layout time per pass
+boundary for a simulated world of nodes x ranks, and save/load time of the pruner state.
+
+Run: `prunepipe bench scale --samples 100000000` (a markdown table on stdout, JSON lines with
+`--json`). Each pruner is measured in a fresh child process so that its peak RSS is its own. Every
+sample is scored (TED: twice, with a learning rate between) through the pruner's `_record`, the
+update path without the per-batch de-duplication, which would only make filling 1e9 ids slow.
+What is measured, and how:
+- `tables`, `plan`, `consumed`: numpy `nbytes` of the score tables, the frozen plan's arrays and the
+  pass's consumed bitmap, per sample. Per rank = all three; per node = ranks_per_node x per rank, as
+  every rank still holds its own score tables.
+- `peak RSS`: the child's high-water resident memory (VmHWM, reset after the imports) above its RSS
+  after imports, per sample: before loading a saved state, and with it.
+- `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
+  nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+_CHUNK = 1 << 22
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Start the high-water mark again from the current RSS (Linux >= 4.0), past the imports' peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def score_everything(pruner, visits: int) -> float:
+    """Record a loss for every sample `visits` times; seconds taken."""
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    for visit in range(visits):
+        for first in range(0, pruner.num_samples, _CHUNK):
+            ids = np.arange(first, min(first + _CHUNK, pruner.num_samples), dtype=np.int64)
+            pruner._record(ids, rng.exponential(1.0 / (1 + visit), len(ids)).astype(np.float32))
+        pruner.on_step(1e-3)
+    return time.perf_counter() - start
+
+
+def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
+            folder: str) -> dict:
+    """One pruner's row (run in a child process: see `main`)."""
+    from pipelines.data.layout import pass_layout
+    from pipelines.data.shards import ShardIndex
+    from pruning import build_pruner
+    from pruning.bitmap import Bitmap
+    from pruning.pass_plan import PassPlan
+
+    torch.set_num_threads(1)
+    reset_peak_rss()
+    baseline = rss_bytes()
+    counts = np.full(-(-samples // shard_size), shard_size, dtype=np.int64)
+    counts[-1] = samples - shard_size * (len(counts) - 1)
+    index = ShardIndex(tuple(f"shard-{i:07d}.tar" for i in range(len(counts))), counts)
+    pruner = build_pruner(name, samples, 100, seed=0)
+    fill_seconds = score_everything(pruner, 2 if name == "ted" else 1)
+    world = nodes * ranks_per_node
+    start_boundary = time.perf_counter()
+    pruner.plan(5)
+    planned = time.perf_counter()
+    plan = PassPlan.from_pruner(pruner)
+    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
+                         world_size=world, num_workers=workers, batch_size=256)
+    boundary = time.perf_counter() - start_boundary
+    consumed = Bitmap.zeros(samples)  # what the loop keeps per pass
+    frozen = plan.frozen
+    tables = sum(t.nbytes for t in pruner._tables().values())
+    plan_bytes = sum(a.nbytes for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs)
+                     if a is not None)
+    per_rank = plan_bytes + consumed.packed.nbytes
+    path = os.path.join(folder, f"{name}.pt")
+    start = time.perf_counter()
+    torch.save(pruner.state_dict(), path)
+    saved = time.perf_counter() - start
+    file_bytes = os.path.getsize(path)
+    peak_before_load = peak_rss_bytes()
+    del pruner, plan, frozen, consumed  # a resumed process holds one pruner: the one it loads into
+    start = time.perf_counter()
+    build_pruner(name, samples, 100, seed=0).load_state_dict(torch.load(path, weights_only=True))
+    loaded = time.perf_counter() - start
+    os.remove(path)
+    return {
+        "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
+        "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
+        "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed.packed.nbytes / samples,
+        "per_rank_B": (tables + per_rank) / samples,
+        # every rank of a node holds its own tables (one table per node: not built yet)
+        "per_node_B": ranks_per_node * (tables + per_rank) / samples,
+        "peak_rss_B": (peak_before_load - baseline) / samples,
+        "peak_rss_with_load_B": (peak_rss_bytes() - baseline) / samples,
+        "plan_s": planned - start_boundary, "boundary_s": boundary, "fill_s": fill_seconds,
+        "save_s": saved, "load_s": loaded, "state_file_B": file_bytes / samples,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
+               ("consumed_B", "{:.3f}"), ("per_rank_B", "{:.2f}"), ("per_node_B", "{:.2f}"),
+               ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"), ("boundary_s", "{:.1f}"),
+               ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}")]
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt.format(row[name]) for name, fmt in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=float, default=1e8, help="samples in the simulated table (1e8, 1e9)")
+    parser.add_argument("--pruners", nargs="+", default=["infobatch", "ted", "random", "importance"])
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4, help="loader workers per rank in the layout")
+    parser.add_argument("--shard-size", type=int, default=10_000)
+    parser.add_argument("--folder", default=None, help="where the state is saved (default: a temporary folder)")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's own pruner
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    samples = int(args.samples)
+    folder = args.folder or tempfile.mkdtemp(prefix="prunepipe-scale-")
+    if args.one:
+        print(json.dumps(measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size,
+                                 folder)))
+        return 0
+    rows = []
+    for name in args.pruners:
+        command = [sys.executable, "-m", "tools.bench.scale", "--one", name, "--samples", str(samples),
+                   "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
+                   "--workers", str(args.workers), "--shard-size", str(args.shard_size), "--folder", folder]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        if done.returncode != 0:
+            print(f"{name}: the measuring child failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    if not args.json:
+        print(f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
+              f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
+              f"{args.workers} workers per rank, shards of {args.shard_size} -->")
+        print(format_table(rows))
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run_from_args(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
