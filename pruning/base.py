@@ -259,6 +259,7 @@ class Pruner(abc.ABC):
         self._recorded_losses = 0
         self._skipped_in_earlier_passes = 0
         self._skipped_this_pass = 0
+        self._writes_tables = True  # False on a node's other ranks once its tables are shared
 
     # -- what subclasses provide ---------------------------------------------------------------
 
@@ -328,7 +329,29 @@ class Pruner(abc.ABC):
             return
         ids, losses = unique_last(ids[keep], losses[keep])
         self._recorded_losses += len(ids)
-        self._record(ids, losses)
+        if self._writes_tables:  # a node's shared tables are written by one rank (issue 15)
+            self._record(ids, losses)
+
+    def table_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of each per-sample table: what a shared copy of the tables must hold."""
+        return {name: (table.shape, table.dtype) for name, table in self._tables().items()}
+
+    def share_tables(self, tables: dict[str, np.ndarray], writes: bool) -> None:
+        """Use `tables` (arrays mapped from memory the node's ranks share) in place of this pruner's
+        own, still all zero. The rank that `writes` records every update in them; the others keep
+        counting but leave the tables alone, so that the gathered updates are written once per node.
+        Their readers must wait for the writer before `plan()` (the loop's barrier does)."""
+        mine = self._tables()
+        if set(tables) != set(mine):
+            raise ValueError(f"shared tables {sorted(tables)} are not this pruner's {sorted(mine)}")
+        for name, table in tables.items():
+            if table.shape != mine[name].shape or table.dtype != mine[name].dtype:
+                raise ValueError(f"shared table {name!r} is {table.dtype}{list(table.shape)}, "
+                                 f"expected {mine[name].dtype}{list(mine[name].shape)}")
+            setattr(self, "_" + name, table)  # every table `x` of `_tables()` is the attribute `_x`
+        if set(map(id, self._tables().values())) != set(map(id, tables.values())):
+            raise TypeError(f"{type(self).__name__}: each table `x` of _tables() must be the attribute `_x`")
+        self._writes_tables = bool(writes)
 
     def on_step(self, lr: float) -> None:
         """Called after each optimizer step with that step's learning rate (default: unused)."""
@@ -388,11 +411,17 @@ class Pruner(abc.ABC):
         if set(state["tables"]) != set(tables):
             raise ValueError(f"pruner state has tables {sorted(state['tables'])}, expected {sorted(tables)}")
         for name, table in tables.items():
-            saved = state["tables"][name].numpy()
+            saved = state["tables"][name]
+            if callable(saved):  # a reader that streams the saved table into ours (pipelines/checkpoint)
+                if self._writes_tables:
+                    saved(table)
+                continue
+            saved = saved.numpy()
             if saved.shape != table.shape or saved.dtype != table.dtype:
                 raise ValueError(f"pruner state table {name!r} is {saved.dtype}{list(saved.shape)}, "
                                  f"expected {table.dtype}{list(table.shape)}")
-            table[...] = saved  # copy: two pruners loaded from one state must not share tables
+            if self._writes_tables:  # a node's other ranks see what its writer copies
+                table[...] = saved  # copy: two pruners loaded from one state must not share tables
         counters = state["counters"]
         self._nonfinite_losses = int(counters["nonfinite_losses"])
         self._recorded_losses = int(counters["recorded_losses"])

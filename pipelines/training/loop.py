@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from diffusers.training_utils import EMAModel
 
 from pipelines.checkpoint.position import TrainingPosition
+from pipelines.checkpoint.pruner_state import CheckpointedPruner
 from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
 from pipelines.config import RunConfig, to_yaml
 from pipelines.data.decode import SampleDecoder
@@ -33,6 +34,7 @@ from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.metrics import MetricsLog
+from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
 from pruning import ScoreNormaliser, build_pruner, gather_tensors
 from pruning.bitmap import Bitmap
@@ -120,8 +122,14 @@ def train(cfg: RunConfig) -> dict:
     model, optimizer = accelerator.prepare(task.model, optimizer)
     ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
+    local_rank, local_size = local_rank_and_size()
+    node_tables = NodeTables(pruner, rank, local_rank, local_size if world > 1 else 1, run_token() if world > 1 else "")
+    if main and node_tables.shared:
+        print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
+              f"({local_size} ranks per node)")
     position = TrainingPosition()
-    accelerator.register_for_checkpointing(pruner, ema, position)
+    checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
+    accelerator.register_for_checkpointing(checkpointed, ema, position)
     scorer = ScoreNormaliser(cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets,
                              momentum=cfg.score.momentum)
     if cfg.score.normalise != "none":  # registered only when used: older checkpoints hold three objects
@@ -132,6 +140,7 @@ def train(cfg: RunConfig) -> dict:
     resume_from = choose_resume(accelerator, cfg.checkpoint.resume, run_dir)  # the newest intact checkpoint
     if resume_from is not None:
         load_resume(accelerator, resume_from)
+        checkpointed.finish_load(resume_from)
         if main:
             print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
                   f"step {position.optimizer_steps}")
@@ -158,6 +167,7 @@ def train(cfg: RunConfig) -> dict:
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
+        node_tables.settle()  # the node's writer has recorded every update (or loaded the state) first
         plan = begin_pass(position, pruner, index.num_samples, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
@@ -244,7 +254,8 @@ def train(cfg: RunConfig) -> dict:
                     lost_here = 0
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
-                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
+                                    checkpointed.write_tables)
                     last_saved = position.optimizer_steps
                 if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                     stop = True
@@ -271,7 +282,8 @@ def train(cfg: RunConfig) -> dict:
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     if position.optimizer_steps != last_saved:
-        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
+                        checkpointed.write_tables)
     if main and position.epoch >= cfg.passes:
         ema_model = copy.deepcopy(accelerator.unwrap_model(model))
         ema.copy_to(ema_model.parameters())

@@ -7,12 +7,15 @@ sample is scored (TED: twice, with a learning rate between) through the pruner's
 update path without the per-batch de-duplication, which would only make filling 1e9 ids slow.
 What is measured, and how:
 - `tables`, `plan`, `consumed`: numpy `nbytes` of the score tables, the frozen plan's arrays and the
-  pass's consumed bitmap, per sample. Per rank = all three; per node = ranks_per_node x per rank, as
-  every rank still holds its own score tables.
+  pass's consumed bitmap, per sample; per rank = all three, for a process alone.
 - `peak RSS`: the child's high-water resident memory (VmHWM, reset after the imports) above its RSS
   after imports, per sample: before loading a saved state, and with it.
 - `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
   nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
+- `node`: `--node-ranks` real processes (gloo) of one node sharing their tables as training does
+  (pipelines/training/node_tables.py), each planning and laying out the pass and holding a full
+  consumed bitmap: the sum of their Pss growth (shared pages counted once) per sample, and the
+  largest private (Uss) growth of a rank other than local rank 0, per sample.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def score_everything(pruner, visits: int) -> float:
     for visit in range(visits):
         for first in range(0, pruner.num_samples, _CHUNK):
             ids = np.arange(first, min(first + _CHUNK, pruner.num_samples), dtype=np.int64)
-            pruner._record(ids, rng.exponential(1.0 / (1 + visit), len(ids)).astype(np.float32))
+            losses = rng.exponential(1.0 / (1 + visit), len(ids)).astype(np.float32)
+            if pruner._writes_tables:  # a node's other ranks leave its shared tables to local rank 0
+                pruner._record(ids, losses)
         pruner.on_step(1e-3)
     return time.perf_counter() - start
 
@@ -90,7 +95,8 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     tables = sum(t.nbytes for t in pruner._tables().values())
     plan_bytes = sum(a.nbytes for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs)
                      if a is not None)
-    per_rank = plan_bytes + consumed.packed.nbytes
+    consumed_bytes = consumed.packed.nbytes
+    per_rank = plan_bytes + consumed_bytes
     path = os.path.join(folder, f"{name}.pt")
     start = time.perf_counter()
     torch.save(pruner.state_dict(), path)
@@ -105,10 +111,8 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     return {
         "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
         "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
-        "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed.packed.nbytes / samples,
-        "per_rank_B": (tables + per_rank) / samples,
-        # every rank of a node holds its own tables (one table per node: not built yet)
-        "per_node_B": ranks_per_node * (tables + per_rank) / samples,
+        "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed_bytes / samples,
+        "per_rank_B": (tables + per_rank) / samples,  # one process alone: tables, plan, consumed
         "peak_rss_B": (peak_before_load - baseline) / samples,
         "peak_rss_with_load_B": (peak_rss_bytes() - baseline) / samples,
         "plan_s": planned - start_boundary, "boundary_s": boundary, "fill_s": fill_seconds,
@@ -116,13 +120,92 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     }
 
 
+def memory_of_process() -> tuple[int, int]:
+    """(Pss, Uss) in bytes: the proportional share of every page (shared ones split among the
+    processes that map them, so a node's Pss sum counts its shared tables once) and the pages
+    mapped by this process alone."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields["Pss"], fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int, nodes: int, workers: int,
+              shard_size: int, out: str) -> None:
+    """One rank of a simulated node: shared tables, every sample scored, one pass boundary."""
+    import torch.distributed as dist
+
+    from pipelines.data.layout import pass_layout
+    from pipelines.data.shards import ShardIndex
+    from pipelines.training.node_tables import NodeTables, run_token
+    from pruning import build_pruner
+    from pruning.bitmap import Bitmap
+    from pruning.pass_plan import PassPlan
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks_per_node)
+    counts = np.full(-(-samples // shard_size), shard_size, dtype=np.int64)
+    counts[-1] = samples - shard_size * (len(counts) - 1)
+    index = ShardIndex(tuple(f"shard-{i:07d}.tar" for i in range(len(counts))), counts)
+    dist.barrier()
+    before = memory_of_process()
+    pruner = build_pruner(name, samples, 100, seed=0)
+    tables = NodeTables(pruner, rank, rank, ranks_per_node, run_token())
+    score_everything(pruner, 2 if name == "ted" else 1)
+    tables.settle()
+    start = time.perf_counter()
+    pruner.plan(5)
+    plan = PassPlan.from_pruner(pruner)
+    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
+                         world_size=nodes * ranks_per_node, num_workers=workers, batch_size=256)
+    boundary = time.perf_counter() - start
+    consumed = Bitmap.zeros(samples)
+    consumed.packed[:] = 0xFF  # the end of a pass: every page of the bitmap written
+    dist.barrier()
+    after = memory_of_process()
+    found = [None] * ranks_per_node
+    dist.all_gather_object(found, (after[0] - before[0], after[1] - before[1], boundary, layout.steps))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(found, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
+                 folder: str) -> dict:
+    """A node of `ranks_per_node` real processes (gloo) sharing their tables: bytes per sample of the
+    node (Pss sum) and of each rank beyond local rank 0 (its private pages)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(folder, f"{name}-node.json")
+    mp.start_processes(node_rank, args=(port, name, samples, ranks_per_node, nodes, workers, shard_size, out),
+                       nprocs=ranks_per_node, join=True, start_method="spawn")
+    ranks = json.load(open(out))
+    extra = [uss for _, uss, _, _ in ranks[1:]]
+    return {"node_pss_B": sum(pss for pss, _, _, _ in ranks) / samples,
+            "extra_rank_uss_B": max(extra) / samples if extra else 0.0,
+            "node_boundary_s": max(b for _, _, b, _ in ranks), "node_steps": sorted({st for *_, st in ranks})}
+
+
 def format_table(rows: list[dict]) -> str:
     columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
-               ("consumed_B", "{:.3f}"), ("per_rank_B", "{:.2f}"), ("per_node_B", "{:.2f}"),
+               ("consumed_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
                ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"), ("boundary_s", "{:.1f}"),
-               ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}")]
+               ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}"),
+               ("node_pss_B", "{:.2f}"), ("extra_rank_uss_B", "{:.3f}"), ("node_boundary_s", "{:.1f}")]
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt.format(row[name]) for name, fmt in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(fmt.format(row[name]) if name in row else "-" for name, fmt in columns) + " |"
+              for row in rows]
     return "\n".join(lines)
 
 
@@ -134,6 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="loader workers per rank in the layout")
     parser.add_argument("--shard-size", type=int, default=10_000)
     parser.add_argument("--folder", default=None, help="where the state is saved (default: a temporary folder)")
+    parser.add_argument("--node-ranks", type=int, default=8, help="real processes of one simulated node that "
+                        "share their tables (1: skip the node measurement)")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's own pruner
 
@@ -142,14 +227,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     samples = int(args.samples)
     folder = args.folder or tempfile.mkdtemp(prefix="prunepipe-scale-")
     if args.one:
-        print(json.dumps(measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size,
-                                 folder)))
+        row = measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size, folder)
+        if args.node_ranks > 1:
+            row.update(measure_node(args.one, samples, args.nodes, args.node_ranks, args.workers, args.shard_size,
+                                    folder))
+        print(json.dumps(row))
         return 0
     rows = []
     for name in args.pruners:
         command = [sys.executable, "-m", "tools.bench.scale", "--one", name, "--samples", str(samples),
                    "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
-                   "--workers", str(args.workers), "--shard-size", str(args.shard_size), "--folder", folder]
+                   "--workers", str(args.workers), "--shard-size", str(args.shard_size), "--folder", folder,
+                   "--node-ranks", str(args.node_ranks)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env,
                               cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
