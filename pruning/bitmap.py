@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_CHUNK = 1 << 24  # ids per step of the chunked whole-table operations: bounded temporaries
+_CHUNK = 1 << 22  # ids per step of the chunked whole-table operations: bounded temporaries
 
 
 class Bitmap:

@@ -18,7 +18,7 @@ import torch
 from .base import FrozenPlan
 from .bitmap import Bitmap
 
-_CHUNK = 1 << 22  # ids per step of the whole-pass counts: their temporaries stay a few MB
+_CHUNK = 1 << 20  # ids per step of the whole-pass counts: the coin's temporaries stay about 25 MB
 
 
 @dataclass(frozen=True)

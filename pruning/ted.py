@@ -17,7 +17,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TIE_BREAK_SALT = 0x7ED_71E5  # a coin stream of its own for breaking score ties in plan()
 
 UNSEEN, SEEN_ONCE, SCORED = 0, 1, 2  # values of the per-sample `visits` table
-_CHUNK = 1 << 22  # samples per step of plan(): its temporaries stay a few MB at any table size
+_CHUNK = 1 << 20  # samples per step of plan(): its temporaries stay a few MB at any table size
 
 
 def _to_key(scores: np.ndarray) -> np.ndarray:

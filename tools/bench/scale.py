@@ -13,8 +13,8 @@ What is measured, and how:
 - `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
   nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
 - `node`: `--node-ranks` real processes (gloo) of one node sharing their tables as training does
-  (pipelines/training/node_tables.py), each planning and laying out the pass and holding a full
-  consumed bitmap: the sum of their Pss growth (shared pages counted once) per sample, and the
+  (pipelines/training/node_tables.py), each planning and laying out the pass, holding the plan's
+  shared-memory copy for loader workers and a full consumed bitmap: the sum of their Pss growth (shared pages counted once) per sample, and the
   largest private (Uss) growth of a rank other than local rank 0, per sample.
 """
 
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20
 
 
 def rss_bytes() -> int:
@@ -68,6 +69,7 @@ def score_everything(pruner, visits: int) -> float:
 def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
             folder: str) -> dict:
     """One pruner's row (run in a child process: see `main`)."""
+    from pipelines.checkpoint.pruner_state import CheckpointedPruner
     from pipelines.data.layout import pass_layout
     from pipelines.data.shards import ShardIndex
     from pruning import build_pruner
@@ -97,17 +99,22 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
                      if a is not None)
     consumed_bytes = consumed.packed.nbytes
     per_rank = plan_bytes + consumed_bytes
-    path = os.path.join(folder, f"{name}.pt")
+    # as a checkpoint holds it: the small state in a .pkl, the tables as files (pipelines/checkpoint/pruner_state.py)
+    checkpoint = os.path.join(folder, f"{name}-checkpoint")
+    os.makedirs(checkpoint, exist_ok=True)
     start = time.perf_counter()
-    torch.save(pruner.state_dict(), path)
+    torch.save(CheckpointedPruner(pruner).state_dict(), os.path.join(checkpoint, "custom_checkpoint_0.pkl"))
+    CheckpointedPruner(pruner).write_tables(checkpoint)
     saved = time.perf_counter() - start
-    file_bytes = os.path.getsize(path)
+    file_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files)
     peak_before_load = peak_rss_bytes()
     del pruner, plan, frozen, consumed  # a resumed process holds one pruner: the one it loads into
     start = time.perf_counter()
-    build_pruner(name, samples, 100, seed=0).load_state_dict(torch.load(path, weights_only=True))
+    loader = CheckpointedPruner(build_pruner(name, samples, 100, seed=0))
+    loader.load_state_dict(torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=True))
+    loader.finish_load(checkpoint)
     loaded = time.perf_counter() - start
-    os.remove(path)
+    shutil.rmtree(checkpoint)
     return {
         "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
         "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
@@ -163,12 +170,14 @@ def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int
     layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
                          world_size=nodes * ranks_per_node, num_workers=workers, batch_size=256)
     boundary = time.perf_counter() - start
+    for_workers = plan.share()  # what a pass loader with workers hands them: the bitmap in shared memory
     consumed = Bitmap.zeros(samples)
     consumed.packed[:] = 0xFF  # the end of a pass: every page of the bitmap written
     dist.barrier()
     after = memory_of_process()
     found = [None] * ranks_per_node
     dist.all_gather_object(found, (after[0] - before[0], after[1] - before[1], boundary, layout.steps))
+    del for_workers
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
