@@ -55,5 +55,6 @@ def test_a_state_with_its_tables_inside_loads_as_before():
 
 def test_a_table_file_of_another_size_is_named(tmp_path):
     CheckpointedPruner(scored_infobatch(5000)).write_tables(str(tmp_path))
-    with pytest.raises(ValueError, match=r"seen\.npy: pruner table is uint8\[5000\], this pruner expects uint8\[6000\]"):
+    expected = r"seen\.npy: pruner table is uint8\[5000\], this pruner expects uint8\[6000\]"
+    with pytest.raises(ValueError, match=expected):
         read_npy_into(os.path.join(tmp_path, TABLES, "seen.npy"), np.zeros(6000, np.uint8))

@@ -83,5 +83,7 @@ def resolve_tables(state: dict, folder: str) -> dict:
     """A loaded pruner state with its table files read into tensors (for readers of a checkpoint)."""
     tables = {}
     for name, table in state["tables"].items():
-        tables[name] = table if isinstance(table, torch.Tensor) else torch.from_numpy(np.load(os.path.join(folder, table)))
+        if not isinstance(table, torch.Tensor):  # a file of the checkpoint, named relative to it
+            table = torch.from_numpy(np.load(os.path.join(folder, table)))
+        tables[name] = table
     return {**state, "tables": tables}

@@ -122,8 +122,8 @@ def train(cfg: RunConfig) -> dict:
     model, optimizer = accelerator.prepare(task.model, optimizer)
     ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
-    local_rank, local_size = local_rank_and_size()
-    node_tables = NodeTables(pruner, rank, local_rank, local_size if world > 1 else 1, run_token() if world > 1 else "")
+    local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
+    node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
     if main and node_tables.shared:
         print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
               f"({local_size} ranks per node)")

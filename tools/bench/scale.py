@@ -14,8 +14,9 @@ What is measured, and how:
   nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
 - `node`: `--node-ranks` real processes (gloo) of one node sharing their tables as training does
   (pipelines/training/node_tables.py), each planning and laying out the pass, holding the plan's
-  shared-memory copy for loader workers and a full consumed bitmap: the sum of their Pss growth (shared pages counted once) per sample, and the
-  largest private (Uss) growth of a rank other than local rank 0, per sample.
+  shared-memory copy for loader workers and a full consumed bitmap: the sum of their Pss growth
+  (shared pages counted once) per sample, and the largest private (Uss) growth of a rank other
+  than local rank 0, per sample.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, worke
 def format_table(rows: list[dict]) -> str:
     columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
                ("consumed_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
-               ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"), ("boundary_s", "{:.1f}"),
+               ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"),
+               ("boundary_s", "{:.1f}"),
                ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}"),
                ("node_pss_B", "{:.2f}"), ("extra_rank_uss_B", "{:.3f}"), ("node_boundary_s", "{:.1f}")]
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
