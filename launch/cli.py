@@ -144,6 +144,13 @@ def _bench_lossless(args) -> None:
     run_from_args(args)
 
 
+def _bench_scale(args) -> int:
+    """Bytes per sample per node and rank, plan + layout time, state save/load at 1e8+ samples (tools/bench/scale.py)."""
+    from tools.bench.scale import run_from_args
+
+    return run_from_args(args)
+
+
 def _bench_throughput(args) -> None:
     """The project loop against a bare example-script loop, same model and batch (tools/bench/throughput.py)."""
     from tools.bench.throughput import run_from_args
@@ -265,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_throughput_arguments(throughput)
     throughput.set_defaults(func=_bench_throughput)
+    scale = bench_sub.add_parser("scale", help="pruning at 1e8-1e9 samples: bytes per sample per node and per "
+                                 "rank, plan + layout time for a simulated world, pruner state save/load")
+    from tools.bench.scale import add_arguments as bench_scale_arguments
+
+    bench_scale_arguments(scale)
+    scale.set_defaults(func=_bench_scale)
     return parser
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .bitmap import Bitmap
+
 # ----------------------------------------------------------------------------------------------
 # Counter-based coin
 # ----------------------------------------------------------------------------------------------
@@ -120,13 +122,15 @@ _COUNT_CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class FrozenPlan:
-    """The decisions of one pass, frozen at its start.
+    """The decisions of one pass, frozen at its start: a candidate bitmap, one keep probability and
+    the coin; nothing dense per sample (issue 15).
 
     Samples outside `candidates` are kept with weight 1. A candidate is kept with probability
     `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
     sample's expected weight is 1 and the expected gradient equals the full-data one.
     `candidates is None` means every sample is a candidate; keep_prob == 1 means full data.
-    `keep_probs` (float32 per sample) replaces the one keep_prob by a probability per sample.
+    `keep_probs` (float32 per sample, 4 bytes each: Importance's plan, the one that needs them)
+    replaces the one keep_prob by a probability per sample.
     `rescale=False` keeps the kept ones at weight 1: the expectation then leans away from what is
     skipped (a choice to measure on redundant data, not a default).
     """
@@ -135,13 +139,17 @@ class FrozenPlan:
     epoch: int
     num_samples: int
     keep_prob: float
-    candidates: np.ndarray | None  # bool [num_samples], read-only
+    candidates: Bitmap | None  # 1 bit per sample, read-only
     rescale: bool = True
     keep_probs: np.ndarray | None = None  # float32 [num_samples] in (0, 1], read-only
 
     @property
     def candidate_weight(self) -> np.float32:
         return np.float32(1.0 / self.keep_prob) if self.rescale else np.float32(1.0)
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.keep_prob >= 1.0 and self.keep_probs is None
 
     def weights(self, ids: np.ndarray) -> np.ndarray:
         ids = as_ids(ids)
@@ -159,49 +167,67 @@ class FrozenPlan:
         if self.candidates is None:
             weights[:] = np.where(uniform_coin(self.seed, self.epoch, ids) < self.keep_prob, self.candidate_weight, 0.0)
             return weights
-        is_candidate = self.candidates[ids]
+        is_candidate = self.candidates.test(ids)
         coin = uniform_coin(self.seed, self.epoch, ids[is_candidate])
         weights[is_candidate] = np.where(coin < self.keep_prob, self.candidate_weight, 0.0)
         return weights
 
+    def kept_between(self, start: int, stop: int) -> np.ndarray:
+        """bool per id of [start, stop): kept this pass (the same coins `weights` draws)."""
+        if self.keeps_all:
+            return np.ones(stop - start, dtype=bool)
+        if self.keep_probs is not None:
+            ids = np.arange(start, stop, dtype=np.int64)
+            return uniform_coin(self.seed, self.epoch, ids) < self.keep_probs[start:stop]
+        kept = np.ones(stop - start, dtype=bool)
+        if self.candidates is None:
+            candidate_ids = np.arange(start, stop, dtype=np.int64)
+        else:
+            candidate_ids = start + np.flatnonzero(self.candidates.between(start, stop))
+        kept[candidate_ids - start] = uniform_coin(self.seed, self.epoch, candidate_ids) < self.keep_prob
+        return kept
+
     def count_skipped(self) -> int:
         """Exactly how many samples this pass skips (the same coins `weights` draws)."""
-        if self.keep_prob >= 1.0 and self.keep_probs is None:
+        if self.keeps_all:
             return 0
         skipped = 0
         for start in range(0, self.num_samples, _COUNT_CHUNK):  # chunks bound the temporaries at 1e8+ samples
             stop = min(start + _COUNT_CHUNK, self.num_samples)
-            if self.keep_probs is not None:
-                ids = np.arange(start, stop, dtype=np.int64)
-                skipped += int(np.count_nonzero(uniform_coin(self.seed, self.epoch, ids) >= self.keep_probs[start:stop]))
-                continue
-            if self.candidates is None:
-                candidate_ids = np.arange(start, stop, dtype=np.int64)
-            else:
-                candidate_ids = start + np.flatnonzero(self.candidates[start:stop])
-            skipped += int(np.count_nonzero(uniform_coin(self.seed, self.epoch, candidate_ids) >= self.keep_prob))
+            skipped += (stop - start) - int(np.count_nonzero(self.kept_between(start, stop)))
         return skipped
 
     def to_state(self) -> dict:
         # copies: torch refuses to wrap the read-only arrays of a frozen plan
-        candidates = None if self.candidates is None else torch.from_numpy(self.candidates.copy())
+        bits = None if self.candidates is None else torch.from_numpy(self.candidates.packed.copy())
         keep_probs = None if self.keep_probs is None else torch.from_numpy(self.keep_probs.copy())
-        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": candidates, "rescale": self.rescale,
-                "keep_probs": keep_probs}
+        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": None, "candidate_bits": bits,
+                "rescale": self.rescale, "keep_probs": keep_probs}
 
     @classmethod
     def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
-        arrays = {}
-        for name, dtype in (("candidates", np.bool_), ("keep_probs", np.float32)):
-            array = state.get(name)  # keep_probs: absent from plans saved before it existed
-            if array is not None:
-                array = np.array(array.numpy(), dtype=dtype, copy=True)
-                if array.shape != (num_samples,):
-                    raise ValueError(f"plan {name} have shape {tuple(array.shape)}, expected ({num_samples},)")
-                array.flags.writeable = False
-            arrays[name] = array
-        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), arrays["candidates"],
-                   bool(state.get("rescale", True)), arrays["keep_probs"])
+        keep_probs = state.get("keep_probs")  # absent from plans saved before it existed
+        if keep_probs is not None:
+            keep_probs = np.array(keep_probs.numpy(), dtype=np.float32, copy=True)
+            if keep_probs.shape != (num_samples,):
+                raise ValueError(f"plan keep_probs have shape {tuple(keep_probs.shape)}, expected ({num_samples},)")
+            keep_probs.flags.writeable = False
+        candidates = None
+        if state.get("candidate_bits") is not None:
+            packed = np.array(state["candidate_bits"].numpy(), dtype=np.uint8, copy=True)
+            if packed.shape != ((num_samples + 7) // 8,):
+                raise ValueError(f"plan candidate_bits have shape {tuple(packed.shape)}, "
+                                 f"expected ({(num_samples + 7) // 8},) for {num_samples} samples")
+            candidates = Bitmap(packed, num_samples)
+        elif state.get("candidates") is not None:  # saved before plans were packed: a bool per sample
+            flags = state["candidates"].numpy()
+            if flags.shape != (num_samples,):
+                raise ValueError(f"plan candidates have shape {tuple(flags.shape)}, expected ({num_samples},)")
+            candidates = Bitmap.from_bools(flags)
+        if candidates is not None:
+            candidates.packed.flags.writeable = False
+        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates,
+                   bool(state.get("rescale", True)), keep_probs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,6 +259,7 @@ class Pruner(abc.ABC):
         self._recorded_losses = 0
         self._skipped_in_earlier_passes = 0
         self._skipped_this_pass = 0
+        self._writes_tables = True  # False on a node's other ranks once its tables are shared
 
     # -- what subclasses provide ---------------------------------------------------------------
 
@@ -258,6 +285,11 @@ class Pruner(abc.ABC):
         return {}
 
     # -- the contract --------------------------------------------------------------------------
+
+    @property
+    def frozen_plan(self) -> FrozenPlan | None:
+        """The plan of the current pass (None before the first `plan`): what the data stream reads."""
+        return self._plan
 
     @property
     def epoch(self) -> int | None:
@@ -297,7 +329,29 @@ class Pruner(abc.ABC):
             return
         ids, losses = unique_last(ids[keep], losses[keep])
         self._recorded_losses += len(ids)
-        self._record(ids, losses)
+        if self._writes_tables:  # a node's shared tables are written by one rank (issue 15)
+            self._record(ids, losses)
+
+    def table_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of each per-sample table: what a shared copy of the tables must hold."""
+        return {name: (table.shape, table.dtype) for name, table in self._tables().items()}
+
+    def share_tables(self, tables: dict[str, np.ndarray], writes: bool) -> None:
+        """Use `tables` (arrays mapped from memory the node's ranks share) in place of this pruner's
+        own, still all zero. The rank that `writes` records every update in them; the others keep
+        counting but leave the tables alone, so that the gathered updates are written once per node.
+        Their readers must wait for the writer before `plan()` (the loop's barrier does)."""
+        mine = self._tables()
+        if set(tables) != set(mine):
+            raise ValueError(f"shared tables {sorted(tables)} are not this pruner's {sorted(mine)}")
+        for name, table in tables.items():
+            if table.shape != mine[name].shape or table.dtype != mine[name].dtype:
+                raise ValueError(f"shared table {name!r} is {table.dtype}{list(table.shape)}, "
+                                 f"expected {mine[name].dtype}{list(mine[name].shape)}")
+            setattr(self, "_" + name, table)  # every table `x` of `_tables()` is the attribute `_x`
+        if set(map(id, self._tables().values())) != set(map(id, tables.values())):
+            raise TypeError(f"{type(self).__name__}: each table `x` of _tables() must be the attribute `_x`")
+        self._writes_tables = bool(writes)
 
     def on_step(self, lr: float) -> None:
         """Called after each optimizer step with that step's learning rate (default: unused)."""
@@ -357,11 +411,17 @@ class Pruner(abc.ABC):
         if set(state["tables"]) != set(tables):
             raise ValueError(f"pruner state has tables {sorted(state['tables'])}, expected {sorted(tables)}")
         for name, table in tables.items():
-            saved = state["tables"][name].numpy()
+            saved = state["tables"][name]
+            if callable(saved):  # a reader that streams the saved table into ours (pipelines/checkpoint)
+                if self._writes_tables:
+                    saved(table)
+                continue
+            saved = saved.numpy()
             if saved.shape != table.shape or saved.dtype != table.dtype:
                 raise ValueError(f"pruner state table {name!r} is {saved.dtype}{list(saved.shape)}, "
                                  f"expected {table.dtype}{list(table.shape)}")
-            table[...] = saved  # copy: two pruners loaded from one state must not share tables
+            if self._writes_tables:  # a node's other ranks see what its writer copies
+                table[...] = saved  # copy: two pruners loaded from one state must not share tables
         counters = state["counters"]
         self._nonfinite_losses = int(counters["nonfinite_losses"])
         self._recorded_losses = int(counters["recorded_losses"])
@@ -382,10 +442,10 @@ class Pruner(abc.ABC):
     def _full_plan(self, epoch: int) -> FrozenPlan:
         return FrozenPlan(self.seed, epoch, self.num_samples, 1.0, None)
 
-    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: np.ndarray | None,
+    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: Bitmap | None,
                         rescale: bool = True) -> FrozenPlan:
         if candidates is not None:
-            candidates.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
+            candidates.packed.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
         return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates, bool(rescale))
 
     def _per_sample_plan(self, epoch: int, keep_probs: np.ndarray, rescale: bool = True) -> FrozenPlan:

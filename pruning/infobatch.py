@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass
+from .bitmap import Bitmap
 
 
 def float32_strictly_below(threshold: float) -> np.float32:
@@ -77,10 +78,14 @@ class InfoBatch(Pruner):
             return self._full_plan(epoch)
         # unseen entries hold 0.0, so the sum over the whole table is the sum over the seen ones
         self._threshold = float(np.sum(self._score, dtype=np.float64)) / num_seen
-        below = self._score < float32_strictly_below(self._threshold)
-        below &= seen  # unseen samples (score 0.0) are never pruned
-        self._candidates = int(np.count_nonzero(below))
-        return self._candidate_plan(epoch, 1.0 - self.prune_ratio, below, self.rescale)
+        threshold = float32_strictly_below(self._threshold)
+
+        def below(start: int, stop: int) -> np.ndarray:  # unseen samples (score 0.0) are never pruned
+            return (self._score[start:stop] < threshold) & seen[start:stop]
+
+        candidates = Bitmap.from_chunks(self.num_samples, below)
+        self._candidates = candidates.count()
+        return self._candidate_plan(epoch, 1.0 - self.prune_ratio, candidates, self.rescale)
 
     def _tables(self) -> dict[str, np.ndarray]:
         return {"score": self._score, "seen": self._seen}

@@ -1,9 +1,11 @@
 """The pre-decode stage: one pass's frozen decisions, handed whole to the data stream.
 
-`PassPlan` is a per-pass snapshot (a float32 weight per id, 0 = skip) made in the main process
-after `pruner.plan(epoch)`. A new loader iterator is created for every pass, so its workers are
-started with the plan of that pass: no stale fork snapshot, no persistent worker that never sees
-the new plan. It holds no pruner state that training changes.
+`PassPlan` is the pruner's `FrozenPlan` of the pass (a candidate bitmap, a keep probability, the
+coin) plus, for a pass resumed as a segment, a bitmap of the samples consumed before it: about
+0.25 bit per sample, never a dense weight per sample (issue 15). Weights and kept counts are drawn
+from it a chunk at a time. A new loader iterator is created for every pass, so its workers start
+with the plan of that pass; the bitmaps travel to spawn-started workers as shared-memory tensors
+(`share`), not as a copy per worker. It holds no pruner state that training changes.
 """
 
 from __future__ import annotations
@@ -11,47 +13,144 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+from .base import FrozenPlan
+from .bitmap import Bitmap
+
+_CHUNK = 1 << 20  # ids per step of the whole-pass counts: the coin's temporaries stay about 25 MB
 
 
 @dataclass(frozen=True)
 class PassPlan:
-    """Weights of every sample for one pass: `weights[id]`, 0.0 means skip before decoding."""
+    """Weights of every sample for one pass, drawn on demand; 0.0 means skip before decoding."""
 
     epoch: int
-    weights: np.ndarray  # float32 [N]
+    frozen: FrozenPlan
+    excluded: Bitmap | None = None  # consumed before this segment of the pass began: weight 0
 
     @classmethod
-    def from_pruner(cls, pruner, num_samples: int, chunk: int = 1 << 22) -> "PassPlan":
-        """Snapshot the pass `pruner` has planned (call `pruner.plan(epoch)` first; a resumed
-        pruner already holds the plan frozen at its pass start, which must not be re-planned)."""
-        if pruner.epoch is None:
+    def from_pruner(cls, pruner) -> "PassPlan":
+        """The pass `pruner` has planned (call `pruner.plan(epoch)` first; a resumed pruner already
+        holds the plan frozen at its pass start, which must not be re-planned)."""
+        if pruner.frozen_plan is None:
             raise RuntimeError("the pruner has no plan yet: call pruner.plan(epoch) first")
-        weights = np.empty(num_samples, dtype=np.float32)
-        for start in range(0, num_samples, chunk):  # chunked: bounded temporaries at 1e8+ samples
-            ids = np.arange(start, min(start + chunk, num_samples), dtype=np.int64)
-            weights[start : start + len(ids)] = pruner.weights(ids)
-        return cls(int(pruner.epoch), weights)
+        return cls(int(pruner.epoch), pruner.frozen_plan)
 
     @classmethod
-    def keep_all(cls, num_samples: int, epoch: int) -> "PassPlan":
-        return cls(epoch, np.ones(num_samples, dtype=np.float32))
+    def keep_all(cls, num_samples: int, epoch: int, seed: int = 0) -> "PassPlan":
+        return cls(epoch, FrozenPlan(seed, epoch, num_samples, 1.0, None))
 
     def __post_init__(self):
-        if self.weights.dtype != np.float32 or self.weights.ndim != 1:
-            raise TypeError("PassPlan.weights must be a 1-D float32 array (one weight per sample id)")
-        if not np.isfinite(self.weights).all() or (self.weights < 0).any():
-            raise ValueError("PassPlan.weights must be finite and non-negative")
+        if self.excluded is not None and len(self.excluded) != self.frozen.num_samples:
+            raise ValueError(f"excluded flags {len(self.excluded)} samples, the plan {self.frozen.num_samples}")
+
+    def excluding(self, consumed: Bitmap) -> "PassPlan":
+        """This plan with the samples of `consumed` skipped (a segment of a resumed pass)."""
+        return PassPlan(self.epoch, self.frozen, consumed)
 
     @property
     def num_samples(self) -> int:
-        return len(self.weights)
+        return self.frozen.num_samples
 
-    @property
-    def kept(self) -> np.ndarray:
-        return self.weights > 0
+    def weights(self, ids: np.ndarray) -> np.ndarray:
+        """float32 per id; 0 = skip."""
+        weights = self.frozen.weights(ids)
+        if self.excluded is not None:
+            weights[self.excluded.test(ids)] = 0.0
+        return weights
+
+    def weights_between(self, start: int, stop: int) -> np.ndarray:
+        """float32 weights of ids [start, stop): one shard's, read by a loader worker."""
+        return self.weights(np.arange(start, stop, dtype=np.int64))
+
+    def kept_between(self, start: int, stop: int) -> np.ndarray:
+        kept = self.frozen.kept_between(start, stop)
+        if self.excluded is not None:
+            kept &= ~self.excluded.between(start, stop)
+        return kept
+
+    def kept_per_shard(self, first_ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """int64 [S]: kept samples of each shard (ids dense in index order), counted a chunk at a time."""
+        boundaries = np.append(np.asarray(first_ids, dtype=np.int64), self.num_samples)
+        kept_before = np.zeros(len(boundaries), dtype=np.int64)  # kept ids below each boundary
+        running = 0
+        for start in range(0, self.num_samples, _CHUNK):
+            stop = min(start + _CHUNK, self.num_samples)
+            cum = np.cumsum(self.kept_between(start, stop), dtype=np.int64)
+            lo, hi = np.searchsorted(boundaries, [start, stop], side="right")  # boundaries in (start, stop]
+            kept_before[lo:hi] = running + cum[boundaries[lo:hi] - start - 1]
+            running += int(cum[-1])
+        kept = np.diff(kept_before)
+        if not np.array_equal(np.asarray(first_ids) + np.asarray(counts), boundaries[1:]):
+            raise ValueError("shards must list dense ids in index order (first_ids + counts = next first_ids)")
+        return kept
+
+    def count_kept(self, among: Bitmap | None = None) -> int:
+        """Kept samples of the pass (or only those flagged in `among`), a chunk at a time."""
+        total = 0
+        for start in range(0, self.num_samples, _CHUNK):
+            stop = min(start + _CHUNK, self.num_samples)
+            kept = self.kept_between(start, stop)
+            if among is not None:
+                kept &= among.between(start, stop)
+            total += int(np.count_nonzero(kept))
+        return total
 
     def kept_fraction(self) -> float:
-        return float(self.kept.mean()) if len(self.weights) else 1.0
+        return self.count_kept() / self.num_samples
+
+    def kept_mask(self) -> np.ndarray:
+        """bool [N]: the kept samples as a dense mask, one byte per sample (debugging and tests only)."""
+        return np.concatenate([self.kept_between(start, min(start + _CHUNK, self.num_samples))
+                               for start in range(0, self.num_samples, _CHUNK)])
 
     def weight(self, sample_id: int) -> float:
-        return float(self.weights[sample_id])
+        return float(self.weights(np.array([sample_id]))[0])
+
+    def share(self) -> "PassPlan":
+        """This plan with its per-sample arrays in shared memory, so that loader workers started by
+        spawn map them instead of unpickling a copy each (torch hands shared tensors over by handle)."""
+        frozen = self.frozen
+        arrays = [a for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs,
+                              self.excluded and self.excluded.packed) if a is not None]
+        if all(isinstance(a, SharedArray) for a in arrays):
+            return self
+        candidates = None if frozen.candidates is None else Bitmap(SharedArray.of(frozen.candidates.packed),
+                                                                   frozen.num_samples)
+        keep_probs = None if frozen.keep_probs is None else SharedArray.of(frozen.keep_probs)
+        excluded = None if self.excluded is None else Bitmap(SharedArray.of(self.excluded.packed), len(self.excluded))
+        shared = FrozenPlan(frozen.seed, frozen.epoch, frozen.num_samples, frozen.keep_prob, candidates,
+                            frozen.rescale, keep_probs)
+        return PassPlan(self.epoch, shared, excluded)
+
+
+class SharedArray(np.ndarray):
+    """A numpy view of a torch tensor in shared memory that pickles as that tensor: torch's
+    multiprocessing reduction passes the segment's handle, so a spawn-started worker maps the same
+    pages instead of receiving a copy."""
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> "SharedArray":
+        tensor = torch.from_numpy(np.ascontiguousarray(array).copy()).share_memory_()
+        view = tensor.numpy().view(cls)
+        view._tensor = tensor
+        return view
+
+    def __array_finalize__(self, obj):
+        self._tensor = None  # slices and results are ordinary arrays: only `of` itself is the segment
+
+    def __reduce_ex__(self, protocol):  # ndarray defines __reduce_ex__, which pickle prefers to __reduce__
+        if self._tensor is None:
+            return np.asarray(self).__reduce_ex__(protocol)
+        return (_from_tensor, (self._tensor,))
+
+    @property
+    def is_shared(self) -> bool:
+        return self._tensor is not None and self._tensor.is_shared()
+
+
+def _from_tensor(tensor: torch.Tensor) -> SharedArray:
+    view = tensor.numpy().view(SharedArray)
+    view._tensor = tensor
+    return view

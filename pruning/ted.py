@@ -11,11 +11,24 @@ from typing import Any
 import numpy as np
 
 from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass, uniform_coin
+from .bitmap import Bitmap
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TIE_BREAK_SALT = 0x7ED_71E5  # a coin stream of its own for breaking score ties in plan()
 
 UNSEEN, SEEN_ONCE, SCORED = 0, 1, 2  # values of the per-sample `visits` table
+_CHUNK = 1 << 20  # samples per step of plan(): its temporaries stay a few MB at any table size
+
+
+def _to_key(scores: np.ndarray) -> np.ndarray:
+    """float32 -> uint32 in the same order (negative floats: all bits flipped; others: the sign bit)."""
+    bits = scores.view(np.uint32)
+    return bits ^ np.where(bits >> np.uint32(31), np.uint32(0xFFFFFFFF), np.uint32(0x80000000))
+
+
+def _from_key(key: np.uint32) -> np.float32:
+    bits = key ^ (np.uint32(0x80000000) if key >> np.uint32(31) else np.uint32(0xFFFFFFFF))
+    return np.array([bits], dtype=np.uint32).view(np.float32)[0]
 
 
 class TED(Pruner):
@@ -128,30 +141,57 @@ class TED(Pruner):
         if self._recorded_losses and not self._steps:
             raise RuntimeError("ted: losses were recorded but on_step(lr) was never called; TED normalises loss "
                                "drops by the learning-rate mass, so call pruner.on_step(lr) after every optimizer step")
-        scored = self._visits == SCORED
-        num_scored = int(np.count_nonzero(scored))
+        num_scored = sum(int(np.count_nonzero(mask)) for _, _, mask in self._scored_chunks())
         self._scored_at_plan = num_scored
         # expected kept = N - (1 - explore) * m  ==  kept_target * N
         wanted = round((1.0 - kept_target) * self.num_samples / (1.0 - self.explore))
         pruned_set_size = min(num_scored, wanted)
         if pruned_set_size == 0:
             return self._full_plan(epoch)
-        pruned_set = self._highest_scores(scored, num_scored, pruned_set_size, epoch)
+        pruned_set = self._highest_scores(num_scored, pruned_set_size, epoch)
         self._pruned_set = pruned_set_size
         return self._candidate_plan(epoch, self.explore, pruned_set, self.rescale)
 
-    def _highest_scores(self, scored: np.ndarray, num_scored: int, count: int, epoch: int) -> np.ndarray:
-        """Mask of the `count` scored samples with the highest scores; ties broken by a coin, not by id."""
-        scored_scores = self._score[scored]
-        lowest_pruned_score = np.partition(scored_scores, num_scored - count)[num_scored - count]
+    def _scored_chunks(self):
+        """(start, scores of the chunk, scored mask of the chunk) over the table, a chunk at a time."""
+        for start in range(0, self.num_samples, _CHUNK):
+            yield start, self._score[start:start + _CHUNK], self._visits[start:start + _CHUNK] == SCORED
+
+    def _highest_scores(self, num_scored: int, count: int, epoch: int) -> Bitmap:
+        """The `count` scored samples with the highest scores; ties broken by a coin, not by id."""
+        lowest_pruned_score = self._scored_quantile(num_scored - count)
         self._score_threshold = float(lowest_pruned_score)
-        selected = scored & (self._score > lowest_pruned_score)
-        missing = count - int(np.count_nonzero(selected))
+        selected = Bitmap.from_chunks(self.num_samples, lambda start, stop: (
+            (self._score[start:stop] > lowest_pruned_score) & (self._visits[start:stop] == SCORED)))
+        missing = count - selected.count()
         if missing > 0:
-            tied = np.flatnonzero(scored & (self._score == lowest_pruned_score))
+            tied = np.concatenate([start + np.flatnonzero(mask & (scores == lowest_pruned_score))
+                                   for start, scores, mask in self._scored_chunks()])
             coin = uniform_coin(self.seed ^ _TIE_BREAK_SALT, epoch, tied)
-            selected[tied[np.argpartition(coin, missing - 1)[:missing]]] = True
+            selected.set(tied[np.argpartition(coin, missing - 1)[:missing]])
         return selected
+
+    def _scored_quantile(self, rank: int) -> np.float32:
+        """The scored score at position `rank` in ascending order (what np.partition would put there),
+        by a two-pass radix select over 16-bit halves of order-preserving keys: no copy of the scores."""
+        high, rank = self._key_histogram_pick(rank, None)
+        low, _ = self._key_histogram_pick(rank, high)
+        return _from_key((np.uint32(high) << np.uint32(16)) | np.uint32(low))
+
+    def _key_histogram_pick(self, rank: int, high: int | None) -> tuple[int, int]:
+        """The 16-bit bin holding ascending position `rank` (of the high halves, or of the low halves
+        among keys whose high half is `high`) and the position within that bin."""
+        histogram = np.zeros(1 << 16, dtype=np.int64)
+        for _, scores, mask in self._scored_chunks():
+            keys = _to_key(scores[mask])
+            if high is None:
+                histogram += np.bincount(keys >> np.uint32(16), minlength=1 << 16)
+            else:
+                keys = keys[(keys >> np.uint32(16)) == high]
+                histogram += np.bincount(keys & np.uint32(0xFFFF), minlength=1 << 16)
+        below = np.cumsum(histogram)
+        bin_ = int(np.searchsorted(below, rank, side="right"))
+        return bin_, rank - (int(below[bin_ - 1]) if bin_ else 0)
 
     # -- state and stats -------------------------------------------------------------------------
 

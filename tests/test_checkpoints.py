@@ -34,7 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
 STOP = 42  # the stopped run saves at 10, 20, 30, 40 and, when it stops, 42: the newest to damage
 KINDS = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-         "custom_checkpoint_1.pkl", "custom_checkpoint_2.pkl", MANIFEST)
+         "custom_checkpoint_1.pkl", "custom_checkpoint_2.pkl", "pruner_tables/score.npy", MANIFEST)
+TABLE_FILES = ("pruner_tables/score.npy", "pruner_tables/seen.npy")  # InfoBatch's, written once by rank 0
 DAMAGES = ("truncate", "delete", "flip")
 
 
@@ -91,7 +92,7 @@ def test_a_saved_checkpoint_has_a_manifest_that_verifies(runs):
     for folder in folders:
         assert verify(folder).intact, verify(folder).describe()
         manifest = json.load(open(os.path.join(folder, MANIFEST)))
-        assert set(manifest["files"]) == set(KINDS) - {MANIFEST}
+        assert set(manifest["files"]) == (set(KINDS) | set(TABLE_FILES)) - {MANIFEST}
         assert manifest["files"]["model.safetensors"]["bytes"] == os.path.getsize(os.path.join(folder, "model.safetensors"))
 
 
@@ -120,7 +121,7 @@ def test_the_manifest_finds_every_damage_and_names_the_file(runs, kind, how, tmp
 @pytest.mark.parametrize("kind, how", [(k, d) for k in KINDS for d in DAMAGES],
                          ids=[f"{k}-{d}" for k in KINDS for d in DAMAGES])
 def test_resume_latest_skips_a_damaged_checkpoint_and_ends_bitwise_equal(runs, kind, how, capsys):
-    run_dir = copy_of_stopped(runs, f"damaged_{kind}_{how}".replace(".", "_"))
+    run_dir = copy_of_stopped(runs, f"damaged_{kind}_{how}".replace(".", "_").replace("/", "_"))
     newest = latest_checkpoint(run_dir)
     size = os.path.getsize(os.path.join(newest, kind))
     damage(os.path.join(newest, kind), how)

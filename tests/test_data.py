@@ -11,7 +11,7 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.layout import batches_taken_per_worker, pass_layout
 from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import ShardStream
-from pruning.base import uniform_coin
+from pruning.base import FrozenPlan, uniform_coin
 from pruning.pass_plan import PassPlan
 
 BATCH = 16
@@ -19,9 +19,7 @@ BATCH = 16
 
 def half_dropping_plan(index: ShardIndex, epoch: int) -> PassPlan:
     """A pre-decode stage that drops a deterministic pseudo-random half and weights the rest by 2."""
-    ids = np.arange(index.num_samples)
-    keep = uniform_coin(1234, epoch, ids) < 0.5
-    return PassPlan(epoch, np.where(keep, 2.0, 0.0).astype(np.float32))
+    return PassPlan(epoch, FrozenPlan(1234, epoch, index.num_samples, 0.5, None))  # every sample a candidate
 
 
 class CountingDecoder(SampleDecoder):
@@ -64,7 +62,7 @@ def test_each_pass_covers_every_kept_id_once_with_equal_steps_per_rank(digits_tr
         assert steps == {layout.steps}, "every rank must take the same number of steps"
         seen = np.concatenate([ids_of(b) for b in per_rank])
         assert len(np.unique(seen)) == len(seen), "an id appeared twice in one pass"
-        kept = np.arange(index.num_samples) if plan is None else np.flatnonzero(plan.kept)
+        kept = np.arange(index.num_samples) if plan is None else np.flatnonzero(plan.kept_mask())
         assert set(seen) <= set(kept), "a pruned sample reached a batch"
         missing = len(kept) - len(seen)
         assert missing == layout.tail
@@ -84,7 +82,7 @@ def test_pruned_samples_are_never_decoded(digits_train):
     decoder = CountingDecoder(resolution=32)
     per_rank, layout = run_pass(index, 0, plan, world=1, workers=0, decoder=decoder)
     decoded = np.array(decoder.decoded)
-    assert plan.kept[decoded].all(), "a pruned sample was decoded"
+    assert plan.kept_mask()[decoded].all(), "a pruned sample was decoded"
     assert len(decoded) == layout.steps * BATCH, "only samples that go into batches are decoded"
     np.testing.assert_array_equal(np.sort(decoded), np.sort(ids_of(per_rank[0])))
 
@@ -122,7 +120,8 @@ def test_round_robin_replay_matches_dataloader_order():
 def test_layout_balances_kept_samples_over_ranks_and_workers():
     index = ShardIndex(tuple(f"s{i}.tar" for i in range(5)), np.array([100, 37, 250, 80, 3]))
     kept = uniform_coin(0, 0, np.arange(index.num_samples)) < 0.3
-    layout = pass_layout(index, kept, seed=0, epoch=0, world_size=2, num_workers=3, batch_size=8)
+    kept_per_shard = np.add.reduceat(kept, index.first_ids)
+    layout = pass_layout(index, kept_per_shard, seed=0, epoch=0, world_size=2, num_workers=3, batch_size=8)
     sizes = [sum(p.kept_end - p.kept_start for p in slot) for slot in layout.slices]
     assert sum(sizes) == kept.sum() and max(sizes) - min(sizes) <= 1
     assert layout.batches.sum(axis=1).tolist() == [layout.steps, layout.steps]

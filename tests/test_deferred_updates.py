@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pipelines.checkpoint.store import complete_checkpoints
+from pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
 from pipelines.config import ConfigError, load_config
 from pipelines.tasks.mae import MAETask
 from pipelines.training import loop
@@ -34,7 +34,7 @@ def checkpoint_states(run_dir) -> dict:
 
     states = {}
     for folder in complete_checkpoints(run_dir):
-        pruner = torch.load(os.path.join(folder, "custom_checkpoint_0.pkl"), weights_only=False)
+        pruner = load_checkpoint_states(folder, read_model=False)["pruner"]  # tables read from their files
         states[os.path.basename(folder)] = (pruner, load_file(os.path.join(folder, "model.safetensors")))
     return states
 

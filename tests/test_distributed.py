@@ -70,7 +70,7 @@ def debug_file(run_dir, what, epoch, world, rank=None):
 
 
 def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five_shards, tmp_path):
-    launch(2, "mae_tiny_infobatch.yaml", [
+    output = launch(2, "mae_tiny_infobatch.yaml", [
         f"data.train={five_shards}/train", f"data.val={five_shards}/val", f"runs_dir={tmp_path}", "name=ddp",
         "passes=4", "data.batch_size=32", "debug_sync=true", *TINY_MAE])
     run_dir = str(tmp_path / "ddp")
@@ -88,6 +88,9 @@ def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five
         digests = [open(debug_file(run_dir, "digest", epoch, 2, r) + ".txt").read() for r in range(2)]
         assert digests[0] == digests[1], "score tables or plans differ between ranks"
     assert records[1]["kept_fraction"] < 1.0, "InfoBatch pruned from the second pass on"
+    assert "pruner tables: one copy per node" in output, "torchrun's two local ranks share one table"
+    checkpoint = latest_checkpoint(run_dir)
+    assert sorted(os.listdir(os.path.join(checkpoint, "pruner_tables"))) == ["score.npy", "seen.npy"]
 
 
 def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_path):

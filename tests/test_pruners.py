@@ -304,11 +304,11 @@ def test_state_takes_at_most_16_bytes_per_sample_with_the_frozen_plan(name):
     pruner = trained(name)
     state = pruner.state_dict()
     per_sample = [tensor for tensor in state["tables"].values()]
-    for plan_table in ("candidates", "keep_probs"):
+    for plan_table in ("candidate_bits", "keep_probs"):
         if state["plan"][plan_table] is not None:
             per_sample.append(state["plan"][plan_table])
-    assert all(tensor.shape == (5000,) for tensor in per_sample)
-    assert sum(tensor.element_size() for tensor in per_sample) <= 16
+    assert all(tensor.shape in ((5000,), (625,)) for tensor in per_sample)  # per sample, or a bit per sample
+    assert sum(tensor.numel() * tensor.element_size() for tensor in per_sample) / 5000 <= 16
 
 
 def test_loaded_state_is_a_copy():

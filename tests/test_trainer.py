@@ -18,7 +18,7 @@ import torch
 import webdataset as wds
 from safetensors.torch import load_file
 
-from pipelines.checkpoint.store import latest_checkpoint, resolve_resume
+from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states, resolve_resume
 from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
 from pipelines.tasks.build import build_task
@@ -49,7 +49,7 @@ def run_cli(config, args, **kw) -> subprocess.Popen:
 def final_state(run_dir):
     checkpoint = latest_checkpoint(run_dir)
     weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    pruner = torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=False)
+    pruner = load_checkpoint_states(checkpoint, read_model=False)["pruner"]  # tables read from their files
     return checkpoint, weights, pruner
 
 

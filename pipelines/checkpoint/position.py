@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from pruning.bitmap import Bitmap
+
 
 @dataclass
 class TrainingPosition:
@@ -27,8 +29,8 @@ class TrainingPosition:
     # had trained on: `excluded` marks those already consumed when it began, `pass_offset` is
     # the fraction of the pass they were (for the LR schedule).
     pass_offset: float = 0.0
-    excluded: np.ndarray | None = None  # bool [N] or None
-    consumed: np.ndarray | None = None  # bool [N]: ids trained on in this pass, on every rank
+    excluded: Bitmap | None = None  # 1 bit per sample, or None
+    consumed: Bitmap | None = None  # 1 bit per sample: ids trained on in this pass, on every rank
     # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
     # a resume under the same layout skips them with the batches they were read for.
     undecodable: np.ndarray | None = None
@@ -39,8 +41,8 @@ class TrainingPosition:
             value = getattr(self, f.name)
             if f.name == "undecodable" and value is not None:
                 state[f.name] = [int(v) for v in value]
-            elif isinstance(value, np.ndarray):  # a bool mask, as packed bits: N / 8 bytes
-                state[f.name] = torch.from_numpy(np.packbits(value))
+            elif isinstance(value, Bitmap):  # packed bits as in memory: N / 8 bytes, no unpacked copy
+                state[f.name] = torch.from_numpy(value.packed)
                 state[f.name + "_len"] = len(value)
             elif value is not None:
                 state[f.name] = value
@@ -49,9 +51,11 @@ class TrainingPosition:
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
             if f.name in ("excluded", "consumed"):
-                packed = state.get(f.name)
-                value = None if packed is None else np.unpackbits(
-                    np.asarray(packed), count=int(state[f.name + "_len"])).astype(bool)
+                packed = state.get(f.name)  # np.packbits order, as every version wrote it
+                if isinstance(packed, torch.Tensor):
+                    packed = packed.numpy()
+                value = None if packed is None else Bitmap(np.array(packed, dtype=np.uint8),
+                                                           int(state[f.name + "_len"]))
                 setattr(self, f.name, value)
             elif f.name == "undecodable":
                 value = state.get(f.name)

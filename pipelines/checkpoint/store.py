@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from pipelines.checkpoint.manifest import verify, write_manifest
+from pipelines.checkpoint.pruner_state import resolve_tables
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step_"
@@ -118,8 +119,10 @@ def load_resume(accelerator, folder: str) -> None:
                               f"checkpoint with checkpoint.resume=PATH") from e
 
 
-def save_checkpoint(accelerator, run_dir: str, step: int, keep: int) -> str:
-    """Every rank calls this (each saves its RNG state); rank 0 writes the manifest, renames and prunes.
+def save_checkpoint(accelerator, run_dir: str, step: int, keep: int,
+                    write_main: Callable[[str], None] | None = None) -> str:
+    """Every rank calls this (each saves its RNG state); rank 0 writes `write_main(folder)`'s files
+    (the pruner's tables), the manifest, renames and prunes.
     A failure on any rank raises on every rank, removes the partial folder and touches no older one."""
     folder = checkpoints_dir(run_dir)
     final = os.path.join(folder, f"{PREFIX}{step:06d}")
@@ -132,6 +135,8 @@ def save_checkpoint(accelerator, run_dir: str, step: int, keep: int) -> str:
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     accelerator.wait_for_everyone()
     failure = _attempt(lambda: accelerator.save_state(tmp))
+    if main and failure is None and write_main is not None:
+        failure = _attempt(lambda: write_main(tmp))
     _raise_on_any_rank(accelerator, failure, final, tmp, run_dir)
     if main:
         failure = _attempt(lambda: _seal(tmp, final, step))
@@ -204,7 +209,7 @@ def load_checkpoint_states(checkpoint: str, read_model: bool = True) -> dict:
         if isinstance(state, dict) and "shadow_params" in state:
             found["ema"] = state
         elif isinstance(state, dict) and "tables" in state and "pruner" in state:
-            found["pruner"] = state
+            found["pruner"] = resolve_tables(state, checkpoint)
         elif isinstance(state, dict) and "optimizer_steps" in state and "epoch" in state:
             found["position"] = state
     return found

@@ -46,7 +46,7 @@ class PassLayout:
 
 def pass_layout(
     index: ShardIndex,
-    kept: np.ndarray | None,
+    kept_per_shard: np.ndarray | None,
     *,
     seed: int,
     epoch: int,
@@ -54,16 +54,18 @@ def pass_layout(
     num_workers: int,
     batch_size: int,
 ) -> PassLayout:
-    """Deterministic shard order, split of kept samples over ranks then workers, batch counts."""
+    """Deterministic shard order, split of kept samples over ranks then workers, batch counts.
+
+    `kept_per_shard` (int64 [S], the plan's `kept_per_shard`; None = all kept) is all the layout
+    needs of the plan: nothing per sample."""
     workers = max(1, num_workers)
-    if kept is None:
+    if kept_per_shard is None:
         kept_per_shard = index.counts.copy()
     else:
-        if len(kept) != index.num_samples:
-            raise ValueError(f"plan covers {len(kept)} samples but {index.path} indexes {index.num_samples}")
-        cum = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])
-        first = index.first_ids
-        kept_per_shard = cum[first + index.counts] - cum[first]
+        kept_per_shard = np.asarray(kept_per_shard, dtype=np.int64)
+        if kept_per_shard.shape != (len(index),) or (kept_per_shard > index.counts).any():
+            raise ValueError(f"plan gives kept counts for {len(kept_per_shard)} shards but {index.path} "
+                             f"indexes {len(index)} (or more kept than a shard holds)")
     order = np.random.default_rng([seed, epoch]).permutation(len(index)).astype(np.int64)
     ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
     total = int(ordered_cum[-1])

@@ -58,9 +58,12 @@ class ShardStream(IterableDataset):
 
     # -------------------------------------------------------------- the main-process side
     def layout(self, epoch: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
+        if plan is not None and plan.num_samples != self.index.num_samples:
+            raise ValueError(f"plan covers {plan.num_samples} samples but {self.index.path} indexes "
+                             f"{self.index.num_samples}")
         return pass_layout(
             self.index,
-            None if plan is None else plan.kept,
+            None if plan is None else plan.kept_per_shard(self.index.first_ids, self.index.counts),
             seed=self.seed,
             epoch=epoch,
             world_size=self.world_size,
@@ -77,12 +80,14 @@ class ShardStream(IterableDataset):
         skip_batches: int = 0,
         skip_undecodable: np.ndarray | None = None,
         pin_memory: bool = False,
+        start_method: str | None = None,
     ) -> "PassLoader":
         """This rank's batches of pass `epoch`, after skipping its first `skip_batches` undecoded.
 
         `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
         `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
-        exactly where it stopped."""
+        exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
+        starts the loader workers; under each they read the plan without a copy of it."""
         if plan is not None and plan.epoch != epoch:
             raise ValueError(f"plan is for pass {plan.epoch}, not pass {epoch}")
         layout = self.layout(epoch, plan, num_workers)
@@ -92,8 +97,11 @@ class ShardStream(IterableDataset):
         extra = np.zeros(workers, dtype=np.int64) if skip_undecodable is None else np.asarray(skip_undecodable)
         if len(extra) != workers:
             raise ValueError(f"skip_undecodable has {len(extra)} entries for {workers} worker parts")
+        if plan is not None and num_workers > 0:
+            plan = plan.share()  # spawn-started workers map the plan's bitmaps instead of copying them
         self._pass = _PassState(epoch, plan, layout, workers, skipped, extra, first_worker)
-        loader = DataLoader(self, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+        loader = DataLoader(self, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                            multiprocessing_context=start_method if num_workers > 0 else None)
         return PassLoader(loader, layout, layout.steps - skip_batches)
 
     # -------------------------------------------------------------- the worker side
@@ -124,7 +132,7 @@ class ShardStream(IterableDataset):
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
             count = int(self.index.counts[piece.shard])
-            weights = np.ones(count) if plan is None else plan.weights[first:first + count]
+            weights = np.ones(count) if plan is None else plan.weights_between(first, first + count)
             mine = np.flatnonzero(weights)[piece.kept_start:piece.kept_end]  # positions this slot delivers
             want = np.zeros(count, dtype=bool)
             want[mine] = True

@@ -90,7 +90,7 @@ def checkpoint_scores(run_path: str) -> list[dict]:
     found = []
     for folder in complete_checkpoints(run_path):
         # only the small registered-object files are read, so only they are checked
-        if verify(folder, only=lambda name: name.startswith("custom_checkpoint_")).problem is not None:
+        if verify(folder, only=lambda name: name.startswith(("custom_checkpoint_", "pruner_tables"))).problem is not None:
             continue  # damaged: `prunepipe checkpoints verify` says how
         states = load_checkpoint_states(folder, read_model=False)
         pruner, position = states["pruner"], states["position"] or {}

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from diffusers.training_utils import EMAModel
 
 from pipelines.checkpoint.position import TrainingPosition
+from pipelines.checkpoint.pruner_state import CheckpointedPruner
 from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
 from pipelines.config import RunConfig, to_yaml
 from pipelines.data.decode import SampleDecoder
@@ -33,8 +34,10 @@ from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.metrics import MetricsLog
+from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
 from pruning import ScoreNormaliser, build_pruner, gather_tensors
+from pruning.bitmap import Bitmap
 from pruning.pass_plan import PassPlan
 
 
@@ -68,17 +71,16 @@ def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int,
     """
     if position.batch_in_pass == 0 and position.excluded is None:
         pruner.plan(position.epoch)
-        position.consumed = np.zeros(num_samples, dtype=bool)
+        position.consumed = Bitmap.zeros(num_samples)
         position.pass_offset = 0.0
-    plan = PassPlan.from_pruner(pruner, num_samples)
+    plan = PassPlan.from_pruner(pruner)
     if position.batch_in_pass > 0 and (position.world_size, position.num_workers) != (world, num_workers):
-        kept = plan.kept
         position.excluded = position.consumed.copy()
-        position.pass_offset = float((position.consumed & kept).sum() / max(kept.sum(), 1))
+        position.pass_offset = float(plan.count_kept(among=position.consumed) / max(plan.count_kept(), 1))
         position.batch_in_pass = 0
     position.world_size, position.num_workers = world, num_workers
     if position.excluded is not None:
-        plan = PassPlan(plan.epoch, np.where(position.excluded, np.float32(0), plan.weights))
+        plan = plan.excluding(position.excluded)
     return plan
 
 
@@ -120,8 +122,14 @@ def train(cfg: RunConfig) -> dict:
     model, optimizer = accelerator.prepare(task.model, optimizer)
     ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
+    local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
+    node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
+    if main and node_tables.shared:
+        print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
+              f"({local_size} ranks per node)")
     position = TrainingPosition()
-    accelerator.register_for_checkpointing(pruner, ema, position)
+    checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
+    accelerator.register_for_checkpointing(checkpointed, ema, position)
     scorer = ScoreNormaliser(cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets,
                              momentum=cfg.score.momentum)
     if cfg.score.normalise != "none":  # registered only when used: older checkpoints hold three objects
@@ -132,6 +140,7 @@ def train(cfg: RunConfig) -> dict:
     resume_from = choose_resume(accelerator, cfg.checkpoint.resume, run_dir)  # the newest intact checkpoint
     if resume_from is not None:
         load_resume(accelerator, resume_from)
+        checkpointed.finish_load(resume_from)
         if main:
             print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
                   f"step {position.optimizer_steps}")
@@ -158,6 +167,7 @@ def train(cfg: RunConfig) -> dict:
 
     while position.epoch < cfg.passes and not stop:
         epoch = position.epoch
+        node_tables.settle()  # the node's writer has recorded every update (or loaded the state) first
         plan = begin_pass(position, pruner, index.num_samples, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
@@ -167,7 +177,7 @@ def train(cfg: RunConfig) -> dict:
                                     pin_memory=device.type == "cuda")
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
-        kept_fraction = plan.kept_fraction()
+        kept_fraction = loader.layout.kept / index.num_samples
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
         bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=f"pass {epoch + 1}/{cfg.passes}",
                        unit="sample", unit_scale=cfg.data.batch_size * world)
@@ -180,7 +190,7 @@ def train(cfg: RunConfig) -> dict:
                 real = ids >= 0
                 if not np.isfinite(gathered[real]).all():  # on_nonfinite_loss=stop; skip never gets here
                     report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.epoch, record.micro)
-                position.consumed[ids[real]] = True
+                position.consumed.set(ids[real])
                 pruner.update(ids, scorer(ids, gathered, strata))
                 task.observe(ids, strata, gathered)
                 position.samples_forwarded += int(real.sum())
@@ -244,7 +254,8 @@ def train(cfg: RunConfig) -> dict:
                     lost_here = 0
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
-                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
+                                    checkpointed.write_tables)
                     last_saved = position.optimizer_steps
                 if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                     stop = True
@@ -271,7 +282,8 @@ def train(cfg: RunConfig) -> dict:
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     if position.optimizer_steps != last_saved:
-        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep)
+        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
+                        checkpointed.write_tables)
     if main and position.epoch >= cfg.passes:
         ema_model = copy.deepcopy(accelerator.unwrap_model(model))
         ema.copy_to(ema_model.parameters())
@@ -330,7 +342,7 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "epoch": position.epoch,
         "optimizer_steps": position.optimizer_steps,
         "steps_in_pass": steps,
-        "kept_fraction": plan.kept_fraction(),
+        "kept_fraction": layout.kept / plan.num_samples,
         "kept_samples": layout.kept,
         "tail": layout.tail,
         "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),

@@ -18,7 +18,11 @@ from pruning.pass_plan import PassPlan
 
 def plan_digest(plan: PassPlan, pruner) -> str:
     """A hash of the pass plan and the pruner's tables: equal on every rank when in sync."""
-    digest = hashlib.sha256(plan.weights.tobytes())
+    frozen = plan.frozen  # the plan's compact form: equal compact forms give equal weights everywhere
+    digest = hashlib.sha256(repr((plan.epoch, frozen.seed, frozen.keep_prob, frozen.rescale)).encode())
+    for array in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs,
+                  plan.excluded and plan.excluded.packed):
+        digest.update(b"-" if array is None else np.asarray(array).tobytes())
     for key, value in sorted(pruner.state_dict().items()):
         if isinstance(value, torch.Tensor):
             digest.update(key.encode() + value.cpu().numpy().tobytes())
@@ -43,7 +47,7 @@ class SyncDebug:
         with open(self._path("digest", plan.epoch) + ".txt", "w") as f:
             f.write(mine)
         if self.main:  # the frozen plan itself, before any resume segment excludes samples
-            np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner, self.num_samples).kept)
+            np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
         if dist.is_available() and dist.is_initialized():
             digests = [None] * self.world
             dist.all_gather_object(digests, mine)

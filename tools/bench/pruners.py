@@ -45,8 +45,9 @@ def state_bytes_per_sample(pruner: Pruner) -> float:
     """Bytes of the per-sample tables and the frozen plan in the state, per sample."""
     state = pruner.state_dict()
     tensors = list(state["tables"].values())
-    if state["plan"] is not None and state["plan"]["candidates"] is not None:
-        tensors.append(state["plan"]["candidates"])
+    for name in ("candidate_bits", "keep_probs"):
+        if state["plan"] is not None and state["plan"][name] is not None:
+            tensors.append(state["plan"][name])
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors) / pruner.num_samples
 
 

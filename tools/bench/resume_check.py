@@ -16,7 +16,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from pipelines.checkpoint.store import latest_checkpoint
+from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,7 +48,7 @@ def differences(a, b, path: str = "") -> list[str]:
 def final_state(run_dir: str):
     checkpoint = latest_checkpoint(run_dir)
     return (load_file(os.path.join(checkpoint, "model.safetensors")),
-            torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=False))
+            load_checkpoint_states(checkpoint, read_model=False)["pruner"])  # tables read from their files
 
 
 def check(config: str, out: str, overrides: list[str]) -> dict:

@@ -1,0 +1,76 @@
+"""One score table per node (issue 15): the pruner's per-sample tables live once per node in shared
+memory, files in /dev/shm created by the node's local rank 0 and mapped by its other ranks. Local rank
+0 writes the all-gathered updates; the others read the same pages. A single process (or a node with
+one rank) keeps its tables in process memory.
+
+The files are unlinked as soon as every rank of the node has mapped them, so the memory goes back to
+the system when the last of those processes exits, a crash included; only a crash in the moment
+between creating and mapping leaves a `prunepipe-*` file in /dev/shm behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+import numpy as np
+import torch.distributed as dist
+
+SHM = "/dev/shm"
+
+
+def local_rank_and_size(env=os.environ) -> tuple[int, int]:
+    """(local rank, processes on this node) from the launcher's environment: torchrun and accelerate
+    launch (LOCAL_RANK, LOCAL_WORLD_SIZE), SLURM srun (SLURM_LOCALID, SLURM_NTASKS_PER_NODE or
+    SLURM_TASKS_PER_NODE such as `8(x4)`); (0, 1) for a process started alone."""
+    if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    if "SLURM_LOCALID" in env:
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+        return int(env["SLURM_LOCALID"]), int(re.match(r"\d+", per_node).group())
+    return 0, 1
+
+
+class NodeTables:
+    """The pruner's tables mapped from this node's shared files (or left as they are on one process)."""
+
+    def __init__(self, pruner, rank: int, local_rank: int, local_size: int, token: str, folder: str = SHM):
+        self.pruner, self.shared = pruner, local_size > 1 and bool(pruner.table_specs())
+        self.writer = local_rank == 0
+        if not self.shared:
+            return
+        node = rank // local_size  # launchers number the ranks of a node contiguously
+        paths = {name: os.path.join(folder, f"prunepipe-{token}-node{node}-{name}")
+                 for name in pruner.table_specs()}
+        if self.writer:
+            for name, (shape, dtype) in pruner.table_specs().items():
+                with open(paths[name], "wb") as f:  # a sparse file: pages cost memory once written
+                    f.truncate(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
+        dist.barrier()  # created before the others map them
+        tables = {}
+        for name, (shape, dtype) in pruner.table_specs().items():
+            if not os.path.exists(paths[name]):
+                raise RuntimeError(f"rank {rank}: shared score table {paths[name]} is missing; local rank 0 of "
+                                   f"this node creates it (is LOCAL_RANK / LOCAL_WORLD_SIZE={local_size} right, "
+                                   f"and is {folder} one file system on the node?)")
+            # writable everywhere so that torch can wrap them for a checkpoint; only the writer records
+            tables[name] = np.memmap(paths[name], dtype=dtype, mode="r+", shape=shape)
+        dist.barrier()  # mapped everywhere: the names can go, the mappings stay
+        if self.writer:
+            for path in paths.values():
+                os.unlink(path)
+        pruner.share_tables(tables, writes=self.writer)
+
+    def settle(self) -> None:
+        """Wait until this node's writer has written every update so far (before anyone reads)."""
+        if self.shared:
+            dist.barrier()
+
+
+def run_token() -> str:
+    """A name for this run's shared files, the same on every rank (rank 0's, broadcast)."""
+    token = [uuid.uuid4().hex[:12]]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return token[0]

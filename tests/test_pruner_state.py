@@ -1,0 +1,60 @@
+"""The pruner's tables in a checkpoint (issue 15): files of their own written from the tables' memory,
+read back into the tables with no second copy, and checkpoints that held them in the .pkl still load."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from pipelines.checkpoint.pruner_state import TABLES, CheckpointedPruner, read_npy_into
+from pruning import build_pruner
+
+N = 4_000_000  # 20 MB of InfoBatch tables
+
+
+def scored_infobatch(num_samples: int = N):
+    pruner = build_pruner("infobatch", num_samples, 8, seed=2)
+    ids = np.arange(num_samples)
+    pruner.update(ids, np.random.default_rng(0).exponential(1.0, num_samples).astype(np.float32))
+    pruner.plan(1)
+    return pruner
+
+
+def test_tables_round_trip_through_their_files_without_a_second_copy(tmp_path):
+    original = scored_infobatch()
+    saver = CheckpointedPruner(original)
+    state = saver.state_dict()
+    assert state["tables"] == {"score": f"{TABLES}/score.npy", "seen": f"{TABLES}/seen.npy"}
+    saver.write_tables(str(tmp_path))
+    np.testing.assert_array_equal(np.load(tmp_path / TABLES / "score.npy"), original.score_of(np.arange(N))[0])
+    restored = build_pruner("infobatch", N, 8, seed=2)
+    loader = CheckpointedPruner(restored)
+    loader.load_state_dict(state)
+    tracemalloc.start()
+    loader.finish_load(str(tmp_path))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < N // 4, f"loading allocated {peak} bytes for {5 * N} bytes of tables"
+    ids = np.arange(N)
+    np.testing.assert_array_equal(restored.weights(ids), original.weights(ids))
+    np.testing.assert_array_equal(restored.score_of(ids)[0], original.score_of(ids)[0])
+    assert restored.stats() == original.stats()
+
+
+def test_a_state_with_its_tables_inside_loads_as_before():
+    original = scored_infobatch(5000)
+    restored = build_pruner("infobatch", 5000, 8, seed=2)
+    loader = CheckpointedPruner(restored)
+    loader.load_state_dict(original.state_dict())  # tensors in the state: what checkpoints held before
+    loader.finish_load("/nonexistent")  # nothing left to read
+    np.testing.assert_array_equal(restored.weights(np.arange(5000)), original.weights(np.arange(5000)))
+
+
+def test_a_table_file_of_another_size_is_named(tmp_path):
+    CheckpointedPruner(scored_infobatch(5000)).write_tables(str(tmp_path))
+    expected = r"seen\.npy: pruner table is uint8\[5000\], this pruner expects uint8\[6000\]"
+    with pytest.raises(ValueError, match=expected):
+        read_npy_into(os.path.join(tmp_path, TABLES, "seen.npy"), np.zeros(6000, np.uint8))
