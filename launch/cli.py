@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -130,32 +131,22 @@ def _compare(args) -> None:
     print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
 
 
-def _bench_scores(args) -> int:
-    """Score reliability over repeated draws, raw and normalised (tools/bench/score_noise.py)."""
-    from tools.bench.score_noise import run_from_args
-
-    return run_from_args(args)
-
-
-def _bench_lossless(args) -> None:
-    """Pruned vs full runs side by side, at equal passes and equal compute (tools/bench/lossless/run.py)."""
-    from tools.bench.lossless.run import run_from_args
-
-    run_from_args(args)
-
-
-def _bench_scale(args) -> int:
-    """Bytes per sample per node and rank, plan + layout time, state save/load at 1e8+ samples (tools/bench/scale.py)."""
-    from tools.bench.scale import run_from_args
-
-    return run_from_args(args)
+# `prunepipe bench NAME`: the module in tools/bench/ (its add_arguments and run_from_args) and the help line
+BENCHES = {
+    "lossless": ("tools.bench.lossless.run", "is pruning lossless, and better than training less? writes "
+                                             "docs/BENCHMARKS.md"),
+    "scores": ("tools.bench.score_noise", "how much of a run's per-sample scores is the sample, and how much the "
+                                          "mask or timestep drawn; what its pruner skips"),
+    "throughput": ("tools.bench.throughput", "samples/s of the project loop against a bare loop, same model and "
+                                             "batch, for mae, ldm and dit"),
+    "scale": ("tools.bench.scale", "pruning at 1e8-1e9 samples: bytes per sample per node and per rank, plan + "
+                                   "layout time for a simulated world, pruner state save/load"),
+}
 
 
-def _bench_throughput(args) -> None:
-    """The project loop against a bare example-script loop, same model and batch (tools/bench/throughput.py)."""
-    from tools.bench.throughput import run_from_args
-
-    run_from_args(args)
+def _bench(args) -> int:
+    """The benchmark named on the command line (tools/bench/)."""
+    return importlib.import_module(BENCHES[args.bench_command][0]).run_from_args(args) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,31 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: pruned against full runs, side by side")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    lossless = bench_sub.add_parser("lossless", help="is pruning lossless, and better than training less? "
-                                                     "writes docs/BENCHMARKS.md")
-    from tools.bench.lossless.run import add_arguments as bench_lossless_arguments
-
-    bench_lossless_arguments(lossless)
-    lossless.set_defaults(func=_bench_lossless)
-    scores = bench_sub.add_parser("scores", help="how much of a run's per-sample scores is the sample, and how "
-                                                 "much the mask or timestep drawn; what its pruner skips")
-    from tools.bench.score_noise import add_arguments as bench_scores_arguments
-
-    bench_scores_arguments(scores)
-    scores.set_defaults(func=_bench_scores)
-
-    throughput = bench_sub.add_parser("throughput", help="samples/s of the project loop against a bare loop, "
-                                                         "same model and batch, for mae and ldm")
-    from tools.bench.throughput import add_arguments as bench_throughput_arguments
-
-    bench_throughput_arguments(throughput)
-    throughput.set_defaults(func=_bench_throughput)
-    scale = bench_sub.add_parser("scale", help="pruning at 1e8-1e9 samples: bytes per sample per node and per "
-                                 "rank, plan + layout time for a simulated world, pruner state save/load")
-    from tools.bench.scale import add_arguments as bench_scale_arguments
-
-    bench_scale_arguments(scale)
-    scale.set_defaults(func=_bench_scale)
+    for name, (module, help_line) in BENCHES.items():
+        parser_of = bench_sub.add_parser(name, help=help_line)
+        importlib.import_module(module).add_arguments(parser_of)
+        parser_of.set_defaults(func=_bench)
     return parser
 
 
