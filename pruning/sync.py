@@ -22,12 +22,6 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
-    return torch.cat(parts)
-
-
 def gather_ids_losses(ids: Any, losses: Any) -> tuple[np.ndarray, np.ndarray]:
     """(ids int64 [world * B], losses float32 [world * B]) in rank order; every rank passes equal B.
 
@@ -64,12 +58,13 @@ def gather_tensors(ids: torch.Tensor, losses: torch.Tensor, strata: torch.Tensor
     device = _collective_device()
     ids_tensor, losses_tensor = ids_tensor.to(device), losses_tensor.to(device)
     integers = ids_tensor[None] if strata_tensor is None else torch.stack([ids_tensor, strata_tensor.to(device)])
-    gathered = torch.cat(_all_gather_rows(integers), dim=1)  # [rows, world * B], rank order
-    gathered_losses = _all_gather(losses_tensor)
+    gathered = torch.cat(_all_gather(integers), dim=1)  # [rows, world * B], rank order
+    gathered_losses = torch.cat(_all_gather(losses_tensor))
     return gathered[0], gathered_losses, (gathered[1] if strata_tensor is not None else None)
 
 
-def _all_gather_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor`, in rank order."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return parts

@@ -270,6 +270,7 @@ def test_config_mistakes_name_the_field():
 
 def test_the_stratum_is_the_share_of_variation_the_models_own_mask_hid():
     task = make_task()
+    assert task.num_strata == 0 and task.per_sample(task.model, random_batch(2), torch.Generator()).stratum is None
     batch = random_batch(4)
     noise = torch.rand(4, task.num_patches, generator=torch.Generator().manual_seed(3))
     _, mask, _ = task.model.forward_encoder(batch.images, noise)
@@ -288,7 +289,8 @@ def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
     with it, and still ranks the images as their mean raw loss does."""
     from pruning import ScoreNormaliser
 
-    task = make_task()
+    torch.manual_seed(0)
+    task = MAETask(MAEConfig(), image_size=IMAGE, channels=CHANNELS, strata=True)
     with torch.no_grad():
         task.model.decoder_pred.weight.zero_()
         task.model.decoder_pred.bias.zero_()
@@ -312,3 +314,13 @@ def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
     assert with_raw > 0.5 and abs(with_normalised) < with_raw / 2, (with_raw, with_normalised)
     ranking = scipy.stats.spearmanr(raw[settled].mean(0), normalised[settled].mean(0))[0]
     assert ranking > 0.9, ranking
+
+
+def test_a_run_reports_mask_strata_only_when_it_normalises_scores(digits_shards):
+    from pipelines.config import load_config
+    from pipelines.tasks.build import build_task
+
+    base = ["task=mae", f"data.train={digits_shards}/train", "data.resolution=16", "mae.patch_size=4"]
+    assert build_task(load_config(None, base)).num_strata == 0
+    assert build_task(load_config(None, [*base, "score.normalise=stratum_mean"])).num_strata == 100
+    assert build_task(load_config(None, base), strata=True).num_strata == 100

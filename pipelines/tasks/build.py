@@ -7,12 +7,15 @@ from __future__ import annotations
 from pipelines.data.shards import ShardIndex
 
 
-def build_task(cfg):
-    """The task of `cfg.task` (a RunConfig): mae -> MAETask, ldm -> DiffusionTask."""
+def build_task(cfg, *, strata: bool | None = None):
+    """The task of `cfg.task` (a RunConfig): mae -> MAETask, ldm -> DiffusionTask. `strata`: report
+    each draw's stratum (default: when the run normalises scores within strata); diffusion always
+    does, its timestep costs nothing."""
     if cfg.task == "mae":
         from pipelines.tasks.mae import MAETask
 
-        return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels)
+        wanted = cfg.score.normalise != "none" if strata is None else strata
+        return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels, strata=wanted)
     from pipelines.tasks.diffusion import PRECOMPUTED, DiffusionTask
 
     size, channels = cfg.data.resolution, cfg.data.channels

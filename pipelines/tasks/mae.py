@@ -260,8 +260,13 @@ class MaskedAutoencoder(nn.Module):
 class MAETask:
     """What the training loop needs from MAE: the model, a per-sample loss, evaluation and export."""
 
-    def __init__(self, cfg: MAEConfig, *, image_size: int, channels: int):
+    def __init__(self, cfg: MAEConfig, *, image_size: int, channels: int, strata: bool = False):
         self.cfg = cfg = cfg.resolved()
+        # The stratum of a draw is the share of the image's variation its mask hid, in hundredths: a
+        # mask that happens to hide the flat patches gives a low loss whatever the sample, so scores
+        # are made comparable within a share (score.normalise, pruning/scores.py), as diffusion's within
+        # a timestep. Measured only when asked for: it costs a pass over the pixels every step.
+        self.num_strata = MASK_SHARE_STRATA if strata else 0
         if image_size % cfg.patch_size:
             raise ValueError(f"mae.patch_size={cfg.patch_size} must divide the image size {image_size}")
         for field, dim in (("embed_dim", cfg.embed_dim), ("decoder_embed_dim", cfg.decoder_embed_dim)):
@@ -295,21 +300,20 @@ class MAETask:
         )
         self.num_patches = self.model.num_patches
 
-    # The stratum of a draw is the share of the image's variation its mask hid, in hundredths: a mask
-    # that happens to hide the flat patches gives a low loss whatever the sample, so scores are made
-    # comparable within a share (score.normalise, pruning/scores.py), as diffusion's within a timestep.
-    num_strata = MASK_SHARE_STRATA
     timestep_sampler = None
 
     def observe(self, ids, strata, scores) -> None:
         """Nothing of MAE learns from the gathered batch."""
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
-        """The masked-patch MSE of each sample with its mask's hidden share as the stratum."""
+        """The masked-patch MSE of each sample, with its mask's hidden share as the stratum when
+        the task was built with strata."""
         images = batch.images
         noise = batch_draws(generator, len(images)).rand(self.num_patches).to(images.device)  # [B, L]
-        share = hidden_share(unwrap(model).patchify(images.float()), noise, self.cfg.mask_ratio)
-        stratum = (share * MASK_SHARE_STRATA).long().clamp_(0, MASK_SHARE_STRATA - 1)
+        stratum = None
+        if self.num_strata:
+            share = hidden_share(unwrap(model).patchify(images.float()), noise, self.cfg.mask_ratio)
+            stratum = (share * MASK_SHARE_STRATA).long().clamp_(0, MASK_SHARE_STRATA - 1)
         return SampleLosses(model(images, noise), stratum)
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:

@@ -35,7 +35,7 @@ from pipelines.data.splits import read_split
 from pipelines.evaluation.records import resolve_run_dir
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
-from pruning import build_pruner
+from pruning import ScoreNormaliser, build_pruner
 
 DRAW_SEED = 7_000_003  # far from any training seed: these draws are not the training run's
 NORMALISER_BUCKETS = 20
@@ -70,7 +70,7 @@ def normalised(losses: np.ndarray, strata: np.ndarray, num_strata: int) -> np.nd
     """Each loss over the mean loss of its stratum bucket, pooled over every draw and sample."""
     if num_strata <= 0 or (strata < 0).any():
         return losses
-    buckets = np.minimum(strata * NORMALISER_BUCKETS // num_strata, NORMALISER_BUCKETS - 1)
+    buckets = ScoreNormaliser("stratum_mean", num_strata, buckets=NORMALISER_BUCKETS).bucket(strata)
     means = np.zeros(NORMALISER_BUCKETS)
     for b in np.unique(buckets):
         means[b] = losses[buckets == b].mean()
@@ -129,7 +129,7 @@ def analyse(run: str, *, draws: int = 8, samples: int = 2000, split: str = "trai
     if folder is None:
         raise FileNotFoundError(f"run {run_dir}: no intact checkpoint to read weights from")
     with torch.random.fork_rng(devices=[]):  # the initialisation drawn here is overwritten
-        task = build_task(cfg)
+        task = build_task(cfg, strata=True)
     task.model.load_state_dict(load_checkpoint_states(folder)["model"], strict=True)
     task.model.eval()
     data = getattr(cfg.data, split)
