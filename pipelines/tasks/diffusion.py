@@ -21,7 +21,7 @@ from diffusers import (AutoencoderKL, DDPMPipeline, DDPMScheduler, DiTTransforme
 from huggingface_hub import constants as hub_constants
 
 from pipelines.data.batch import real_samples
-from pipelines.tasks.dit import DIT_PRESETS, build_dit
+from pipelines.tasks.dit import DIT_PRESETS, build_dit, dit_null_label
 from pipelines.tasks.flow import FLOW_WEIGHTINGS, HELD_OUT_S, draw_s, interpolate, s_stratum
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
@@ -425,7 +425,7 @@ def _load_model(export_dir: str, ema: bool) -> UNet2DModel | DiTTransformer2DMod
 def _null_label(model: UNet2DModel | DiTTransformer2DModel) -> int | None:
     """The null label of a class-conditional model, None for an unconditional UNet."""
     if isinstance(model, DiTTransformer2DModel):
-        return int(model.config.num_embeds_ada_norm)
+        return dit_null_label(model)
     return model.config.num_class_embeds - 1 if model.config.num_class_embeds else None
 
 

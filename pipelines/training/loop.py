@@ -161,7 +161,8 @@ def train(cfg: RunConfig) -> dict:
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
     lost_here = 0  # samples this rank lost to bad input since position.bad_samples was last summed
-    steps_this_run = 0  # micro-batches since this process started (the first one may wait: lazy setup)
+    # debug_device_sync: from the second micro-batch of this process on (the first may wait: lazy setup)
+    device_waits = DeviceWaitCheck(cfg.debug_device_sync)
     if cfg.debug_device_sync and device.type != "cuda":
         raise ValueError("debug_device_sync=true checks CUDA synchronisation; this run has no CUDA device")
 
@@ -207,8 +208,7 @@ def train(cfg: RunConfig) -> dict:
 
         deferred = DeferredRecords(consume, lag=SCORE_LAG)
         for batch in loader:
-            strict_device_sync(cfg.debug_device_sync and steps_this_run > 0)
-            steps_this_run += 1
+            device_waits.step()
             micro = position.batch_in_pass
             is_step = (micro + 1) % accum == 0 or micro + 1 == total
             lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
@@ -248,7 +248,7 @@ def train(cfg: RunConfig) -> dict:
             deferred.push(StepRecord(step_at, epoch, micro, lr, is_step, *host, ready=ready))
             if is_step:
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
-                    strict_device_sync(False)
+                    device_waits.pause()
                     deferred.drain()  # the checkpoint holds every update, as if none had waited
                     settle_bad_input(accelerator, position, lost_here, undecodable_here)
                     lost_here = 0
@@ -260,7 +260,7 @@ def train(cfg: RunConfig) -> dict:
                 if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                     stop = True
                     break
-        strict_device_sync(False)
+        device_waits.pause()
         deferred.drain()
         bar.close()
         position.wall_seconds += time.perf_counter() - pass_start
@@ -293,10 +293,21 @@ def train(cfg: RunConfig) -> dict:
     return summary
 
 
-def strict_device_sync(on: bool) -> None:
-    """Make any device-to-host synchronisation an error (debug_device_sync), or allow it again."""
-    if torch.cuda.is_available():
-        torch.cuda.set_sync_debug_mode("error" if on else "default")
+class DeviceWaitCheck:
+    """debug_device_sync: any device-to-host synchronisation inside a step is an error on CUDA; off
+    between steps that must read the host (checkpoints, pass ends). Nothing at all when not asked for."""
+
+    def __init__(self, on: bool):
+        self.on, self.steps = on and torch.cuda.is_available(), 0
+
+    def step(self) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("error" if self.steps else "default")
+            self.steps += 1
+
+    def pause(self) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def report_nonfinite(cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, epoch: int,
