@@ -37,10 +37,6 @@ class PassPlan:
             raise RuntimeError("the pruner has no plan yet: call pruner.plan(epoch) first")
         return cls(int(pruner.epoch), pruner.frozen_plan)
 
-    @classmethod
-    def keep_all(cls, num_samples: int, epoch: int, seed: int = 0) -> "PassPlan":
-        return cls(epoch, FrozenPlan(seed, epoch, num_samples, 1.0, None))
-
     def __post_init__(self):
         if self.excluded is not None and len(self.excluded) != self.frozen.num_samples:
             raise ValueError(f"excluded flags {len(self.excluded)} samples, the plan {self.frozen.num_samples}")
@@ -97,16 +93,10 @@ class PassPlan:
             total += int(np.count_nonzero(kept))
         return total
 
-    def kept_fraction(self) -> float:
-        return self.count_kept() / self.num_samples
-
     def kept_mask(self) -> np.ndarray:
         """bool [N]: the kept samples as a dense mask, one byte per sample (debugging and tests only)."""
         return np.concatenate([self.kept_between(start, min(start + _CHUNK, self.num_samples))
                                for start in range(0, self.num_samples, _CHUNK)])
-
-    def weight(self, sample_id: int) -> float:
-        return float(self.weights(np.array([sample_id]))[0])
 
     def share(self) -> "PassPlan":
         """This plan with its per-sample arrays in shared memory, so that loader workers started by
