@@ -20,7 +20,6 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from diffusers.training_utils import EMAModel
 
