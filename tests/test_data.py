@@ -3,6 +3,9 @@ skip-before-decode and exact resume, on real shards written by `prunepipe shards
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -29,9 +32,9 @@ class CountingDecoder(SampleDecoder):
         super().__init__(**kw)
         self.decoded: list[int] = []
 
-    def __call__(self, sample, sample_id, epoch):
+    def decode(self, sample, sample_id):
         self.decoded.append(sample_id)
-        return super().__call__(sample, sample_id, epoch)
+        return super().decode(sample, sample_id)
 
 
 def run_pass(index, epoch, plan=None, *, world=2, workers=2, seed=0, skip=0, decoder=None):
@@ -102,6 +105,41 @@ def test_resume_after_n_batches_yields_exactly_the_rest(digits_train, workers):
             assert torch.equal(a.weights, b.weights) and torch.equal(a.labels, b.labels)
     if workers == 0:  # the decoder runs in this process only without workers
         assert len(decoder.decoded) == 2 * (layout.steps - skip) * BATCH
+
+
+class PidLabels(SampleDecoder):
+    """The real decoder, labelling each sample with the process that decoded it."""
+
+    def decode(self, sample, sample_id):
+        return super().decode(sample, sample_id)[0], os.getpid()
+
+
+def test_loader_workers_persist_across_passes_and_serve_each_the_latest_pass(digits_train):
+    index = ShardIndex.load(digits_train)
+
+    def fresh(epoch):  # what a new stream (new workers) delivers for this pass
+        stream = ShardStream(index, batch_size=BATCH, shuffle_buffer=64)
+        return list(stream.pass_loader(epoch, half_dropping_plan(index, epoch), num_workers=2))
+
+    stream = ShardStream(index, batch_size=BATCH, decoder=PidLabels(resolution=32), shuffle_buffer=64)
+    decoded_by = set()
+    for epoch in range(3):
+        batches = list(stream.pass_loader(epoch, half_dropping_plan(index, epoch), num_workers=2))
+        expected = fresh(epoch)
+        assert len(batches) == len(expected)
+        for a, b in zip(batches, expected):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.images, b.images) and torch.equal(a.weights, b.weights)
+        decoded_by |= set(torch.cat([b.labels for b in batches]).tolist())
+    assert len(decoded_by) == 2 and os.getpid() not in decoded_by, "the same two worker processes decode every pass"
+    # A pass left unread, then one abandoned after a batch: the next pass is served whole and alone.
+    stream.pass_loader(3, half_dropping_plan(index, 3), num_workers=2)
+    abandoned = iter(stream.pass_loader(4, half_dropping_plan(index, 4), num_workers=2))
+    next(abandoned)
+    del abandoned
+    batches = list(stream.pass_loader(5, half_dropping_plan(index, 5), num_workers=2))
+    np.testing.assert_array_equal(ids_of(batches), ids_of(fresh(5)))
+    stream.close()
+    assert not decoded_by & {p.pid for p in multiprocessing.active_children()}, "close() stops the workers"
 
 
 def test_round_robin_replay_matches_dataloader_order():

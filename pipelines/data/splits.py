@@ -9,6 +9,7 @@ import json
 import os
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from pipelines.data.batch import Batch
@@ -45,12 +46,12 @@ def read_split(
             if ordinal >= total:
                 break
             if ordinal % world_size == rank:
-                image, label = decoder(sample, first + position, 0)
+                image, label = decoder.decode(sample, first + position)
                 ids.append(first + position)
                 images.append(image)
                 labels.append(label)
                 if len(ids) == batch_size:
-                    yield _batch(ids, images, labels)
+                    yield _batch(decoder, ids, images, labels)
                     ids, images, labels = [], [], []
             ordinal += 1
             bar.update(1)
@@ -60,11 +61,12 @@ def read_split(
     if ordinal < total:
         raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {ordinal}")
     if ids:
-        yield _batch(ids, images, labels)
+        yield _batch(decoder, ids, images, labels)
 
 
-def _batch(ids, images, labels) -> Batch:
-    return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)), torch.stack(images),
+def _batch(decoder: SampleDecoder, ids, images, labels) -> Batch:
+    return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)),
+                 decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
                  torch.tensor(labels, dtype=torch.int64))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import multiprocessing
+import queue as queue_module
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -18,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipelines.data.batch import PADDING_ID, Batch
 from pipelines.data.decode import NO_LABEL, SampleDecoder
-from pipelines.data.layout import PassLayout, batches_taken_per_worker, pass_layout
+from pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
 from pipelines.data.shards import BadInput, BadInputError, ShardIndex, read_shard
 from pruning.pass_plan import PassPlan
 
@@ -27,8 +29,12 @@ log = logging.getLogger(__name__)
 BAD_SAMPLE_POLICIES = ("skip", "stop")
 
 
-class ShardStream(IterableDataset):
-    """Batches of one rank for one pass at a time; call `pass_loader(epoch, plan)` per pass."""
+class ShardStream:
+    """Batches of one rank for one pass at a time; call `pass_loader(epoch, plan)` per pass.
+
+    Loader workers persist across passes: each pass hands every worker its part through a mailbox
+    instead of starting new processes (a start and a shutdown cost about a tenth of a second, a
+    large share of a short pass). `close()` stops them; so does dropping the stream."""
 
     def __init__(
         self,
@@ -48,15 +54,15 @@ class ShardStream(IterableDataset):
             raise ValueError(f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size}, {rank}, {world_size}")
         self.index = index
         self.batch_size = batch_size
-        self.decoder = decoder or SampleDecoder()
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.shuffle_buffer = shuffle_buffer
-        self.on_bad_sample = on_bad_sample
-        self._pass: _PassState | None = None
+        self._reader = _PartReader(index, batch_size, decoder or SampleDecoder(), seed, rank, shuffle_buffer,
+                                   on_bad_sample)
+        self._loader: DataLoader | None = None
+        self._loader_settings: tuple | None = None
+        self._passes_posted = 0
 
-    # -------------------------------------------------------------- the main-process side
     def layout(self, epoch: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
         if plan is not None and plan.num_samples != self.index.num_samples:
             raise ValueError(f"plan covers {plan.num_samples} samples but {self.index.path} indexes "
@@ -87,7 +93,8 @@ class ShardStream(IterableDataset):
         `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
         `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
         exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
-        starts the loader workers; under each they read the plan without a copy of it."""
+        starts the loader workers; under each they read the plan without a copy of it. Iterate
+        one pass's loader before asking for the next: the workers serve the latest pass."""
         if plan is not None and plan.epoch != epoch:
             raise ValueError(f"plan is for pass {plan.epoch}, not pass {epoch}")
         layout = self.layout(epoch, plan, num_workers)
@@ -99,32 +106,125 @@ class ShardStream(IterableDataset):
             raise ValueError(f"skip_undecodable has {len(extra)} entries for {workers} worker parts")
         if plan is not None and num_workers > 0:
             plan = plan.share()  # spawn-started workers map the plan's bitmaps instead of copying them
-        self._pass = _PassState(epoch, plan, layout, workers, skipped, extra, first_worker)
-        loader = DataLoader(self, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                            multiprocessing_context=start_method if num_workers > 0 else None)
+        self._passes_posted += 1
+        parts = []
+        for loader_worker in range(workers):  # resuming rotates which part loader worker 0 plays
+            part = (loader_worker + first_worker) % workers
+            parts.append(PartOfPass(self._passes_posted, epoch, plan, part,
+                                    layout.slices[self.rank * workers + part], int(mine[part]),
+                                    int(skipped[part]), int(extra[part])))
+        loader = self._loader_for(num_workers, pin_memory, start_method)
+        self._reader.post(parts, self._passes_posted)
         return PassLoader(loader, layout, layout.steps - skip_batches)
 
-    # -------------------------------------------------------------- the worker side
+    def _loader_for(self, num_workers: int, pin_memory: bool, start_method: str | None) -> DataLoader:
+        """The DataLoader for these settings: the same one (and its workers) pass after pass."""
+        settings = (num_workers, pin_memory, start_method)
+        if self._loader is not None and self._loader_settings == settings:
+            return self._loader
+        self.close()
+        if num_workers > 0:
+            context = multiprocessing.get_context(start_method)
+            self._reader.open_mailbox(num_workers, context)
+            self._loader = DataLoader(self._reader, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                                      multiprocessing_context=context, persistent_workers=True)
+        else:
+            self._reader.close_mailbox()
+            self._loader = DataLoader(self._reader, batch_size=None, pin_memory=pin_memory)
+        self._loader_settings = settings
+        return self._loader
+
+    def close(self) -> None:
+        """Stop the loader workers (a later pass starts new ones)."""
+        loader, self._loader, self._loader_settings = self._loader, None, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+@dataclass(frozen=True)
+class PartOfPass:
+    """What one loader worker reads in one pass: its part of this rank's slice."""
+
+    token: int  # which posted pass this is: a worker drops parts of passes abandoned before it read them
+    epoch: int
+    plan: PassPlan | None
+    part: int  # the worker part it plays (resume may rotate them)
+    slices: tuple[SliceOfShard, ...]
+    batches: int
+    skip: int  # batches to replay without decoding (resume)
+    undecodable: int  # undecodable samples among them, replayed too
+
+
+class _Mailbox:
+    """The latest pass's parts, from the training process to its persistent loader workers: one
+    queue per worker, and the token of the current pass."""
+
+    WAIT_SECONDS = 600.0
+
+    def __init__(self, workers: int, context):
+        self.queues = [context.Queue() for _ in range(workers)]
+        self.current = context.Value("q", 0)
+
+    def post(self, parts: list[PartOfPass], token: int) -> None:
+        self.current.value = token
+        for queue, part in zip(self.queues, parts):
+            queue.put(part)
+
+    def receive(self, worker: int) -> PartOfPass:
+        while True:
+            try:
+                part = self.queues[worker].get(timeout=self.WAIT_SECONDS)
+            except queue_module.Empty:
+                raise RuntimeError(f"loader worker {worker} got no pass to read in {self.WAIT_SECONDS:.0f} s") from None
+            if part.token == self.current.value:
+                return part
+
+
+class _PartReader(IterableDataset):
+    """The worker side: reads, prunes before decoding, decodes and batches one part of one pass."""
+
+    def __init__(self, index: ShardIndex, batch_size: int, decoder: SampleDecoder, seed: int, rank: int,
+                 shuffle_buffer: int, on_bad_sample: str):
+        self.index = index
+        self.batch_size = batch_size
+        self.decoder = decoder
+        self.seed = seed
+        self.rank = rank
+        self.shuffle_buffer = shuffle_buffer
+        self.on_bad_sample = on_bad_sample
+        self._mailbox: _Mailbox | None = None
+        self._in_process: PartOfPass | None = None
+
+    def open_mailbox(self, workers: int, context) -> None:
+        self._mailbox = _Mailbox(workers, context)  # before the workers start: they inherit it
+
+    def close_mailbox(self) -> None:
+        self._mailbox = None
+
+    def post(self, parts: list[PartOfPass], token: int) -> None:
+        if self._mailbox is None:
+            self._in_process = parts[0]
+        else:
+            self._mailbox.post(parts, token)
+
     def __iter__(self) -> Iterator[Batch]:
-        state = self._pass
-        if state is None:
-            raise RuntimeError("iterate a ShardStream through pass_loader(epoch, plan)")
         info = get_worker_info()
-        worker = ((0 if info is None else info.id) + state.first_worker) % state.workers
-        slot = self.rank * state.workers + worker
-        n_batches = int(state.layout.batches[self.rank, worker])
-        skip = int(state.skipped[worker])
-        rng = np.random.default_rng([self.seed, state.epoch, self.rank, worker])
+        part = self._in_process if info is None else self._mailbox.receive(info.id)
+        if part is None:
+            raise RuntimeError("iterate a ShardStream through pass_loader(epoch, plan)")
+        rng = np.random.default_rng([self.seed, part.epoch, self.rank, part.part])
         events: list[BadInput] = []
-        raw = self._kept_raw_samples(state.layout.slices[slot], state.plan, events)
+        raw = self._kept_raw_samples(part.slices, part.plan, events)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
         replayed = collections.deque(maxlen=8)
-        for _ in range(min(skip, n_batches) * self.batch_size + int(state.undecodable[worker])):
+        for _ in range(min(part.skip, part.batches) * self.batch_size + part.undecodable):
             replayed.append(next(samples, None))  # resume: replay the order without decoding
         events.clear()  # met while replaying: counted by the run that trained those batches
         template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
-        for k in range(skip, n_batches):
-            yield self._next_batch(samples, state.epoch, events, template, replayed, worker, last=k == n_batches - 1)
+        for k in range(part.skip, part.batches):
+            yield self._next_batch(samples, part.epoch, events, template, replayed, part.part,
+                                   last=k == part.batches - 1)
 
     def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
         """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
@@ -165,22 +265,24 @@ class ShardStream(IterableDataset):
 
     def _next_batch(self, samples, epoch: int, events: list, template: list, replayed, worker: int,
                     last: bool) -> Batch:
-        ids, weights, images, labels = [], [], [], []
+        ids, weights, pixels, labels = [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
             if item is None:
                 break
             sample_id, weight, sample = item
             try:
-                image, label = self.decoder(sample, sample_id, epoch)
+                decoded, label = self.decoder.decode(sample, sample_id)
             except BadInputError as e:
                 self._bad(events, BadInput(str(e), undecodable=True))
                 continue
             ids.append(sample_id)
             weights.append(weight)
-            images.append(image)
+            pixels.append(decoded)
             labels.append(label)
-            template[:] = [image]
+        if pixels:
+            images = self.decoder.finish(torch.stack(pixels), np.array(ids, dtype=np.int64), epoch)
+            template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
             # same number of steps; padding has id -1 and never reaches a pruner.
@@ -189,9 +291,10 @@ class ShardStream(IterableDataset):
             if not template:
                 raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
             missing = self.batch_size - len(ids)
+            padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
+            images = torch.cat([images, padding]) if pixels else padding
             ids += [PADDING_ID] * missing
             weights += [0.0] * missing
-            images += [torch.zeros_like(template[0])] * missing
             labels += [NO_LABEL] * missing
         if last:  # read (never decode) this worker's tail, so a shard's bad end is still reported
             for _ in samples:
@@ -201,7 +304,7 @@ class ShardStream(IterableDataset):
         return Batch(
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(weights, dtype=torch.float32),
-            torch.stack(images),
+            images,
             torch.tensor(labels, dtype=torch.int64),
             bad,
             worker,
@@ -223,17 +326,6 @@ class ShardStream(IterableDataset):
             raise BadInputError(event.message + " (data.on_bad_sample=stop; set it to skip to go on)")
         log.warning("skipping %d sample(s): %s", event.samples_lost, event.message)
         events.append(event)
-
-
-@dataclass
-class _PassState:
-    epoch: int
-    plan: PassPlan | None
-    layout: PassLayout
-    workers: int
-    skipped: np.ndarray  # int64 [workers]: batches each worker skips (resume)
-    undecodable: np.ndarray  # int64 [workers]: undecodable samples among them, skipped too
-    first_worker: int  # the worker whose part loader worker 0 plays (resume)
 
 
 class PassLoader:

@@ -281,6 +281,7 @@ def train(cfg: RunConfig) -> dict:
         position.epoch += 1
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
+    stream.close()  # the loader workers, kept from pass to pass
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
                         checkpointed.write_tables)
