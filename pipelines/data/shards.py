@@ -146,11 +146,18 @@ def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict 
     field; `__...__` metadata members and names without an extension belong to no sample."""
     position, key, sample = -1, None, None
     for name, _ in members.members():
-        if SKIP_META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
+        if name.startswith("__") and (SKIP_META.match(name) or ("/" not in name and name.endswith("__"))):
             continue
-        prefix, suffix = base_plus_ext(name)
-        if prefix is None:
-            continue
+        # base_plus_ext without its regex: the basename up to its first dot, when that dot is not the
+        # basename's first character; other names (and any with a newline) go through the regex
+        start = name.rfind("/") + 1
+        dot = name.find(".", start)
+        if dot > start and "\n" not in name:
+            prefix, suffix = name[:dot], name[dot + 1:]
+        else:
+            prefix, suffix = base_plus_ext(name)
+            if prefix is None:
+                continue
         if prefix != key:
             if sample is not None:
                 yield position, sample

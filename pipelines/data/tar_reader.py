@@ -23,6 +23,7 @@ REGULAR = (b"0", b"\0", b"7")  # what tarfile's isreg() accepts
 NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, fifos: a size field means nothing
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
 POSIX_MAGIC = b"ustar\x0000"
+ZERO_BLOCK = bytes(BLOCK)
 
 
 class TarFormatError(ValueError):
@@ -30,19 +31,21 @@ class TarFormatError(ValueError):
 
 
 def _number(field: bytes) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
+    if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
         return int.from_bytes(field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
+    text = field.partition(b"\0")[0]
     try:
-        return int(text, 8) if text else 0
+        return int(text, 8)  # int() ignores surrounding spaces
     except ValueError:
+        if not text.strip():
+            return 0
         raise TarFormatError(f"invalid number field {field!r} in a tar header") from None
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
     """`LENGTH KEY=VALUE\\n` records of a pax extended header."""
     records, position = {}, 0
-    while position < len(data) and data[position:position + 1] not in (b"\0", b""):
+    while position < len(data) and data[position]:
         space = data.find(b" ", position)
         if space < 0:
             raise TarFormatError("malformed pax extended header")
@@ -120,9 +123,11 @@ class TarMembers:
         """The current member's bytes."""
         if self._fallback is not None:
             return self._fallback_data
-        data = self._read(self._unread, "a member")[:self._size]
-        self._unread = 0
-        return data
+        n, self._unread = self._unread, 0
+        data = self.stream.read(n)
+        if len(data) < n:
+            data += self._read(n - len(data), "a member")
+        return data[:self._size]
 
     # ------------------------------------------------------------------ headers
     def members(self) -> Iterator[tuple[str, int]]:
@@ -135,7 +140,7 @@ class TarMembers:
         header = first
         long_name, pax = None, {}
         while True:
-            if len(header) == 0 or header == bytes(BLOCK):
+            if len(header) == 0 or header == ZERO_BLOCK:
                 if pax or long_name is not None:
                     raise TarFormatError("the archive ends after an extended header, before its member")
                 if len(header) == 0:  # every tar writer ends with zero blocks; tarfile would stop quietly
@@ -143,13 +148,13 @@ class TarMembers:
                 return
             if len(header) < BLOCK:
                 header += self._read(BLOCK - len(header), "a header")
-            if _number(header[148:156]) != _checksum(header):
+            if not _checksum_ok(header):
                 raise TarFormatError("bad checksum in a tar header: not a tar archive, or a damaged one")
             kind = header[156:157]
-            if kind == b"S" or any(key.startswith("GNU.sparse") for key in pax):
+            if kind == b"S" or (pax and any(key.startswith("GNU.sparse") for key in pax)):
                 raise TarFormatError("sparse members are not supported in shards")
             size = 0 if kind in NO_DATA else int(pax["size"]) if "size" in pax else _number(header[124:136])
-            self._size, self._unread = size, (size + BLOCK - 1) // BLOCK * BLOCK
+            self._size, self._unread = size, (size + BLOCK - 1) & -BLOCK
             if kind in (b"x", b"L"):  # describes the next member
                 data = self.read()
                 if kind == b"x":
@@ -162,8 +167,9 @@ class TarMembers:
                 yield name, size
             else:  # directories, links, global pax headers, ...
                 long_name, pax = None, {}
-            self._discard(self._unread)
-            self._unread = 0
+            if self._unread:
+                self._discard(self._unread)
+                self._unread = 0
             header = self.stream.read(BLOCK)
 
     def _compressed(self, head: bytes) -> Iterator[tuple[str, int]]:
@@ -176,17 +182,19 @@ class TarMembers:
             archive.members = []  # stream mode: keep no history
 
 
-def _checksum(header: bytes) -> int:
-    """The header's byte sum with the checksum field read as spaces. Adler-32's low half is 1 + the
-    byte sum mod 65521, exact for 256 bytes (at most 65280): C speed instead of a Python sum."""
+def _checksum_ok(header: bytes) -> bool:
+    """Whether the checksum field holds the header's byte sum with that field read as spaces.
+    Adler-32's low half is 1 + the byte sum mod 65521, exact for 256 bytes (at most 65280): C speed
+    instead of a Python sum."""
+    field = header[148:156]
     total = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
-    return total - sum(header[148:156]) + 8 * 32
+    return _number(field) == total - sum(field) + 8 * 32
 
 
 def _header_name(header: bytes) -> str:
-    name = header[:100].split(b"\0", 1)[0]
-    if header[257:265] == POSIX_MAGIC:
-        prefix = header[345:500].split(b"\0", 1)[0]
-        if prefix:
-            name = prefix + b"/" + name
+    end = header.find(b"\0", 0, 100)
+    name = header[:end if end >= 0 else 100]
+    if header[345] and header[257:265] == POSIX_MAGIC:  # a ustar name prefix
+        prefix = header[345:500].partition(b"\0")[0]
+        name = prefix + b"/" + name
     return name.decode("utf-8", "surrogateescape")
