@@ -26,7 +26,7 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
-from pipelines.data.workers import loader_workers
+from pipelines.data.workers import loader_workers, pin_this_process, place_cores
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
@@ -120,7 +120,8 @@ def train(cfg: RunConfig) -> dict:
     place_model(cfg, task.model, device)  # before the optimizer: the fused kernel checks the parameters' device
     optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
-    ema = EMAModel(accelerator.unwrap_model(model).parameters(), decay=cfg.ema_decay, use_ema_warmup=True)
+    trained = list(accelerator.unwrap_model(model).parameters())  # what the EMA follows (unwrapped once)
+    ema = EMAModel(trained, decay=cfg.ema_decay, use_ema_warmup=True)
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
     node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
@@ -157,6 +158,11 @@ def train(cfg: RunConfig) -> dict:
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
     workers = loader_workers(cfg.data.num_workers, device_type=device.type)  # decoding beside the step
+    cores = place_cores(cfg.data.cpu_affinity, workers, device_type=device.type, compute_threads=torch.get_num_threads(),
+                        local_rank=local_rank, processes_on_node=local_size)
+    cores_before = os.sched_getaffinity(0) if cores is not None else None
+    if cores is not None:
+        pin_this_process(cores.training)
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
@@ -175,7 +181,7 @@ def train(cfg: RunConfig) -> dict:
         undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
         loader = stream.pass_loader(epoch, plan, num_workers=workers,
                                     skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
-                                    pin_memory=device.type == "cuda")
+                                    pin_memory=device.type == "cuda", worker_cores=cores.workers if cores else ())
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = loader.layout.kept / index.num_samples
@@ -241,7 +247,7 @@ def train(cfg: RunConfig) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                ema.step(accelerator.unwrap_model(model).parameters())
+                ema.step(trained)
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
             bar.update(1)
@@ -282,6 +288,8 @@ def train(cfg: RunConfig) -> dict:
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     stream.close()  # the loader workers, kept from pass to pass
+    if cores_before is not None:
+        pin_this_process(tuple(cores_before))  # the caller's process as it was
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
                         checkpointed.write_tables)

@@ -25,6 +25,7 @@ from diffusers.training_utils import EMAModel
 
 from pipelines.config import RunConfig, load_config
 from pipelines.data.splits import read_split
+from pipelines.data.workers import loader_workers
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import GeneratorDraws
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
@@ -41,17 +42,22 @@ class Figures:
     task: str
     device: str
     batch_size: int
+    threads: int  # torch's intra-op threads, in both loops
+    workers: int  # the project loop's loader workers
     steps: int  # timed steps of each loop, per repeat
     project: list[float]  # samples/s per repeat
     bare: list[float]
 
     def row(self) -> dict:
         project, bare = statistics.median(self.project), statistics.median(self.bare)
-        return {"task": self.task, "device": self.device, "batch_size": self.batch_size, "steps": self.steps,
+        ratios = [b / p for p, b in zip(self.project, self.bare)]
+        return {"task": self.task, "device": self.device, "batch_size": self.batch_size, "threads": self.threads,
+                "loader_workers": self.workers, "steps": self.steps,
                 "project_samples_per_s": round(project, 1), "bare_samples_per_s": round(bare, 1),
                 "project_ms_per_step": round(1000 * self.batch_size / project, 2),
                 "bare_ms_per_step": round(1000 * self.batch_size / bare, 2),
                 "ratio_project_over_bare_time": round(bare / project, 3),
+                "ratio_per_repeat": [round(r, 3) for r in ratios],
                 "project_repeats": [round(v, 1) for v in self.project], "bare_repeats": [round(v, 1) for v in self.bare]}
 
 
@@ -185,7 +191,8 @@ def run_bench(tasks: list[str], *, size: str = "tiny", passes: int = 3, repeats:
             train_dir = ensure_data(task, size, data if len(tasks) == 1 else None, scratch)
             cfg = bench_config(task, size, train_dir, os.path.join(tmp, "runs"), f"{task}_0", passes, list(overrides))
             images, labels = decoded_train_set(cfg)
-            figures = Figures(task, str(device), cfg.data.batch_size, 0, [], [])
+            workers = loader_workers(cfg.data.num_workers, device_type=device.type)
+            figures = Figures(task, str(device), cfg.data.batch_size, torch.get_num_threads(), workers, 0, [], [])
             for r in range(repeats):
                 cfg = bench_config(task, size, train_dir, os.path.join(tmp, "runs"), f"{task}_{r}", passes,
                                    list(overrides))
@@ -201,10 +208,12 @@ def run_bench(tasks: list[str], *, size: str = "tiny", passes: int = 3, repeats:
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['task']} on {row['device']}, batch {row['batch_size']}, {row['steps']} timed steps: project "
+    return (f"{row['task']} on {row['device']} ({row['threads']} torch threads, {row['loader_workers']} loader "
+            f"workers), batch {row['batch_size']}, {row['steps']} timed steps: project "
             f"{row['project_samples_per_s']} samples/s ({row['project_ms_per_step']} ms/step), bare "
             f"{row['bare_samples_per_s']} samples/s ({row['bare_ms_per_step']} ms/step), "
-            f"project/bare time {row['ratio_project_over_bare_time']}x")
+            f"project/bare time {row['ratio_project_over_bare_time']}x (repeats: "
+            f"{', '.join(f'{r}x' for r in row['ratio_per_repeat'])})")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -218,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating project / bare repeats (median)")
     parser.add_argument("--data", help="train shards (a folder with index.json); default: digits written to a "
                                        "temporary folder")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for both loops (0: torch's default); with data.num_workers=auto "
+                             "a CPU run's loader workers get the cores the threads leave")
     parser.add_argument("--json", help="also write the rows here as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for both loops")
 
@@ -226,6 +238,10 @@ def run_from_args(args) -> None:
     if args.passes < 2 or args.repeats < 1:
         raise ValueError(f"--passes must be >= 2 (the first warms up) and --repeats >= 1, got {args.passes}, "
                          f"{args.repeats}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tasks = {"both": ["mae", "ldm"], "all": ["mae", "ldm", "dit"]}.get(args.task, [args.task])
     rows = run_bench(tasks, size=args.size, passes=args.passes, repeats=args.repeats, data=args.data,
                      overrides=args.overrides)
