@@ -46,7 +46,7 @@ class DataConfig:
     channels: int = 3
     batch_size: int = 32  # per rank and micro-batch
     num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
-    cpu_affinity: str = "auto"  # auto | on | off: training threads and loader workers on cores of their own
+    cpu_affinity: str = "auto"  # auto | always | never: training threads and loader workers on cores of their own
     shuffle_buffer: int = 1000
     hflip: bool = False
     on_bad_sample: str = "stop"  # stop | skip

@@ -59,16 +59,16 @@ def test_cores_split_between_the_training_threads_and_the_loader_workers(digits_
     if len(cores) >= 2:
         assert placed == CorePlacement((cores[0],), tuple(cores[1:]))
     assert place_cores("auto", 1, device_type="cpu", compute_threads=len(cores)) is None, "no core left for workers"
-    assert place_cores("off", 1, device_type="cpu", compute_threads=1) is None
+    assert place_cores("never", 1, device_type="cpu", compute_threads=1) is None
     assert place_cores("auto", 0, device_type="cpu", compute_threads=1) is None, "nothing to place without workers"
     assert place_cores("auto", 2, device_type="cuda", compute_threads=4) is None, "CUDA runs keep the launcher's binding"
     if len(cores) >= 2:
-        assert place_cores("on", 2, device_type="cuda", compute_threads=4) == CorePlacement((cores[0],), tuple(cores[1:]))
+        assert place_cores("always", 2, device_type="cuda", compute_threads=4) == CorePlacement((cores[0],), tuple(cores[1:]))
     if len(cores) >= 4:  # the second of two ranks on the node takes the second half
         half = len(cores) // 2
         assert place_cores("auto", 1, device_type="cpu", compute_threads=1, local_rank=1, processes_on_node=2) == \
             CorePlacement((cores[half],), tuple(cores[half + 1:2 * half]))
-    with pytest.raises(ConfigError, match=r"data.cpu_affinity='sometimes' is not accepted; accepted: auto, on, off"):
+    with pytest.raises(ConfigError, match=r"data.cpu_affinity='sometimes' is not accepted; accepted: auto, always, never"):
         load_config(None, [f"data.train={digits_shards}/train", "data.cpu_affinity=sometimes"])
 
 

@@ -17,7 +17,9 @@ import os
 from dataclasses import dataclass
 
 AUTO = "auto"
-AFFINITY = ("auto", "on", "off")  # auto: placed on CPU runs; on: on CUDA runs too; off: the scheduler's
+# auto: placed on CPU runs; always: on CUDA runs too; never: where the scheduler puts them (not on/off,
+# which YAML reads as booleans)
+AFFINITY = ("auto", "always", "never")
 MAX_AUTO_WORKERS = 8  # past this, more decoders mostly cost memory and start-up
 
 
@@ -66,11 +68,11 @@ class CorePlacement:
 def place_cores(setting: str, num_workers: int, *, device_type: str, compute_threads: int, local_rank: int = 0,
                 processes_on_node: int = 1) -> CorePlacement | None:
     """Split this rank's share of the node's cores: the first `compute_threads` (one on CUDA) for
-    training, the others for its loader workers. None where nothing is placed: `off`, `auto` on
+    training, the others for its loader workers. None where nothing is placed: `never`, `auto` on
     CUDA (not measured there; the launcher's binding stands), no workers, or no core left over."""
     if setting not in AFFINITY:
         raise ValueError(f"data.cpu_affinity={setting!r} is not accepted; accepted: {', '.join(AFFINITY)}")
-    if (setting == "off" or num_workers == 0 or (setting == "auto" and device_type == "cuda")
+    if (setting == "never" or num_workers == 0 or (setting == "auto" and device_type == "cuda")
             or not hasattr(os, "sched_getaffinity")):
         return None
     cores = sorted(os.sched_getaffinity(0))
