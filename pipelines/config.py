@@ -21,7 +21,7 @@ from omegaconf.errors import (
 )
 
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
-from pipelines.data.workers import AFFINITY, check_num_workers
+from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
 from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig
 from pipelines.tasks.dit import DIT_PRESETS
@@ -46,7 +46,6 @@ class DataConfig:
     channels: int = 3
     batch_size: int = 32  # per rank and micro-batch
     num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
-    cpu_affinity: str = "auto"  # auto | always | never: training threads and loader workers on cores of their own
     shuffle_buffer: int = 1000
     hflip: bool = False
     on_bad_sample: str = "stop"  # stop | skip
@@ -209,7 +208,6 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
-    _choice("data.cpu_affinity", cfg.data.cpu_affinity, AFFINITY)
     try:
         cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
     except ValueError as e:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipelines.config import ConfigError, load_config
-from pipelines.data.workers import CorePlacement, loader_workers, place_cores
+from pipelines.data.workers import loader_workers
 from tools.bench.throughput import run_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,16 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_runs_both_loops_on_the_same_batch_and_reports_their_ratio(digits_shards):
     lines = []
-    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
-    torch.set_num_threads(1)  # on 2 cores or more the training process and its worker get one each
-    try:
-        [row] = run_bench(["mae"], size="smoke", passes=2, repeats=1, data=f"{digits_shards}/train",
-                          overrides=["data.num_workers=1"], say=lines.append)
-    finally:
-        torch.set_num_threads(threads)
-    assert os.sched_getaffinity(0) == cores, "train() leaves its caller's cores as they were"
+    [row] = run_bench(["mae"], size="smoke", passes=2, repeats=1, data=f"{digits_shards}/train",
+                      overrides=["data.num_workers=1"], say=lines.append)
     assert row["task"] == "mae" and row["device"] in ("cpu", "cuda") and row["batch_size"] == 64
-    assert (row["threads"], row["loader_workers"]) == (1, 1)
+    assert (row["threads"], row["loader_workers"]) == (torch.get_num_threads(), 1)
     assert row["steps"] == 25, "one timed pass of the 1617 digits in batches of 64"
     assert row["project_samples_per_s"] > 0 and row["bare_samples_per_s"] > 0
     ratio = row["bare_samples_per_s"] / row["project_samples_per_s"]
@@ -51,25 +45,6 @@ def test_num_workers_takes_auto_or_a_count_and_names_the_field_otherwise(digits_
     # training on a CPU: the cores left beside torch's threads, none when they take them all
     assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=cores) == 0
     assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=1) == max(0, min(8, cores - 1))
-
-
-def test_cores_split_between_the_training_threads_and_the_loader_workers(digits_shards):
-    cores = sorted(os.sched_getaffinity(0))
-    placed = place_cores("auto", 1, device_type="cpu", compute_threads=1)
-    if len(cores) >= 2:
-        assert placed == CorePlacement((cores[0],), tuple(cores[1:]))
-    assert place_cores("auto", 1, device_type="cpu", compute_threads=len(cores)) is None, "no core left for workers"
-    assert place_cores("never", 1, device_type="cpu", compute_threads=1) is None
-    assert place_cores("auto", 0, device_type="cpu", compute_threads=1) is None, "nothing to place without workers"
-    assert place_cores("auto", 2, device_type="cuda", compute_threads=4) is None, "CUDA runs keep the launcher's binding"
-    if len(cores) >= 2:
-        assert place_cores("always", 2, device_type="cuda", compute_threads=4) == CorePlacement((cores[0],), tuple(cores[1:]))
-    if len(cores) >= 4:  # the second of two ranks on the node takes the second half
-        half = len(cores) // 2
-        assert place_cores("auto", 1, device_type="cpu", compute_threads=1, local_rank=1, processes_on_node=2) == \
-            CorePlacement((cores[half],), tuple(cores[half + 1:2 * half]))
-    with pytest.raises(ConfigError, match=r"data.cpu_affinity='sometimes' is not accepted; accepted: auto, always, never"):
-        load_config(None, [f"data.train={digits_shards}/train", "data.cpu_affinity=sometimes"])
 
 
 def test_cuda_switches_are_typed_config_fields(digits_shards):

@@ -142,25 +142,6 @@ def test_loader_workers_persist_across_passes_and_serve_each_the_latest_pass(dig
     assert not decoded_by & {p.pid for p in multiprocessing.active_children()}, "close() stops the workers"
 
 
-class CoreLabels(SampleDecoder):
-    """The real decoder, labelling each sample with the cores its process may run on."""
-
-    def decode(self, sample, sample_id):
-        cores = sorted(os.sched_getaffinity(0))
-        return super().decode(sample, sample_id)[0], cores[0] if len(cores) == 1 else -len(cores)
-
-
-def test_each_loader_worker_runs_on_the_core_it_is_given(digits_train):
-    cores = sorted(os.sched_getaffinity(0))
-    stream = ShardStream(ShardIndex.load(digits_train), batch_size=BATCH, decoder=CoreLabels(resolution=32),
-                         shuffle_buffer=64)
-    given = (cores[-1], cores[0])
-    batches = list(stream.pass_loader(0, num_workers=2, worker_cores=given))
-    stream.close()
-    by_worker = {b.worker: set(b.labels.tolist()) for b in batches}
-    assert by_worker == {0: {given[0]}, 1: {given[1]}}
-
-
 def test_round_robin_replay_matches_dataloader_order():
     # Workers with 1, 3 and 2 batches: the DataLoader alternates, passing over exhausted ones.
     batches = np.array([1, 3, 2])

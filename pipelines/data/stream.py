@@ -8,10 +8,8 @@ principle 2). Nothing here knows about models, tasks or pruners beyond the froze
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import multiprocessing
-import os
 import queue as queue_module
 from dataclasses import dataclass
 from typing import Iterator
@@ -89,15 +87,13 @@ class ShardStream:
         skip_undecodable: np.ndarray | None = None,
         pin_memory: bool = False,
         start_method: str | None = None,
-        worker_cores: tuple[int, ...] = (),
     ) -> "PassLoader":
         """This rank's batches of pass `epoch`, after skipping its first `skip_batches` undecoded.
 
         `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
         `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
         exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
-        starts the loader workers; under each they read the plan without a copy of it. Loader
-        worker i runs on core `worker_cores[i % len]` (empty: where the scheduler puts it). Iterate
+        starts the loader workers; under each they read the plan without a copy of it. Iterate
         one pass's loader before asking for the next: the workers serve the latest pass."""
         if plan is not None and plan.epoch != epoch:
             raise ValueError(f"plan is for pass {plan.epoch}, not pass {epoch}")
@@ -117,14 +113,13 @@ class ShardStream:
             parts.append(PartOfPass(self._passes_posted, epoch, plan, part,
                                     layout.slices[self.rank * workers + part], int(mine[part]),
                                     int(skipped[part]), int(extra[part])))
-        loader = self._loader_for(num_workers, pin_memory, start_method, tuple(worker_cores))
+        loader = self._loader_for(num_workers, pin_memory, start_method)
         self._reader.post(parts, self._passes_posted)
         return PassLoader(loader, layout, layout.steps - skip_batches)
 
-    def _loader_for(self, num_workers: int, pin_memory: bool, start_method: str | None,
-                    worker_cores: tuple[int, ...]) -> DataLoader:
+    def _loader_for(self, num_workers: int, pin_memory: bool, start_method: str | None) -> DataLoader:
         """The DataLoader for these settings: the same one (and its workers) pass after pass."""
-        settings = (num_workers, pin_memory, start_method, worker_cores)
+        settings = (num_workers, pin_memory, start_method)
         if self._loader is not None and self._loader_settings == settings:
             return self._loader
         self.close()
@@ -133,7 +128,7 @@ class ShardStream:
             self._reader.open_mailbox(num_workers, context)
             self._loader = DataLoader(self._reader, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                                       multiprocessing_context=context, persistent_workers=True,
-                                      worker_init_fn=functools.partial(_start_worker, worker_cores))
+                                      worker_init_fn=_start_worker)
         else:
             self._reader.close_mailbox()
             self._loader = DataLoader(self._reader, batch_size=None, pin_memory=pin_memory)
@@ -148,13 +143,11 @@ class ShardStream:
             iterator._shutdown_workers()
 
 
-def _start_worker(cores: tuple[int, ...], worker: int) -> None:
-    """A loader worker's first act: its core, and batches handed over by shared-memory file name.
-    The default, a file descriptor per tensor, costs the training process a socket round trip to
-    this worker for each batch it receives (about 0.4 ms more per batch, docs/throughput.md)."""
+def _start_worker(worker: int) -> None:
+    """A loader worker hands its batches over by shared-memory file name. The default, a file
+    descriptor per tensor, costs the training process a socket round trip to this worker for each
+    batch it receives (about 0.4 ms more per batch, docs/throughput.md)."""
     torch.multiprocessing.set_sharing_strategy("file_system")
-    if cores:
-        os.sched_setaffinity(0, {cores[worker % len(cores)]})
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
-from pipelines.data.workers import loader_workers, pin_this_process, place_cores
+from pipelines.data.workers import loader_workers
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
@@ -158,11 +158,6 @@ def train(cfg: RunConfig) -> dict:
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
     workers = loader_workers(cfg.data.num_workers, device_type=device.type)  # decoding beside the step
-    cores = place_cores(cfg.data.cpu_affinity, workers, device_type=device.type, compute_threads=torch.get_num_threads(),
-                        local_rank=local_rank, processes_on_node=local_size)
-    cores_before = os.sched_getaffinity(0) if cores is not None else None
-    if cores is not None:
-        pin_this_process(cores.training)
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
@@ -181,7 +176,7 @@ def train(cfg: RunConfig) -> dict:
         undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
         loader = stream.pass_loader(epoch, plan, num_workers=workers,
                                     skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
-                                    pin_memory=device.type == "cuda", worker_cores=cores.workers if cores else ())
+                                    pin_memory=device.type == "cuda")
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = loader.layout.kept / index.num_samples
@@ -288,8 +283,6 @@ def train(cfg: RunConfig) -> dict:
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     stream.close()  # the loader workers, kept from pass to pass
-    if cores_before is not None:
-        pin_this_process(tuple(cores_before))  # the caller's process as it was
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
                         checkpointed.write_tables)
