@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from pipelines.data.batch import Batch
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.layout import batches_taken_per_worker, pass_layout
 from pipelines.data.shards import ShardIndex
@@ -164,3 +166,12 @@ def test_layout_balances_kept_samples_over_ranks_and_workers():
     assert sum(sizes) == kept.sum() and max(sizes) - min(sizes) <= 1
     assert layout.batches.sum(axis=1).tolist() == [layout.steps, layout.steps]
     assert (layout.batches * 8 <= np.array(sizes).reshape(2, 3)).all()
+
+
+def test_a_batch_pickles_to_equal_tensors_on_the_host():
+    batch = Batch(torch.arange(4), torch.ones(4) * 2, torch.rand(4, 3, 8, 8), torch.tensor([1, -1, 2, 3]), (), 1)
+    again = pickle.loads(pickle.dumps(batch))
+    for field in ("ids", "weights", "images", "labels"):
+        assert torch.equal(getattr(again, field), getattr(batch, field)), field
+        assert getattr(again, field).dtype == getattr(batch, field).dtype
+    assert again.worker == 1

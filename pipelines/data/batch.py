@@ -37,11 +37,10 @@ class Batch:
                                    images=self.images.pin_memory(), labels=self.labels.pin_memory())
 
     def __reduce__(self):
-        # From a loader worker: the small per-sample fields travel inline as numpy arrays; only the
-        # images take a shared-memory segment (each segment costs the receiver a socket round trip
-        # to the worker for its file descriptor, ~0.4 ms: four per batch were most of a fetch).
-        return _rebuild, (self.ids.numpy(), self.weights.numpy(), self.images, self.labels.numpy(), self.bad,
-                          self.worker)
+        # From a loader worker: the small per-sample fields travel inside the message as numpy
+        # arrays; only the images take a shared-memory segment, which the receiver must map.
+        small = [t.numpy() if t.device.type == "cpu" else t for t in (self.ids, self.weights, self.labels)]
+        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker)
 
     def undecodable(self) -> int:
         """Samples read for this batch but not decodable."""
@@ -52,7 +51,7 @@ class Batch:
 
 
 def _rebuild(ids, weights, images, labels, bad, worker) -> Batch:
-    return Batch(torch.from_numpy(ids), torch.from_numpy(weights), images, torch.from_numpy(labels), bad, worker)
+    return Batch(torch.as_tensor(ids), torch.as_tensor(weights), images, torch.as_tensor(labels), bad, worker)
 
 
 def real_samples(batches) -> Iterator[Batch]:

@@ -81,10 +81,9 @@ class SampleDecoder:
             if pixels is not None:  # decoded, but at another size: PIL resizes the same pixels
                 img = Image.fromarray(pixels.permute(1, 2, 0).numpy())
             else:
-                img = Image.open(io.BytesIO(data))
-                img = img.convert("RGB" if self.channels == 3 else "L")
-            with img:
-                array = np.asarray(resize_center_crop(img, self.resolution), dtype=np.uint8)
+                with Image.open(io.BytesIO(data)) as opened:
+                    img = opened.convert("RGB" if self.channels == 3 else "L")
+            array = np.asarray(resize_center_crop(img, self.resolution), dtype=np.uint8)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
             raise BadInputError(f"{where}: cannot decode field {field!r} as an image: {e}") from e
         if array.ndim == 2:

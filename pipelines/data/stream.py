@@ -138,6 +138,7 @@ class ShardStream:
     def close(self) -> None:
         """Stop the loader workers (a later pass starts new ones)."""
         loader, self._loader, self._loader_settings = self._loader, None, None
+        # torch stops persistent workers when their iterator is collected; this is what that calls
         iterator = getattr(loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
