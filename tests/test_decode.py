@@ -77,3 +77,13 @@ def test_a_batch_finished_at_once_equals_samples_decoded_one_by_one():
     assert 0 < sum(flipped) < 16, "the coin flips some samples and not others"
     for a, b, f in zip(one_by_one, unflipped, flipped):
         torch.testing.assert_close(a, b.flip(-1) if f else b, rtol=0, atol=0)
+
+
+def test_labels_are_checked_against_the_class_count_on_the_host():
+    decoder = SampleDecoder(resolution=24, num_classes=5)
+    sample = {"__key__": "s7", "__url__": "a.tar", "png": encoded("RGB", "PNG")}
+    assert decoder({**sample, "cls": b"4"}, 0, 0)[1] == 4
+    assert decoder({**sample, "cls": b"-1"}, 0, 0)[1] == -1  # no label: the null class
+    with pytest.raises(BadInputError, match=r"shard a\.tar key 's7': label 5 is out of range for 5 classes"):
+        decoder({**sample, "cls": b"5"}, 0, 0)
+    assert SampleDecoder(resolution=24)({**sample, "cls": b"5"}, 0, 0)[1] == 5, "no class count: any label"

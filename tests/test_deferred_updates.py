@@ -12,6 +12,7 @@ import torch
 
 from pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
 from pipelines.config import ConfigError, load_config
+from pipelines.data.shards import BadInputError
 from pipelines.tasks.mae import MAETask
 from pipelines.training import loop
 from pipelines.training.deferred import DeferredRecords
@@ -123,11 +124,23 @@ def test_debug_device_sync_refuses_the_policy_that_must_wait(digits_shards, tmp_
         tiny_cfg(digits_shards, tmp_path, "x", extra=["debug_device_sync=true", "on_nonfinite_loss=skip"])
 
 
+def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_sees_it(digits_shards, tmp_path):
+    # the digits carry labels 0-9: with 5 classes the decoder, on the host, names the first bad one
+    cfg = tiny_cfg(digits_shards, tmp_path, "labels", "ldm_tiny_full.yaml",
+                   ["ldm.num_classes=5", "ldm.block_out_channels=[16,32]", "data.resolution=16", "passes=1"])
+    with pytest.raises(BadInputError, match=r"shard .*\.tar key '.*': label [5-9] is out of range for 5 classes "
+                                            r"\(ldm.num_classes; -1 = no label\)"):
+        loop.train(cfg)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("config", ["mae_tiny_infobatch.yaml", "ldm_tiny_full.yaml"], ids=["mae", "ldm"])
-def test_cuda_steps_never_wait_for_the_device(digits_shards, tmp_path, config):
+@pytest.mark.parametrize("config,classes", [("mae_tiny_infobatch.yaml", 0), ("ldm_tiny_full.yaml", 0),
+                                            ("ldm_tiny_full.yaml", 10)], ids=["mae", "ldm", "ldm-classes"])
+def test_cuda_steps_never_wait_for_the_device(digits_shards, tmp_path, config, classes):
     extra = ["passes=1", "max_steps=6", "checkpoint.every_steps=1000", "data.resolution=16",
              "ldm.block_out_channels=[16,32]", "debug_device_sync=true", "data.num_workers=2"]
+    if classes:
+        extra.append(f"ldm.num_classes={classes}")
     try:
         summary = loop.train(tiny_cfg(digits_shards, tmp_path, "strict", config, extra))
     finally:

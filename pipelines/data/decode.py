@@ -41,6 +41,7 @@ class SampleDecoder:
     channels: int = 3
     hflip: bool = False
     seed: int = 0
+    num_classes: int = 0  # > 0: a label must be below it (a bad one is named here, not met on the device)
 
     def __call__(self, sample: dict, sample_id: int, epoch: int) -> tuple[torch.Tensor, int]:
         pixels, label = self.decode(sample, sample_id)
@@ -98,15 +99,18 @@ class SampleDecoder:
             raise BadInputError(f"{where}: cannot decode field {field!r} as a .npy array: {e}") from e
         return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
-    @staticmethod
-    def _label(sample: dict, where: str) -> int:
+    def _label(self, sample: dict, where: str) -> int:
         field = next((f for f in LABEL_FIELDS if f in sample), None)
         if field is None:
             return NO_LABEL
         try:
-            return int(sample[field].decode().strip())
+            label = int(sample[field].decode().strip())
         except (ValueError, UnicodeDecodeError) as e:
             raise BadInputError(f"{where}: field {field!r} is not an integer class label") from e
+        if self.num_classes and not -1 <= label < self.num_classes:
+            raise BadInputError(f"{where}: label {label} is out of range for {self.num_classes} classes "
+                                f"(ldm.num_classes; -1 = no label)")
+        return label
 
 
 def _fast_rgb(data: bytes) -> torch.Tensor | None:

@@ -227,12 +227,18 @@ class DiffusionTask:
             z = z + posterior.std * draws.randn(*z.shape[1:]).to(z.device, z.dtype)
         return ((z - self.shift_factor) * self.scaling_factor).float()  # autocast may have run the VAE in bf16
 
+    @property
+    def label_classes(self) -> int:
+        """Classes a training label must be below (0: labels unused); the stream's decoder checks."""
+        return self.cfg.num_classes
+
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
         """Labels for the model: None when unconditional (a DiT then gets the null label); -1 (no
-        label) becomes the null class."""
+        label) becomes the null class. Labels on the host are range-checked here; labels on a device
+        were checked by the stream's decoder (reading them back would make the step wait)."""
         if not self.cfg.num_classes:
             return None
-        if bool((labels >= self.cfg.num_classes).any()):
+        if labels.device.type == "cpu" and bool((labels >= self.cfg.num_classes).any()):
             raise ValueError(
                 f"label {int(labels.max())} is out of range for ldm.num_classes={self.cfg.num_classes}"
             )
@@ -361,7 +367,8 @@ class DiffusionTask:
             for batch in real_samples(batches):
                 ids = batch.ids.cpu().numpy()
                 x0 = self.encode(batch.images.to(device))
-                labels = self.class_labels(batch.labels.to(device))
+                labels = self.class_labels(batch.labels)
+                labels = None if labels is None else labels.to(device)
                 noise = per_sample_seeded(tuple(x0.shape[1:]), ids, seed, normal=True).to(device)
                 for k, (_, t) in enumerate(grid):
                     sums[k] += float(mse(model, x0, noise, t.to(device).expand(len(ids)), labels).double().sum())
