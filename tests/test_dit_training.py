@@ -11,7 +11,7 @@ import torch
 from eval_runs import digit_shards, feature_net, one_torch_thread, session_dir
 from safetensors.torch import load_file
 from test_distributed import launch, passes_of
-from test_trainer import ROOT, assert_states_equal, final_state, overrides
+from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
 from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import load_config
@@ -77,12 +77,8 @@ def test_fid_evaluator_samples_the_trained_dit_with_guidance(trained_run, digits
 def test_a_dit_flow_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_path):
     # in-process, for the default suite; the SIGKILL form is test_trainer's (slow: three interpreter starts)
     base = [*TINY_DIT, "passes=2", "checkpoint.every_steps=10"]
-    train(load_config(CONFIG, overrides(digits_shards, tmp_path, "straight", [*base, "max_steps=35"])))
-    train(load_config(CONFIG, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=20"])))
-    train(load_config(CONFIG, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=35",
-                                                                             "checkpoint.resume=latest"])))
-    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = (final_state(tmp_path / "straight"),
-                                                                    final_state(tmp_path / "resumed"))
+    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
+        CONFIG, digits_shards, tmp_path, base, stop_at=20, end_at=35)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner, resumed_pruner)
 

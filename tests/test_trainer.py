@@ -264,17 +264,23 @@ def test_normalised_scores_reach_the_pruner_and_leave_the_training_loss_alone(di
     assert normaliser["score_normaliser"] == "stratum_mean" and int(normaliser["seen"].sum()) == seen.sum()
 
 
+def straight_and_resumed(config, digits_shards, tmp_path, base, *, stop_at: int, end_at: int):
+    """final_state of a run trained straight to step `end_at`, and of one stopped at `stop_at` (a
+    checkpoint must fall there) and resumed from it to `end_at`, in-process."""
+    train(load_config(config, overrides(digits_shards, tmp_path, "straight", [*base, f"max_steps={end_at}"])))
+    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, f"max_steps={stop_at}"])))
+    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, f"max_steps={end_at}",
+                                                                             "checkpoint.resume=latest"])))
+    return final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+
+
 @pytest.mark.parametrize("setting", ["score.normalise=stratum_zscore", "ldm.timestep_sampling=loss_second_moment"])
 def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digits_shards, tmp_path, setting):
     config = os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml")
     # 1,000 timesteps x a history of 10 need 10,000 losses before importance sampling starts: a tiny
     # run of 45 steps never gets there, so this schedule has 20 timesteps
     base = [*TINY_LDM, "passes=4", setting, "ldm.num_train_timesteps=20", "checkpoint.every_steps=10"]
-    train(load_config(config, overrides(digits_shards, tmp_path, "straight", [*base, "max_steps=45"])))
-    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=30"])))
-    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, "max_steps=45",
-                                                                             "checkpoint.resume=latest"])))
-    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = (final_state(tmp_path / "straight"),
-                                                                    final_state(tmp_path / "resumed"))
+    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores
