@@ -49,20 +49,19 @@ class SampleDecoder:
 
     def decode(self, sample: dict, sample_id: int) -> tuple[torch.Tensor, int]:
         """(uint8 [C, H, W] pixels, or a float32 latent; the label) of one sample."""
-        where = f"shard {sample.get('__url__')} key {sample.get('__key__')!r}"
         latent_field = next((f for f in LATENT_FIELDS if f in sample), None)
         if latent_field is not None:
-            tensor = self._latent(sample[latent_field], where, latent_field)
+            tensor = self._latent(sample, latent_field)
         else:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
             if field is None:
                 present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
                 raise BadInputError(
-                    f"{where}: no image field (expected one of {', '.join(IMAGE_FIELDS + LATENT_FIELDS)}; "
+                    f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS + LATENT_FIELDS)}; "
                     f"has: {present})"
                 )
-            tensor = self._image(sample[field], where, field)
-        return tensor, self._label(sample, where)
+            tensor = self._image(sample, field)
+        return tensor, self._label(sample)
 
     def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
@@ -74,7 +73,8 @@ class SampleDecoder:
                 batch[flip] = batch[flip].flip(-1)
         return batch
 
-    def _image(self, data: bytes, where: str, field: str) -> torch.Tensor:
+    def _image(self, sample: dict, field: str) -> torch.Tensor:
+        data = sample[field]
         pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
         if pixels is not None and tuple(pixels.shape[1:]) == (self.resolution, self.resolution):
             return pixels
@@ -86,31 +86,36 @@ class SampleDecoder:
                     img = opened.convert("RGB" if self.channels == 3 else "L")
             array = np.asarray(resize_center_crop(img, self.resolution), dtype=np.uint8)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
-            raise BadInputError(f"{where}: cannot decode field {field!r} as an image: {e}") from e
+            raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
         if array.ndim == 2:
             array = array[:, :, None]
         return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
     @staticmethod
-    def _latent(data: bytes, where: str, field: str) -> torch.Tensor:
+    def _latent(sample: dict, field: str) -> torch.Tensor:
         try:
-            array = np.load(io.BytesIO(data), allow_pickle=False)
+            array = np.load(io.BytesIO(sample[field]), allow_pickle=False)
         except Exception as e:  # noqa: BLE001
-            raise BadInputError(f"{where}: cannot decode field {field!r} as a .npy array: {e}") from e
+            raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as a .npy array: {e}") from e
         return torch.from_numpy(np.asarray(array, dtype=np.float32))
 
-    def _label(self, sample: dict, where: str) -> int:
+    def _label(self, sample: dict) -> int:
         field = next((f for f in LABEL_FIELDS if f in sample), None)
         if field is None:
             return NO_LABEL
         try:
             label = int(sample[field].decode().strip())
         except (ValueError, UnicodeDecodeError) as e:
-            raise BadInputError(f"{where}: field {field!r} is not an integer class label") from e
+            raise BadInputError(f"{_where(sample)}: field {field!r} is not an integer class label") from e
         if self.num_classes and not -1 <= label < self.num_classes:
-            raise BadInputError(f"{where}: label {label} is out of range for {self.num_classes} classes "
+            raise BadInputError(f"{_where(sample)}: label {label} is out of range for {self.num_classes} classes "
                                 f"(ldm.num_classes; -1 = no label)")
         return label
+
+
+def _where(sample: dict) -> str:
+    """The sample as an error names it (built only for an error: decoding runs once per sample)."""
+    return f"shard {sample.get('__url__')} key {sample.get('__key__')!r}"
 
 
 def _fast_rgb(data: bytes) -> torch.Tensor | None:
