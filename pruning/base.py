@@ -332,9 +332,13 @@ class Pruner(abc.ABC):
         if self._writes_tables:  # a node's shared tables are written by one rank (issue 15)
             self._record(ids, losses)
 
+    def tables(self) -> dict[str, np.ndarray]:
+        """The per-sample tables themselves, not copies (checkpoints write them, debug_sync hashes them)."""
+        return self._tables()
+
     def table_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """(shape, dtype) of each per-sample table: what a shared copy of the tables must hold."""
-        return {name: (table.shape, table.dtype) for name, table in self._tables().items()}
+        return {name: (table.shape, table.dtype) for name, table in self.tables().items()}
 
     def share_tables(self, tables: dict[str, np.ndarray], writes: bool) -> None:
         """Use `tables` (arrays mapped from memory the node's ranks share) in place of this pruner's

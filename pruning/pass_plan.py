@@ -122,7 +122,8 @@ class SharedArray(np.ndarray):
 
     @classmethod
     def of(cls, array: np.ndarray) -> "SharedArray":
-        tensor = torch.from_numpy(np.ascontiguousarray(array).copy()).share_memory_()
+        tensor = torch.empty(array.shape, dtype=torch.from_numpy(array[:0].copy()).dtype).share_memory_()
+        tensor.numpy()[...] = array  # one copy, straight into the shared segment
         view = tensor.numpy().view(cls)
         view._tensor = tensor
         return view

@@ -41,8 +41,8 @@ class CheckpointedPruner:
     def write_tables(self, folder: str) -> None:
         """Every table to `folder/pruner_tables/` (call on the main process only)."""
         os.makedirs(os.path.join(folder, TABLES), exist_ok=True)
-        for name, table in self.pruner.state_dict()["tables"].items():
-            write_npy(os.path.join(folder, TABLES, f"{name}.npy"), table.numpy())
+        for name, table in self.pruner.tables().items():  # not state_dict(): it would copy the plan too
+            np.save(os.path.join(folder, TABLES, f"{name}.npy"), table)  # straight from the table's memory
 
     def finish_load(self, folder: str) -> None:
         """Stream the tables of the state just loaded from `folder` into the pruner's own."""
@@ -54,17 +54,9 @@ class CheckpointedPruner:
         self._pending = None
 
 
-def write_npy(path: str, array: np.ndarray) -> None:
-    """`np.save`'s format, the data written a chunk at a time from the array's own memory."""
-    step = max(1, _CHUNK_BYTES // max(1, array.itemsize))
-    with open(path, "wb") as f:
-        np.lib.format.write_array_header_2_0(f, np.lib.format.header_data_from_array_1_0(array))
-        for start in range(0, len(array), step):
-            f.write(np.ascontiguousarray(array[start:start + step]).data.cast("B"))
-
-
 def read_npy_into(path: str, out: np.ndarray) -> None:
-    """Read an .npy file written by `write_npy` into `out` a chunk at a time; its shape and dtype must match."""
+    """Read an .npy file (`np.save`'s format, header 1.0 or 2.0) into `out` a chunk at a time, with no
+    second copy in memory; its shape and dtype must match."""
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0

@@ -153,12 +153,12 @@ def train(cfg: RunConfig) -> dict:
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
     held_out = load_held_out(cfg) if main else []
-    debug = SyncDebug(accelerator, run_dir, index.num_samples) if cfg.debug_sync else None
+    debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
     pass_lines = EveryFewSeconds()
     accum = cfg.optim.grad_accum
-    workers = loader_workers(cfg.data.num_workers, device_type=device.type)  # decoding beside the step
+    workers = loader_workers(cfg.data.num_workers, local_size, device_type=device.type)  # decoding beside the step
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False

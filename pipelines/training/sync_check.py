@@ -23,17 +23,15 @@ def plan_digest(plan: PassPlan, pruner) -> str:
     for array in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs,
                   plan.excluded and plan.excluded.packed):
         digest.update(b"-" if array is None else np.asarray(array).tobytes())
-    for key, value in sorted(pruner.state_dict().items()):
-        if isinstance(value, torch.Tensor):
-            digest.update(key.encode() + value.cpu().numpy().tobytes())
+    for name, table in sorted(pruner.tables().items()):
+        digest.update(name.encode() + np.ascontiguousarray(table).tobytes())
     return digest.hexdigest()[:16]
 
 
 class SyncDebug:
-    def __init__(self, accelerator, run_dir: str, num_samples: int):
+    def __init__(self, accelerator, run_dir: str):
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.main = accelerator.is_main_process
-        self.num_samples = num_samples
         self.folder = os.path.join(run_dir, "debug")
         os.makedirs(self.folder, exist_ok=True)
         self.seen: list[np.ndarray] = []
