@@ -149,7 +149,10 @@ def _bench(args) -> int:
     return importlib.import_module(BENCHES[args.bench_command][0]).run_from_args(args) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; a benchmark's own options are imported only when `argv` names it (some
+    import torch and diffusers, seconds that every other command would pay)."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -244,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: pruned against full runs, side by side")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    named = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
     for name, (module, help_line) in BENCHES.items():
         parser_of = bench_sub.add_parser(name, help=help_line)
-        importlib.import_module(module).add_arguments(parser_of)
+        if name == named:
+            importlib.import_module(module).add_arguments(parser_of)
         parser_of.set_defaults(func=_bench)
     return parser
 
@@ -255,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.checkpoint.store import CheckpointError
     from pipelines.data.shards import BadInputError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides after an option (`eval RUN --weights raw probe.pool=avg`) are overrides too
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):

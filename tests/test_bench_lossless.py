@@ -119,9 +119,11 @@ def test_bench_micro_runs_and_reports_both_verdicts(tmp_path):
 def test_cli_has_bench_lossless():
     from launch.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "lossless", "--task", "mae", "--quick", "--out", "x"])
+    argv = ["bench", "lossless", "--task", "mae", "--quick", "--out", "x"]
+    args = build_parser(argv).parse_args(argv)
     assert (args.task, args.quick, args.out, args.workers, args.from_json) == ("mae", True, "x", 2, None)
-    args = build_parser().parse_args(["bench", "lossless", "--from-json", "a.json", "b.json"])
+    argv = ["bench", "lossless", "--from-json", "a.json", "b.json"]
+    args = build_parser(argv).parse_args(argv)
     assert args.from_json == ["a.json", "b.json"] and args.suite == "lossless"
 
 
