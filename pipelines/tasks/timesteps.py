@@ -26,7 +26,7 @@ class LossSecondMomentSampler:
         self.losses = np.zeros((self.num_timesteps, self.history), dtype=np.float64)
         self.count = np.zeros(self.num_timesteps, dtype=np.int64)  # losses recorded per timestep (capped)
         self.written = np.zeros(self.num_timesteps, dtype=np.int64)  # losses recorded per timestep, all
-        self._probabilities: torch.Tensor | None = None  # cached between updates
+        self._probabilities: tuple[torch.Tensor, torch.Tensor] | None = None  # (p, cdf), cached between changes
 
     @property
     def warmed_up(self) -> bool:
@@ -42,13 +42,12 @@ class LossSecondMomentSampler:
 
     def draw(self, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(timesteps int64 [B], loss weights 1 / (T p_t) float32 [B]) from uniforms in [0, 1), on their device."""
-        if self._probabilities is None or self._probabilities.device != uniforms.device:
+        if self._probabilities is None or self._probabilities[0].device != uniforms.device:
             p = torch.from_numpy(self.probabilities())
             if uniforms.device.type == "cuda":  # pinned and non-blocking: the step never waits for the copy
                 p = p.pin_memory().to(uniforms.device, non_blocking=True)
-            self._probabilities = p
-        p = self._probabilities
-        cdf = torch.cumsum(p, 0)
+            self._probabilities = p, torch.cumsum(p, 0)
+        p, cdf = self._probabilities
         t = torch.searchsorted(cdf, uniforms.double().reshape(-1), right=True).clamp_(max=self.num_timesteps - 1)
         return t, (1.0 / (self.num_timesteps * p[t])).float()
 
@@ -73,7 +72,8 @@ class LossSecondMomentSampler:
         distinct = t[np.r_[True, t[1:] != t[:-1]]]
         self.written[distinct] += sizes
         self.count[distinct] = np.minimum(self.written[distinct], self.history)
-        self._probabilities = None
+        if self.warmed_up:  # until then p is uniform, whatever was recorded: the cached one holds
+            self._probabilities = None
 
     def history_of(self, timestep: int) -> list[float]:
         """The recorded losses of `timestep`, oldest first."""
