@@ -38,6 +38,18 @@ PAPER_DECODER = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=1
 MASK_SHARE_STRATA = 100
 
 
+def kept_patches(length: int, mask_ratio: float) -> int:
+    """How many of an image's `length` patches the encoder sees."""
+    return int(length * (1 - mask_ratio))
+
+
+def hidden_patches(noise: torch.Tensor, mask_ratio: float) -> torch.Tensor:
+    """bool [N, L]: the patches MaskedAutoencoder.random_masking hides for `noise` [N, L] (those not
+    among the kept_patches smallest noise values)."""
+    rank = torch.argsort(torch.argsort(noise, dim=1), dim=1)
+    return rank >= kept_patches(noise.shape[1], mask_ratio)
+
+
 def hidden_share(patches: torch.Tensor, noise: torch.Tensor, mask_ratio: float) -> torch.Tensor:
     """[N] share of each image's variation in the patches its mask hides (the mask that
     MaskedAutoencoder.random_masking draws from `noise`): sum over hidden patches of the patch's
@@ -46,12 +58,9 @@ def hidden_share(patches: torch.Tensor, noise: torch.Tensor, mask_ratio: float) 
 
     patches [N, L, P] (patchify), noise [N, L].
     """
-    length = noise.shape[1]
-    len_keep = int(length * (1 - mask_ratio))
     centred = patches - patches.mean(dim=(1, 2), keepdim=True)
     variation = centred.pow(2).mean(dim=2)  # [N, L]
-    rank = torch.argsort(torch.argsort(noise, dim=1), dim=1)  # the patches with rank >= len_keep are hidden
-    hidden = (variation * (rank >= len_keep)).sum(dim=1)
+    hidden = (variation * hidden_patches(noise, mask_ratio)).sum(dim=1)
     total = variation.sum(dim=1)
     flat = total <= 1e-12
     return torch.where(flat, torch.full_like(total, mask_ratio), hidden / total.clamp_min(1e-12))
@@ -192,14 +201,12 @@ class MaskedAutoencoder(nn.Module):
         sampling without replacement (Sec. 3, "Masking"); the caller owns the noise.
         """
         n, length, dim = x.shape
-        len_keep = int(length * (1 - self.mask_ratio))
+        len_keep = kept_patches(length, self.mask_ratio)
         ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
-        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)  # each patch's rank: hidden_patches' rule
         ids_keep = ids_shuffle[:, :len_keep]
         kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, dim))
-        mask = torch.ones(n, length, device=x.device)
-        mask[:, :len_keep] = 0
-        mask = torch.gather(mask, 1, ids_restore)  # back to patch order
+        mask = (ids_restore >= len_keep).float()  # in patch order
         return kept, mask, ids_restore
 
     def forward_encoder(self, images: torch.Tensor, noise: torch.Tensor):
