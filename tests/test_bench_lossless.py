@@ -125,6 +125,11 @@ def test_cli_has_bench_lossless():
     argv = ["bench", "lossless", "--from-json", "a.json", "b.json"]
     args = build_parser(argv).parse_args(argv)
     assert args.from_json == ["a.json", "b.json"] and args.suite == "lossless"
+    from tools.bench.lossless.run import run_from_args
+
+    argv = ["bench", "lossless", "--suite", "pays", "--tag", "s5"]  # would have run 5 seeds
+    with pytest.raises(ValueError, match="--tag 's5' may not start with p or s and a digit"):
+        run_from_args(build_parser(argv).parse_args(argv))
 
 
 def test_pooled_std_verdicts_of_arms_at_three_seeds():

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import platform
 import shutil
 import sys
@@ -444,6 +445,9 @@ def run_from_args(args) -> int:
         raise ValueError("bench lossless: --seeds, --arms and --tag belong to --suite pays")
     if args.tag and not args.tag.isidentifier():
         raise ValueError(f"bench lossless: --tag {args.tag!r} must be letters, digits and underscores")
+    if args.tag and re.match(r"[ps]\d", args.tag):  # the suite's name would read it as passes or seeds
+        raise ValueError(f"bench lossless: --tag {args.tag!r} may not start with p or s and a digit "
+                         f"(pays_DATA_pPASSES_sSEEDS_TAG would read it as a setting)")
     mode, suite = pays_invocation(args) if args.suite == "pays" else ("quick" if args.quick else "full", "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
