@@ -106,6 +106,10 @@ class RunConfig:
     # CUDA only: raise at any device-to-host synchronisation inside a training step (from the run's
     # second step on; checkpoints and pass ends may wait). on_nonfinite_loss=skip waits by design.
     debug_device_sync: bool = False
+    # How long a collective may wait for the slowest rank before the job fails (the process group's
+    # timeout; torch's NCCL default is 10 minutes). Long enough for rank 0's checkpoint writes, short
+    # enough that a hung job frees its nodes.
+    dist_timeout_seconds: int = 1800
     data: DataConfig = field(default_factory=DataConfig)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
     score: ScoreConfig = field(default_factory=ScoreConfig)
@@ -219,6 +223,7 @@ def validate(cfg: RunConfig) -> None:
         "passes": cfg.passes, "data.batch_size": cfg.data.batch_size, "data.resolution": cfg.data.resolution,
         "optim.grad_accum": cfg.optim.grad_accum, "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "checkpoint.keep": cfg.checkpoint.keep, "log_every": cfg.log_every,
+        "dist_timeout_seconds": cfg.dist_timeout_seconds,
     }
     for name, value in positive.items():
         if value < 1:

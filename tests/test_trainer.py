@@ -284,3 +284,12 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores
+
+
+def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
+    from pipelines.training.loop import format_pass
+
+    held = {"denoise_mse": 0.25, **{f"flow_mse_s{s:03d}": 0.1 for s in range(5, 100, 10)}, "num_samples": 64}
+    line = format_pass({"epoch": 0, "kept_fraction": 1.0, "steps_in_pass": 3, "train_loss": 0.5,
+                        "wall_seconds": 1.0, "held_out": held}, passes=2)
+    assert "denoise_mse 0.2500" in line and "flow_mse_s" not in line

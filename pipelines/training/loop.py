@@ -10,13 +10,14 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import time
-from contextlib import nullcontext
+from datetime import timedelta
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from diffusers.training_utils import EMAModel
+from accelerate.utils import InitProcessGroupKwargs
 
 from pipelines.checkpoint.position import TrainingPosition
 from pipelines.checkpoint.pruner_state import CheckpointedPruner
@@ -26,13 +27,15 @@ from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
-from pipelines.data.workers import loader_workers
+from pipelines.data.workers import agreed_loader_workers
 from pipelines.evaluation.runner import Evaluator, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
+from pipelines.training.accumulation import GradientAccumulation
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
+from pipelines.training.ema import DeviceEMA
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
@@ -102,7 +105,10 @@ def load_held_out(cfg: RunConfig) -> list:
 # ----------------------------------------------------------------------------- the loop
 def train(cfg: RunConfig) -> dict:
     """Train `cfg` to the end (or `max_steps`); returns the last pass summary."""
-    accelerator = Accelerator(mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available())
+    # A collective that waits longer than dist_timeout_seconds fails the job instead of holding it
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_seconds))
+    accelerator = Accelerator(mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[timeout])
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     run_dir = cfg.run_dir
@@ -121,7 +127,7 @@ def train(cfg: RunConfig) -> dict:
     optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     trained = list(accelerator.unwrap_model(model).parameters())  # what the EMA follows (unwrapped once)
-    ema = EMAModel(trained, decay=cfg.ema_decay, use_ema_warmup=True)
+    ema = DeviceEMA(trained, decay=cfg.ema_decay, use_ema_warmup=True)  # stays on the device when loaded
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
     node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
@@ -157,8 +163,9 @@ def train(cfg: RunConfig) -> dict:
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
     pass_lines = EveryFewSeconds()
-    accum = cfg.optim.grad_accum
-    workers = loader_workers(cfg.data.num_workers, local_size, device_type=device.type)  # decoding beside the step
+    accumulation = GradientAccumulation(accelerator, model, cfg.optim.grad_accum)
+    # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
+    workers = agreed_loader_workers(cfg.data.num_workers, device_type=device.type)
     summary: dict = {}
     last_saved = position.optimizer_steps if resume_from else -1
     stop = False
@@ -212,7 +219,7 @@ def train(cfg: RunConfig) -> dict:
         for batch in loader:
             device_waits.step()
             micro = position.batch_in_pass
-            is_step = (micro + 1) % accum == 0 or micro + 1 == total
+            is_step, group_size = accumulation.group(micro, total)
             lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
             if debug is not None:
                 debug.saw(batch.ids)
@@ -221,21 +228,23 @@ def train(cfg: RunConfig) -> dict:
             step_at = position.optimizer_steps
             batch = batch.to(device, non_blocking=True)
             randomness = SampleRandomness(cfg.seed, epoch, batch.ids)
-            with accelerator.autocast():
-                out = task.per_sample(model, batch, randomness)
-            losses = out.loss.float()
-            # Gathered on the device and copied to the host without waiting: consumed a step later.
-            ids, gathered, strata = gather_tensors(batch.ids, out.for_pruner(), out.stratum)
-            host, ready = to_host(ids, gathered, strata)
-            if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
-                # skipping needs the answer before backward: one host read per step, under this policy only
-                report_nonfinite(cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch, micro)
-                position.skipped_nonfinite += 1
-                host = [None, None, None]
-            else:
-                loss = (losses * batch.weights).mean() / accum  # mean(w * loss), InfoBatch's rescaling
-                with accelerator.no_sync(model) if not is_step else nullcontext():
-                    accelerator.backward(loss)
+            with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
+                with accelerator.autocast():
+                    out = task.per_sample(model, batch, randomness)
+                losses = out.loss.float()
+                # Gathered on the device and copied to the host without waiting: consumed a step later.
+                ids, gathered, strata = gather_tensors(batch.ids, out.for_pruner(), out.stratum)
+                host, ready = to_host(ids, gathered, strata)
+                if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
+                    # skipping needs the answer before backward: one host read per step, under this policy only
+                    report_nonfinite(cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch,
+                                     micro)
+                    position.skipped_nonfinite += 1
+                    host = [None, None, None]
+                    accumulation.skipped(is_step)  # every rank skips alike: average what the group holds
+                else:
+                    # mean(w * loss), InfoBatch's rescaling, averaged over this step's micro-batches
+                    accumulation.backward((losses * batch.weights).mean() / group_size)
             if is_step:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -244,6 +253,7 @@ def train(cfg: RunConfig) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 ema.step(trained)
+                accumulation.stepped()
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
             bar.update(1)
@@ -372,8 +382,12 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
     return summary
 
 
+GRID_POINT = re.compile(r"_(s\d{3}|t\d{4})$")  # flow_mse_s005, denoise_mse_t0999: in metrics.jsonl, not the line
+
+
 def format_pass(summary: dict, passes: int) -> str:
-    held = " ".join(f"{k} {v:.4f}" for k, v in summary.get("held_out", {}).items() if isinstance(v, float))
+    held = " ".join(f"{k} {v:.4f}" for k, v in summary.get("held_out", {}).items()
+                    if isinstance(v, float) and not GRID_POINT.search(k))  # denoise_mse is the grid's mean
     return (f"pass {summary['epoch'] + 1}/{passes}: kept {summary['kept_fraction']:.1%}, "
             f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
             f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total")

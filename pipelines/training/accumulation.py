@@ -1,0 +1,67 @@
+"""Gradient accumulation under DDP: one gradient all-reduce per optimizer step, not per micro-batch.
+
+DDP decides at the forward whether the backward all-reduces, so a micro-batch that does not end an
+optimizer step runs its forward *and* backward under `no_sync` (issue 21: wrapping the backward alone
+all-reduced every micro-batch). When the policy `on_nonfinite_loss=skip` drops the backward of the
+micro-batch that ends a step (every rank agrees: the decision reads the all-gathered losses), the
+gradients the group accumulated locally have not been averaged yet; they are all-reduced here by
+hand, so every replica still applies the same update.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+
+def accumulation_group(micro: int, total: int, accum: int) -> tuple[bool, int]:
+    """(does micro-batch `micro` of a pass of `total` end an optimizer step, how many micro-batches
+    its step averages). The last group of a pass may be short: its loss is divided by its own size,
+    not by `accum`, so its step is as large as any other."""
+    start = micro - micro % accum
+    size = min(accum, total - start)
+    return micro + 1 == start + size, size
+
+
+class GradientAccumulation:
+    """Which micro-batches synchronise gradients, and the repair for a skipped step-ending one."""
+
+    def __init__(self, accelerator, model: torch.nn.Module, accum: int):
+        self.accelerator, self.model, self.accum = accelerator, model, accum
+        self.backwards_in_group = 0  # micro-batches of the current group whose backward ran
+
+    def group(self, micro: int, total: int) -> tuple[bool, int]:
+        return accumulation_group(micro, total, self.accum)
+
+    def sync_context(self, is_step: bool):
+        """Around forward and backward: `no_sync` unless this micro-batch ends an optimizer step."""
+        return nullcontext() if is_step else self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+        self.backwards_in_group += 1
+
+    def skipped(self, is_step: bool) -> None:
+        """This micro-batch's backward did not run (on every rank alike). If it ended a step after
+        earlier micro-batches accumulated unsynchronised gradients, average those now."""
+        if is_step and self.backwards_in_group and self.accelerator.num_processes > 1:
+            average_gradients(self.model.parameters(), self.accelerator.num_processes)
+
+    def stepped(self) -> None:
+        self.backwards_in_group = 0
+
+
+def average_gradients(parameters, world: int) -> None:
+    """All-reduce the gradients that exist (the same parameters on every rank) as one flat buffer."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
