@@ -1,7 +1,8 @@
 """Decoding one undecoded webdataset sample into (image tensor [C, H, W] in [-1, 1], label).
 
 This is the expensive step that pruned samples never reach. Augmentation randomness is a
-pure function of (seed, epoch, id), so resumed runs and any worker layout see the same flips.
+pure function of (seed, epoch, id) with a stream per purpose (pipelines/data/augment.py), so resumed
+runs and any worker layout see the same flips.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipelines.data.augment import flip_coin
 from pipelines.data.shards import BadInputError
-from pruning.base import uniform_coin
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg); PIL decodes all where it is gone
     from torchvision.io import ImageReadMode, decode_image
@@ -65,10 +66,10 @@ class SampleDecoder:
 
     def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
-        sample flipped where its (seed, epoch, id) coin says."""
+        sample flipped where its flip coin of (seed, epoch, id) says."""
         batch = stacked.float().div_(127.5).sub_(1.0) if stacked.dtype == torch.uint8 else stacked
         if self.hflip:
-            flip = torch.from_numpy(uniform_coin(self.seed, epoch, np.asarray(ids)) < 0.5)
+            flip = torch.from_numpy(flip_coin(self.seed, epoch, ids))
             if bool(flip.any()):
                 batch[flip] = batch[flip].flip(-1)
         return batch
