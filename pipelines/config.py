@@ -20,6 +20,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from pipelines.data.augment import CROPS
+from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
@@ -47,7 +49,9 @@ class DataConfig:
     batch_size: int = 32  # per rank and micro-batch
     num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
     shuffle_buffer: int = 1000
-    hflip: bool = False
+    hflip: bool = False  # mirror with probability 1/2, a coin of (seed, pass, id) of its own (docs/data.md)
+    crop: str = "center"  # center | random_resized: MAE's RandomResizedCrop, on the image before resizing
+    crop_scale: List[float] = field(default_factory=lambda: [0.2, 1.0])  # random_resized: share of the area
     on_bad_sample: str = "stop"  # stop | skip
     val_batches: int = 8  # held-out batches per evaluation
 
@@ -208,6 +212,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
+    _validate_augmentations(cfg)
     try:
         cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
     except ValueError as e:
@@ -260,6 +265,25 @@ def validate(cfg: RunConfig) -> None:
         build_pruner(name, 10, cfg.passes, seed=cfg.seed, **hparams)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
+
+
+def _validate_augmentations(cfg: RunConfig) -> None:
+    """A crop the decoder can apply: images only, where the config or the shard index tells."""
+    _choice("data.crop", cfg.data.crop, CROPS)
+    scale = cfg.data.crop_scale
+    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
+        raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
+    if cfg.data.crop == "center":
+        return
+    if cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
+        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
+                          f"precomputed latents, which cannot be cropped; use data.crop=center")
+    train = cfg.data.train
+    if train and os.path.exists(os.path.join(train, "index.json") if os.path.isdir(train) else train):
+        index = ShardIndex.load(train)
+        if "latent_shape" in index.meta:  # what `prunepipe latents encode` records
+            raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
+                              f"latents ({index.path} records latent_shape); use data.crop=center")
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -149,7 +149,8 @@ def train(cfg: RunConfig) -> dict:
     stream = ShardStream(
         index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
-                              num_classes=task.label_classes),
+                              num_classes=task.label_classes, crop=cfg.data.crop,
+                              crop_scale=tuple(cfg.data.crop_scale)),
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
     held_out = load_held_out(cfg) if main else []
