@@ -21,6 +21,7 @@ from omegaconf.errors import (
 )
 
 from pipelines.data.augment import CROPS
+from pipelines.data.decode import FLIPPED_LATENT_FIELD
 from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
@@ -273,17 +274,24 @@ def _validate_augmentations(cfg: RunConfig) -> None:
     scale = cfg.data.crop_scale
     if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
         raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
-    if cfg.data.crop == "center":
-        return
-    if cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
+    cropped = cfg.data.crop != "center"
+    if cropped and cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
         raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
                           f"precomputed latents, which cannot be cropped; use data.crop=center")
     train = cfg.data.train
-    if train and os.path.exists(os.path.join(train, "index.json") if os.path.isdir(train) else train):
-        index = ShardIndex.load(train)
-        if "latent_shape" in index.meta:  # what `prunepipe latents encode` records
-            raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
-                              f"latents ({index.path} records latent_shape); use data.crop=center")
+    if not (cropped or cfg.data.hflip) or not train or not os.path.exists(
+            os.path.join(train, "index.json") if os.path.isdir(train) else train):
+        return
+    index = ShardIndex.load(train)
+    if "latent_shape" not in index.meta:  # what `prunepipe latents encode` records
+        return
+    if cropped:
+        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
+                          f"latents ({index.path} records latent_shape); use data.crop=center")
+    if cfg.data.hflip and FLIPPED_LATENT_FIELD not in index.meta.get("keys", [FLIPPED_LATENT_FIELD]):
+        raise ConfigError(f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
+                          f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
+                          f"`prunepipe latents encode --flip`, or set data.hflip=false")
 
 
 def to_yaml(cfg: RunConfig) -> str:

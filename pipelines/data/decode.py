@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - a torchvision without them
 IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
 FAST_FIELDS = ("png", "jpg", "jpeg", "webp")  # torchvision decodes these; PIL the rest, and 1-channel
 LATENT_FIELDS = ("latent.npy", "npy")
+FLIPPED_LATENT_FIELD = "latent_flip.npy"  # the latent of the mirrored image (`prunepipe latents encode --flip`)
 LABEL_FIELDS = ("cls", "label", "class")
 NO_LABEL = -1
 
@@ -36,6 +37,10 @@ class SampleDecoder:
     Per sample, `decode` gives the pixels as uint8 [C, H, W] (a latent as float32), cropped; per
     batch, `finish` brings the stacked pixels to float [-1, 1] and applies the flips: a handful of
     tensor ops per batch instead of per sample. `__call__` does both for one sample.
+
+    A latent cannot be cropped, nor mirrored exactly (the encoder's convolutions are not mirror-
+    symmetric): with `hflip`, `decode` picks the stored latent of the mirrored image where the flip
+    coin says (docs/diffusion.md, "Latents and flips").
     """
 
     resolution: int = 32
@@ -61,6 +66,8 @@ class SampleDecoder:
             if self.crop != "center":
                 raise ValueError(f"{_where(sample)}: data.crop={self.crop} crops images, and this shard holds "
                                  f"latents; use data.crop=center (crop before encoding instead)")
+            if self.hflip:
+                latent_field = self._latent_flip_choice(sample, latent_field, sample_id, epoch)
             tensor = self._latent(sample, latent_field)
         else:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
@@ -75,13 +82,23 @@ class SampleDecoder:
 
     def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
-        sample flipped where its flip coin of (seed, epoch, id) says."""
-        batch = stacked.float().div_(127.5).sub_(1.0) if stacked.dtype == torch.uint8 else stacked
+        image flipped where its flip coin of (seed, epoch, id) says (latents were chosen in `decode`)."""
+        if stacked.dtype != torch.uint8:
+            return stacked
+        batch = stacked.float().div_(127.5).sub_(1.0)
         if self.hflip:
             flip = torch.from_numpy(flip_coin(self.seed, epoch, ids))
             if bool(flip.any()):
                 batch[flip] = batch[flip].flip(-1)
         return batch
+
+    def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, epoch: int) -> str:
+        """The field of the plain latent or, where the flip coin says, of the mirrored image's."""
+        if FLIPPED_LATENT_FIELD not in sample:
+            raise ValueError(f"{_where(sample)}: data.hflip=true on latent shards needs the latent of the mirrored "
+                             f"image ({FLIPPED_LATENT_FIELD}): encode with `prunepipe latents encode --flip`, "
+                             f"or set data.hflip=false")
+        return FLIPPED_LATENT_FIELD if flip_coin(self.seed, epoch, [sample_id])[0] else plain_field
 
     def _image(self, sample: dict, field: str, sample_id: int, epoch: int) -> torch.Tensor:
         data = sample[field]
