@@ -35,6 +35,7 @@ from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 NONFINITE_POLICIES = ("stop", "skip")
+SCHEDULES = ("cosine", "constant")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,7 @@ class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.05
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    schedule: str = "cosine"  # after the warmup: cosine (to min_lr by the last pass) | constant (DiT's)
     warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, docs/design.md, principle 6)
     min_lr: float = 0.0  # cosine decays to this by the last pass
     grad_clip: float = 1.0  # 0 = off
@@ -212,6 +214,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("task", cfg.task, TASKS)
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
+    _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
     _validate_augmentations(cfg)
     try:

@@ -52,11 +52,14 @@ SCORE_LAG = 1
 
 # ----------------------------------------------------------------------------- helpers
 def learning_rate(cfg: RunConfig, progress: float) -> float:
-    """Linear warmup then cosine, driven by pass progress (epoch + fraction of the pass), so a pass
-    shortened by pruning keeps the schedule aligned with the full run's (docs/design.md, principle 6)."""
+    """Linear warmup then cosine or constant (optim.schedule), driven by pass progress (epoch +
+    fraction of the pass), so a pass shortened by pruning keeps the schedule aligned with the full
+    run's (docs/design.md, principle 6)."""
     o = cfg.optim
     if progress < o.warmup_passes:
         return o.lr * progress / o.warmup_passes
+    if o.schedule == "constant":  # DiT's recipe: AdamW at 1e-4, no decay (Peebles & Xie 2023, Sec. 4)
+        return o.lr
     span = max(cfg.passes - o.warmup_passes, 1e-12)
     t = min(1.0, (progress - o.warmup_passes) / span)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
