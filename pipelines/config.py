@@ -70,7 +70,8 @@ class CudaConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak rate; unused when blr > 0
+    blr: float = 0.0  # > 0: peak rate = blr x effective batch / 256, MAE's rule (world x batch_size x grad_accum)
     weight_decay: float = 0.05
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     schedule: str = "cosine"  # after the warmup: cosine (to min_lr by the last pass) | constant (DiT's)
@@ -232,6 +233,8 @@ def validate(cfg: RunConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"config: {name} must be >= 1, got {value}")
+    if cfg.optim.blr < 0:
+        raise ConfigError(f"config: optim.blr must be >= 0 (0 = use optim.lr), got {cfg.optim.blr}")
     if cfg.optim.lr <= 0 or not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
     for name in ("train", "val"):

@@ -1,17 +1,22 @@
-"""The published recipes as a specification: the learning-rate schedule (DiT's constant rate), and
+"""The published recipes as a specification: the learning-rate schedule (DiT's constant rate), MAE's
+base learning rate scaled by the effective batch, and
 the real configs (`configs/ldm_dit_*.yaml`, `configs/mae_*.yaml`) say what their comments claim."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from pipelines.config import load_config
-from pipelines.training.loop import learning_rate
+from pipelines.training.loop import learning_rate, train, with_peak_learning_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
+# A MAE small enough for a pass in seconds on 2 CPU cores.
+TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64"]
 
 
 def tiny(digits_shards, *overrides: str):
@@ -25,3 +30,20 @@ def test_a_constant_schedule_holds_the_peak_rate_after_its_warmup(digits_shards)
     assert [learning_rate(cfg, p) for p in (2.0, 5.5, 9.99, 10.0)] == [1.0] * 4, "no decay, min_lr unused"
     cosine = tiny(digits_shards, "optim.lr=1.0", "optim.warmup_passes=2")
     assert learning_rate(cosine, 6.0) == pytest.approx(0.5) and learning_rate(cosine, 10.0) == pytest.approx(0.0)
+
+
+def test_blr_sets_the_peak_rate_from_the_effective_batch_once_and_records_it(digits_shards, tmp_path, capsys):
+    cfg = tiny(digits_shards, *TINY_MAE, "passes=1", "optim.blr=0.04", "optim.lr=5.0", "optim.grad_accum=2",
+               "optim.warmup_passes=0", "optim.schedule=constant", f"runs_dir={tmp_path}", "name=blr", "log_every=1")
+    peak = 0.04 * (1 * 64 * 2) / 256  # world x data.batch_size x optim.grad_accum, over 256
+    assert with_peak_learning_rate(cfg, 1, announce=False).optim.lr == pytest.approx(peak)
+    assert with_peak_learning_rate(cfg, 8, announce=False).optim.lr == pytest.approx(8 * peak)
+    summary = train(cfg)
+    out = capsys.readouterr().out
+    assert out.count("peak lr 0.02 = optim.blr 0.04 x effective batch 128 (1 ranks x 64 x 2 accumulated)") == 1
+    assert summary["peak_lr"] == pytest.approx(peak)
+    lines = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    rates = [line["lr"] for line in lines if line["kind"] == "train"]
+    assert rates and rates == pytest.approx([peak] * len(rates)), "optim.lr=5 is not used"
+    assert "blr: 0.04" in open(os.path.join(cfg.run_dir, "config.yaml")).read(), "config.yaml is what was asked"
+    assert cfg.optim.lr == 5.0, "the caller's config is left as it was"

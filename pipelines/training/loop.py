@@ -8,6 +8,7 @@ losses, take mean(w * loss), step the optimizer and EMA, and feed the globally g
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import time
@@ -65,6 +66,21 @@ def learning_rate(cfg: RunConfig, progress: float) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
 
 
+def with_peak_learning_rate(cfg: RunConfig, world: int, announce: bool) -> RunConfig:
+    """`cfg` with optim.lr resolved from optim.blr, once per run where the world size is known: MAE's
+    linear scaling rule, lr = blr x effective batch / 256 with effective batch = world x
+    data.batch_size x optim.grad_accum (He et al. 2022, Sec. A.1; main_pretrain.py). blr = 0: as is."""
+    o = cfg.optim
+    if o.blr <= 0:
+        return cfg
+    batch = world * cfg.data.batch_size * o.grad_accum
+    peak = o.blr * batch / 256
+    if announce:
+        print(f"peak lr {peak:.4g} = optim.blr {o.blr:g} x effective batch {batch} ({world} ranks x "
+              f"{cfg.data.batch_size} x {o.grad_accum} accumulated) / 256; optim.lr is not used", flush=True)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=peak))
+
+
 def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int, num_workers: int) -> PassPlan:
     """The plan this pass (or the rest of it) runs under.
 
@@ -113,6 +129,7 @@ def train(cfg: RunConfig) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+    cfg = with_peak_learning_rate(cfg, world, announce=main)  # config.yaml keeps optim.blr as given
 
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
     task = build_task(cfg)
@@ -363,6 +380,7 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "kept_fraction": layout.kept / plan.num_samples,
         "kept_samples": layout.kept,
         "tail": layout.tail,
+        "peak_lr": cfg.optim.lr,
         "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),
         "samples_forwarded": position.samples_forwarded,
         "train_loss": float(np.mean(pass_losses)) if pass_losses else float("nan"),
