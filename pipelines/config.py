@@ -36,6 +36,7 @@ TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 NONFINITE_POLICIES = ("stop", "skip")
 SCHEDULES = ("cosine", "constant")
+EMA_WARMUPS = ("passes", "none")
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,7 @@ class RunConfig:
     passes: int = 10
     mixed_precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     ema_decay: float = 0.999
+    ema_warmup: str = "passes"  # passes: the decay warms up with pass progress | none: ema_decay from step 1 (DiT)
     on_nonfinite_loss: str = "stop"  # stop | skip (skipped steps are counted)
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
@@ -216,6 +218,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
     _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    _choice("ema_warmup", cfg.ema_warmup, EMA_WARMUPS)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
     _validate_augmentations(cfg)
     try:

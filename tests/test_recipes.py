@@ -1,5 +1,6 @@
 """The published recipes as a specification: the learning-rate schedule (DiT's constant rate), MAE's
-base learning rate scaled by the effective batch, and
+base learning rate scaled by the effective batch, an EMA whose warmup follows pass progress (so a
+pruned run's EMA is comparable with the full run's) or is off (DiT), and
 the real configs (`configs/ldm_dit_*.yaml`, `configs/mae_*.yaml`) say what their comments claim."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import pytest
 
 from pipelines.config import load_config
+from pipelines.data.shards import ShardIndex
 from pipelines.training.loop import learning_rate, train, with_peak_learning_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,3 +49,29 @@ def test_blr_sets_the_peak_rate_from_the_effective_batch_once_and_records_it(dig
     assert rates and rates == pytest.approx([peak] * len(rates)), "optim.lr=5 is not used"
     assert "blr: 0.04" in open(os.path.join(cfg.run_dir, "config.yaml")).read(), "config.yaml is what was asked"
     assert cfg.optim.lr == 5.0, "the caller's config is left as it was"
+
+
+def test_the_ema_warmup_follows_pass_progress_so_pruned_and_full_runs_average_alike(digits_shards, tmp_path):
+    """InfoBatch takes fewer steps per pass; at each pass end its EMA decay is still the full run's."""
+    passes = {}
+    for name in ("mae_tiny_full", "mae_tiny_infobatch"):
+        cfg = load_config(os.path.join(CONFIGS, f"{name}.yaml"),
+                          [f"data.train={digits_shards}/train", "data.val=", f"runs_dir={tmp_path}", f"name={name}",
+                           "passes=3", "ema_decay=0.9999", *TINY_MAE])
+        train(cfg)
+        passes[name] = [line for line in map(json.loads, open(os.path.join(cfg.run_dir, "metrics.jsonl")))
+                        if line["kind"] == "pass"]
+    full, pruned = passes["mae_tiny_full"], passes["mae_tiny_infobatch"]
+    assert sum(p["steps_in_pass"] for p in pruned) < sum(p["steps_in_pass"] for p in full), "InfoBatch pruned"
+    assert [p["ema_decay"] for p in pruned] == [p["ema_decay"] for p in full]
+    # the decay of a full run's step count: 1 - (1 + n)^(-2/3), n = the full run's steps at that pass
+    steps_per_pass = ShardIndex.load(f"{digits_shards}/train").num_samples / 64  # the full run's, batch 64
+    for p in full:
+        assert p["ema_decay"] == pytest.approx(1 - (1 + (p["epoch"] + 1) * steps_per_pass) ** (-2 / 3))
+
+
+def test_without_ema_warmup_the_decay_is_constant_from_the_first_step(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(CONFIGS, "mae_tiny_infobatch.yaml"),
+                      [f"data.train={digits_shards}/train", "data.val=", f"runs_dir={tmp_path}", "name=dit_ema",
+                       "passes=1", "ema_decay=0.9999", "ema_warmup=none", *TINY_MAE])
+    assert train(cfg)["ema_decay"] == 0.9999

@@ -284,3 +284,17 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores
+
+
+@pytest.mark.parametrize("warmup", ["passes", "none"])
+def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, warmup):
+    config = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
+    base = [*TINY_MAE, "passes=3", f"ema_warmup={warmup}", "checkpoint.every_steps=10"]
+    (straight_at, straight, _), (resumed_at, resumed, _) = straight_and_resumed(
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)  # step 30 is inside the pruned pass 2
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    ema_a = load_checkpoint_states(straight_at, read_model=False)["ema"]
+    ema_b = load_checkpoint_states(resumed_at, read_model=False)["ema"]
+    assert ema_a["optimization_step"] == ema_b["optimization_step"] == 45
+    assert len(ema_a["shadow_params"]) == len(straight)
+    assert all(torch.equal(a, b) for a, b in zip(ema_a["shadow_params"], ema_b["shadow_params"]))

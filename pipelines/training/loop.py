@@ -17,7 +17,6 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 from accelerate import Accelerator
-from diffusers.training_utils import EMAModel
 
 from pipelines.checkpoint.position import TrainingPosition
 from pipelines.checkpoint.pruner_state import CheckpointedPruner
@@ -34,6 +33,7 @@ from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
+from pipelines.training.ema import PassProgressEMA
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
@@ -141,7 +141,8 @@ def train(cfg: RunConfig) -> dict:
     optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     trained = list(accelerator.unwrap_model(model).parameters())  # what the EMA follows (unwrapped once)
-    ema = EMAModel(trained, decay=cfg.ema_decay, use_ema_warmup=True)
+    ema = PassProgressEMA(trained, decay=cfg.ema_decay, warmup=cfg.ema_warmup,
+                          full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum))
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
     node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
@@ -264,7 +265,7 @@ def train(cfg: RunConfig) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                ema.step(trained)
+                ema.step(trained, epoch + position.pass_offset + (1 - position.pass_offset) * (micro + 1) / total)
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
             bar.update(1)
@@ -295,6 +296,7 @@ def train(cfg: RunConfig) -> dict:
             break
         summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
                               pass_losses)
+        summary["ema_decay"] = ema.cur_decay_value  # at the pass end: pruned and full runs alike
         metrics.write(summary)
         if main and pass_lines.due(force=position.epoch + 1 == cfg.passes):
             print(format_pass(summary, cfg.passes), flush=True)

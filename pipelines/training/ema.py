@@ -1,0 +1,36 @@
+"""The moving average of the trained weights: diffusers' EMAModel with its warmup counted in pass
+progress, or none, never in the run's own optimizer steps. A pruned run takes fewer steps per
+pass; with a step-counted warmup its EMA at pass p averaged over a shorter horizon than the full
+run's at pass p, a confound in every EMA comparison of the two (issue 21). Holds no model.
+"""
+
+from __future__ import annotations
+
+from diffusers.training_utils import EMAModel
+
+
+class PassProgressEMA(EMAModel):
+    """EMAModel (foreach updates; its state_dict is what checkpoints hold) whose decay depends on
+    the pass progress each `step` is given.
+
+    warmup="passes": diffusers' warmup 1 - (1 + n)^(-2/3), capped at `decay`, where n is not this
+    run's step count but `progress x full_steps_per_pass`, the optimizer steps a full-data run has
+    taken at the same progress: pruned and full runs share the decay pass for pass, and a full run
+    keeps the step-counted decay it had (0.999 after about 31,600 steps, 0.9999 after 1M).
+    warmup="none": `decay` from the first step, DiT's constant 0.9999 (its train.py)."""
+
+    def __init__(self, parameters, *, decay: float, warmup: str, full_steps_per_pass: float):
+        super().__init__(parameters, decay=decay, use_ema_warmup=warmup == "passes", foreach=True)
+        self.warmup, self.full_steps_per_pass = warmup, full_steps_per_pass
+        self._progress = 0.0
+
+    def step(self, parameters, progress: float) -> None:
+        """Average in the weights reached at pass progress `progress` (epoch + fraction of the pass)."""
+        self._progress = progress
+        super().step(parameters)
+
+    def get_decay(self, optimization_step: int) -> float:
+        if self.warmup == "none":
+            return self.decay
+        full_run_steps = self._progress * self.full_steps_per_pass
+        return min(self.decay, 1.0 - (1.0 + full_run_steps) ** -self.power)
