@@ -75,3 +75,48 @@ def test_without_ema_warmup_the_decay_is_constant_from_the_first_step(digits_sha
                       [f"data.train={digits_shards}/train", "data.val=", f"runs_dir={tmp_path}", "name=dit_ema",
                        "passes=1", "ema_decay=0.9999", "ema_warmup=none", *TINY_MAE])
     assert train(cfg)["ema_decay"] == 0.9999
+
+
+def load_config_text(name: str) -> str:
+    with open(os.path.join(CONFIGS, name)) as f:
+        return f.read()
+
+
+def real_configs(family: str) -> list[str]:
+    """configs/{family}_base.yaml and every real-scale file that inherits it (not the tiny ones)."""
+    names = sorted(os.listdir(CONFIGS))
+    found = [n for n in names if n.startswith(f"{family}_") and "tiny" not in n and n.endswith(".yaml")
+             and (n == f"{family}_base.yaml" or load_config_text(n).startswith(f"base: {family}_base.yaml"))]
+    assert f"{family}_base.yaml" in found and len(found) >= 5, found
+    return found
+
+
+@pytest.mark.parametrize("name", real_configs("ldm_dit"))
+def test_the_dit_configs_train_as_the_dit_paper(name, digits_shards):
+    cfg = load_config(os.path.join(CONFIGS, name), [f"data.train={digits_shards}/train"])
+    # AdamW at a constant 1e-4, no weight decay, no warmup, whatever the number of GPUs
+    assert (cfg.optim.schedule, cfg.optim.warmup_passes, cfg.optim.blr) == ("constant", 0, 0)
+    assert (cfg.optim.weight_decay, cfg.optim.betas) == (0.0, [0.9, 0.999])
+    for world in (8, 64):
+        at_scale = with_peak_learning_rate(cfg, world, announce=False)
+        assert [learning_rate(at_scale, p) for p in (0.0, 0.5, cfg.passes / 2, cfg.passes)] == [1e-4] * 4
+    assert (cfg.ema_decay, cfg.ema_warmup) == (0.9999, "none"), "EMA 0.9999 from the first step"
+    assert (cfg.data.hflip, cfg.data.crop) == (True, "center"), "random flips, exact on latents (--flip)"
+    assert cfg.data.batch_size * 8 == 256, "the paper's batch on 8 GPUs"
+
+
+@pytest.mark.parametrize("name", real_configs("mae"))
+def test_the_mae_configs_train_as_the_mae_paper(name, digits_shards):
+    cfg = load_config(os.path.join(CONFIGS, name), [f"data.train={digits_shards}/train"])
+    assert cfg.optim.blr == 1.5e-4 and cfg.data.batch_size == 256 and cfg.optim.grad_accum == 1
+    for world, peak in ((16, 2.4e-3), (64, 9.6e-3)):  # 16 GPUs: the paper's batch of 4096
+        at_scale = with_peak_learning_rate(cfg, world, announce=False)
+        assert at_scale.optim.lr == pytest.approx(peak)
+        assert learning_rate(at_scale, 20.0) == pytest.approx(peak / 2), "linear warmup over 40 passes"
+        assert learning_rate(at_scale, 40.0) == pytest.approx(peak)
+        assert learning_rate(at_scale, 420.0) == pytest.approx(peak / 2), "cosine, halfway"
+        assert learning_rate(at_scale, cfg.passes) == pytest.approx(0.0)
+    assert (cfg.optim.schedule, cfg.optim.warmup_passes, cfg.passes) == ("cosine", 40, 800)
+    assert (cfg.optim.weight_decay, cfg.optim.betas) == (0.05, [0.9, 0.95])
+    assert (cfg.data.crop, cfg.data.crop_scale, cfg.data.hflip) == ("random_resized", [0.2, 1.0], True)
+    assert cfg.ema_warmup == "passes", "an EMA that pruned and full runs share pass for pass"
