@@ -278,7 +278,8 @@ def validate(cfg: RunConfig) -> None:
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:
-    """A crop the decoder can apply: images only, where the config or the shard index tells."""
+    """Augmentations the decoder can apply, where the config or the shard index tells: a crop on
+    images only, a flip on latents only where the mirrored images' latents are stored."""
     _choice("data.crop", cfg.data.crop, CROPS)
     scale = cfg.data.crop_scale
     if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
