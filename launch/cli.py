@@ -56,7 +56,7 @@ def _latents_encode(args) -> None:
     from tools.latents import encode_shards
 
     print(encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
-                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype))
+                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip))
 
 
 def _demo(args) -> None:
@@ -199,6 +199,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     encode.add_argument("--cache-dir", default="", help="hub cache holding --vae (default: HF_HUB_CACHE)")
     encode.add_argument("--batch-size", type=int, default=32)
     encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
+    encode.add_argument("--flip", action="store_true",
+                        help="also store each mirrored image's latent, for data.hflip runs (twice the encoding)")
     encode.set_defaults(func=_latents_encode)
 
     checkpoints = sub.add_parser("checkpoints", help="check a run's checkpoints against their manifests")

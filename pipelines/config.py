@@ -20,6 +20,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from pipelines.data.augment import CROPS
+from pipelines.data.decode import FLIPPED_LATENT_FIELD
+from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
@@ -32,6 +35,8 @@ from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 NONFINITE_POLICIES = ("stop", "skip")
+SCHEDULES = ("cosine", "constant")
+EMA_WARMUPS = ("passes", "none")
 
 
 class ConfigError(ValueError):
@@ -47,7 +52,9 @@ class DataConfig:
     batch_size: int = 32  # per rank and micro-batch
     num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
     shuffle_buffer: int = 1000
-    hflip: bool = False
+    hflip: bool = False  # mirror with probability 1/2, a coin of (seed, pass, id) of its own (docs/data.md)
+    crop: str = "center"  # center | random_resized: MAE's RandomResizedCrop, on the image before resizing
+    crop_scale: List[float] = field(default_factory=lambda: [0.2, 1.0])  # random_resized: share of the area
     on_bad_sample: str = "stop"  # stop | skip
     val_batches: int = 8  # held-out batches per evaluation
 
@@ -64,9 +71,11 @@ class CudaConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak rate; unused when blr > 0
+    blr: float = 0.0  # > 0: peak rate = blr x effective batch / 256, MAE's rule (world x batch_size x grad_accum)
     weight_decay: float = 0.05
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    schedule: str = "cosine"  # after the warmup: cosine (to min_lr by the last pass) | constant (DiT's)
     warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, docs/design.md, principle 6)
     min_lr: float = 0.0  # cosine decays to this by the last pass
     grad_clip: float = 1.0  # 0 = off
@@ -99,6 +108,7 @@ class RunConfig:
     passes: int = 10
     mixed_precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     ema_decay: float = 0.999
+    ema_warmup: str = "passes"  # passes: the decay warms up with pass progress | none: ema_decay from step 1 (DiT)
     on_nonfinite_loss: str = "stop"  # stop | skip (skipped steps are counted)
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
@@ -211,7 +221,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("task", cfg.task, TASKS)
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
+    _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    _choice("ema_warmup", cfg.ema_warmup, EMA_WARMUPS)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
+    _validate_augmentations(cfg)
     try:
         cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
     except ValueError as e:
@@ -228,6 +241,8 @@ def validate(cfg: RunConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"config: {name} must be >= 1, got {value}")
+    if cfg.optim.blr < 0:
+        raise ConfigError(f"config: optim.blr must be >= 0 (0 = use optim.lr), got {cfg.optim.blr}")
     if cfg.optim.lr <= 0 or not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
     for name in ("train", "val"):
@@ -265,6 +280,33 @@ def validate(cfg: RunConfig) -> None:
         build_pruner(name, 10, cfg.passes, seed=cfg.seed, **hparams)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
+
+
+def _validate_augmentations(cfg: RunConfig) -> None:
+    """Augmentations the decoder can apply, where the config or the shard index tells: a crop on
+    images only, a flip on latents only where the mirrored images' latents are stored."""
+    _choice("data.crop", cfg.data.crop, CROPS)
+    scale = cfg.data.crop_scale
+    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
+        raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
+    cropped = cfg.data.crop != "center"
+    if cropped and cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
+        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
+                          f"precomputed latents, which cannot be cropped; use data.crop=center")
+    train = cfg.data.train
+    if not (cropped or cfg.data.hflip) or not train or not os.path.exists(
+            os.path.join(train, "index.json") if os.path.isdir(train) else train):
+        return
+    index = ShardIndex.load(train)
+    if "latent_shape" not in index.meta:  # what `prunepipe latents encode` records
+        return
+    if cropped:
+        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
+                          f"latents ({index.path} records latent_shape); use data.crop=center")
+    if cfg.data.hflip and FLIPPED_LATENT_FIELD not in index.meta.get("keys", [FLIPPED_LATENT_FIELD]):
+        raise ConfigError(f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
+                          f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
+                          f"`prunepipe latents encode --flip`, or set data.hflip=false")
 
 
 def to_yaml(cfg: RunConfig) -> str:

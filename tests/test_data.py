@@ -34,9 +34,9 @@ class CountingDecoder(SampleDecoder):
         super().__init__(**kw)
         self.decoded: list[int] = []
 
-    def decode(self, sample, sample_id):
+    def decode(self, sample, sample_id, epoch=0):
         self.decoded.append(sample_id)
-        return super().decode(sample, sample_id)
+        return super().decode(sample, sample_id, epoch)
 
 
 def run_pass(index, epoch, plan=None, *, world=2, workers=2, seed=0, skip=0, decoder=None):
@@ -112,8 +112,8 @@ def test_resume_after_n_batches_yields_exactly_the_rest(digits_train, workers):
 class PidLabels(SampleDecoder):
     """The real decoder, labelling each sample with the process that decoded it."""
 
-    def decode(self, sample, sample_id):
-        return super().decode(sample, sample_id)[0], os.getpid()
+    def decode(self, sample, sample_id, epoch=0):
+        return super().decode(sample, sample_id, epoch)[0], os.getpid()
 
 
 def test_loader_workers_persist_across_passes_and_serve_each_the_latest_pass(digits_train):

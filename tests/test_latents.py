@@ -1,5 +1,6 @@
 """Latent shards: encoding image shards keeps every id, key, label and per-shard count, and the
-result streams through ShardStream as float latents a latent-space DiffusionTask trains on."""
+result streams through ShardStream as float latents a latent-space DiffusionTask trains on; with
+`--flip` a data.hflip run reads the mirrored image's own latent where the flip coin says."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import torch
 from diffusers import AutoencoderKL
 from eval_runs import tiny_vae
 
-from pipelines.data.decode import SampleDecoder
+from pipelines.config import ConfigError, load_config
+from pipelines.data.augment import flip_coin
+from pipelines.data.decode import FLIPPED_LATENT_FIELD, SampleDecoder
 from pipelines.data.shards import ShardIndex, read_shard
 from pipelines.data.stream import ShardStream
 from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, sample
 from tools.latents import LATENT_FIELD, encode_shards
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = 32
 
 
@@ -107,3 +111,48 @@ def test_refuses_to_write_over_the_image_shards(digits_shards, vae_folder):
     images_folder = os.path.join(digits_shards, "val")
     with pytest.raises(ValueError, match="image shard folder"):
         encode_shards(images_folder, vae_folder, images_folder, resolution=IMAGE)
+
+
+@pytest.fixture(scope="module")
+def latent_val_with_flips(digits_shards, vae_folder, tmp_path_factory) -> str:
+    """The digits val split encoded with `--flip`: each sample also holds its mirrored image's latent."""
+    out = str(tmp_path_factory.mktemp("latents_flip") / "val")
+    encode_shards(os.path.join(digits_shards, "val"), vae_folder, out, resolution=IMAGE, batch_size=64,
+                  dtype="float32", flip=True)
+    return out
+
+
+def test_flip_encoding_stores_the_latent_of_the_mirrored_image(digits_shards, latent_val_with_flips, vae_folder):
+    before, after = samples(os.path.join(digits_shards, "val")), samples(latent_val_with_flips)
+    assert all(LATENT_FIELD in s and FLIPPED_LATENT_FIELD in s for s in after)
+    meta = ShardIndex.load(latent_val_with_flips).meta
+    assert meta["flip"] is True and FLIPPED_LATENT_FIELD in meta["keys"]
+    vae = AutoencoderKL.from_pretrained(vae_folder)
+    image, _ = SampleDecoder(resolution=IMAGE)(before[3], 3, 0)
+    with torch.no_grad():
+        expected = vae.encode(image.flip(-1)[None]).latent_dist.mean[0] * vae.config.scaling_factor
+    stored = torch.from_numpy(np.load(io.BytesIO(after[3][FLIPPED_LATENT_FIELD])))
+    torch.testing.assert_close(stored, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_hflip_run_reads_the_mirrored_latent_where_the_flip_coin_says(latent_val_with_flips):
+    by_id = {i: s for i, s in enumerate(samples(latent_val_with_flips))}
+    decoder = SampleDecoder(hflip=True, seed=9)
+    stream = ShardStream(ShardIndex.load(latent_val_with_flips), batch_size=16, decoder=decoder, seed=9)
+    seen_flipped = []
+    for batch in stream.pass_loader(2):
+        flips = flip_coin(9, 2, batch.ids.numpy())
+        for sample_id, latent, flipped in zip(batch.ids.tolist(), batch.images, flips):
+            field = FLIPPED_LATENT_FIELD if flipped else LATENT_FIELD
+            torch.testing.assert_close(latent, torch.from_numpy(np.load(io.BytesIO(by_id[sample_id][field]))),
+                                       rtol=0, atol=0)
+            seen_flipped.append(bool(flipped))
+    assert 0.3 < np.mean(seen_flipped) < 0.7, "about half the latents are the mirrored image's"
+
+
+def test_hflip_on_latents_without_mirrored_ones_is_refused_naming_shard_key_or_index(latent_val, digits_shards):
+    sample = samples(latent_val)[0]
+    with pytest.raises(ValueError, match=rf"shard .*key '{sample['__key__']}': data\.hflip=true .*--flip"):
+        SampleDecoder(hflip=True).decode(sample, 0, 0)
+    with pytest.raises(ConfigError, match=r"data\.hflip=true.*hold no latents of mirrored images.*--flip"):
+        load_config(os.path.join(ROOT, "configs", "ldm_dit_full.yaml"), [f"data.train={latent_val}", "data.hflip=true"])

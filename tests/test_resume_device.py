@@ -7,23 +7,23 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from pipelines.training.ema import DeviceEMA
+from pipelines.training.ema import PassProgressEMA
 
 
 def test_a_resumed_ema_stays_on_the_device_of_the_weights_it_follows(tmp_path):
     saver = Accelerator(cpu=True)
     trained = torch.nn.Linear(4, 3)
-    ema = DeviceEMA(list(trained.parameters()), decay=0.9, foreach=True)
-    ema.step(list(trained.parameters()))
+    ema = PassProgressEMA(list(trained.parameters()), decay=0.9, warmup="passes", full_steps_per_pass=10)
+    ema.step(list(trained.parameters()), progress=0.1)
     saver.register_for_checkpointing(ema)
     saver.save_state(str(tmp_path / "ckpt"))
 
     resumer = Accelerator(cpu=True)
     on_device = torch.nn.Linear(4, 3, device="meta")  # the weights of a run on an accelerator
-    resumed = DeviceEMA(list(on_device.parameters()), decay=0.9, foreach=True)
+    resumed = PassProgressEMA(list(on_device.parameters()), decay=0.9, warmup="passes", full_steps_per_pass=10)
     resumer.register_for_checkpointing(resumed)
     resumer.load_state(str(tmp_path / "ckpt"))
 
     assert [p.device.type for p in resumed.shadow_params] == ["meta", "meta"]
     assert resumed.optimization_step == ema.optimization_step
-    resumed.step(list(on_device.parameters()))  # mixing devices raised here
+    resumed.step(list(on_device.parameters()), progress=0.2)  # mixing devices raised here

@@ -293,3 +293,17 @@ def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
     line = format_pass({"epoch": 0, "kept_fraction": 1.0, "steps_in_pass": 3, "train_loss": 0.5,
                         "wall_seconds": 1.0, "held_out": held}, passes=2)
     assert "denoise_mse 0.2500" in line and "flow_mse_s" not in line
+
+
+@pytest.mark.parametrize("warmup", ["passes", "none"])
+def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, warmup):
+    config = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
+    base = [*TINY_MAE, "passes=3", f"ema_warmup={warmup}", "checkpoint.every_steps=10"]
+    (straight_at, straight, _), (resumed_at, resumed, _) = straight_and_resumed(
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)  # step 30 is inside the pruned pass 2
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    ema_a = load_checkpoint_states(straight_at, read_model=False)["ema"]
+    ema_b = load_checkpoint_states(resumed_at, read_model=False)["ema"]
+    assert ema_a["optimization_step"] == ema_b["optimization_step"] == 45
+    assert len(ema_a["shadow_params"]) == len(straight)
+    assert all(torch.equal(a, b) for a, b in zip(ema_a["shadow_params"], ema_b["shadow_params"]))

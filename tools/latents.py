@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipelines.data.decode import LABEL_FIELDS, SampleDecoder
+from pipelines.data.decode import FLIPPED_LATENT_FIELD, LABEL_FIELDS, SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import load_autoencoder
@@ -40,6 +40,7 @@ def encode_shards(
     cache_dir: str = "",
     dtype: str = "float16",
     device: str | None = None,
+    flip: bool = False,
 ) -> str:
     """Write OUT/shard-%06d.tar (one per input shard) + OUT/index.json; return the index path.
 
@@ -47,7 +48,9 @@ def encode_shards(
     denoises (DiffusionConfig(autoencoder="latents")). The mean, not a posterior sample, makes the
     shards a pure function of the images and the VAE; a KL-regularised VAE's posterior is narrow.
     Stored as `dtype` numpy arrays [C, h, w]; index.json records vae, subfolder, scaling_factor,
-    shift_factor and latent_shape.
+    shift_factor, latent_shape and flip. With `flip`, each sample also holds `latent_flip.npy`, the
+    latent of its mirrored image, which a `data.hflip` run reads where the flip coin says: the exact
+    flip, for twice the encoding and the bytes (docs/diffusion.md, "Latents and flips").
     """
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"dtype: got {dtype!r}, accepted: {', '.join(LATENT_DTYPES)}")
@@ -68,13 +71,20 @@ def encode_shards(
     fields_seen: set[str] = set()
 
     @torch.no_grad()
+    def encode(images: torch.Tensor) -> np.ndarray:
+        return ((autoencoder.encode(images).latent_dist.mean - shift) * scaling).float().cpu().numpy().astype(dtype)
+
+    @torch.no_grad()
     def write_batch(writer, pending: list[tuple[dict, torch.Tensor]]) -> None:
         images = torch.stack([image for _, image in pending]).to(device)
-        latents = (autoencoder.encode(images).latent_dist.mean - shift) * scaling
-        latents = latents.float().cpu().numpy().astype(dtype)
+        latents = encode(images)
         latent_shape[:] = list(latents.shape[1:])
-        for (fields, _), latent in zip(pending, latents):
-            writer.write({**fields, LATENT_FIELD: npy_bytes(latent)})
+        mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
+        for (fields, _), latent, latent_of_mirror in zip(pending, latents, mirrored):
+            record = {**fields, LATENT_FIELD: npy_bytes(latent)}
+            if flip:
+                record[FLIPPED_LATENT_FIELD] = npy_bytes(latent_of_mirror)
+            writer.write(record)
         pending.clear()
 
     pattern = os.path.join(out_folder, "shard-%06d.tar")
@@ -114,5 +124,6 @@ def encode_shards(
         latent_shape=latent_shape,
         resolution=resolution,
         dtype=dtype,
-        keys=[LATENT_FIELD, *sorted(fields_seen)],
+        flip=flip,
+        keys=[LATENT_FIELD, *([FLIPPED_LATENT_FIELD] if flip else []), *sorted(fields_seen)],
     )

@@ -1,7 +1,8 @@
 """Decoding one undecoded webdataset sample into (image tensor [C, H, W] in [-1, 1], label).
 
 This is the expensive step that pruned samples never reach. Augmentation randomness is a
-pure function of (seed, epoch, id), so resumed runs and any worker layout see the same flips.
+pure function of (seed, epoch, id) with a stream per purpose (pipelines/data/augment.py), so resumed
+runs and any worker layout see the same crops and flips.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipelines.data.augment import CROPS, crop_uniforms, flip_coin, random_resized_crop_box
 from pipelines.data.shards import BadInputError
-from pruning.base import uniform_coin
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg); PIL decodes all where it is gone
     from torchvision.io import ImageReadMode, decode_image
@@ -24,6 +25,7 @@ except ImportError:  # pragma: no cover - a torchvision without them
 IMAGE_FIELDS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
 FAST_FIELDS = ("png", "jpg", "jpeg", "webp")  # torchvision decodes these; PIL the rest, and 1-channel
 LATENT_FIELDS = ("latent.npy", "npy")
+FLIPPED_LATENT_FIELD = "latent_flip.npy"  # the latent of the mirrored image (`prunepipe latents encode --flip`)
 LABEL_FIELDS = ("cls", "label", "class")
 NO_LABEL = -1
 
@@ -32,9 +34,13 @@ NO_LABEL = -1
 class SampleDecoder:
     """Decode an image (or a precomputed latent) and its optional class label.
 
-    Per sample, `decode` gives the pixels as uint8 [C, H, W] (a latent as float32); per batch,
-    `finish` brings the stacked pixels to float [-1, 1] and applies the flips: a handful of tensor
-    ops per batch instead of per sample. `__call__` does both for one sample.
+    Per sample, `decode` gives the pixels as uint8 [C, H, W] (a latent as float32), cropped; per
+    batch, `finish` brings the stacked pixels to float [-1, 1] and applies the flips: a handful of
+    tensor ops per batch instead of per sample. `__call__` does both for one sample.
+
+    A latent cannot be cropped, nor mirrored exactly (the encoder's convolutions are not mirror-
+    symmetric): with `hflip`, `decode` picks the stored latent of the mirrored image where the flip
+    coin says (docs/diffusion.md, "Latents and flips").
     """
 
     resolution: int = 32
@@ -42,15 +48,26 @@ class SampleDecoder:
     hflip: bool = False
     seed: int = 0
     num_classes: int = 0  # > 0: a label must be below it (a bad one is named here, not met on the device)
+    crop: str = "center"  # center: shorter side to `resolution`, centre square; random_resized: MAE's
+    crop_scale: tuple[float, float] = (0.2, 1.0)  # random_resized: the crop's share of the image area
+
+    def __post_init__(self):
+        if self.crop not in CROPS:
+            raise ValueError(f"data.crop: got {self.crop!r}, accepted: {', '.join(CROPS)}")
 
     def __call__(self, sample: dict, sample_id: int, epoch: int) -> tuple[torch.Tensor, int]:
-        pixels, label = self.decode(sample, sample_id)
+        pixels, label = self.decode(sample, sample_id, epoch)
         return self.finish(pixels[None], np.array([sample_id]), epoch)[0], label
 
-    def decode(self, sample: dict, sample_id: int) -> tuple[torch.Tensor, int]:
-        """(uint8 [C, H, W] pixels, or a float32 latent; the label) of one sample."""
+    def decode(self, sample: dict, sample_id: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
+        """(uint8 [C, H, W] pixels, or a float32 latent; the label) of one sample in pass `epoch`."""
         latent_field = next((f for f in LATENT_FIELDS if f in sample), None)
         if latent_field is not None:
+            if self.crop != "center":
+                raise ValueError(f"{_where(sample)}: data.crop={self.crop} crops images, and this shard holds "
+                                 f"latents; use data.crop=center (crop before encoding instead)")
+            if self.hflip:
+                latent_field = self._latent_flip_choice(sample, latent_field, sample_id, epoch)
             tensor = self._latent(sample, latent_field)
         else:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
@@ -60,31 +77,47 @@ class SampleDecoder:
                     f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS + LATENT_FIELDS)}; "
                     f"has: {present})"
                 )
-            tensor = self._image(sample, field)
+            tensor = self._image(sample, field, sample_id, epoch)
         return tensor, self._label(sample)
 
     def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
-        sample flipped where its (seed, epoch, id) coin says."""
-        batch = stacked.float().div_(127.5).sub_(1.0) if stacked.dtype == torch.uint8 else stacked
+        image flipped where its flip coin of (seed, epoch, id) says (latents were chosen in `decode`)."""
+        if stacked.dtype != torch.uint8:
+            return stacked
+        batch = stacked.float().div_(127.5).sub_(1.0)
         if self.hflip:
-            flip = torch.from_numpy(uniform_coin(self.seed, epoch, np.asarray(ids)) < 0.5)
+            flip = torch.from_numpy(flip_coin(self.seed, epoch, ids))
             if bool(flip.any()):
                 batch[flip] = batch[flip].flip(-1)
         return batch
 
-    def _image(self, sample: dict, field: str) -> torch.Tensor:
+    def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, epoch: int) -> str:
+        """The field of the plain latent or, where the flip coin says, of the mirrored image's."""
+        if FLIPPED_LATENT_FIELD not in sample:
+            raise ValueError(f"{_where(sample)}: data.hflip=true on latent shards needs the latent of the mirrored "
+                             f"image ({FLIPPED_LATENT_FIELD}): encode with `prunepipe latents encode --flip`, "
+                             f"or set data.hflip=false")
+        return FLIPPED_LATENT_FIELD if flip_coin(self.seed, epoch, [sample_id])[0] else plain_field
+
+    def _image(self, sample: dict, field: str, sample_id: int, epoch: int) -> torch.Tensor:
         data = sample[field]
         pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
-        if pixels is not None and tuple(pixels.shape[1:]) == (self.resolution, self.resolution):
+        random_crop = self.crop == "random_resized"
+        if pixels is not None and not random_crop and tuple(pixels.shape[1:]) == (self.resolution, self.resolution):
             return pixels
         try:
-            if pixels is not None:  # decoded, but at another size: PIL resizes the same pixels
+            if pixels is not None:  # decoded, but at another size (or to be cropped): PIL resizes the same pixels
                 img = Image.fromarray(pixels.permute(1, 2, 0).numpy())
             else:
                 with Image.open(io.BytesIO(data)) as opened:
                     img = opened.convert("RGB" if self.channels == 3 else "L")
-            array = np.asarray(resize_center_crop(img, self.resolution), dtype=np.uint8)
+            if random_crop:  # on the original image, before any resize (MAE's RandomResizedCrop)
+                box = random_resized_crop_box(*img.size, self.crop_scale, crop_uniforms(self.seed, epoch, sample_id))
+                img = resize_crop(img, self.resolution, box)
+            else:
+                img = resize_center_crop(img, self.resolution)
+            array = np.asarray(img, dtype=np.uint8)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
             raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
         if array.ndim == 2:
@@ -129,6 +162,13 @@ def _fast_rgb(data: bytes) -> torch.Tensor | None:
     except RuntimeError:
         return None
     return pixels if pixels.dtype == torch.uint8 and pixels.shape[0] == 3 else None
+
+
+def resize_crop(img: Image.Image, size: int, box: tuple[int, int, int, int]) -> Image.Image:
+    """The (top, left, height, width) box of `img` resized to size x size, bicubic: what torchvision's
+    `resized_crop` does to a PIL image (crop, then PIL's antialiased resize)."""
+    top, left, height, width = box
+    return img.crop((left, top, left + width, top + height)).resize((size, size), Image.BICUBIC)
 
 
 def resize_center_crop(img: Image.Image, size: int) -> Image.Image:

@@ -281,7 +281,7 @@ class _PartReader(IterableDataset):
                 break
             sample_id, weight, sample = item
             try:
-                decoded, label = self.decoder.decode(sample, sample_id)
+                decoded, label = self.decoder.decode(sample, sample_id, epoch)
             except BadInputError as e:
                 self._bad(events, BadInput(str(e), undecodable=True))
                 continue

@@ -1,8 +1,12 @@
-"""The EMA of the trained weights: diffusers' EMAModel, kept on the device of the weights it follows.
+"""The moving average of the trained weights: diffusers' EMAModel with its warmup counted in pass
+progress, or none, never in the run's own optimizer steps, and kept on the weights' device when a
+checkpoint is loaded (issue 21). Holds no model.
 
-accelerate loads registered objects with map_location="cpu" and EMAModel.load_state_dict adopts the
-loaded tensors as they are, so after a resume on a GPU the shadow weights would sit on the host and
-the first `step` would mix devices (issue 21). Loading here puts them back where they were.
+- A pruned run takes fewer steps per pass; with a step-counted warmup its EMA at pass p averaged
+  over a shorter horizon than the full run's at pass p, a confound in every EMA comparison of the two.
+- accelerate loads registered objects with map_location="cpu" and EMAModel.load_state_dict adopts
+  the loaded tensors as they are, so after a resume on a GPU the shadow weights sat on the host and
+  the first `step` mixed devices.
 """
 
 from __future__ import annotations
@@ -10,10 +14,34 @@ from __future__ import annotations
 from diffusers.training_utils import EMAModel
 
 
-class DeviceEMA(EMAModel):
-    """EMAModel whose `load_state_dict` leaves the shadow weights on the device they had."""
+class PassProgressEMA(EMAModel):
+    """EMAModel (foreach updates; its state_dict is what checkpoints hold) whose decay depends on
+    the pass progress each `step` is given.
+
+    warmup="passes": diffusers' warmup 1 - (1 + n)^(-2/3), capped at `decay`, where n is not this
+    run's step count but `progress x full_steps_per_pass`, the optimizer steps a full-data run has
+    taken at the same progress: pruned and full runs share the decay pass for pass, and a full run
+    keeps the step-counted decay it had (0.999 after about 31,600 steps, 0.9999 after 1M).
+    warmup="none": `decay` from the first step, DiT's constant 0.9999 (its train.py)."""
+
+    def __init__(self, parameters, *, decay: float, warmup: str, full_steps_per_pass: float):
+        super().__init__(parameters, decay=decay, use_ema_warmup=warmup == "passes", foreach=True)
+        self.warmup, self.full_steps_per_pass = warmup, full_steps_per_pass
+        self._progress = 0.0
+
+    def step(self, parameters, progress: float) -> None:
+        """Average in the weights reached at pass progress `progress` (epoch + fraction of the pass)."""
+        self._progress = progress
+        super().step(parameters)
+
+    def get_decay(self, optimization_step: int) -> float:
+        if self.warmup == "none":
+            return self.decay
+        full_run_steps = self._progress * self.full_steps_per_pass
+        return min(self.decay, 1.0 - (1.0 + full_run_steps) ** -self.power)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """diffusers' load, then the shadow weights back on the device they were on before it."""
         placed = self.shadow_params[0] if self.shadow_params else None
         super().load_state_dict(state_dict)
         if placed is not None:

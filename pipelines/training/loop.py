@@ -8,6 +8,7 @@ losses, take mean(w * loss), step the optimizer and EMA, and feed the globally g
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -35,7 +36,7 @@ from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.accumulation import GradientAccumulation
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
-from pipelines.training.ema import DeviceEMA
+from pipelines.training.ema import PassProgressEMA
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
@@ -55,14 +56,38 @@ SCORE_LAG = 1
 
 # ----------------------------------------------------------------------------- helpers
 def learning_rate(cfg: RunConfig, progress: float) -> float:
-    """Linear warmup then cosine, driven by pass progress (epoch + fraction of the pass), so a pass
-    shortened by pruning keeps the schedule aligned with the full run's (docs/design.md, principle 6)."""
+    """Linear warmup then cosine or constant (optim.schedule), driven by pass progress (epoch +
+    fraction of the pass), so a pass shortened by pruning keeps the schedule aligned with the full
+    run's (docs/design.md, principle 6)."""
     o = cfg.optim
     if progress < o.warmup_passes:
         return o.lr * progress / o.warmup_passes
+    if o.schedule == "constant":  # DiT's recipe: AdamW at 1e-4, no decay (Peebles & Xie 2023, Sec. 4)
+        return o.lr
     span = max(cfg.passes - o.warmup_passes, 1e-12)
     t = min(1.0, (progress - o.warmup_passes) / span)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
+
+
+def pass_progress(epoch: int, pass_offset: float, batches_done: int, total: int) -> float:
+    """Pass progress after `batches_done` of this pass's (or resumed segment's) `total` batches: epoch
+    + fraction of the pass, where a segment starts at the fraction `pass_offset` already trained."""
+    return epoch + pass_offset + (1 - pass_offset) * batches_done / max(total, 1)
+
+
+def with_peak_learning_rate(cfg: RunConfig, world: int, announce: bool) -> RunConfig:
+    """`cfg` with optim.lr resolved from optim.blr, once per run where the world size is known: MAE's
+    linear scaling rule, lr = blr x effective batch / 256 with effective batch = world x
+    data.batch_size x optim.grad_accum (He et al. 2022, Sec. A.1; main_pretrain.py). blr = 0: as is."""
+    o = cfg.optim
+    if o.blr <= 0:
+        return cfg
+    batch = world * cfg.data.batch_size * o.grad_accum
+    peak = o.blr * batch / 256
+    if announce:
+        print(f"peak lr {peak:.4g} = optim.blr {o.blr:g} x effective batch {batch} ({world} ranks x "
+              f"{cfg.data.batch_size} x {o.grad_accum} accumulated) / 256; optim.lr is not used", flush=True)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=peak))
 
 
 def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int, num_workers: int) -> PassPlan:
@@ -116,6 +141,7 @@ def train(cfg: RunConfig) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+    cfg = with_peak_learning_rate(cfg, world, announce=main)  # config.yaml keeps optim.blr as given
 
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
     task = build_task(cfg)
@@ -127,7 +153,8 @@ def train(cfg: RunConfig) -> dict:
     optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     trained = list(accelerator.unwrap_model(model).parameters())  # what the EMA follows (unwrapped once)
-    ema = DeviceEMA(trained, decay=cfg.ema_decay, use_ema_warmup=True)  # stays on the device when loaded
+    ema = PassProgressEMA(trained, decay=cfg.ema_decay, warmup=cfg.ema_warmup,
+                          full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum))
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
     node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
@@ -155,7 +182,8 @@ def train(cfg: RunConfig) -> dict:
     stream = ShardStream(
         index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
-                              num_classes=task.label_classes),
+                              num_classes=task.label_classes, crop=cfg.data.crop,
+                              crop_scale=tuple(cfg.data.crop_scale)),
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
     held_out = load_held_out(cfg) if main else []
@@ -220,7 +248,7 @@ def train(cfg: RunConfig) -> dict:
             device_waits.step()
             micro = position.batch_in_pass
             is_step, group_size = accumulation.group(micro, total)
-            lr = learning_rate(cfg, epoch + position.pass_offset + (1 - position.pass_offset) * micro / max(total, 1))
+            lr = learning_rate(cfg, pass_progress(epoch, position.pass_offset, micro, total))
             if debug is not None:
                 debug.saw(batch.ids)
             lost_here += sum(e.samples_lost for e in batch.bad)
@@ -252,7 +280,7 @@ def train(cfg: RunConfig) -> dict:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                ema.step(trained)
+                ema.step(trained, pass_progress(epoch, position.pass_offset, micro + 1, total))
                 accumulation.stepped()
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
@@ -284,6 +312,7 @@ def train(cfg: RunConfig) -> dict:
             break
         summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
                               pass_losses)
+        summary["ema_decay"] = ema.cur_decay_value  # at the pass end: pruned and full runs alike
         metrics.write(summary)
         if main and pass_lines.due(force=position.epoch + 1 == cfg.passes):
             print(format_pass(summary, cfg.passes), flush=True)
@@ -369,6 +398,7 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "kept_fraction": layout.kept / plan.num_samples,
         "kept_samples": layout.kept,
         "tail": layout.tail,
+        "peak_lr": cfg.optim.lr,
         "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),
         "samples_forwarded": position.samples_forwarded,
         "train_loss": float(np.mean(pass_losses)) if pass_losses else float("nan"),
