@@ -64,6 +64,10 @@ def test_gpu_script_runs_every_step_on_a_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.load(open(tmp_path / "throughput.json"))
     assert [r["task"] for r in rows] == ["mae", "ldm", "dit"]
-    assert json.load(open(tmp_path / "resume.json"))["bitwise_equal"] is True
+    resume = json.load(open(tmp_path / "resume.json"))
+    assert resume["bitwise_equal"] is True and resume["compared"] == ["model", "ema", "pruner"]
+    for name, world in (("allreduce.json", 1), ("allreduce_two.json", 2)):  # gloo stands in for NCCL here
+        counts = json.load(open(tmp_path / name))
+        assert counts["world_size"] == world and counts["one_bucket_set_per_step"] is True
     report = open(tmp_path / "gpu.md").read()
-    assert "| mae |" in report and "bitwise equal" in report
+    assert "| mae |" in report and "bitwise equal" in report and "one bucket set per optimizer step" in report

@@ -3,7 +3,9 @@
 #   1. the CUDA-only tests (draws equal CPU's; steps never wait for the device),
 #   2. `prunepipe bench throughput` at a realistic size in bf16 (MAE ViT-B/16 at 224 px, the base
 #      latent-diffusion UNet on 4x32x32 latents), project loop against a bare loop,
-#   3. kill-and-resume exactness on CUDA with InfoBatch on,
+#   3. kill-and-resume exactness on CUDA with InfoBatch on: final weights, EMA and pruner state,
+#   4. gradient all-reduces per optimizer step with grad_accum 4 under DDP on NCCL (world size 1, then
+#      two processes sharing the one GPU, which NCCL may refuse: reported either way),
 # then writes docs/gpu.md (and everything under $OUT when set).
 # Usage: tools/gpu_check.sh            (on the GPU machine)
 #        tools/gpu_check.sh --cpu-smoke (every step at the smallest size on a CPU; writes only under $OUT)
@@ -30,7 +32,7 @@ else
 fi
 say "python $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")')"
 
-say "1/3 CUDA-only tests"
+say "1/4 CUDA-only tests"
 set +e
 timeout 180 "$PY" -m pytest -q -m "not slow" -k cuda tests/test_randomness.py tests/test_deferred_updates.py \
   > "$OUT_DIR/cuda_tests.log" 2>&1
@@ -39,13 +41,13 @@ set -e
 TESTS=$(tail -n 1 "$OUT_DIR/cuda_tests.log")
 say "tests (exit $TESTS_RC): $TESTS"
 
-say "2/3 throughput, size $SIZE"
+say "2/4 throughput, size $SIZE"
 timeout 330 "$PY" -m launch.cli bench throughput --task all --size "$SIZE" --passes "$PASSES" \
   --repeats "$REPEATS" --json "$OUT_DIR/throughput.json" "${BENCH_SIZE[@]}" > "$OUT_DIR/throughput.log" 2>&1 \
   || say "throughput FAILED (exit $?)"
 grep -E "repeat|project/bare" "$OUT_DIR/throughput.log" || tail -n 20 "$OUT_DIR/throughput.log"
 
-say "3/3 kill-and-resume with InfoBatch"
+say "3/4 kill-and-resume with InfoBatch (weights, EMA, pruner)"
 DATA="$OUT_DIR/digits"
 [ -f "$DATA/train/index.json" ] || "$PY" -m launch.cli shards write --out "$DATA" > /dev/null
 timeout 240 "$PY" -m tools.bench.resume_check configs/mae_tiny_infobatch.yaml --out "$OUT_DIR/resume" \
@@ -53,10 +55,27 @@ timeout 240 "$PY" -m tools.bench.resume_check configs/mae_tiny_infobatch.yaml --
   > "$OUT_DIR/resume.log" 2>&1 || { cat "$OUT_DIR/resume.log"; say "resume check FAILED"; }
 say "resume: $(grep -o '"bitwise_equal": [a-z]*' "$OUT_DIR/resume.json" || echo 'no verdict')"
 
+say "4/4 gradient all-reduces per optimizer step, grad_accum 4"
+set +e
+timeout 120 "$PY" -m tools.bench.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce.json" \
+  > "$OUT_DIR/allreduce.log" 2>&1
+ALLREDUCE_RC=$?
+# two ranks on one device: gloo on a CPU; on a GPU, NCCL usually refuses two ranks on one device
+timeout 120 "$PY" -m torch.distributed.run --nproc-per-node=2 --master-addr=127.0.0.1 --master-port=29517 \
+  -m tools.bench.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce_two.json" \
+  > "$OUT_DIR/allreduce_two.log" 2>&1
+echo $? > "$OUT_DIR/allreduce_two.rc"
+set -e
+say "all-reduce count: $(grep -o '"one_bucket_set_per_step": [a-z]*' "$OUT_DIR/allreduce.json" || echo 'no verdict') (exit $ALLREDUCE_RC);" \
+  "two processes: exit $(cat "$OUT_DIR/allreduce_two.rc")"
+
 "$PY" -m tools.bench.gpu_report --throughput "$OUT_DIR/throughput.json" --resume "$OUT_DIR/resume.json" \
+  --allreduce "$OUT_DIR/allreduce.json" --allreduce-two "$OUT_DIR/allreduce_two.json" \
+  --allreduce-two-log "$OUT_DIR/allreduce_two.log" \
   --tests "$TESTS (exit $TESTS_RC)" --command "tools/gpu_check.sh${1:+ $1}" --seconds $(( $(date +%s) - START )) \
   --out "$REPORT"
 [ "$REPORT" = "$OUT_DIR/gpu.md" ] || cp "$REPORT" "$OUT_DIR/gpu.md"
 say "done: $REPORT"
 [ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = 5 ]  # 5: every test deselected or skipped (a CPU)
 grep -q '"bitwise_equal": true' "$OUT_DIR/resume.json"
+grep -q '"one_bucket_set_per_step": true' "$OUT_DIR/allreduce.json"

@@ -1,6 +1,6 @@
 """Kill-and-resume exactness on whatever device this machine trains on: a run trained straight
-through against the same run SIGKILLed right after a checkpoint and resumed; the final weights and
-pruner state must be equal bit for bit. Usage:
+through against the same run SIGKILLed right after a checkpoint and resumed; the final weights, EMA
+weights and pruner state must be equal bit for bit. Usage:
 python -m tools.bench.resume_check CONFIG --out DIR [key=value ...] (exit 1 when they differ)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 import time
 
 import torch
-from safetensors.torch import load_file
 
 from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 
+COMPARED = ("model", "ema", "pruner")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -38,6 +38,10 @@ def differences(a, b, path: str = "") -> list[str]:
         if a.keys() != b.keys():
             return [f"{path}: keys differ"]
         return [d for key in a for d in differences(a[key], b[key], f"{path}.{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # the EMA's shadow_params
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
     if isinstance(a, torch.Tensor):
         return [] if torch.equal(a, b) else [path]
     if hasattr(a, "shape"):  # numpy
@@ -45,10 +49,10 @@ def differences(a, b, path: str = "") -> list[str]:
     return [] if a == b or (a != a and b != b) else [f"{path}: {a} != {b}"]
 
 
-def final_state(run_dir: str):
-    checkpoint = latest_checkpoint(run_dir)
-    return (load_file(os.path.join(checkpoint, "model.safetensors")),
-            load_checkpoint_states(checkpoint, read_model=False)["pruner"])  # tables read from their files
+def final_state(run_dir: str) -> dict:
+    """The last checkpoint's model, EMA (shadow weights and step count) and pruner (tables read from their files)."""
+    states = load_checkpoint_states(latest_checkpoint(run_dir))
+    return {part: states[part] for part in COMPARED}
 
 
 def check(config: str, out: str, overrides: list[str]) -> dict:
@@ -67,12 +71,12 @@ def check(config: str, out: str, overrides: list[str]) -> dict:
     killed.communicate(timeout=60)
     was_killed = killed.returncode == -signal.SIGKILL
     finished(launch(config, [*killed_args, "checkpoint.resume=latest"]), "the resumed run")
-    (weights_a, pruner_a), (weights_b, pruner_b) = final_state(os.path.join(out, "straight")), \
-        final_state(os.path.join(out, "killed"))
-    differ = differences(weights_a, weights_b, "model") + differences(pruner_a, pruner_b, "pruner")
+    straight, resumed = final_state(os.path.join(out, "straight")), final_state(os.path.join(out, "killed"))
+    differ = [d for part in COMPARED for d in differences(straight[part], resumed[part], part)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {"config": os.path.relpath(config, ROOT), "overrides": overrides, "device": device, "steps": steps,
-            "killed_at_step": half, "killed_mid_run": was_killed, "bitwise_equal": not differ,
+            "killed_at_step": half, "killed_mid_run": was_killed, "compared": list(COMPARED),
+            "ema_tensors": len(straight["ema"]["shadow_params"]), "bitwise_equal": not differ,
             "differences": differ[:20]}
 
 

@@ -1,0 +1,35 @@
+"""The cluster rehearsal (tools/rehearse_cluster.py): two emulated nodes of two ranks each on gloo, one
+node SIGKILLed after a mid-pass checkpoint, a requeue with checkpoint.resume=latest, against a run
+never interrupted. Slow: three runs of four processes and their start-ups, about 1.5 minutes on 2
+cores; `make test-slow` runs it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.rehearse_cluster import rehearse
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory) -> dict:
+    return rehearse(str(tmp_path_factory.mktemp("rehearsal")))
+
+
+@pytest.mark.slow
+def test_surviving_node_exits_by_itself_and_the_requeue_resumes_mid_pass(rehearsal):
+    assert rehearsal["survivor_exit_code"] not in (None, 0), "the surviving node failed fast instead of hanging"
+    assert rehearsal["resume_checkpoint"]["batch_in_pass"] > 0, "resumed inside a pass"
+    assert rehearsal["killed_after_step"] > rehearsal["resume_checkpoint"]["step"], "the kill lost steps"
+    counted = ("steps_in_pass", "kept_samples", "samples_forwarded", "optimizer_steps", "tail")
+    assert not [p for p in rehearsal["problems"] if any(f" {field}:" in p for field in counted)], rehearsal["problems"]
+    assert any(r["kept_samples"] < rehearsal["pass_summaries"][0]["kept_samples"]
+               for r in rehearsal["pass_summaries"][1:]), "InfoBatch pruned"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 21: with more than two gloo ranks a resumed run's first synchronised backward all-reduces with "
+    "DDP's first bucket layout, the uninterrupted run's with the layout DDP rebuilt after its own first one; "
+    "the sums' order differs and the weights drift in the last bits (docs/multinode.md, 'Cluster rehearsal')"))
+def test_requeued_run_ends_bitwise_equal_to_the_uninterrupted_one(rehearsal):
+    assert rehearsal["pass"], rehearsal["problems"]
