@@ -27,9 +27,5 @@ def test_surviving_node_exits_by_itself_and_the_requeue_resumes_mid_pass(rehears
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 21: with more than two gloo ranks a resumed run's first synchronised backward all-reduces with "
-    "DDP's first bucket layout, the uninterrupted run's with the layout DDP rebuilt after its own first one; "
-    "the sums' order differs and the weights drift in the last bits (docs/multinode.md, 'Cluster rehearsal')"))
 def test_requeued_run_ends_bitwise_equal_to_the_uninterrupted_one(rehearsal):
     assert rehearsal["pass"], rehearsal["problems"]

@@ -256,6 +256,9 @@ def train(cfg: RunConfig) -> dict:
             step_at = position.optimizer_steps
             batch = batch.to(device, non_blocking=True)
             randomness = SampleRandomness(cfg.seed, epoch, batch.ids)
+            if not accumulation.buckets_settled:  # DDP's bucket layout, the same in fresh and resumed processes
+                accumulation.settle_buckets(
+                    lambda: fresh_forward_losses(accelerator, task, model, batch, cfg.seed, epoch))
             with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
                 with accelerator.autocast():
                     out = task.per_sample(model, batch, randomness)
@@ -333,6 +336,13 @@ def train(cfg: RunConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def fresh_forward_losses(accelerator, task, model, batch, seed: int, epoch: int) -> torch.Tensor:
+    """The batch's per-sample losses from a forward of its own draws (a task's draws come in a fixed
+    order per SampleRandomness, so the real step keeps its own)."""
+    with accelerator.autocast():
+        return task.per_sample(model, batch, SampleRandomness(seed, epoch, batch.ids)).loss.float()
 
 
 class DeviceWaitCheck:
