@@ -48,7 +48,8 @@ def reconstruct(model: MaskedAutoencoder, images: torch.Tensor, noise: torch.Ten
 def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 0) -> dict:
     """Held-out masked-patch MSE (MAETask.held_out: the number the training log shows) and the mean
     over images of per-image PSNR and SSIM of the reconstruction, both in [0, 1] pixels (data range
-    1). Per-image means do not depend on how the images were batched. Padding (id < 0) is ignored."""
+    1). Per-image means do not depend on how the images were batched, so ranks may each take a share
+    (pipelines/evaluation/ranks.py combines them). Padding (id < 0) is ignored."""
     bare = unwrap(model)
     device = next(bare.parameters()).device
     was_training = bare.training
