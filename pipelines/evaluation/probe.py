@@ -17,14 +17,16 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from pipelines.evaluation.config import ProbeConfig
+from pipelines.evaluation.precision import forward_precision
 
 
 @torch.no_grad()
-def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg"
+def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg", precision: str = "fp32"
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids int64 [N], features float64 [N, D], labels int64 [N]) of a timm VisionTransformer
     (MaskedAutoencoder.encoder or the exported encoder) on every image, no masking. `pool`: avg = mean
-    of the patch tokens after the final norm, token = the class token. Padding (id < 0) is dropped."""
+    of the patch tokens after the final norm, token = the class token. Padding (id < 0) is dropped.
+    `precision`: that of the encoder's forward (pipelines/evaluation/precision.py)."""
     was_training = encoder.training
     encoder.eval()
     device = next(encoder.parameters()).device
@@ -33,7 +35,8 @@ def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg"
     try:
         for batch in batches:
             keep = batch.ids >= 0
-            tokens = encoder.forward_features(batch.images[keep].to(device))  # [N, prefix + L, D]
+            with forward_precision(precision, device):
+                tokens = encoder.forward_features(batch.images[keep].to(device))  # [N, prefix + L, D]
             pooled = tokens[:, 0] if pool == "token" else tokens[:, prefix:].mean(dim=1)
             features.append(pooled.double().cpu().numpy())
             ids.append(batch.ids[keep].numpy())
@@ -47,12 +50,12 @@ def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg"
 
 
 def linear_probe(encoder: nn.Module, train_batches: Iterable, val_batches: Iterable, cfg: ProbeConfig | None = None,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, precision: str = "fp32") -> dict:
     """Accuracy on val of a logistic regression on the encoder's standardised train features (all of
     them, or `cfg.per_class` per class), in one process: `fit_probe` on `encoder_features` of both."""
     cfg = cfg or ProbeConfig()
-    _, train_x, train_y = encoder_features(encoder, train_batches, cfg.pool)
-    _, val_x, val_y = encoder_features(encoder, val_batches, cfg.pool)
+    _, train_x, train_y = encoder_features(encoder, train_batches, cfg.pool, precision)
+    _, val_x, val_y = encoder_features(encoder, val_batches, cfg.pool, precision)
     return fit_probe(train_x, train_y, val_x, val_y, cfg, seed)
 
 

@@ -5,7 +5,8 @@ checkpoint or from the training loop every E passes. It never trains and never d
 
 Every rank takes part: each evaluates its share of the held-out images, the probe's train and val
 images and the FID samples, and the shares are combined (pipelines/evaluation/ranks.py), so no rank
-works alone while the others wait in a collective.
+works alone while the others wait in a collective. The model is evaluated at `eval.precision`
+(pipelines/evaluation/precision.py), the same in training and in `prunepipe eval`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_split
 from pipelines.evaluation.config import EvalConfig, load_eval_config
 from pipelines.evaluation.fid import FIDEvaluator
+from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from pipelines.evaluation.ranks import (counts_by_rank, gather_in_index_order, mean_over_ranks, rank0_value,
                                        rank_and_world)
 from pipelines.evaluation.records import PRIMARY_METRICS, resolve_run_dir, write_record
@@ -46,9 +48,12 @@ def weights_for_eval(model: nn.Module, ema=None, which: str = "ema") -> nn.Modul
 
 def held_out_over_ranks(task, model: nn.Module, batches, cfg: EvalConfig) -> dict:
     """The task's held-out loss (MAE masked MSE, diffusion denoising MSE) of `model` on this rank's
-    share of the held-out batches, combined over ranks. Every rank calls it (an empty share
-    included); the training loop's per-pass `held_out` and the evaluators use it alike."""
-    return mean_over_ranks(task.held_out(unwrap(model), batches, seed=cfg.seed))
+    share of the held-out batches, combined over ranks, at `cfg.precision`. Every rank calls it (an
+    empty share included); the training loop's per-pass `held_out` and the evaluators use it alike."""
+    bare = unwrap(model)
+    with without_autocast_wrappers(bare), forward_precision(cfg.precision, next(bare.parameters()).device):
+        local = task.held_out(bare, batches, seed=cfg.seed)
+    return mean_over_ranks(local)
 
 
 class Evaluator:
@@ -78,7 +83,7 @@ class Evaluator:
 
         cfg = self.cfg
         results = mean_over_ranks(reconstruction_metrics(task, model, self._val_batches(cfg.val_samples, rank, world),
-                                                         seed=cfg.seed))
+                                                         seed=cfg.seed, precision=cfg.precision))
         if cfg.probe.enabled:
             data = self.run_cfg.data
             train = read_split(data.train, resolution=data.resolution, channels=data.channels,
@@ -86,7 +91,7 @@ class Evaluator:
                                world_size=world, desc="probe train")
             # the probe's val set is all of val, whatever val_samples caps reconstruction at
             val = self._val_batches(0, rank, world)
-            mine = [encoder_features(model.encoder, split, cfg.probe.pool) for split in (train, val)]
+            mine = [encoder_features(model.encoder, split, cfg.probe.pool, cfg.precision) for split in (train, val)]
             (_, train_x, train_y), (_, val_x, val_y) = [gather_in_index_order(*features) for features in mine]
             # every rank fits the same arrays at the same time (a deterministic fit): nobody waits
             results.update(rank0_value(fit_probe(train_x, train_y, val_x, val_y, cfg.probe, seed=cfg.seed)))
@@ -107,7 +112,8 @@ class Evaluator:
             decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
             images = generate_images(task, model, num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
                                      seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
-                                     decode=decode, guidance_scale=fid_cfg.guidance_scale)
+                                     decode=decode, guidance_scale=fid_cfg.guidance_scale,
+                                     precision=self.cfg.precision)
             first = next(images)  # the generated size decides the reference resolution; every rank has one
             fid = self._fid_evaluator(first.shape[-1], first.shape[1])
             results.update(fid.score(_chain(first, images)))
@@ -130,7 +136,7 @@ class Evaluator:
 
     # ------------------------------------------------------------------ entry point
     def evaluate(self, task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
-        """Metrics of `model` (the weights to evaluate: see `weights_for_eval`).
+        """Metrics of `model` (the weights to evaluate: see `weights_for_eval`) at `eval.precision`.
         Every rank calls this and evaluates its share; every rank returns the same record, which rank
         0 writes to eval/step_XXXXXX.json."""
         rank, world = rank_and_world()
@@ -139,13 +145,14 @@ class Evaluator:
             self.device = next(bare.parameters()).device
         start = time.perf_counter()
         at = dict(at or {})
-        if self.run_cfg.task == "mae":
-            details = self._mae(task, bare, rank, world)
-        else:
-            details = self._diffusion(task, bare, rank, world)
+        with without_autocast_wrappers(bare):  # a bf16 run's prepared model would autocast every forward
+            if self.run_cfg.task == "mae":
+                details = self._mae(task, bare, rank, world)
+            else:
+                details = self._diffusion(task, bare, rank, world)
         metrics = {k: v for k, v in details.items() if k in PRIMARY_METRICS}
         record = {"kind": "eval", "run": self.run_cfg.name, "task": self.run_cfg.task, **at,
-                  "weights": self.cfg.weights, "ranks": world,
+                  "weights": self.cfg.weights, "precision": self.cfg.precision, "ranks": world,
                   "metrics": metrics, "details": details,
                   "eval_seconds": time.perf_counter() - start, "eval_config": dataclasses.asdict(self.cfg)}
         if write and rank == 0:
