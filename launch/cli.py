@@ -105,7 +105,8 @@ def _eval(args) -> None:
     for key, reason in record["details"].items():
         if key.endswith("_skipped"):
             print(f"{key.removesuffix('_skipped')} skipped: {reason}")
-    print(f"evaluated the {record['weights']} weights of {record.get('checkpoint', 'the checkpoint')}")
+    print(f"evaluated the {record['weights']} weights of {record.get('checkpoint', 'the checkpoint')} "
+          f"at {record['precision']}")
     print(f"written: {record.get('path')}")
 
 

@@ -15,6 +15,7 @@ INCEPTION_DIMS = (64, 192, 768, 2048)
 INCEPTION_RESIZE = ("tf1", "antialias")
 WEIGHTS = ("ema", "raw")
 PROBE_POOLS = ("token", "avg")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
@@ -66,6 +67,10 @@ class EvalConfig:
     val: str = ""  # held-out shards to evaluate on; "" = the run's data.val (e.g. val_mix of redundant shards)
     val_samples: int = 10000  # held-out images for reconstruction / denoising loss (0 = all)
     batch_size: int = 64
+    # fp32: an evaluation is the judge, the same numbers whatever precision the run trained in;
+    # bf16: the evaluated model's forwards under bf16 autocast, in training and in `prunepipe eval`
+    # alike. Written into every eval record; `prunepipe compare` refuses to mix the two.
+    precision: str = "fp32"
     fid: FIDConfig = field(default_factory=FIDConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
@@ -95,6 +100,7 @@ def validate_eval_config(cfg: EvalConfig) -> None:
             raise ValueError(f"eval config: {name}={value!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
 
     choice("weights", cfg.weights, WEIGHTS)
+    choice("precision", cfg.precision, PRECISIONS)
     choice("fid.inception_dim", cfg.fid.inception_dim, INCEPTION_DIMS)
     choice("fid.resize", cfg.fid.resize, INCEPTION_RESIZE)
     choice("probe.pool", cfg.probe.pool, PROBE_POOLS)

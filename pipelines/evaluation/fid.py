@@ -21,6 +21,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import FIDConfig
+from pipelines.evaluation.ranks import decided_on_rank0, rank_and_world
 
 # torch-fidelity's Inception-v3 (the TF FID graph of 2015-12-05, converted); torchmetrics loads it.
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -29,13 +30,6 @@ INCEPTION_FILE = os.path.basename(INCEPTION_URL)
 # pytorch-fid's name for the same file (the same sha256 prefix, 6726825d, that torch.hub names carry)
 INCEPTION_FILE_PYTORCH_FID = "pt_inception-2015-12-05-6726825d.pth"
 CLASSIFIER_FILE = "feature_net.safetensors"  # tools/feature_net.py's default output
-
-
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of torch.distributed when initialised, else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -153,17 +147,18 @@ def reference_statistics(
     stats_dir: str = "",
 ) -> tuple[ReferenceStats, str, bool]:
     """(statistics, cache path, whether they came from the cache). Computed once, split over ranks,
-    summed, and written by rank 0 atomically; every rank returns the global statistics."""
+    summed, and written by rank 0 atomically; every rank returns the global statistics. Rank 0 alone
+    looks for the cache and hands what it read to every rank: ranks that looked for themselves could
+    disagree (a file written between their checks, a node-local `stats_dir`) and then one would wait
+    in the all-reduce below that another never joins."""
     from pipelines.data.shards import ShardIndex
 
     count = ShardIndex.load(folder).num_samples
     count = count if max_samples <= 0 else min(count, max_samples)
     path = reference_cache_path(folder, net, resolution, count, stats_dir)
-    if os.path.isfile(path):
-        with np.load(path) as saved:
-            stats = ReferenceStats(torch.from_numpy(saved["features_sum"]), torch.from_numpy(saved["cov_sum"]),
-                                   int(saved["num_samples"]))
-        return stats, path, True
+    cached = decided_on_rank0(lambda: _read_cache(path))
+    if cached is not None:
+        return cached, path, True
     rank, world = rank_and_world()
     extractor = metric.inception  # the network torchmetrics built (for Inception: from the weights file)
     dim = int(metric.real_features_sum.shape[0])
@@ -192,6 +187,15 @@ def reference_statistics(
                  folder=os.path.abspath(folder))
         os.replace(tmp, path)
     return stats, path, False
+
+
+def _read_cache(path: str) -> ReferenceStats | None:
+    """The statistics cached at `path`, or None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with np.load(path) as saved:
+        return ReferenceStats(torch.from_numpy(saved["features_sum"]), torch.from_numpy(saved["cov_sum"]),
+                              int(saved["num_samples"]))
 
 
 # ----------------------------------------------------------------------------- the evaluator

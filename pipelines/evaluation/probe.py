@@ -1,6 +1,8 @@
 """Linear probe of an MAE encoder: frozen features of unmasked images (mean of the patch tokens, or
 the class token), standardised, a scikit-learn LogisticRegression with a fixed seed fitted on
-labelled train images and scored on val. Never fine-tunes the encoder; reads no files itself.
+labelled train images and scored on val. Never fine-tunes the encoder; reads no files itself. The
+features may come from several ranks (pipelines/evaluation/ranks.py gathers them in index order);
+the fit itself is deterministic, so every rank can run it on the same arrays.
 """
 
 from __future__ import annotations
@@ -15,38 +17,54 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from pipelines.evaluation.config import ProbeConfig
+from pipelines.evaluation.precision import forward_precision
 
 
 @torch.no_grad()
-def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg") -> tuple[np.ndarray, np.ndarray]:
-    """(features float64 [N, D], labels int64 [N]) of a timm VisionTransformer (MaskedAutoencoder.encoder
-    or the exported encoder) on every image, no masking. `pool`: avg = mean of the patch tokens after
-    the final norm, token = the class token. Padding (id < 0) is dropped."""
+def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg", precision: str = "fp32"
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids int64 [N], features float64 [N, D], labels int64 [N]) of a timm VisionTransformer
+    (MaskedAutoencoder.encoder or the exported encoder) on every image, no masking. `pool`: avg = mean
+    of the patch tokens after the final norm, token = the class token. Padding (id < 0) is dropped.
+    `precision`: that of the encoder's forward (pipelines/evaluation/precision.py)."""
     was_training = encoder.training
     encoder.eval()
     device = next(encoder.parameters()).device
     prefix = getattr(encoder, "num_prefix_tokens", 1)
-    features, labels = [], []
+    ids, features, labels = [np.zeros(0, dtype=np.int64)], [], [np.zeros(0, dtype=np.int64)]
     try:
         for batch in batches:
             keep = batch.ids >= 0
-            tokens = encoder.forward_features(batch.images[keep].to(device))  # [N, prefix + L, D]
+            with forward_precision(precision, device):
+                tokens = encoder.forward_features(batch.images[keep].to(device))  # [N, prefix + L, D]
             pooled = tokens[:, 0] if pool == "token" else tokens[:, prefix:].mean(dim=1)
             features.append(pooled.double().cpu().numpy())
+            ids.append(batch.ids[keep].numpy())
             labels.append(batch.labels[keep].numpy())
     finally:
         encoder.train(was_training)
-    return np.concatenate(features), np.concatenate(labels).astype(np.int64)
+    # a rank whose share is empty still returns [0, D] features, so the gather sees one shape
+    dim = features[0].shape[1] if features else int(getattr(encoder, "num_features", getattr(encoder, "embed_dim", 0)))
+    return (np.concatenate(ids).astype(np.int64), np.concatenate([np.zeros((0, dim)), *features]),
+            np.concatenate(labels).astype(np.int64))
 
 
 def linear_probe(encoder: nn.Module, train_batches: Iterable, val_batches: Iterable, cfg: ProbeConfig | None = None,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, precision: str = "fp32") -> dict:
     """Accuracy on val of a logistic regression on the encoder's standardised train features (all of
-    them, or `cfg.per_class` per class). Samples without a class label (-1) are left out; with fewer
-    than two classes the probe is skipped and says why."""
+    them, or `cfg.per_class` per class), in one process: `fit_probe` on `encoder_features` of both."""
     cfg = cfg or ProbeConfig()
-    train_x, train_y = encoder_features(encoder, train_batches, cfg.pool)
-    val_x, val_y = encoder_features(encoder, val_batches, cfg.pool)
+    _, train_x, train_y = encoder_features(encoder, train_batches, cfg.pool, precision)
+    _, val_x, val_y = encoder_features(encoder, val_batches, cfg.pool, precision)
+    return fit_probe(train_x, train_y, val_x, val_y, cfg, seed)
+
+
+def fit_probe(train_x: np.ndarray, train_y: np.ndarray, val_x: np.ndarray, val_y: np.ndarray,
+              cfg: ProbeConfig | None = None, seed: int = 0) -> dict:
+    """The probe on features in index order (train [N, D], val [M, D]) and their labels. Samples
+    without a class label (-1) are left out; with fewer than two classes the probe is skipped and
+    says why. Deterministic: the same arrays give the same numbers on every rank."""
+    cfg = cfg or ProbeConfig()
     train_x, train_y = train_x[train_y >= 0], train_y[train_y >= 0]
     val_x, val_y = val_x[val_y >= 0], val_y[val_y >= 0]
     classes = np.unique(train_y)

@@ -12,6 +12,7 @@ import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
 from pipelines.data.batch import real_samples
+from pipelines.evaluation.precision import forward_precision
 from pipelines.tasks.mae import MAETask, MaskedAutoencoder
 from pipelines.tasks.randomness import per_sample_seeded
 from pipelines.tasks.wrappers import unwrap
@@ -45,10 +46,12 @@ def reconstruct(model: MaskedAutoencoder, images: torch.Tensor, noise: torch.Ten
 
 
 @torch.no_grad()
-def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 0) -> dict:
+def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 0, precision: str = "fp32") -> dict:
     """Held-out masked-patch MSE (MAETask.held_out: the number the training log shows) and the mean
     over images of per-image PSNR and SSIM of the reconstruction, both in [0, 1] pixels (data range
-    1). Per-image means do not depend on how the images were batched. Padding (id < 0) is ignored."""
+    1). Per-image means do not depend on how the images were batched, so ranks may each take a share
+    (pipelines/evaluation/ranks.py combines them). Padding (id < 0) is ignored. `precision` is that
+    of the model's forwards (pipelines/evaluation/precision.py); the metrics are computed in fp32."""
     bare = unwrap(model)
     device = next(bare.parameters()).device
     was_training = bare.training
@@ -57,10 +60,12 @@ def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 
     try:
         for batch in real_samples(batches):
             ids = batch.ids.cpu().numpy()
-            held = task.held_out(bare, [batch], seed=seed)
-            mse_sum += held["masked_mse"] * held["num_samples"]
             images = batch.images.to(device)
-            recon, _, _ = reconstruct(bare, images, fixed_mask_noise(ids, bare.num_patches, seed).to(device))
+            with forward_precision(precision, device):
+                held = task.held_out(bare, [batch], seed=seed)
+                recon, _, _ = reconstruct(bare, images, fixed_mask_noise(ids, bare.num_patches, seed).to(device))
+            mse_sum += held["masked_mse"] * held["num_samples"]
+            recon = recon.float()
             preds, target = ((recon + 1) / 2).clamp(0, 1), ((images.float() + 1) / 2).clamp(0, 1)
             psnr = peak_signal_noise_ratio(preds, target, data_range=1.0, reduction="none", dim=(1, 2, 3))
             ssim = structural_similarity_index_measure(preds, target, data_range=1.0, reduction="none")

@@ -2,6 +2,11 @@
 held-out denoising loss and FID of DDIM samples. `Evaluator` is built once per run (feature network,
 cached reference statistics) and called with the weights to evaluate, from `prunepipe eval` on a
 checkpoint or from the training loop every E passes. It never trains and never downloads.
+
+Every rank takes part: each evaluates its share of the held-out images, the probe's train and val
+images and the FID samples, and the shares are combined (pipelines/evaluation/ranks.py), so no rank
+works alone while the others wait in a collective. The model is evaluated at `eval.precision`
+(pipelines/evaluation/precision.py), the same in training and in `prunepipe eval`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_i
 from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_split
 from pipelines.evaluation.config import EvalConfig, load_eval_config
-from pipelines.evaluation.fid import FIDEvaluator, rank_and_world
+from pipelines.evaluation.fid import FIDEvaluator
+from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
+from pipelines.evaluation.ranks import (counts_by_rank, gather_in_index_order, mean_over_ranks, rank0_value,
+                                       rank_and_world)
 from pipelines.evaluation.records import PRIMARY_METRICS, resolve_run_dir, write_record
 from pipelines.tasks.build import build_task
 from pipelines.tasks.wrappers import unwrap, weights_module
@@ -38,8 +46,18 @@ def weights_for_eval(model: nn.Module, ema=None, which: str = "ema") -> nn.Modul
     return weights_module(ema, model)
 
 
+def held_out_over_ranks(task, model: nn.Module, batches, cfg: EvalConfig) -> dict:
+    """The task's held-out loss (MAE masked MSE, diffusion denoising MSE) of `model` on this rank's
+    share of the held-out batches, combined over ranks, at `cfg.precision`. Every rank calls it (an
+    empty share included); the training loop's per-pass `held_out` and the evaluators use it alike."""
+    bare = unwrap(model)
+    with without_autocast_wrappers(bare), forward_precision(cfg.precision, next(bare.parameters()).device):
+        local = task.held_out(bare, batches, seed=cfg.seed)
+    return mean_over_ranks(local)
+
+
 class Evaluator:
-    """Every evaluator of one run's task; `evaluate(task, model, at=...)` on all ranks (FID is collective)."""
+    """Every evaluator of one run's task; `evaluate(task, model, at=...)` on all ranks, each doing its share."""
 
     def __init__(self, run_cfg, eval_cfg: EvalConfig | None = None, *, run_dir: str | None = None,
                  device: str | torch.device | None = None):
@@ -50,49 +68,53 @@ class Evaluator:
         self._fid: FIDEvaluator | None = None
 
     # ------------------------------------------------------------------ per task
-    def _val_batches(self, max_samples: int):
+    def _val_batches(self, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data
         folder = self.cfg.val or data.val
         if not folder:
             raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
                              f"(or the eval setting val=DIR)")
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
-                          max_samples=max_samples, desc="val")
+                          max_samples=max_samples, rank=rank, world_size=world, desc="val")
 
-    def _mae(self, task, model: nn.Module) -> dict:
-        from pipelines.evaluation.probe import linear_probe
+    def _mae(self, task, model: nn.Module, rank: int, world: int) -> dict:
+        from pipelines.evaluation.probe import encoder_features, fit_probe
         from pipelines.evaluation.reconstruction import reconstruction_metrics
 
-        results = reconstruction_metrics(task, model, self._val_batches(self.cfg.val_samples), seed=self.cfg.seed)
-        if self.cfg.probe.enabled:
+        cfg = self.cfg
+        results = mean_over_ranks(reconstruction_metrics(task, model, self._val_batches(cfg.val_samples, rank, world),
+                                                         seed=cfg.seed, precision=cfg.precision))
+        if cfg.probe.enabled:
             data = self.run_cfg.data
             train = read_split(data.train, resolution=data.resolution, channels=data.channels,
-                               batch_size=self.cfg.batch_size, max_samples=self.cfg.probe.train_samples,
-                               desc="probe train")
+                               batch_size=cfg.batch_size, max_samples=cfg.probe.train_samples, rank=rank,
+                               world_size=world, desc="probe train")
             # the probe's val set is all of val, whatever val_samples caps reconstruction at
-            results.update(linear_probe(unwrap(model).encoder, train, self._val_batches(0), self.cfg.probe,
-                                        seed=self.cfg.seed))
+            val = self._val_batches(0, rank, world)
+            mine = [encoder_features(model.encoder, split, cfg.probe.pool, cfg.precision) for split in (train, val)]
+            (_, train_x, train_y), (_, val_x, val_y) = [gather_in_index_order(*features) for features in mine]
+            # every rank fits the same arrays at the same time (a deterministic fit): nobody waits
+            results.update(rank0_value(fit_probe(train_x, train_y, val_x, val_y, cfg.probe, seed=cfg.seed)))
+            results["probe_images_by_rank"] = counts_by_rank(sum(len(ids) for ids, _, _ in mine))
         return results
 
     def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
         from pipelines.evaluation.sampling import generate_images, latent_decoder
 
-        results = {}
-        if rank == 0:
-            held = task.held_out(unwrap(model), self._val_batches(self.cfg.val_samples), seed=self.cfg.seed)
-            results.update(held)
         fid_cfg = self.cfg.fid
+        if fid_cfg.enabled and fid_cfg.num_samples < world:  # decided alike on every rank, before any collective
+            raise ValueError(f"eval config: fid.num_samples={fid_cfg.num_samples} is fewer than the {world} ranks "
+                             f"evaluating (each rank generates num_samples / world images); use at least {world}")
+        results = held_out_over_ranks(task, model, self._val_batches(self.cfg.val_samples, rank, world), self.cfg)
         if fid_cfg.enabled:
             data = self.run_cfg.data
             latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
             decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
-            images = generate_images(task, unwrap(model), num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
+            images = generate_images(task, model, num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
                                      seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
-                                     decode=decode, guidance_scale=fid_cfg.guidance_scale)
-            first = next(images, None)  # the generated size decides the reference resolution
-            if first is None:
-                raise ValueError(f"eval config: fid.num_samples={fid_cfg.num_samples} leaves rank {rank} of {world} "
-                                 f"no image to generate; use at least {world}")
+                                     decode=decode, guidance_scale=fid_cfg.guidance_scale,
+                                     precision=self.cfg.precision)
+            first = next(images)  # the generated size decides the reference resolution; every rank has one
             fid = self._fid_evaluator(first.shape[-1], first.shape[1])
             results.update(fid.score(_chain(first, images)))
             results["fid_sampler_steps"] = fid_cfg.sampler_steps
@@ -114,21 +136,24 @@ class Evaluator:
 
     # ------------------------------------------------------------------ entry point
     def evaluate(self, task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
-        """Metrics of `model` (the weights to evaluate: see `weights_for_eval`). All ranks call this;
-        rank 0 runs the single-process evaluators, writes eval/step_XXXXXX.json and returns the record
-        (other ranks return it without the rank-0-only metrics)."""
+        """Metrics of `model` (the weights to evaluate: see `weights_for_eval`) at `eval.precision`.
+        Every rank calls this and evaluates its share; every rank returns the same record, which rank
+        0 writes to eval/step_XXXXXX.json."""
         rank, world = rank_and_world()
+        bare = unwrap(model)
         if self.device is None:
-            self.device = next(model.parameters()).device
+            self.device = next(bare.parameters()).device
         start = time.perf_counter()
         at = dict(at or {})
-        if self.run_cfg.task == "mae":
-            details = self._mae(task, model) if rank == 0 else {}
-        else:
-            details = self._diffusion(task, model, rank, world)
+        with without_autocast_wrappers(bare):  # a bf16 run's prepared model would autocast every forward
+            if self.run_cfg.task == "mae":
+                details = self._mae(task, bare, rank, world)
+            else:
+                details = self._diffusion(task, bare, rank, world)
         metrics = {k: v for k, v in details.items() if k in PRIMARY_METRICS}
         record = {"kind": "eval", "run": self.run_cfg.name, "task": self.run_cfg.task, **at,
-                  "weights": self.cfg.weights, "metrics": metrics, "details": details,
+                  "weights": self.cfg.weights, "precision": self.cfg.precision, "ranks": world,
+                  "metrics": metrics, "details": details,
                   "eval_seconds": time.perf_counter() - start, "eval_config": dataclasses.asdict(self.cfg)}
         if write and rank == 0:
             record["path"] = write_record(self.run_dir, record)

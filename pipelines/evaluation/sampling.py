@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 import torch.nn as nn
+from pipelines.evaluation.precision import forward_precision
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
 from pipelines.tasks.randomness import per_sample_seeded
@@ -57,10 +58,12 @@ def generate_images(
     world_size: int = 1,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     guidance_scale: float = 1.0,
+    precision: str = "fp32",
 ) -> Iterator[torch.Tensor]:
     """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
     batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, guided by
-    `guidance_scale` (1 = none)."""
+    `guidance_scale` (1 = none). `precision`: that of the model's and the decoder's forwards, entered
+    per batch (never across a yield, which would leak it into whatever consumes the images)."""
     decode = decode or latent_decoder(task)
     device = next(model.parameters()).device
     was_training = model.training
@@ -79,9 +82,11 @@ def generate_images(
             labels = None
             if task.cfg.num_classes:
                 labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
-            x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
+            with forward_precision(precision, device):
+                x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
+                images = decode(x)
             bar.update(len(indices))
-            yield (decode(x).float() / 2 + 0.5).clamp(0, 1)
+            yield (images.float() / 2 + 0.5).clamp(0, 1)
     finally:
         bar.close()
         model.train(was_training)

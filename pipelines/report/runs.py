@@ -14,6 +14,9 @@ from omegaconf import OmegaConf
 from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 
+UNRECORDED = "not recorded"
+
+
 @dataclass
 class RunSummary:
     """What a comparison needs from one run folder."""
@@ -30,6 +33,9 @@ class RunSummary:
     wall_seconds: float = 0.0
     metrics: dict = field(default_factory=dict)  # final quality: the latest eval record, else last held-out
     metrics_source: str = ""
+    # eval.precision of the eval record `metrics` come from ("fp32", "bf16"; UNRECORDED for a record
+    # written before records stated it); None when they come from the training log
+    precision: str | None = None
     trajectory: list = field(default_factory=list)  # per-pass records of metrics.jsonl
     evals: list = field(default_factory=list)  # eval records of the compared weights, by optimizer step
     evaluated_weights: tuple = ()  # the weights (ema, raw) any eval record of the run is of
@@ -67,6 +73,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     if run.evals and run.evals[-1].get("optimizer_steps", 0) >= run.optimizer_steps:
         run.metrics = dict(run.evals[-1]["metrics"])
         run.metrics_source = os.path.relpath(run.evals[-1].get("path", log_path), path)
+        run.precision = run.evals[-1].get("precision", UNRECORDED)
     elif run.trajectory:
         run.metrics = held_out_metrics(run.trajectory[-1])
         run.metrics_source = "metrics.jsonl, last pass held-out (not evaluated: run `prunepipe eval`)"

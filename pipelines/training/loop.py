@@ -29,7 +29,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
-from pipelines.evaluation.runner import Evaluator, weights_for_eval
+from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
@@ -118,13 +118,14 @@ def mixed_precision(cfg: RunConfig) -> str:
     return cfg.mixed_precision
 
 
-def load_held_out(cfg: RunConfig) -> list:
-    """The first `data.val_batches` batches of the val shards in index order, decoded once."""
+def load_held_out(cfg: RunConfig, rank: int = 0, world: int = 1) -> list | None:
+    """This rank's share of the first `data.val_batches` batches of the val shards in index order,
+    decoded once (possibly empty); None when the run has no val shards."""
     if not cfg.data.val:
-        return []
+        return None
     return list(read_split(cfg.data.val, resolution=cfg.data.resolution, channels=cfg.data.channels,
                            batch_size=cfg.data.batch_size, max_samples=cfg.data.val_batches * cfg.data.batch_size,
-                           desc="held-out samples"))
+                           rank=rank, world_size=world, desc="held-out samples"))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -186,7 +187,7 @@ def train(cfg: RunConfig) -> dict:
                               crop_scale=tuple(cfg.data.crop_scale)),
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
-    held_out = load_held_out(cfg) if main else []
+    held_out = load_held_out(cfg, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
@@ -417,8 +418,8 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "bad_samples": position.bad_samples,
         "pruner": {k: v for k, v in pruner.stats().items() if isinstance(v, (int, float, str))},
     }
-    if held_out and accelerator.is_main_process:
-        summary["held_out"] = task.held_out(accelerator.unwrap_model(model), held_out, seed=cfg.eval.seed)
+    if held_out is not None:  # not `if held_out`: a rank's share may be empty, and every rank must join
+        summary["held_out"] = held_out_over_ranks(task, model, held_out, cfg.eval)
     return summary
 
 
