@@ -194,7 +194,6 @@ def count_samples(url: str) -> tuple[int, list[str]]:
         stream = wds.gopen(url, "rb")
     except Exception as e:  # noqa: BLE001
         raise BadInputError(f"shard {url}: cannot open: {e}") from e
-    # a field named like the keys webdataset adds is a duplicate for read_shard: the same here
     count, key, in_sample, fields = 0, None, set(), set()
     finished = False
     try:
@@ -203,7 +202,7 @@ def count_samples(url: str) -> tuple[int, list[str]]:
             if split is None:
                 continue
             prefix, suffix = split
-            if prefix != key:
+            if prefix != key:  # a field named like webdataset's own keys is a duplicate for read_shard too
                 count, key, in_sample = count + 1, prefix, {"__key__", "__url__"}
             if suffix in in_sample:  # webdataset's group_by_keys refuses it too
                 raise ValueError(f"{name}: duplicate file name in tar file {suffix} {sorted(in_sample)}")
