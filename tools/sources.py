@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from pipelines.data.decode import resize_center_crop
+from pipelines.data.resize import resize_center_crop
 
 SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipelines.data.resize import resize_center_crop
 from pipelines.data.shards import BadInputError
 from pruning.base import uniform_coin
 
@@ -130,14 +131,3 @@ def _fast_rgb(data: bytes) -> torch.Tensor | None:
         return None
     return pixels if pixels.dtype == torch.uint8 and pixels.shape[0] == 3 else None
 
-
-def resize_center_crop(img: Image.Image, size: int) -> Image.Image:
-    """Shorter side to `size` (bicubic, antialiased), then a centred square crop."""
-    w, h = img.size
-    if (w, h) == (size, size):
-        return img
-    scale = size / min(w, h)
-    img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
-    w, h = img.size
-    left, top = (w - size) // 2, (h - size) // 2
-    return img.crop((left, top, left + size, top + size))
