@@ -20,7 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.data.stream import ShardStream
 from tools.shards import index_shards, inspect_shards
 
@@ -265,6 +265,40 @@ def test_archives_that_end_early_or_hold_what_shards_cannot_are_errors(tmp_path)
     sparse.write_bytes(bytes(header) + bytes(1024))
     with pytest.raises(BadInputError, match="sparse"):
         list(read_shard(str(sparse)))
+
+
+def test_pax_records_that_name_or_size_a_member_are_read_and_sparse_ones_refused(tmp_path):
+    # The header walk parses a pax header only when it holds path=, size= or GNU.sparse: a member
+    # renamed by pax, or sized only there, must still read as webdataset reads it.
+    url = str(tmp_path / "pax.tar")
+    with tarfile.open(url, "w", format=tarfile.PAX_FORMAT) as archive:
+        for name, payload, records in [("s1.jpg", b"j" * 700, {"comment": "no size= nor path= here"}),
+                                       ("ignored.txt", b"t" * 30, {"path": "s1.txt"}),
+                                       ("s2.jpg", b"k" * 1500, {"size": "1500"})]:
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(payload), records
+            archive.addfile(info, io.BytesIO(payload))
+    with tarfile.open(url) as archive:
+        last = archive.getmembers()[-1].offset_data - 512  # s2.jpg's own header, after its pax header
+    data = bytearray(open(url, "rb").read())
+    data[last + 124:last + 136] = b"00000000000\0"  # its ustar size field now says 0: pax alone sizes it
+    data[last + 148:last + 156] = b"        "
+    data[last + 148:last + 156] = b"%06o\0 " % sum(data[last:last + 512])
+    open(url, "wb").write(bytes(data))
+    ours = [sample for _, sample in read_shard(url)]
+    assert ours == webdataset_samples(url)
+    assert [s["__key__"] for s in ours] == ["s1", "s2"]
+    assert ours[0]["txt"] == b"t" * 30 and ours[1]["jpg"] == b"k" * 1500
+    assert count_samples(url) == (2, ["jpg", "txt"])
+
+    sparse = str(tmp_path / "pax_sparse.tar")
+    with tarfile.open(sparse, "w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("a.jpg")
+        info.size, info.pax_headers = 3, {"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}
+        archive.addfile(info, io.BytesIO(b"abc"))
+    for read in (lambda: list(read_shard(sparse)), lambda: count_samples(sparse)):
+        with pytest.raises(BadInputError, match="sparse"):
+            read()
 
 
 def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_path):

@@ -187,9 +187,10 @@ def _first_line(e: BaseException) -> str:
 
 def count_samples(url: str) -> tuple[int, list[str]]:
     """Samples in a shard and the sorted field names seen, from its tar headers alone: member data is
-    seeked past on a local file (read and dropped on a pipe or http stream; compressed archives are
-    decompressed). Samples are grouped exactly as `read_shard` groups them, and a truncated or
-    corrupt shard, or a field twice in one sample, raises BadInputError naming the url and key."""
+    seeked past on a local file, which the kernel is told not to read ahead (read and dropped on a
+    pipe or http stream; compressed archives are decompressed). Samples are grouped exactly as
+    `read_shard` groups them, and a truncated or corrupt shard, or a field twice in one sample,
+    raises BadInputError naming the url and key."""
     try:
         stream = wds.gopen(url, "rb")
     except Exception as e:  # noqa: BLE001
@@ -197,7 +198,7 @@ def count_samples(url: str) -> tuple[int, list[str]]:
     count, key, in_sample, fields = 0, None, set(), set()
     finished = False
     try:
-        for name, _ in TarMembers(stream).members():
+        for name, _ in TarMembers(stream, headers_only=True).members():
             split = _sample_field(name)
             if split is None:
                 continue
