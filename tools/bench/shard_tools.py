@@ -40,7 +40,7 @@ def make_folder(root: str, images: int, classes: int, side: int, seed: int = 0) 
     for c in range(classes):
         photo = photos[c % len(photos)]
         w, h = photo.size
-        region = max(side * 2, min(w, h) // 3)
+        region = min(max(side * 2, min(w, h) // 3), min(w, h))  # at 256 px: the whole photo's short side
         left, top = int(rng.integers(0, w - region + 1)), int(rng.integers(0, h - region + 1))
         folder = os.path.join(root, f"class_{c:03d}")
         os.makedirs(folder, exist_ok=True)
@@ -104,16 +104,24 @@ import sys, time
 from tools.shards import index_shards
 start = time.perf_counter()
 index_shards([sys.argv[1]], sys.argv[2])
-print(time.perf_counter() - start)
+seconds = time.perf_counter() - start
+try:  # bytes this process and its reaped workers had fetched from storage (page-cache misses)
+    with open("/proc/self/io") as f:
+        fetched = int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+except (OSError, StopIteration):
+    fetched = -1
+print(seconds, fetched)
 """
 
 
-def index_seconds(tree: str, shards: str, out: str) -> float:
-    """Seconds one `index_shards` call takes in a fresh process of `tree` (imports not counted)."""
+def index_seconds(tree: str, shards: str, out: str) -> tuple[float, int]:
+    """(seconds one `index_shards` call takes in a fresh process of `tree`, imports not counted; bytes
+    it read from storage, -1 where /proc/self/io is missing)."""
     env = {**os.environ, "PYTHONPATH": tree, "TQDM_DISABLE": "1"}
     done = subprocess.run([sys.executable, "-c", INDEX_TIMER, shards, out], env=env, cwd=tree, check=True,
                           capture_output=True, text=True)
-    return float(done.stdout.strip().splitlines()[-1])
+    seconds, fetched = done.stdout.strip().splitlines()[-1].split()
+    return float(seconds), int(fetched)
 
 
 def evict(paths: list[str]) -> None:
@@ -164,14 +172,21 @@ def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats
     index_out = shards.rstrip("/") + "_index"
     for cache in ("warm", "cold"):
         times: dict[str, list[float]] = {name: [] for name, _ in sides}
+        fetched: dict[str, list[int]] = {name: [] for name, _ in sides}
         if cache == "warm":
-            index_seconds(HERE, shards, index_out)  # one untimed read: every page in the cache
+            for url in urls:  # every page in the cache (the header walk alone would leave the data out)
+                with open(url, "rb") as f:
+                    while f.read(1 << 24):
+                        pass
         for _ in range(repeats):
             for name, tree in sides:  # alternated, so that changing load falls on both
                 if cache == "cold":
                     evict(urls)
-                times[name].append(index_seconds(tree, shards, index_out))
-        line = ", ".join(f"{name} median {statistics.median(t):.3f} s ({' '.join(f'{x:.3f}' for x in t)})"
+                seconds, read_bytes = index_seconds(tree, shards, index_out)
+                times[name].append(seconds)
+                fetched[name].append(read_bytes)
+        line = ", ".join(f"{name} median {statistics.median(t):.3f} s ({' '.join(f'{x:.3f}' for x in t)}), "
+                         f"read from storage {statistics.median(fetched[name]) / 2**20:.0f} MiB"
                          for name, t in times.items())
         ratio = (f"; old / new = {statistics.median(times['old']) / statistics.median(times['new']):.1f}x"
                  if "old" in times else "")
