@@ -17,7 +17,7 @@ def _shards_write(args) -> None:
     paths = write_shards(
         args.source,
         args.out,
-        size=args.size,
+        size=args.resolution,
         shard_size=args.shard_size,
         val_fraction=args.val_fraction,
         seed=args.seed,
@@ -25,15 +25,23 @@ def _shards_write(args) -> None:
         crops_per_photo=args.crops_per_photo,
         redundant_fraction=args.redundant_fraction,
         redundant_originals=args.redundant_originals,
+        workers=args.workers,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
 
 
 def _shards_index(args) -> None:
+    from pipelines.data.shards import ShardIndex
     from tools.shards import index_shards
 
-    print(index_shards(args.shards, args.out))
+    path = index_shards(args.shards, args.out, workers=args.workers, verify=args.verify)
+    index = ShardIndex.load(path)
+    counted = index.meta["counted"]
+    print(f"{path}: {len(index)} shards, {index.num_samples} samples; "
+          f"{counted['img2dataset_stats']} shard(s) counted from img2dataset's *_stats.json"
+          + (" (--verify to count their tar headers too)" if counted["img2dataset_stats"] and not args.verify else "")
+          + f", {counted['tar_headers_read']} from their tar headers")
 
 
 def _shards_inspect(args) -> None:
@@ -165,7 +173,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                             "and an in-distribution val_mix")
     write.add_argument("--out", required=True, help="output folder (gets train/ and val/)")
     write.add_argument("--folder", help="image folder, for --source folder")
-    write.add_argument("--size", type=int, default=32, help="image side in pixels")
+    write.add_argument("--resolution", "--size", dest="resolution", type=int, default=32,
+                       help="image side in pixels, as in `latents encode --resolution` and data.resolution "
+                            "(--size: its old name)")
     write.add_argument("--shard-size", type=int, default=500, help="samples per shard")
     write.add_argument("--val-fraction", type=float, default=0.1)
     write.add_argument("--crops-per-photo", type=int, default=250, help="for --source photos and redundant")
@@ -173,11 +183,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        help="for --source redundant: fraction of train that are near-duplicates")
     write.add_argument("--redundant-originals", type=int, default=64,
                        help="for --source redundant: how many train crops the duplicates copy")
-    write.add_argument("--seed", type=int, default=0)
+    write.add_argument("--seed", type=int, default=0,
+                       help="the val split, the photo crops, and the sample order of --source folder")
+    write.add_argument("--workers", type=int, default=None,
+                       help="for --source folder: processes decoding and resizing images (default: the usable "
+                            "cores; 0 or 1: this process)")
     write.set_defaults(func=_shards_write)
     index = shards_sub.add_parser("index", help="write index.json for shards written elsewhere")
     index.add_argument("shards", nargs="+", help="folders, globs, brace patterns or urls of .tar shards")
     index.add_argument("--out", required=True, help="folder for index.json")
+    index.add_argument("--workers", type=int, default=None,
+                       help="shards read at a time, in processes (default: the usable cores; more for remote "
+                            "storage, where waiting dominates)")
+    index.add_argument("--verify", action="store_true",
+                       help="count the tar headers of shards that have img2dataset's *_stats.json too; they must "
+                            "agree")
     index.set_defaults(func=_shards_index)
     inspect = shards_sub.add_parser("inspect", help="counts, fields, labels and a PNG grid")
     inspect.add_argument("location", help="folder with index.json")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb, resize_center_crop
+from pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb
+from pipelines.data.resize import resize_center_crop
 from pipelines.data.shards import BadInputError
 
 CASES = [("RGB", "PNG"), ("L", "PNG"), ("P", "PNG"), ("RGBA", "PNG"), ("LA", "PNG"), ("1", "PNG"),

@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import http.server
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -18,7 +20,7 @@ import webdataset as wds
 from PIL import Image
 
 from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.data.stream import ShardStream
 from tools.shards import index_shards, inspect_shards
 
@@ -265,6 +267,40 @@ def test_archives_that_end_early_or_hold_what_shards_cannot_are_errors(tmp_path)
         list(read_shard(str(sparse)))
 
 
+def test_pax_records_that_name_or_size_a_member_are_read_and_sparse_ones_refused(tmp_path):
+    # The header walk parses a pax header only when it holds path=, size= or GNU.sparse: a member
+    # renamed by pax, or sized only there, must still read as webdataset reads it.
+    url = str(tmp_path / "pax.tar")
+    with tarfile.open(url, "w", format=tarfile.PAX_FORMAT) as archive:
+        for name, payload, records in [("s1.jpg", b"j" * 700, {"comment": "no size= nor path= here"}),
+                                       ("ignored.txt", b"t" * 30, {"path": "s1.txt"}),
+                                       ("s2.jpg", b"k" * 1500, {"size": "1500"})]:
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(payload), records
+            archive.addfile(info, io.BytesIO(payload))
+    with tarfile.open(url) as archive:
+        last = archive.getmembers()[-1].offset_data - 512  # s2.jpg's own header, after its pax header
+    data = bytearray(open(url, "rb").read())
+    data[last + 124:last + 136] = b"00000000000\0"  # its ustar size field now says 0: pax alone sizes it
+    data[last + 148:last + 156] = b"        "
+    data[last + 148:last + 156] = b"%06o\0 " % sum(data[last:last + 512])
+    open(url, "wb").write(bytes(data))
+    ours = [sample for _, sample in read_shard(url)]
+    assert ours == webdataset_samples(url)
+    assert [s["__key__"] for s in ours] == ["s1", "s2"]
+    assert ours[0]["txt"] == b"t" * 30 and ours[1]["jpg"] == b"k" * 1500
+    assert count_samples(url) == (2, ["jpg", "txt"])
+
+    sparse = str(tmp_path / "pax_sparse.tar")
+    with tarfile.open(sparse, "w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("a.jpg")
+        info.size, info.pax_headers = 3, {"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}
+        archive.addfile(info, io.BytesIO(b"abc"))
+    for read in (lambda: list(read_shard(sparse)), lambda: count_samples(sparse)):
+        with pytest.raises(BadInputError, match="sparse"):
+            read()
+
+
 def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_path):
     path = str(tmp_path / "links.tar")
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
@@ -319,3 +355,207 @@ def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clea
     other = next(ids[k] for k in keys["train"] if "_dup" not in k and k != first.split("_dup")[0])
     near = (images[ids[first]] - images[original]).abs().mean()
     assert near < 0.5 * (images[other] - images[original]).abs().mean()
+
+
+# ---------------------------------------------------------------------------- writing an image folder
+def make_image_folder(root, classes: int = 6, per_class: int = 20) -> dict[str, int]:
+    """Class subfolders of small real PNGs (each image distinct); returns file name -> class."""
+    made = {}
+    for c in range(classes):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.random.default_rng(c * 1000 + i).integers(0, 256, (12, 12, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class_{c}" / f"{i:03d}.png")
+            made[f"class_{c}/{i:03d}.png"] = c
+    return made
+
+
+def written_samples(out) -> dict[str, list[tuple[str, int]]]:
+    """(key, class) of every sample of each split, in id order."""
+    return {split: [(s["__key__"], int(s["cls"])) for url in ShardIndex.load(str(out / split)).urls
+                    for _, s in read_shard(url)]
+            for split in ("train", "val")}
+
+
+def test_folder_is_written_in_a_seeded_global_shuffle_with_every_image_once(tmp_path):
+    from tools.shards import write_shards
+    from tools.sources import folder_key, list_image_folder
+
+    made = make_image_folder(tmp_path / "images")
+    runs = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        write_shards("folder", str(tmp_path / name), folder=str(tmp_path / "images"), size=8, shard_size=25,
+                     val_fraction=0.25, seed=seed, workers=0, chunk=7)
+        runs[name] = written_samples(tmp_path / name)
+    a = runs["a"]
+    keys = [k for split in ("train", "val") for k, _ in a[split]]
+    assert sorted(keys) == sorted(folder_key(i) for i in range(len(made))), "every image exactly once"
+    assert len(a["val"]) == 30
+    paths, labels = list_image_folder(str(tmp_path / "images"))
+    assert [made[os.path.relpath(p, tmp_path / "images")] for p in paths] == labels.tolist()
+    label_of = {folder_key(i): int(label) for i, label in enumerate(labels)}
+    assert all(label_of[k] == c for split in a.values() for k, c in split), "each key keeps its image's class"
+    first_shard = [c for _, c in a["train"][:25]]
+    assert len(set(first_shard)) >= 5, f"classes interleave within a shard, not one class after another: {first_shard}"
+    assert runs["b"] == a, "the same seed writes the same order"
+    assert runs["c"]["train"] != a["train"] and set(runs["c"]["val"]) != set(a["val"]), "another seed, another order"
+
+
+def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch):
+    """What write_folder holds at once: at any time at most `chunk` images are decoded and not yet
+    handed to the shard writer (with every image in memory, all 120 would be)."""
+    import tools.shards
+    from tools.shards import write_shards
+
+    make_image_folder(tmp_path / "images")
+    decoded, handed, waiting = [0], [0], []
+    load_image, shard_sample = tools.shards.load_image, tools.shards.shard_sample
+
+    def counting_load(path, size):
+        decoded[0] += 1
+        waiting.append(decoded[0] - handed[0])
+        return load_image(path, size)
+
+    def counting_sample(key, png, label):
+        handed[0] += 1
+        return shard_sample(key, png, label)
+
+    monkeypatch.setattr(tools.shards, "load_image", counting_load)
+    monkeypatch.setattr(tools.shards, "shard_sample", counting_sample)
+    write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, shard_size=50,
+                 val_fraction=0.1, workers=0, chunk=16)
+    assert decoded[0] == handed[0] == 120
+    assert max(waiting) == 16, "decoded but not yet written: one chunk at most"
+
+
+def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
+    from tools.shards import write_shards
+
+    make_image_folder(tmp_path / "images", classes=3, per_class=10)
+    for name, workers in (("one", 0), ("two", 2)):
+        write_shards("folder", str(tmp_path / name), folder=str(tmp_path / "images"), size=8, shard_size=8,
+                     val_fraction=0.2, seed=1, workers=workers, chunk=5)
+    one, two = (written_samples(tmp_path / name) for name in ("one", "two"))
+    assert one == two
+    for split in ("train", "val"):
+        for url_one, url_two in zip(ShardIndex.load(str(tmp_path / "one" / split)).urls,
+                                    ShardIndex.load(str(tmp_path / "two" / split)).urls):
+            assert [s["png"] for _, s in read_shard(url_one)] == [s["png"] for _, s in read_shard(url_two)]
+
+
+def test_an_unreadable_folder_image_names_the_file(tmp_path):
+    from tools.shards import write_shards
+
+    make_image_folder(tmp_path / "images", classes=2, per_class=3)
+    (tmp_path / "images" / "class_1" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"class_1/broken\.png: not a readable image"):
+        write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, workers=0)
+
+
+def test_shards_write_takes_resolution_and_its_old_name_size(tmp_path):
+    from launch.cli import build_parser
+
+    for option in ("--resolution", "--size"):
+        args = build_parser().parse_args(["shards", "write", "--out", str(tmp_path), option, "24"])
+        assert args.resolution == 24
+    encode = build_parser().parse_args(["latents", "encode", "shards", "--vae", "v", "--out", "o", "--resolution", "24"])
+    assert encode.resolution == 24
+
+
+# ---------------------------------------------------------------------------- indexing from headers
+def full_read_index(urls: list[str]) -> list[tuple[int, list[str]]]:
+    """What indexing found before it read headers only: every sample read whole."""
+    counted = []
+    for url in urls:
+        samples = [s for _, s in read_shard(url)]
+        counted.append((len(samples), sorted({k for s in samples for k in s if not k.startswith("__")})))
+    return counted
+
+
+@pytest.mark.parametrize("fmt,mode", [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"),
+                                      (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")])
+def test_header_only_count_equals_a_full_read(tmp_path, fmt, mode):
+    from pipelines.data.shards import count_samples
+
+    members = MEMBERS if fmt != tarfile.USTAR_FORMAT else [(n.replace("ü", "u"), p) for n, p in MEMBERS]
+    urls = [write_tar(str(tmp_path / "s.tar"), members, fmt, mode),
+            write_tarwriter_shard(str(tmp_path / "w.tar"), 7)]
+    assert [count_samples(url) for url in urls] == full_read_index(urls)
+    index = ShardIndex.load(index_shards(urls, str(tmp_path), workers=2))
+    assert index.counts.tolist() == [n for n, _ in full_read_index(urls)]
+    assert index.meta["keys"] == sorted({f for _, fields in full_read_index(urls) for f in fields})
+
+
+@pytest.mark.parametrize("damage", ["truncated", "duplicate_field"])
+def test_header_only_count_refuses_what_a_full_read_refuses(tmp_path, damage):
+    from pipelines.data.shards import count_samples
+
+    path = str(tmp_path / "bad.tar")
+    if damage == "truncated":
+        write_tarwriter_shard(path, 10)
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    else:
+        write_tar(path, [("a.jpg", b"1"), ("a.cls", b"2"), ("b.jpg", b"3"), ("b.JPG", b"4")])
+    with pytest.raises(BadInputError, match="corrupt or truncated tar") as full:
+        full_read_index([path])
+    with pytest.raises(BadInputError, match="corrupt or truncated tar") as headers:
+        count_samples(path)
+    assert path in str(full.value) and path in str(headers.value)
+    with pytest.raises(BadInputError, match=re.escape(path)):
+        index_shards([write_tarwriter_shard(str(tmp_path / "good.tar"), 3), path], str(tmp_path / "idx"), workers=2)
+
+
+def test_index_of_a_pipe_url_streams_the_shard(tmp_path):
+    shard = write_tarwriter_shard(str(tmp_path / "a.tar"), 6)
+    index = ShardIndex.load(index_shards([f"pipe:cat {shard}"], str(tmp_path / "idx")))
+    assert index.urls == (f"pipe:cat {shard}",) and index.counts.tolist() == [6]
+
+
+def write_img2dataset_shard(folder, shard_id: int, n: int, successes: int | None = None) -> str:
+    """A shard as img2dataset writes one: NNNNN.tar of jpg/txt/json samples through webdataset's
+    TarWriter, and NNNNN_stats.json beside it (img2dataset/logger.py:write_stats)."""
+    tar = folder / f"{shard_id:05d}.tar"
+    with wds.TarWriter(str(tar)) as sink:
+        for i in range(n):
+            key = f"{shard_id:05d}{i:04d}"
+            sink.write({"__key__": key, "jpg": jpeg_bytes(i), "txt": f"caption {i}",
+                        "json": json.dumps({"key": key, "status": "success", "width": 16})})
+    stats = {"count": n + 3, "successes": n if successes is None else successes, "failed_to_download": 2,
+             "failed_to_resize": 1, "duration": 1.5, "start_time": 1700000000.0, "end_time": 1700000001.5,
+             "status_dict": {"success": n, "failed to download": 2, "failed to resize": 1}}
+    (folder / f"{shard_id:05d}_stats.json").write_text(json.dumps(stats, indent=4))
+    return str(tar)
+
+
+def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
+    shards = tmp_path / "laion"
+    shards.mkdir()
+    for shard_id, n in enumerate((5, 4, 6)):
+        write_img2dataset_shard(shards, shard_id, n)
+    write_tarwriter_shard(str(shards / "00003.tar"), 3)  # no stats beside it: its headers are read
+    index = ShardIndex.load(index_shards([str(shards)], str(shards), workers=2))
+    assert index.counts.tolist() == [5, 4, 6, 3]
+    assert index.meta["counted"] == {"shards": 4, "img2dataset_stats": 3, "tar_headers_read": 2}
+    assert index.meta["keys"] == ["cls", "jpg", "json", "txt"]
+
+    # A stats file that disagrees is believed without --verify (only the first shard is checked) ...
+    (shards / "00002_stats.json").write_text(json.dumps({"count": 9, "successes": 2}))
+    assert ShardIndex.load(index_shards([str(shards)], str(shards))).counts.tolist() == [5, 4, 2, 3]
+    # ... and caught with it, naming the shard and the stats file.
+    with pytest.raises(BadInputError, match=r"00002\.tar: its tar headers hold 6 samples, but .*00002_stats\.json"):
+        index_shards([str(shards)], str(shards), verify=True)
+    (shards / "00002_stats.json").write_text(json.dumps({"count": 9}))
+    with pytest.raises(ValueError, match=r"00002_stats\.json: expected img2dataset's stats.*'successes'"):
+        index_shards([str(shards)], str(shards))
+
+
+def test_cli_index_says_how_it_counted(tmp_path, capsys):
+    from launch.cli import main
+
+    write_img2dataset_shard(tmp_path, 0, 4)
+    write_img2dataset_shard(tmp_path, 1, 2)
+    assert main(["shards", "index", str(tmp_path), "--out", str(tmp_path), "--workers", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "2 shards, 6 samples" in said and "2 shard(s) counted from img2dataset's *_stats.json" in said
+    assert "--verify" in said

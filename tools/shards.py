@@ -2,32 +2,55 @@
 elsewhere, and look at what a shard folder holds.
 
 Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val (and, for
-the redundant source, val_mix: held-out data drawn from the train mix; val is clean).
+the redundant source, val_mix: held-out data drawn from the train mix; val is clean). An image folder
+is written in a seeded global shuffle, holding its list of paths and one chunk of images at a time;
+indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import io
+import json
+import multiprocessing
 import os
+import threading
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from typing import Iterable, Iterator, NamedTuple
+from urllib.parse import urlparse
 
 import numpy as np
 import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
-from pipelines.data.shards import ShardIndex, count_samples, read_shard
-from pipelines.progress import tracked
-from tools.sources import load_source, redundant_splits
+from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
+from pipelines.progress import progress, tracked
+from tools.sources import folder_key, list_image_folder, load_image, load_source, redundant_splits
 
 SPLITS = ("train", "val")
+FOLDER_CHUNK = 256  # images of an image folder decoded before they are written: what write holds at once
+STATS_SUFFIX = "_stats.json"  # img2dataset writes NNNNN_stats.json beside NNNNN.tar
 
 
 def png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", optimize=False)
     return buffer.getvalue()
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` processes; forked when this process runs no other thread (nothing to start again,
+    no lock another thread could hold across the fork), else from a fork server."""
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+        else "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
 
 def write_shards(
@@ -42,11 +65,18 @@ def write_shards(
     crops_per_photo: int = 250,
     redundant_fraction: float = 0.5,
     redundant_originals: int = 64,
+    workers: int | None = None,
+    chunk: int = FOLDER_CHUNK,
 ) -> dict[str, str]:
     """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
-    ShardWriter; returns index paths."""
+    ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if source == "folder":
+        if not folder:
+            raise ValueError("source 'folder' needs --folder PATH")
+        return write_folder(folder, out, size=size, shard_size=shard_size, val_fraction=val_fraction, seed=seed,
+                            workers=workers, chunk=chunk)
     if source == "redundant":
         splits = redundant_splits(size, fraction=redundant_fraction, originals=redundant_originals,
                                   val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed)
@@ -58,13 +88,76 @@ def write_shards(
         is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
         splits = {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in SPLITS}
         meta = {}
-    return {split: write_split(os.path.join(out, split), chosen, source=source, size=size, shard_size=shard_size,
-                               desc=f"{source}/{split}", **meta)
+    return {split: write_split(os.path.join(out, split), ((k, png_bytes(im), label) for k, im, label in chosen),
+                               source=source, size=size, shard_size=shard_size, desc=f"{source}/{split}",
+                               total=len(chosen), **meta)
             for split, chosen in splits.items() if chosen}
 
 
-def write_split(folder: str, items: list, *, source: str, size: int, shard_size: int, desc: str, **meta) -> str:
-    """(key, image, label) items as PNG shards in `folder` with their index.json; returns its path."""
+def write_folder(folder: str, out: str, *, size: int, shard_size: int = 500, val_fraction: float = 0.1,
+                 seed: int = 0, workers: int | None = None, chunk: int = FOLDER_CHUNK) -> dict[str, str]:
+    """An image folder as train and val shards, in bounded memory and a global shuffle.
+
+    It lists the files (paths only), draws one permutation of them from `seed`, takes val from its
+    head and train from the rest, and writes each split in that order: shards in sorted path order
+    would be class-sorted, and a rank's run of consecutive shards would then hold a few classes
+    only. What it holds at once is the list of paths and labels plus one chunk of `chunk` images,
+    decoded, resized to `size` and PNG-encoded by `workers` processes (default: the usable cores;
+    0 or 1: in this process). A sample's key is its position in sorted path order (`folder_key`):
+    the same folder gives an image the same key whatever the seed.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+    paths, labels = list_image_folder(folder)
+    order = np.random.default_rng(seed).permutation(len(paths))
+    held = int(round(val_fraction * len(paths)))
+    splits = {"train": order[held:], "val": order[:held]}
+    workers = usable_cores() if workers is None else workers
+    pool = process_pool(workers) if workers > 1 else None
+    try:
+        return {split: write_split(os.path.join(out, split),
+                                   folder_samples(paths, labels, positions, size=size, chunk=chunk, pool=pool),
+                                   source="folder", size=size, shard_size=shard_size, desc=f"folder/{split}",
+                                   total=len(positions), seed=seed)
+                for split, positions in splits.items() if len(positions)}
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+def folder_png(path: str, size: int) -> bytes:
+    """One folder image decoded, resized and PNG-encoded (run in a pool worker)."""
+    return png_bytes(load_image(path, size))
+
+
+def folder_samples(paths: list[str], labels: np.ndarray, positions: np.ndarray, *, size: int, chunk: int,
+                   pool: ProcessPoolExecutor | None = None) -> Iterator[tuple[str, bytes, int]]:
+    """(key, png, label) of the images at `positions`, in that order, decoded `chunk` at a time: the
+    next chunk is decoded only once the caller has taken this one."""
+    encode = functools.partial(folder_png, size=size)
+    for start in range(0, len(positions), chunk):
+        part = positions[start:start + chunk]
+        files = [paths[i] for i in part]
+        if pool is None:
+            encoded = [encode(f) for f in files]
+        else:
+            encoded = list(pool.map(encode, files, chunksize=8))  # 8 images a message: little pickling
+        for i, png in zip(part, encoded):
+            yield folder_key(int(i)), png, int(labels[i])
+
+
+def shard_sample(key: str, png: bytes, label: int) -> dict:
+    """A webdataset sample: the image as `png`, its class as `cls` (none when the class is unknown, -1)."""
+    sample = {"__key__": key, "png": png}
+    if label >= 0:
+        sample["cls"] = str(label)
+    return sample
+
+
+def write_split(folder: str, items: Iterable[tuple[str, bytes, int]], *, source: str, size: int, shard_size: int,
+                desc: str, total: int | None = None, **meta) -> str:
+    """(key, png, label) items, taken one at a time, as shards in `folder` with their index.json;
+    returns its path."""
     os.makedirs(folder, exist_ok=True)
     for stale in glob.glob(os.path.join(folder, "shard-*.tar")):
         os.remove(stale)
@@ -72,11 +165,8 @@ def write_split(folder: str, items: list, *, source: str, size: int, shard_size:
     pattern = os.path.join(folder, "shard-%06d.tar")
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
         writer.post = lambda fname: entries.append((fname, writer.count))
-        for key, image, label in tracked(items, desc=desc, unit="img"):
-            sample = {"__key__": key, "png": png_bytes(image)}
-            if label >= 0:
-                sample["cls"] = str(label)
-            writer.write(sample)
+        for key, png, label in tracked(items, total=total, desc=desc, unit="img"):
+            writer.write(shard_sample(key, png, label))
     return ShardIndex.write(folder, entries, source=source, size=size, keys=["png", "cls"], **meta)
 
 
@@ -96,15 +186,84 @@ def shard_urls(sources: list[str]) -> list[str]:
     return urls
 
 
-def index_shards(sources: list[str], out: str) -> str:
-    """Read each shard once and write `out`/index.json (img2dataset and plain-tar layouts)."""
-    entries, keys = [], set()
-    for url in tracked(shard_urls(sources), desc="indexing", unit="shard"):
-        count, fields = count_samples(url)
-        entries.append((url, count))
-        keys.update(fields)
+def img2dataset_stats_path(url: str) -> str | None:
+    """img2dataset's NNNNN_stats.json beside a local NNNNN.tar, when there is one."""
+    if urlparse(url).scheme not in ("", "file") or not url.endswith(".tar"):
+        return None
+    path = url.removeprefix("file://").removeprefix("file:")[: -len(".tar")] + STATS_SUFFIX
+    return path if os.path.isfile(path) else None
+
+
+def img2dataset_count(stats_path: str) -> int:
+    """The samples img2dataset wrote to a shard: its stats file's `successes` (the others failed to
+    download or resize and are not in the tar)."""
+    try:
+        with open(stats_path) as f:
+            successes = json.load(f)["successes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{stats_path}: expected img2dataset's stats, a JSON object with an integer "
+                         f"'successes': {e!r}") from e
+    if not isinstance(successes, int) or successes < 0:
+        raise ValueError(f"{stats_path}: 'successes' must be a non-negative integer, got {successes!r}")
+    return successes
+
+
+class ShardCount(NamedTuple):
+    samples: int
+    fields: list[str]  # known only when the headers were read
+    had_stats: bool  # an img2dataset stats file sat beside the shard
+    headers_read: bool
+
+
+def count_shard(url: str, read_headers: bool) -> ShardCount:
+    """One shard's samples: the count of img2dataset's stats file when one sits beside it, else (or
+    also, with `read_headers`, and then the two must agree) from its tar headers."""
+    stats_path = img2dataset_stats_path(url)
+    stated = img2dataset_count(stats_path) if stats_path else None
+    if stated is not None and not read_headers:
+        return ShardCount(stated, [], True, False)
+    count, fields = count_samples(url)
+    if stated is not None and stated != count:
+        raise BadInputError(f"shard {url}: its tar headers hold {count} samples, but {stats_path} says "
+                            f"{stated} successes; re-index without the stats file or fix the shard")
+    return ShardCount(count, fields, stated is not None, True)
+
+
+def index_shards(sources: list[str], out: str, *, workers: int | None = None, verify: bool = False) -> str:
+    """Count each shard's samples and write `out`/index.json (img2dataset and plain-tar layouts).
+
+    A shard with img2dataset's NNNNN_stats.json beside it is counted from the stats' `successes`; the
+    first shard, and every shard with `verify`, from its tar headers too (they must agree). Headers
+    are read without the member data (seeked past on local files), `workers` shards at a time in
+    processes (default: the usable cores). index.json's `counted` says how many shards had stats and
+    how many had their headers read.
+    """
+    urls = shard_urls(sources)
+    workers = usable_cores() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    read_headers = [verify or i == 0 for i in range(len(urls))]  # the first shard's fields name the index's keys
+    bar = progress(len(urls), desc="indexing", unit="shard")
+    try:
+        if workers == 1 or len(urls) == 1:
+            counted = []
+            for url, headers in zip(urls, read_headers):
+                counted.append(count_shard(url, headers))
+                bar.update(1)
+        else:
+            with process_pool(min(workers, len(urls))) as pool:
+                counted = []
+                for result in pool.map(count_shard, urls, read_headers, chunksize=1):
+                    counted.append(result)
+                    bar.update(1)
+    finally:
+        bar.close()
+    keys = sorted({field for shard in counted for field in shard.fields})
+    how = {"shards": len(urls), "img2dataset_stats": sum(shard.had_stats for shard in counted),
+           "tar_headers_read": sum(shard.headers_read for shard in counted)}
     os.makedirs(out, exist_ok=True)
-    return ShardIndex.write(out, entries, keys=sorted(keys))
+    return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys,
+                            counted=how)
 
 
 def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:

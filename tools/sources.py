@@ -12,7 +12,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from pipelines.data.decode import resize_center_crop
+from pipelines.data.resize import resize_center_crop
 
 SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
@@ -111,29 +111,47 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
     return {"train": train, "val": val, "val_mix": [mix[i] for i in rng.permutation(len(mix))], "train_dedup": dedup}
 
 
-def image_folder(root: str, size: int | None = None) -> Iterator[tuple[str, Image.Image, int]]:
-    """Images under `root` in sorted order; class = index of the first-level subfolder (or -1)."""
+def list_image_folder(root: str) -> tuple[list[str], np.ndarray]:
+    """The image files under `root` in sorted path order, and their class (int32): the index of the
+    first-level subfolder, or -1 for an image at the top. Paths only: nothing is opened."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"image folder {root} does not exist")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-    paths = []
+    class_of = {name: label for label, name in enumerate(classes)}
+    paths, labels = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_SUFFIXES)]
+        found = [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_SUFFIXES)]
+        top = os.path.relpath(dirpath, root).split(os.sep)[0]
+        paths += found
+        labels += [class_of.get(top, -1)] * len(found)
     if not paths:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {root}")
-    for i, path in enumerate(paths):
-        rel = os.path.relpath(path, root)
-        top = rel.split(os.sep)[0]
-        label = classes.index(top) if top in classes else -1
-        try:
-            with Image.open(path) as img:
-                image = img.convert("RGB")
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{path}: not a readable image: {e}") from e
-        if size is not None:
-            image = resize_center_crop(image, size)
-        yield f"img_{i:07d}", image, label
+    return paths, np.array(labels, dtype=np.int32)
+
+
+def folder_key(position: int) -> str:
+    """A folder image's sample key: its position in sorted path order, so the same folder always
+    gives an image the same key, whatever the seed or the split."""
+    return f"img_{position:07d}"
+
+
+def load_image(path: str, size: int | None = None) -> Image.Image:
+    """One image file as RGB, resized and center-cropped to `size` when given; the error names the file."""
+    try:
+        with Image.open(path) as img:
+            image = img.convert("RGB")
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable image: {e}") from e
+    return resize_center_crop(image, size) if size is not None else image
+
+
+def image_folder(root: str, size: int | None = None) -> Iterator[tuple[str, Image.Image, int]]:
+    """Images under `root` in sorted order, decoded one at a time; class = index of the first-level
+    subfolder (or -1)."""
+    paths, labels = list_image_folder(root)
+    for i, (path, label) in enumerate(zip(paths, labels)):
+        yield folder_key(i), load_image(path, size), int(label)
 
 
 def load_source(name: str, *, size: int, folder: str | None = None, seed: int = 0, crops_per_photo: int = 250):

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from pipelines.data.augment import CROPS, crop_uniforms, flip_coin, random_resized_crop_box
+from pipelines.data.resize import resize_center_crop, resize_crop
 from pipelines.data.shards import BadInputError
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg); PIL decodes all where it is gone
@@ -162,22 +163,3 @@ def _fast_rgb(data: bytes) -> torch.Tensor | None:
     except RuntimeError:
         return None
     return pixels if pixels.dtype == torch.uint8 and pixels.shape[0] == 3 else None
-
-
-def resize_crop(img: Image.Image, size: int, box: tuple[int, int, int, int]) -> Image.Image:
-    """The (top, left, height, width) box of `img` resized to size x size, bicubic: what torchvision's
-    `resized_crop` does to a PIL image (crop, then PIL's antialiased resize)."""
-    top, left, height, width = box
-    return img.crop((left, top, left + width, top + height)).resize((size, size), Image.BICUBIC)
-
-
-def resize_center_crop(img: Image.Image, size: int) -> Image.Image:
-    """Shorter side to `size` (bicubic, antialiased), then a centred square crop."""
-    w, h = img.size
-    if (w, h) == (size, size):
-        return img
-    scale = size / min(w, h)
-    img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
-    w, h = img.size
-    left, top = (w - size) // 2, (h - size) // 2
-    return img.crop((left, top, left + size, top + size))

@@ -140,24 +140,30 @@ def read_shard(url: str, wanted: Callable[[int], bool] | None = None) -> Iterato
                 raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
 
 
+def _sample_field(name: str) -> tuple[str, str] | None:
+    """(sample key, field) of a member name as webdataset splits it (tar_file_iterator +
+    group_by_keys): the name up to the basename's first dot, and the rest in lower case; None for
+    `__...__` metadata members and names without an extension, which belong to no sample."""
+    if name.startswith("__") and (SKIP_META.match(name) or ("/" not in name and name.endswith("__"))):
+        return None
+    # base_plus_ext without its regex: the basename up to its first dot, when that dot is not the
+    # basename's first character; other names (and any with a newline) go through the regex
+    start = name.rfind("/") + 1
+    dot = name.find(".", start)
+    if dot > start and "\n" not in name:
+        return name[:dot], name[dot + 1:].lower()
+    prefix, suffix = base_plus_ext(name)
+    return None if prefix is None else (prefix, suffix.lower())
+
+
 def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict | None]]:
-    """webdataset's grouping (tar_file_iterator + group_by_keys): consecutive members sharing the
-    name up to the basename's first dot form a sample, the rest of the name (lower case) is its
-    field; `__...__` metadata members and names without an extension belong to no sample."""
+    """Consecutive members sharing a key form a sample (webdataset's grouping, `_sample_field`)."""
     position, key, sample = -1, None, None
     for name, _ in members.members():
-        if name.startswith("__") and (SKIP_META.match(name) or ("/" not in name and name.endswith("__"))):
+        split = _sample_field(name)
+        if split is None:
             continue
-        # base_plus_ext without its regex: the basename up to its first dot, when that dot is not the
-        # basename's first character; other names (and any with a newline) go through the regex
-        start = name.rfind("/") + 1
-        dot = name.find(".", start)
-        if dot > start and "\n" not in name:
-            prefix, suffix = name[:dot], name[dot + 1:]
-        else:
-            prefix, suffix = base_plus_ext(name)
-            if prefix is None:
-                continue
+        prefix, suffix = split
         if prefix != key:
             if sample is not None:
                 yield position, sample
@@ -167,7 +173,6 @@ def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict 
                 yield position, None
         if sample is None:
             continue  # a rejected sample: the reader skips its bytes
-        suffix = suffix.lower()
         if suffix in sample:
             raise ValueError(f"{name}: duplicate file name in tar file {suffix} {list(sample)}")
         sample[suffix] = members.read()
@@ -181,10 +186,37 @@ def _first_line(e: BaseException) -> str:
 
 
 def count_samples(url: str) -> tuple[int, list[str]]:
-    """Samples in a shard and the sorted field names seen; reads the shard once."""
-    fields: set[str] = set()
-    n = 0
-    for position, sample in read_shard(url):
-        fields.update(k for k in sample if not k.startswith("__"))
-        n = position + 1
-    return n, sorted(fields)
+    """Samples in a shard and the sorted field names seen, from its tar headers alone: member data is
+    seeked past on a local file, which the kernel is told not to read ahead (read and dropped on a
+    pipe or http stream; compressed archives are decompressed). Samples are grouped exactly as
+    `read_shard` groups them, and a truncated or corrupt shard, or a field twice in one sample,
+    raises BadInputError naming the url and key."""
+    try:
+        stream = wds.gopen(url, "rb")
+    except Exception as e:  # noqa: BLE001
+        raise BadInputError(f"shard {url}: cannot open: {e}") from e
+    count, key, in_sample, fields = 0, None, set(), set()
+    finished = False
+    try:
+        for name, _ in TarMembers(stream, headers_only=True).members():
+            split = _sample_field(name)
+            if split is None:
+                continue
+            prefix, suffix = split
+            if prefix != key:  # a field named like webdataset's own keys is a duplicate for read_shard too
+                count, key, in_sample = count + 1, prefix, {"__key__", "__url__"}
+            if suffix in in_sample:  # webdataset's group_by_keys refuses it too
+                raise ValueError(f"{name}: duplicate file name in tar file {suffix} {sorted(in_sample)}")
+            in_sample.add(suffix)
+            fields.add(suffix)
+        finished = True
+    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        where = f"in or after key {key!r}" if key is not None else "before its first sample"
+        raise BadInputError(f"shard {url}: corrupt or truncated tar {where}: {_first_line(e)}") from e
+    finally:
+        try:
+            stream.close()
+        except Exception as e:  # noqa: BLE001 - a failed `pipe:` command shows here
+            if finished:
+                raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
+    return count, sorted(fields)

@@ -14,8 +14,10 @@ empty file is an error. Sparse members are refused.
 from __future__ import annotations
 
 import io
+import os
+import struct
 import tarfile
-import zlib
+from zlib import adler32
 from typing import BinaryIO, Iterator
 
 BLOCK = 512
@@ -24,6 +26,8 @@ NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, f
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
 POSIX_MAGIC = b"ustar\x0000"
 ZERO_BLOCK = bytes(BLOCK)
+# name, size, checksum, type flag, ustar magic, ustar name prefix: one unpack instead of six slices
+HEADER = struct.Struct("100s24x12s12x8s1s100x8s80x155s")
 
 
 class TarFormatError(ValueError):
@@ -33,6 +37,10 @@ class TarFormatError(ValueError):
 def _number(field: bytes) -> int:
     if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
         return int.from_bytes(field[1:], "big")
+    try:  # what writers write: octal digits, then NULs or spaces
+        return int(field.rstrip(b" \0"), 8)
+    except ValueError:
+        pass
     text = field.partition(b"\0")[0]
     try:
         return int(text, 8)  # int() ignores surrounding spaces
@@ -84,8 +92,9 @@ class TarMembers:
     """Iterate `members()` for (name, size) of each regular file; call `read()` for the current
     member's bytes, or do nothing and its data is skipped when the next member is asked for."""
 
-    def __init__(self, stream: BinaryIO):
+    def __init__(self, stream: BinaryIO, *, headers_only: bool = False):
         self.stream = stream
+        self.headers_only = headers_only  # no member will be read: a local file gets no readahead
         try:
             self.seekable = bool(stream.seekable())
         except (AttributeError, OSError, ValueError):
@@ -137,40 +146,59 @@ class TarMembers:
         if first.startswith(COMPRESSED_MAGIC):
             yield from self._compressed(first)
             return
+        if self.headers_only and self.seekable:
+            _advise_scattered(self.stream)
+        # Every name is looked up once, outside the loop: at two or four headers a sample (writers
+        # give each member a pax header for its float mtime) the loop is what indexing costs.
+        read, unpack, discard = self.stream.read, HEADER.unpack_from, self._discard
         header = first
-        long_name, pax = None, {}
+        long_name, pax, extended = None, {}, False  # extended: an x or L header waits for its member
         while True:
-            if len(header) == 0 or header == ZERO_BLOCK:
-                if pax or long_name is not None:
-                    raise TarFormatError("the archive ends after an extended header, before its member")
-                if len(header) == 0:  # every tar writer ends with zero blocks; tarfile would stop quietly
-                    raise TarFormatError("the archive ends without its end-of-archive blocks")
-                return
             if len(header) < BLOCK:
+                if not header:  # every tar writer ends with zero blocks; tarfile would stop quietly
+                    raise TarFormatError("the archive ends after an extended header, before its member" if extended
+                                         else "the archive ends without its end-of-archive blocks")
                 header += self._read(BLOCK - len(header), "a header")
-            if not _checksum_ok(header):
+            if header == ZERO_BLOCK:
+                if extended:
+                    raise TarFormatError("the archive ends after an extended header, before its member")
+                return
+            name, size_field, checksum, kind, magic, prefix = unpack(header)
+            # the checksum: the header's byte sum with its checksum field read as spaces (Adler-32's
+            # low half is 1 + the byte sum mod 65521, exact for 256 bytes: C speed, not a Python sum)
+            if _number(checksum) != ((adler32(header[:256]) & 0xFFFF) + (adler32(header[256:]) & 0xFFFF) - 2
+                                     - sum(checksum) + 256):
                 raise TarFormatError("bad checksum in a tar header: not a tar archive, or a damaged one")
-            kind = header[156:157]
-            if kind == b"S" or (pax and any(key.startswith("GNU.sparse") for key in pax)):
+            if kind == b"S":
                 raise TarFormatError("sparse members are not supported in shards")
-            size = 0 if kind in NO_DATA else int(pax["size"]) if "size" in pax else _number(header[124:136])
+            size = 0 if kind in NO_DATA else int(pax["size"]) if "size" in pax else _number(size_field)
             self._size, self._unread = size, (size + BLOCK - 1) & -BLOCK
-            if kind in (b"x", b"L"):  # describes the next member
-                data = self.read()
-                if kind == b"x":
-                    pax = _pax_records(data)
+            if kind in REGULAR:
+                extended_name = pax.get("path") or long_name if extended else None
+                if extended_name:
+                    name = extended_name
                 else:
-                    long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            elif kind in REGULAR:
-                name = pax.get("path") or long_name or _header_name(header)
-                long_name, pax = None, {}
+                    name = name.partition(b"\0")[0]
+                    if prefix[0] and magic == POSIX_MAGIC:  # a ustar name prefix
+                        name = prefix.partition(b"\0")[0] + b"/" + name
+                    name = name.decode("utf-8", "surrogateescape")
+                long_name, pax, extended = None, {}, False
                 yield name, size
+            elif kind == b"x":  # describes the next member
+                data, extended = self.read(), True
+                # Only path, size and GNU.sparse.* change what is read; writers' usual records (a
+                # float mtime, for webdataset's TarWriter) are not parsed: half a header walk's time
+                pax = _pax_records(data) if b"path=" in data or b"size=" in data or b"GNU.sparse" in data else {}
+                if b"GNU.sparse" in data and any(key.startswith("GNU.sparse") for key in pax):
+                    raise TarFormatError("sparse members are not supported in shards")
+            elif kind == b"L":
+                long_name, extended = self.read().split(b"\0", 1)[0].decode("utf-8", "surrogateescape"), True
             else:  # directories, links, global pax headers, ...
-                long_name, pax = None, {}
+                long_name, pax, extended = None, {}, False
             if self._unread:
-                self._discard(self._unread)
+                discard(self._unread)
                 self._unread = 0
-            header = self.stream.read(BLOCK)
+            header = read(BLOCK)
 
     def _compressed(self, head: bytes) -> Iterator[tuple[str, int]]:
         archive = tarfile.open(fileobj=_Replay(head, self.stream), mode="r|*")
@@ -182,19 +210,13 @@ class TarMembers:
             archive.members = []  # stream mode: keep no history
 
 
-def _checksum_ok(header: bytes) -> bool:
-    """Whether the checksum field holds the header's byte sum with that field read as spaces.
-    Adler-32's low half is 1 + the byte sum mod 65521, exact for 256 bytes (at most 65280): C speed
-    instead of a Python sum."""
-    field = header[148:156]
-    total = (zlib.adler32(header[:256]) & 0xFFFF) + (zlib.adler32(header[256:]) & 0xFFFF) - 2
-    return _number(field) == total - sum(field) + 8 * 32
-
-
-def _header_name(header: bytes) -> str:
-    end = header.find(b"\0", 0, 100)
-    name = header[:end if end >= 0 else 100]
-    if header[345] and header[257:265] == POSIX_MAGIC:  # a ustar name prefix
-        prefix = header[345:500].partition(b"\0")[0]
-        name = prefix + b"/" + name
-    return name.decode("utf-8", "surrogateescape")
+def _advise_scattered(stream: BinaryIO) -> None:
+    """Tell the kernel that a local file is read at scattered places (POSIX_FADV_RANDOM): its
+    readahead would otherwise fetch member data that is seeked past. Streams without a file
+    descriptor and systems without posix_fadvise are left as they are."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        pass
