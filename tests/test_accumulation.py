@@ -88,6 +88,7 @@ RANK_PROGRAM = textwrap.dedent("""
     print(json.dumps({"rank": rank, "per_sync": per_sync, "syncs": counted,
                       "replicas_equal": bool(torch.equal(gathered[0], gathered[1]))}), flush=True)
     dist.barrier()  # neither rank leaves while the other still talks to it
+    del model, optimizer, accumulation  # DDP's reducer before its process group: gloo aborts otherwise
     dist.destroy_process_group()
 """)
 
