@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tarfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 from urllib.parse import urlparse
@@ -117,24 +118,36 @@ def read_shard(url: str, wanted: Callable[[int], bool] | None = None) -> Iterato
     and its bytes are skipped, not read. Raises BadInputError naming the url (and the last good
     key) when the shard is missing, corrupt or truncated; samples yielded before that point are valid.
     """
-    try:
-        stream = wds.gopen(url, "rb")
-    except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
-        raise BadInputError(f"shard {url}: cannot open: {e}") from e
     last_key = None
-    finished = False
-    try:
+
+    def where() -> str:
+        return f"after key {last_key!r}" if last_key is not None else "before its first sample"
+
+    with _reading(url, where) as stream:
         for position, sample in _samples(TarMembers(stream), url, wanted):
             if sample is not None:
                 last_key = sample["__key__"]
             yield position, sample
+
+
+@contextmanager
+def _reading(url: str, where: Callable[[], str]):
+    """The shard's byte stream. A tar or I/O error while it is read becomes a BadInputError naming the
+    shard and `where()` (the last good key); so does a failed close, which is how a `pipe:` or http
+    stream reports a failed command, unless another error is already on its way."""
+    try:
+        stream = wds.gopen(url, "rb")
+    except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
+        raise BadInputError(f"shard {url}: cannot open: {e}") from e
+    finished = False
+    try:
+        yield stream
         finished = True
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        where = f"after key {last_key!r}" if last_key is not None else "before its first sample"
-        raise BadInputError(f"shard {url}: corrupt or truncated tar {where}: {_first_line(e)}") from e
+        raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}: {_first_line(e)}") from e
     finally:
         try:
-            stream.close()  # a `pipe:` or http stream reports a failed command here
+            stream.close()
         except Exception as e:  # noqa: BLE001
             if finished:  # otherwise the error being raised already names the shard
                 raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
@@ -191,13 +204,12 @@ def count_samples(url: str) -> tuple[int, list[str]]:
     pipe or http stream; compressed archives are decompressed). Samples are grouped exactly as
     `read_shard` groups them, and a truncated or corrupt shard, or a field twice in one sample,
     raises BadInputError naming the url and key."""
-    try:
-        stream = wds.gopen(url, "rb")
-    except Exception as e:  # noqa: BLE001
-        raise BadInputError(f"shard {url}: cannot open: {e}") from e
     count, key, in_sample, fields = 0, None, set(), set()
-    finished = False
-    try:
+
+    def where() -> str:
+        return f"in or after key {key!r}" if key is not None else "before its first sample"
+
+    with _reading(url, where) as stream:
         for name, _ in TarMembers(stream, headers_only=True).members():
             split = _sample_field(name)
             if split is None:
@@ -209,14 +221,4 @@ def count_samples(url: str) -> tuple[int, list[str]]:
                 raise ValueError(f"{name}: duplicate file name in tar file {suffix} {sorted(in_sample)}")
             in_sample.add(suffix)
             fields.add(suffix)
-        finished = True
-    except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        where = f"in or after key {key!r}" if key is not None else "before its first sample"
-        raise BadInputError(f"shard {url}: corrupt or truncated tar {where}: {_first_line(e)}") from e
-    finally:
-        try:
-            stream.close()
-        except Exception as e:  # noqa: BLE001 - a failed `pipe:` command shows here
-            if finished:
-                raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
     return count, sorted(fields)
