@@ -102,8 +102,9 @@ IMPORTS_ONLY = "import tools.shards, time; time.sleep(1)"
 INDEX_TIMER = """
 import sys, time
 from tools.shards import index_shards
+workers = {"workers": int(sys.argv[3])} if len(sys.argv) > 3 else {}  # today's index_shards has no workers
 start = time.perf_counter()
-index_shards([sys.argv[1]], sys.argv[2])
+index_shards([sys.argv[1]], sys.argv[2], **workers)
 seconds = time.perf_counter() - start
 try:  # bytes this process and its reaped workers had fetched from storage (page-cache misses)
     with open("/proc/self/io") as f:
@@ -114,11 +115,12 @@ print(seconds, fetched)
 """
 
 
-def index_seconds(tree: str, shards: str, out: str) -> tuple[float, int]:
+def index_seconds(tree: str, shards: str, out: str, workers: int | None = None) -> tuple[float, int]:
     """(seconds one `index_shards` call takes in a fresh process of `tree`, imports not counted; bytes
     it read from storage, -1 where /proc/self/io is missing)."""
     env = {**os.environ, "PYTHONPATH": tree, "TQDM_DISABLE": "1"}
-    done = subprocess.run([sys.executable, "-c", INDEX_TIMER, shards, out], env=env, cwd=tree, check=True,
+    extra = [] if workers is None else [str(workers)]
+    done = subprocess.run([sys.executable, "-c", INDEX_TIMER, shards, out, *extra], env=env, cwd=tree, check=True,
                           capture_output=True, text=True)
     seconds, fetched = done.stdout.strip().splitlines()[-1].split()
     return float(seconds), int(fetched)
@@ -164,9 +166,10 @@ def large_member_shards(root: str, samples: int, member_bytes: int, shard_size: 
     return plain, stats
 
 
-def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats: int) -> None:
-    """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold; print medians
-    and, with an "old" side, old / new."""
+def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats: int,
+                  workers: int | None = None) -> None:
+    """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold, the new one
+    with `workers` (default: its own); print medians and, with an "old" side, old / new."""
     urls = sorted(glob.glob(os.path.join(shards, "*.tar")))
     print(f"{label}: {len(urls)} shards, {sum(os.path.getsize(u) for u in urls) / 2**20:.0f} MiB in {shards}")
     index_out = shards.rstrip("/") + "_index"
@@ -182,7 +185,7 @@ def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats
             for name, tree in sides:  # alternated, so that changing load falls on both
                 if cache == "cold":
                     evict(urls)
-                seconds, read_bytes = index_seconds(tree, shards, index_out)
+                seconds, read_bytes = index_seconds(tree, shards, index_out, workers if name == "new" else None)
                 times[name].append(seconds)
                 fetched[name].append(read_bytes)
         line = ", ".join(f"{name} median {statistics.median(t):.3f} s ({' '.join(f'{x:.3f}' for x in t)}), "
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-members", type=int, default=0,
                         help="also index this many samples of ImageNet-sized images (written to OUT_large)")
     parser.add_argument("--member-kib", type=int, default=110, help="their image size in KiB")
+    parser.add_argument("--index-workers", type=int, default=None,
+                        help="shards index --workers (default: its own, the usable cores); more than the cores "
+                             "overlaps the waits for storage")
     args = parser.parse_args(argv)
     out = args.out or args.folder.rstrip("/") + "_shards"
     print(f"load average at start: {load_line()} on {os.cpu_count()} cores")
@@ -239,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
               f"largest process {rss / 2**20:.0f} MiB (RSS)")
 
     sides = [("new", HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
-    compare_index("the written folder's train shards", os.path.join(out, "train"), sides, args.repeats)
+    workers = args.index_workers
+    if not args.skip_write or os.path.isdir(os.path.join(out, "train")):
+        compare_index("the written folder's train shards", os.path.join(out, "train"), sides, args.repeats, workers)
     if args.large_members:
         plain, stats = large_member_shards(out + "_large", args.large_members, args.member_kib * 1024)
-        compare_index(f"{args.large_members} samples of {args.member_kib} KiB", plain, sides, args.repeats)
-        compare_index("the same with img2dataset stats beside each shard", stats, sides, args.repeats)
+        compare_index(f"{args.large_members} samples of {args.member_kib} KiB", plain, sides, args.repeats, workers)
+        compare_index("the same with img2dataset stats beside each shard", stats, sides, args.repeats, workers)
     print(f"load average at end: {load_line()}")
     return 0
 
