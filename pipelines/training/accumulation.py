@@ -3,9 +3,11 @@
 DDP decides at the forward whether the backward all-reduces, so a micro-batch that does not end an
 optimizer step runs its forward *and* backward under `no_sync` (issue 21: wrapping the backward alone
 all-reduced every micro-batch). When the policy `on_nonfinite_loss=skip` drops the backward of the
-micro-batch that ends a step (every rank agrees: the decision reads the all-gathered losses), the
-gradients the group accumulated locally have not been averaged yet; they are all-reduced here by
-hand, so every replica still applies the same update.
+micro-batch that ends a step (every rank agrees: the decision reads the all-gathered losses), DDP was
+told at that forward to expect a synchronised backward, and the gradients the group accumulated are
+not averaged yet: a backward of zero through every parameter completes that reduction, so every
+replica applies the same update and DDP expects nothing more (else the next `no_sync` backward
+all-reduced, and a run resumed after the skip summed in another order).
 
 DDP also regroups its gradient buckets after a process's first synchronised backward (in the order
 the gradients became ready), and beyond two ranks a reduction's sums depend on that layout: a
@@ -19,7 +21,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
 
 def accumulation_group(micro: int, total: int, accum: int) -> tuple[bool, int]:
@@ -65,24 +66,22 @@ class GradientAccumulation:
         self.backwards_in_group += 1
 
     def skipped(self, is_step: bool) -> None:
-        """This micro-batch's backward did not run (on every rank alike). If it ended a step after
-        earlier micro-batches accumulated unsynchronised gradients, average those now."""
-        if is_step and self.backwards_in_group and self.accelerator.num_processes > 1:
-            average_gradients(self.model.parameters(), self.accelerator.num_processes)
+        """This micro-batch's backward did not run (on every rank alike). If it ended a step, finish
+        the synchronised backward its forward announced with a zero loss through every parameter: DDP
+        averages what the group accumulated. Gradients nobody computed stay None (`has_gradients`)."""
+        if not (is_step and self.accelerator.num_processes > 1):
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.accelerator.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+        if not self.backwards_in_group:
+            for param in params:
+                param.grad = None
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether any micro-batch of the current group reached its backward: a step with none has
+        nothing to apply (and an fp16 GradScaler refuses to step without it)."""
+        return self.backwards_in_group > 0
 
     def stepped(self) -> None:
         self.backwards_in_group = 0
-
-
-def average_gradients(parameters, world: int) -> None:
-    """All-reduce the gradients that exist (the same parameters on every rank) as one flat buffer."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()

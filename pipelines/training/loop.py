@@ -278,11 +278,12 @@ def train(cfg: RunConfig) -> dict:
                     # mean(w * loss), InfoBatch's rescaling, averaged over this step's micro-batches
                     accumulation.backward((losses * batch.weights).mean() / group_size)
             if is_step:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                if cfg.optim.grad_clip > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                optimizer.step()
+                if accumulation.has_gradients:  # every micro-batch of the step skipped: nothing to apply
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    if cfg.optim.grad_clip > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 ema.step(trained, pass_progress(epoch, position.pass_offset, micro + 1, total))
                 accumulation.stepped()
