@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 import time
 from datetime import timedelta
 
@@ -20,8 +21,9 @@ from eval_runs import ROOT, feature_net, one_torch_thread, session_dir, tiny_run
 from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.runner import Evaluator, eval_config_of
 
-# The process group's timeout here; NCCL's default, the one the issue met, is 10 minutes.
-TIMEOUT_S = 20
+# The process group's timeout in the tests that do not measure one (a hang guard, long enough for a
+# loaded 2-core machine); NCCL's default, the one the issue met, is 10 minutes.
+TIMEOUT_S = 120
 LIMIT_S = 600  # a hang fails the test instead of blocking the suite
 
 
@@ -248,3 +250,41 @@ def test_a_fid_cache_only_rank_0_sees_serves_every_rank(runs, digits_shards, tmp
         assert outcome["fid"] == pytest.approx(single["metrics"]["fid"], rel=1e-4)
     assert not os.path.exists(tmp_path / "rank1" / "node_local_stats"), "rank 1 computed statistics of its own"
     assert os.listdir(tmp_path / "rank0" / "node_local_stats") == written
+
+
+ONE_NODE_LACKS_A_FILE = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from pipelines.evaluation.ranks import on_every_rank
+
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    weights = sys.argv[2] if rank == 0 else "/nonexistent/feature_net.safetensors"  # rank 1's node lacks it
+
+    def load():
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"no feature weights at {weights}")
+        return "loaded"
+
+    try:
+        outcome = on_every_rank(load)
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    dist.barrier()  # both ranks got here: neither waits in a collective the other never reaches
+    print(json.dumps({"rank": rank, "outcome": outcome}), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+""")
+
+
+def test_a_file_missing_on_one_node_stops_every_rank_naming_it(tmp_path):
+    from test_accumulation import run_two_ranks
+
+    present = tmp_path / "feature_net.safetensors"
+    present.write_bytes(b"weights")
+    program = ONE_NODE_LACKS_A_FILE.replace("sys.argv[2]", repr(str(present)))
+    outcomes = {r["rank"]: r["outcome"] for r in run_two_ranks(program, tmp_path)}
+    assert outcomes[1].startswith("FileNotFoundError: no feature weights at /nonexistent")
+    assert outcomes[0].startswith("RuntimeError: rank 1 failed") and "/nonexistent" in outcomes[0]

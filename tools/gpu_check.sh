@@ -76,6 +76,11 @@ say "all-reduce count: $(grep -o '"one_bucket_set_per_step": [a-z]*' "$OUT_DIR/a
   --out "$REPORT"
 [ "$REPORT" = "$OUT_DIR/gpu.md" ] || cp "$REPORT" "$OUT_DIR/gpu.md"
 say "done: $REPORT"
-[ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = 5 ]  # 5: every test deselected or skipped (a CPU)
-grep -q '"bitwise_equal": true' "$OUT_DIR/resume.json"
+# the report holds what every step gave; the exit status says whether each step held
+FAILED=()
+[ "$TESTS_RC" = 0 ] || [ "$TESTS_RC" = 5 ] || FAILED+=("CUDA tests")  # 5: every test deselected or skipped (a CPU)
+[ -s "$OUT_DIR/throughput.json" ] || FAILED+=("throughput")
+grep -q '"bitwise_equal": true' "$OUT_DIR/resume.json" 2>/dev/null || FAILED+=("resume")
+grep -q '"one_bucket_set_per_step": true' "$OUT_DIR/allreduce.json" 2>/dev/null || FAILED+=("all-reduce count")
+[ ${#FAILED[@]} = 0 ] || { say "FAILED: ${FAILED[*]}"; exit 1; }
 grep -q '"one_bucket_set_per_step": true' "$OUT_DIR/allreduce.json"

@@ -21,7 +21,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import FIDConfig
-from pipelines.evaluation.ranks import decided_on_rank0, rank_and_world
+from pipelines.evaluation.ranks import decided_on_rank0, on_every_rank, rank_and_world
 
 # torch-fidelity's Inception-v3 (the TF FID graph of 2015-12-05, converted); torchmetrics loads it.
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
@@ -220,7 +220,9 @@ class FIDEvaluator:
     def from_config(cls, cfg: FIDConfig, reference_folder: str, *, resolution: int, channels: int,
                     device: str | torch.device = "cpu") -> "FIDEvaluator":
         shards_root = os.path.dirname(os.path.abspath(reference_folder.rstrip("/")))
-        return cls(feature_net_from_config(cfg, shards_root), reference_folder, resolution=resolution,
+        # every rank loads the network from its node's disk: a node without the file stops every rank
+        net = on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
+        return cls(net, reference_folder, resolution=resolution,
                    channels=channels, max_reference=cfg.reference_samples, batch_size=cfg.batch_size,
                    stats_dir=cfg.stats_dir, device=device)
 

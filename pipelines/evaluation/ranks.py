@@ -117,6 +117,28 @@ def decided_on_rank0(decide: Callable[[], T]) -> T:
     return value
 
 
+def on_every_rank(action: Callable[[], T]) -> T:
+    """`action()` on every rank; if it raises on any rank, it raises on every rank, naming the ranks that
+    failed and the first one's message. For what each rank loads from its own node's disk (feature
+    weights): a file missing on one node would otherwise leave the other ranks in the next collective."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return action()
+    failure, value = None, None
+    try:
+        value = action()
+    except Exception as error:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+        failure = error
+    outcomes: list = [None] * world
+    dist.all_gather_object(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}")
+    failed = [r for r, message in enumerate(outcomes) if message is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError(f"rank {failed[0]} failed (ranks failing: {failed}): {outcomes[failed[0]]}")
+    return value
+
+
 def rank0_value(value: T) -> T:
     """Rank 0's `value` on every rank. For numbers every rank computed alike from the same arrays (the
     probe's fit): one record everywhere, even where two nodes' float arithmetic would differ."""
