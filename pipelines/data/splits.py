@@ -31,8 +31,9 @@ def read_split(
 ) -> Iterator[Batch]:
     """Batches of the first `max_samples` samples (0 = all) of the shards in `folder`, in index order.
 
-    With `world_size` > 1 this rank gets the samples whose position in that order is congruent to
-    `rank`: every rank still reads the bytes, but decodes only its share. Weights are 1.
+    With `world_size` > 1 this rank gets the samples whose id (their position in that order) is
+    congruent to `rank`: the others' bytes are skipped in the tar reader (seeked past on a local file),
+    so a rank reads and decodes about its share, not the whole split. Weights are 1.
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
@@ -42,10 +43,11 @@ def read_split(
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
         first = int(index.first_ids[shard])
-        for position, sample in read_shard(url):
+        mine = None if world_size == 1 else (lambda p, first=first: (first + p) % world_size == rank)
+        for position, sample in read_shard(url, mine):
             if ordinal >= total:
                 break
-            if ordinal % world_size == rank:
+            if sample is not None and (first + position) % world_size == rank:
                 image, label = decoder.decode(sample, first + position)
                 ids.append(first + position)
                 images.append(image)
