@@ -50,6 +50,14 @@ def join_group(rank: int, world: int, init_file: str) -> None:
                             timeout=timedelta(seconds=TIMEOUT_S))
 
 
+def leave(rank: int, out: str, outcome: dict) -> None:
+    """Record this rank's outcome, then exit without interpreter teardown: a gloo group torn down at
+    exit while a peer is already gone aborts the process now and then (SIGABRT) after its work is done."""
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)
+
+
 def results_of(out, world: int) -> list[dict]:
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
 
@@ -63,9 +71,8 @@ def _evaluate_runs(rank, world, init_file, jobs, out):
         eval_cfg = load_eval_config(eval_config_of(cfg), overrides=list(overrides))
         records[name] = Evaluator(cfg, eval_cfg, run_dir=run_dir).evaluate(task, model, write=False)
         dist.barrier()  # the training loop's next collective
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(records, f)
     dist.destroy_process_group()
+    leave(rank, out, records)
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +170,7 @@ def _evaluate_then_meet(rank, world, init_file, shards, timeout_s, out):
         outcome = {"met": True, "metrics": record["metrics"], "details": record["details"]}
     except RuntimeError as error:  # gloo's timeout (a DistBackendError), or a peer that gave up
         outcome = {"met": False, "error": str(error).splitlines()[0]}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    leave(rank, out, outcome)
 
 
 def test_an_evaluation_longer_than_the_timeout_completes_when_every_rank_does_its_share(digits_shards, tmp_path):
@@ -202,8 +208,8 @@ def _fid_outcome(rank, world, init_file, run_dir, overrides, workdir, out):
         outcome = {"fid": record["metrics"]["fid"], "cache": record["details"]["fid_reference_cache"]}
     except (ValueError, RuntimeError) as error:
         outcome = {"error": f"{type(error).__name__}: {error}"}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    dist.barrier()  # every rank is done with the others before any leaves
+    leave(rank, out, outcome)
 
 
 def fid_settings(digits_shards, tmp_path_factory, stats_dir: str, num_samples: int) -> list[str]:
