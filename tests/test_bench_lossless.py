@@ -38,7 +38,9 @@ def test_verdicts_higher_is_better_both_ways():
 
 
 def _result(label, role, metric, samples, seed=0, passes=10, compute_of=""):
+    key = f"full_p{passes}_s{seed}" if role != "pruned" else f"{label}_s{seed}"  # equal-compute runs: one per seed
     return {"task": "mae", "schedule": "long", "label": label, "role": role, "seed": seed, "passes": passes,
+            "key": key, "pruner": {"name": "full" if role != "pruned" else "infobatch"},
             "compute_of": compute_of, "samples_forwarded": samples, "optimizer_steps": samples // 10,
             "wall_seconds": samples / 100, "metrics": {"masked_mse": metric}, "pruner_seconds": {"update": 0.01},
             "curve": []}
@@ -133,7 +135,7 @@ def test_cli_has_bench_lossless():
 
 
 def test_pooled_std_verdicts_of_arms_at_three_seeds():
-    from tools.bench.lossless.verdicts import arms, pays_targets
+    from tools.bench.lossless.verdicts import arms, saving_targets
 
     plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {}, pruned_seeds=(0, 1, 2))
     results = [_result(f"Full s{s}", "full", v, 1000, seed=s) for s, v in enumerate((1.00, 1.10, 0.90))]
@@ -148,12 +150,24 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
     assert rows["Pays"]["delta_passes"] == pytest.approx(0.0, abs=1e-9) and rows["Pays"]["lossless"]
     assert rows["Pays"]["delta_compute"] == pytest.approx(-0.45 / 0.05) and rows["Pays"]["pays"]
     assert not rows["Less"]["lossless"] and not rows["Less"]["pays"]  # what training less buys, no more
-    [target] = pays_targets(arms(results, [plan]))
-    assert target["met"] and "best at equal compute: Pays" in target["measured"]
+    # per seed, Full at 70% and at 100% of the passes are its frontier: Pays beats Full at 100% on
+    # seeds 0 and 1 (so it saves at least 30%: a bound) and reaches 82% of the way on seed 2
+    pays = rows["Pays"]["saving"]
+    assert [s["kind"] for s in pays["per_seed"]] == ["at least", "at least", "interpolated"]
+    assert pays["per_seed"][2]["saving"] == pytest.approx(1 - 0.7 / (0.7 + 0.3 * (1.45 - 1.00) / (1.45 - 0.90)))
+    assert pays["bound"] == "at least" and pays["verdict"].startswith("saves at least")
+    less = rows["Less"]["saving"]  # a little better than its seed's Full at 70%: a few percent
+    assert [s["kind"] for s in less["per_seed"]] == ["interpolated"] * 3
+    assert less["per_seed"][0]["saving"] == pytest.approx(1 - 0.7 / 0.7375)
+    assert rows["Pays"]["paired_compute"]["differences"] == pytest.approx([-0.45, -0.45, -0.45])
+    assert rows["Pays"]["paired_compute"]["reading"] == "better"
+    [target] = saving_targets(arms(results, [plan]))
+    assert "best: Pays" in target["measured"] and "compute at equal quality" in target["target"]
 
 
 def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_path):
-    report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"))
+    report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"),
+                   frontier=(0.5,))
     keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
     assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle")
                     for s in ("", "_s1", "_s2")}
@@ -167,7 +181,20 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle") for s in (0, 1, 2))
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
-    assert "beats Full at equal compute by > 2 pooled std" in text
+    assert "a pruner saves >= 25% compute at equal quality with the 95% CI above 0" in text
+    assert "compute saved at equal quality (masked_mse), seeds paired with their own Full" in text
+    # the frontier: Full at half the passes at every seed; an equal-compute run of the same length is
+    # that run (trained once), and every seed of every arm has its saving against its own frontier
+    frontier = [r for r in report["results"] if r["role"] == "frontier"]
+    assert sorted((r["seed"], r["passes"]) for r in frontier) == [(0, 1), (1, 1), (2, 1)]
+    trained = [r["key"] for r in report["results"] if r["role"] != "equal_compute"]
+    assert len(trained) == len(set(trained))
+    oracle_equal = [r for r in equal if r["compute_of"] == "Dedup oracle"]
+    assert {r["key"] for r in oracle_equal} == {"mae_long_full_p1", "mae_long_full_p1_s1", "mae_long_full_p1_s2"}
+    for arm in report["arms"]:
+        saving = arm["metrics"]["masked_mse"]["saving"]
+        assert saving["seeds"] == [0, 1, 2] and len(saving["per_seed"]) == 3
+        assert all(s["points"] == 2 for s in saving["per_seed"])  # Full at 1 and at 2 passes
 
     # the tasks of a suite run as two invocations re-render as one report
     import json
@@ -210,9 +237,18 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
         task_plans("pays_lsun", ["mae"])
     from tools.bench.lossless.run import pays_invocation
 
-    args = argparse.Namespace(data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead")
+    args = argparse.Namespace(data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead",
+                              frontier="")
     assert pays_invocation(args) == ("pays_redundant_p200_s5_lead", " --suite pays --data redundant --passes 200 "
                                      "--seeds 5 --arms 'InfoBatch no rescale' --tag lead")
+    args.frontier = "0.5,0.7"
+    assert pays_invocation(args)[1].endswith("--frontier 0.5,0.7 --tag lead")
+    (fronted,) = task_plans("pays_redundant_s2", ["mae"], arms=("InfoBatch",), frontier=(0.7, 0.5, 0.995))
+    assert [(s.key, s.role, s.passes) for s in first_specs(fronted) if s.seed == 1] == [
+        ("mae_long_full_s1", "full", 60), ("mae_long_full_p30_s1", "frontier", 30),
+        ("mae_long_full_p42_s1", "frontier", 42), ("mae_long_infobatch_s1", "pruned", 60)]  # 0.995 x 60 rounds to 60: Full itself
+    with pytest.raises(ValueError, match=r"must lie in \(0, 1\)"):
+        task_plans("pays_redundant", ["mae"], frontier=(0.5, 1.0))
     (tagged,) = task_plans("pays_redundant_masknorm", ["mae"])
     assert (tagged.data, tagged.long, tagged.pruned_seeds) == ("redundant", 60, (0, 1, 2))
     (five,) = task_plans("pays_redundant_p200_s5_lead", ["mae"], arms=("InfoBatch no rescale",))

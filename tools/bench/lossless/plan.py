@@ -32,6 +32,9 @@ class TaskPlan:
     pruned_seeds: tuple = (0,)  # seeds of every pruned run and of its equal-compute Full
     full_seeds: tuple = SEEDS  # seeds of Full at the full schedule
     extra_splits: tuple = ()  # held-out splits evaluated besides val, e.g. ("val_mix",) of redundant data
+    # Full's frontier: besides the full schedule, Full at these fractions of its passes (each its own
+    # schedule, every Full seed), so that each seed has its own quality-vs-compute curve
+    frontier: tuple = ()
 
 
 PRUNERS = {
@@ -51,10 +54,28 @@ LDM_ABLATIONS = {
 }
 
 
-def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = ()) -> list[TaskPlan]:
+def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = (), frontier: tuple[float, ...] = ()) -> list[TaskPlan]:
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
     pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement). `arms`: only
-    these pruned settings (labels) beside Full."""
+    these pruned settings (labels) beside Full; `frontier`: Full also at these fractions of the passes."""
+    plans = _mode_plans(mode, tasks, arms)
+    return [dataclasses.replace(p, frontier=check_frontier(frontier)) for p in plans] if frontier else plans
+
+
+def check_frontier(fractions) -> tuple[float, ...]:
+    """Sorted fractions of the passes in (0, 1); 1 is Full itself."""
+    bad = [f for f in fractions if not 0 < f < 1]
+    if bad:
+        raise ValueError(f"bench --frontier: fractions of the passes must lie in (0, 1) (Full at 1 always runs), got {bad}")
+    return tuple(sorted(set(float(f) for f in fractions)))
+
+
+def frontier_passes(plan: TaskPlan, passes: int) -> list[int]:
+    """The frontier's schedule lengths below `passes` (distinct, at least 1)."""
+    return sorted({max(1, int(round(f * passes))) for f in plan.frontier} - {passes})
+
+
+def _mode_plans(mode: str, tasks: list[str], arms: tuple[str, ...]) -> list[TaskPlan]:
     suite = re.fullmatch(r"pays_(micro_)?(\w+?)(?:_p(\d+))?(?:_s(\d+))?(?:_(\w+))?", mode)
     if suite:  # pays_DATA[_pPASSES][_sSEEDS][_TAG]; pays_micro_DATA: the harness test
         seeds = int(suite.group(4) or len(SEEDS))
@@ -101,7 +122,7 @@ class RunSpec:
     task: str
     schedule: str  # long | short
     label: str  # Full s0, InfoBatch, Full @ InfoBatch, ...
-    role: str  # full | pruned | ablation | equal_compute
+    role: str  # full | frontier | pruned | ablation | equal_compute
     pruner: dict
     seed: int
     passes: int
@@ -171,7 +192,7 @@ def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[
     return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, {**PAYS_MAE, **oracle}, overrides=channels,
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
                      extra_splits=extra),
-            TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, PAYS_LDM, overrides=channels,
+            TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, {**PAYS_LDM, **oracle}, overrides=channels,
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
                      extra_splits=extra)]
 
@@ -185,6 +206,9 @@ def first_specs(plan: TaskPlan) -> list[RunSpec]:
         for seed in plan.full_seeds:
             specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
                                  {"name": "full"}, seed, passes))
+            for shorter in frontier_passes(plan, passes):  # named as equal-compute runs: one run serves both
+                specs.append(RunSpec(full_key(plan.task, schedule, shorter, seed), plan.task, schedule,
+                                     f"Full {shorter} passes", "frontier", {"name": "full"}, seed, shorter))
         groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
         for role, pruners in groups:
             for label, pruner in pruners.items():
@@ -203,9 +227,14 @@ def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
     """Full (the pruned run's seed) for as many passes as its samples forwarded buy, its own schedule."""
     passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
     seed = int(pruned.get("seed", 0))
-    return RunSpec(f"{pruned['task']}_{pruned['schedule']}_full_p{passes}{seed_suffix(seed)}", pruned["task"],
+    return RunSpec(full_key(pruned["task"], pruned["schedule"], passes, seed), pruned["task"],
                    pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, seed, passes,
                    compute_of=pruned["label"])
+
+
+def full_key(task: str, schedule: str, passes: int, seed: int) -> str:
+    """The folder of Full at `passes` of its own schedule (a frontier point or an equal-compute run)."""
+    return f"{task}_{schedule}_full_p{passes}{seed_suffix(seed)}"
 
 
 def slug(label: str) -> str:

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from pipelines.report.frontier import interval_text, percent
 from tools.bench.lossless.plan import TaskPlan
 from tools.bench.lossless.verdicts import fmt
 
@@ -62,52 +63,90 @@ def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) ->
     return [path]
 
 
-def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
-    """Final quality against samples forwarded, seed means +- std: Full with its own schedules (the
-    line a pruner must beat to be worth more than training less) and every setting, per held-out split."""
+def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, arm_rows: list[dict] = ()) -> list[str]:
+    """Final quality against compute, per held-out split: Full at each schedule length (the seeds'
+    mean, a band from their lowest to their highest: the line a pruner must beat to be worth more
+    than training less) and every setting at its mean compute with the 95% t interval of its mean,
+    labelled with its compute saved at equal quality."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tools.bench.lossless.verdicts import LOWER_IS_BETTER
+    from pipelines.report.frontier import interval_text, t_interval
+    from tools.bench.lossless.verdicts import FULL_ROLES, LOWER_IS_BETTER
 
     metrics = [plan.main] + [f"{plan.main}@{split}" for split in plan.extra_splits]
     runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 5), squeeze=False)
+    full_compute = np.mean([r["samples_forwarded"] for r in runs if r["role"] == "full"])
+    rows = {r["label"]: r for r in arm_rows if r["task"] == plan.task and r["schedule"] == "long"}
+    savings = [(label, r["metrics"][plan.main]["saving"]) for label, r in rows.items()
+               if (r["metrics"].get(plan.main) or {}).get("saving")]
+    panels = len(metrics) + bool(savings)
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 5.2), squeeze=False)
+    if savings:
+        plot_savings(axes[0][-1], savings, plan)
     for ax, metric in zip(axes[0], metrics):
-        full = {}  # passes -> {key: run}: an equal-compute Full that is another run's alias counts once
+        full = {}  # passes -> {key: run}: a run that is both a frontier point and an equal-compute Full counts once
         for r in runs:
-            if r["role"] in ("full", "equal_compute") and r["metrics"].get(metric) is not None:
+            if r["role"] in FULL_ROLES and r["metrics"].get(metric) is not None:
                 full.setdefault(r["passes"], {})[r["key"]] = r
-        line = sorted((np.mean([r["samples_forwarded"] for r in g.values()]) / 1000,
+        line = sorted((np.mean([r["samples_forwarded"] for r in g.values()]) / full_compute,
                        np.mean([r["metrics"][metric] for r in g.values()]),
-                       np.std([r["metrics"][metric] for r in g.values()], ddof=1) if len(g) > 1 else 0.0)
-                      for g in full.values())
+                       min(r["metrics"][metric] for r in g.values()), max(r["metrics"][metric] for r in g.values()),
+                       len(g)) for g in full.values())
         if line:
-            xs, ys, es = zip(*line)
-            ax.errorbar(xs, ys, yerr=es, color="black", marker="o", ms=4, capsize=3, lw=1.5,
-                        label="Full, its own schedule")
+            xs, ys, lows, highs, counts = zip(*line)
+            ax.plot(xs, ys, color="black", marker="o", ms=4, lw=1.5,
+                    label=f"Full, its own schedule (mean of {max(counts)} seeds)")
+            ax.fill_between(xs, lows, highs, color="black", alpha=0.12, lw=0, label="Full, lowest to highest seed")
         arms = dict.fromkeys(r["label"] for r in runs if r["role"] in ("pruned", "ablation"))
         for i, label in enumerate(arms):
             mine = [r for r in runs if r["label"] == label and r["metrics"].get(metric) is not None]
             if not mine:
                 continue
             values = [r["metrics"][metric] for r in mine]
-            ax.errorbar([np.mean([r["samples_forwarded"] for r in mine]) / 1000], [np.mean(values)],
-                        yerr=[np.std(values, ddof=1) if len(values) > 1 else 0.0], color=f"C{i}", marker="s", ms=6,
-                        capsize=3, ls="none", label=f"{label} ({len(values)} seeds)")
+            mean, low, high = t_interval(values)
+            error = [[mean - low], [high - mean]] if len(values) > 1 else None
+            saving = ((rows.get(label) or {}).get("metrics", {}).get(metric) or {}).get("saving")
+            text = f"{label}: saves {interval_text(saving)}" if saving else f"{label} ({len(values)} seeds)"
+            ax.errorbar([np.mean([r["samples_forwarded"] for r in mine]) / full_compute], [mean], yerr=error,
+                        color=f"C{i}", marker="s", ms=6, capsize=3, ls="none", label=text)
         better = "below" if LOWER_IS_BETTER[metric.split("@")[0]] else "above"
         ax.set_title(f"{plan.task}: final {metric}\n{better} the black line = better than training less")
-        ax.set_xlabel("samples forwarded (thousands)")
-        ax.set_ylabel(f"{metric} (evaluators, mean +- seed std)")
+        ax.set_xlabel("compute (samples forwarded, fraction of Full's full schedule)")
+        ax.set_ylabel(f"{metric} (bars: 95% t interval of the seed mean, unpaired)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, f"lossless_{mode}_{plan.task}_frontier.png")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+def plot_savings(ax, savings: list[tuple[str, dict]], plan: TaskPlan) -> None:
+    """One row per setting: each seed's compute saved at equal quality (open: a bound beyond the
+    frontier's ends) and the mean with its 95% t interval; the target and 0 as lines."""
+    from tools.bench.lossless.verdicts import TARGET_ISO_SAVING
+
+    for row, (label, saving) in enumerate(savings):
+        for seed in saving["per_seed"]:
+            bound = seed["kind"] != "interpolated"
+            ax.plot(100 * seed["saving"], row, marker=">" if seed["kind"] == "at least" else "<" if bound else "o",
+                    ms=5, color="gray", mfc="none" if bound else "gray", ls="none")
+        if saving["n"] > 1:
+            ax.errorbar(100 * saving["mean"], row + 0.25, xerr=[[100 * (saving["mean"] - saving["low"])],
+                                                                [100 * (saving["high"] - saving["mean"])]],
+                        color=f"C{row}", marker="D", ms=6, capsize=3)
+    ax.axvline(0, color="black", lw=1)
+    ax.axvline(100 * TARGET_ISO_SAVING, color="tab:green", lw=1, ls="--", label=f"target {TARGET_ISO_SAVING:.0%}")
+    ax.set_yticks(range(len(savings)), [label for label, _ in savings], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("compute saved, % (dots: seeds, open: bounds; diamond: mean, 95% t CI)")
+    ax.set_title(f"{plan.task}: compute saved at equal {plan.main}\neach seed against its own Full frontier")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8)
 
 
 def _verdict(value) -> str:
@@ -124,7 +163,7 @@ def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
             + [f"{m} (Δ std)" for m in extra] + ["lossless (equal passes)", "Full at equal compute", "Δ vs it (std)",
                                                   "beats equal compute"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = {"full": 0, "pruned": 1, "ablation": 2, "equal_compute": 3}
+    order = {"full": 0, "frontier": 0.5, "pruned": 1, "ablation": 2, "equal_compute": 3}
     repeated = {r["label"] for r in rows if sum(o["label"] == r["label"] for o in rows) > 1}
     for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"], r.get("seed", 0))):
         name = f"{r['label']} s{r['seed']}" if r["label"] in repeated and "seed" in r else r["label"]
@@ -205,14 +244,58 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _seed_savings(saving: dict) -> str:
+    marks = {"at least": "≥", "at most": "≤"}
+    return ", ".join(f"{marks.get(s['kind'], '')}{int(round(100 * s['saving']))}" for s in saving["per_seed"]) + " %"
+
+
+def _paired(cell: dict) -> str:
+    if cell["n"] < 2:
+        return "-"
+    return f"{fmt(cell['mean'], 2)} [{fmt(cell['low'], 2)}, {fmt(cell['high'], 2)}] {cell['reading']}"
+
+
 def arms_table(arm_rows: list[dict], task: str) -> list[str]:
-    """Seed means per setting against Full at equal passes and at equal compute, in pooled std."""
+    """Per setting: compute saved at equal quality (the headline), the paired differences, and the
+    seed means with their pooled-std deltas."""
     mine = [r for r in arm_rows if r["task"] == task]
     if not mine:
         return []
-    lines = [f"#### {task}: settings at {len(mine[0]['seeds'])} seeds, deltas in pooled std (positive = worse)", "",
-             "| setting | compute | metric | mean ± std | Full, equal passes | Δ | lossless | Full, equal compute "
-             "(passes) | Δ | pays |", "|---|---|---|---|---|---|---|---|---|---|"]
+    main = mine[0]["main"]
+    lines = [f"#### {task}: compute saved at equal quality ({main}), seeds paired with their own Full", "",
+             "| setting | compute | seeds | Full points per seed | saving at equal quality [95% t CI] | bootstrap CI "
+             "| per seed | verdict | seeds needed | paired Δ vs Full, equal passes [CI] | paired Δ vs Full, equal compute "
+             "[CI] | pooled Δ std: passes / compute |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in mine:
+        c = r["metrics"].get(main)
+        if not c:
+            continue
+        s = c.get("saving")
+        points = sorted(set((c.get("frontier_points") or {}).values()))
+        how = " (interp.)" if "interpolated" in (c.get("paired_compute_how") or []) else ""
+        lines.append(
+            f"| {r['label']} | {r['compute']:.0%} | {len(r['seeds'])} | {'/'.join(map(str, points)) or '-'} | "
+            + (f"{interval_text(s)} | [{percent(s['bootstrap_low'])}, {percent(s['bootstrap_high'])}] | {_seed_savings(s)} | "
+               f"{s['verdict'].split(':')[0]} | {s['seeds_needed'] or '-'} | " if s else "- | - | - | - | - | ")
+            + f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])}{how} | "
+              f"{fmt(c['delta_passes'], 2)} / {fmt(c['delta_compute'], 2)} |")
+    lines += ["", f"Saving = 1 − compute / the compute at which the same seed's Full frontier reaches the setting's "
+                  f"{main} (linear between Full runs; ≥ / ≤: beyond the frontier's ends, a bound). Interval: t over "
+                  f"seeds (the bootstrap beside it covers less than 95% at few seeds). Seeds needed: for a paired t "
+                  f"test (5%, two-sided) to show this mean saving ≠ 0 with 80% power. Paired Δ: mean of per-seed "
+                  f"differences setting − Full of the same seed, in {main} units (Full at equal compute: the seed's "
+                  f"equal-compute run, interp. = read off its frontier).", ""]
+    others = [(r, m, c) for r in mine for m, c in r["metrics"].items() if m != main and c.get("saving")]
+    if others:
+        lines += ["| setting | metric | saving at equal quality [95% t CI] | per seed | paired Δ, equal passes | "
+                  "paired Δ, equal compute |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['label']} | {m} | {c['saving']['verdict']} | {_seed_savings(c['saving'])} | "
+                  f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])} |" for r, m, c in others]
+        lines += ["", "Metrics with @val_mix are on held-out data drawn from the train mix; the others on the clean val.",
+                  ""]
+    lines += [f"#### {task}: settings at {len(mine[0]['seeds'])} seeds, deltas in pooled std (positive = worse)", "",
+              "| setting | compute | metric | mean ± std | Full, equal passes | Δ | lossless | Full, equal compute "
+              "(passes) | Δ | pays |", "|---|---|---|---|---|---|---|---|---|---|"]
     yes = {True: "yes", False: "no", None: "n/a"}
     for r in mine:
         for metric, c in r["metrics"].items():
@@ -221,8 +304,7 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
                          f"{fmt(c['equal_compute_mean'])} ({', '.join(map(str, r['equal_compute_passes']))}) | "
                          f"{fmt(c['delta_compute'], 2)} | {yes[c['pays']]} |")
     return lines + ["", "Lossless: within 1 pooled std of Full at equal passes. Pays: better than Full trained for "
-                        "the same samples forwarded by more than 2 pooled std. Metrics with @val_mix are on held-out "
-                        "data drawn from the train mix; the others on the clean val.", ""]
+                        "the same samples forwarded by more than 2 pooled std (unpaired seed means).", ""]
 
 
 def write_markdown(path: str, mode: str, body: str) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from tools.bench.lossless.plan import RunSpec, TaskPlan, equal_compute_spec, first_specs, slug, task_plans
 from tools.bench.lossless.report import plot_curves, plot_frontier, render, write_markdown
-from tools.bench.lossless.verdicts import arms, flattening, pays_targets, summarise, targets
+from tools.bench.lossless.verdicts import arms, flattening, saving_targets, summarise, targets
 
 ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ lives there
 
@@ -304,9 +304,9 @@ def running_keys(futures: dict) -> set[str]:
 # ----------------------------------------------------------------------------- entry point
 def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str = "docs",
           work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None,
-          arms: tuple[str, ...] = ()) -> dict:
+          arms: tuple[str, ...] = (), frontier: tuple[float, ...] = ()) -> dict:
     """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict."""
-    plans = task_plans(mode, list(tasks), arms)
+    plans = task_plans(mode, list(tasks), arms, frontier)
     os.makedirs(work, exist_ok=True)
     load_start = os.getloadavg()
     start = time.perf_counter()
@@ -331,11 +331,11 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
     plot_dir = os.path.join(out, "benchmarks")
     os.makedirs(plot_dir, exist_ok=True)
     report = {**meta, "plans": [dataclasses.asdict(p) for p in plans], "results": results, "rows": rows,
-              "flattening": flat, "plots": {p.task: (plot_frontier if len(p.pruned_seeds) > 1 else plot_curves)(results, p, plot_dir, mode)
-                        for p in plans}}
+              "flattening": flat, "arms": arms(results, plans)}
+    report["plots"] = {p.task: plot_frontier(results, p, plot_dir, mode, report["arms"]) if len(p.pruned_seeds) > 1
+                       else plot_curves(results, p, plot_dir, mode) for p in plans}
     report["timing_rows"] = summarise_timing(meta.get("timing") or [])
-    report["arms"] = arms(results, plans)
-    report["targets"] = (pays_targets(report["arms"]) if mode.startswith("pays_")
+    report["targets"] = (saving_targets(report["arms"]) if mode.startswith("pays_")
                          else targets(rows, flat, report["timing_rows"]))
     report["markdown"] = render(report)
     with open(json_path, "w") as f:
@@ -413,6 +413,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default="",
                         help="with --suite pays: only these settings beside Full, comma-separated labels "
                              "(e.g. 'InfoBatch,InfoBatch no rescale')")
+    parser.add_argument("--frontier", default="",
+                        help="with --suite pays: Full also at these fractions of the passes, comma-separated "
+                             "(e.g. 0.5,0.6,0.7,0.8,0.9), at every seed: each seed's quality-vs-compute curve, "
+                             "from which the compute saved at equal quality is read")
     parser.add_argument("--tag", default="",
                         help="with --suite pays: a name for this invocation's report block (e.g. with --arms, "
                              "so that it does not replace the whole suite's)")
@@ -430,6 +434,8 @@ def pays_invocation(args) -> tuple[str, str]:
             mode, flags = f"{mode}_{letter}{value}", f"{flags} --{name} {value}"
     if args.arms:
         flags += f" --arms '{args.arms}'"
+    if args.frontier:
+        flags += f" --frontier {args.frontier}"
     if args.tag:
         mode, flags = f"{mode}_{args.tag}", f"{flags} --tag {args.tag}"
     return mode, flags
@@ -441,8 +447,12 @@ def run_from_args(args) -> int:
         return 0
     tasks = ("mae", "ldm") if args.task == "both" else (args.task,)
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
-    if (args.seeds or arms or args.tag) and args.suite != "pays":
-        raise ValueError("bench lossless: --seeds, --arms and --tag belong to --suite pays")
+    try:
+        frontier = tuple(float(f) for f in args.frontier.split(",") if f.strip())
+    except ValueError:
+        raise ValueError(f"bench lossless: --frontier {args.frontier!r}: expected fractions such as 0.5,0.7,0.9") from None
+    if (args.seeds or arms or args.tag or frontier) and args.suite != "pays":
+        raise ValueError("bench lossless: --seeds, --arms, --frontier and --tag belong to --suite pays")
     if args.tag and not args.tag.isidentifier():
         raise ValueError(f"bench lossless: --tag {args.tag!r} must be letters, digits and underscores")
     if args.tag and re.match(r"[ps]\d", args.tag):  # the suite's name would read it as passes or seeds
@@ -453,7 +463,7 @@ def run_from_args(args) -> int:
                f" --workers {args.workers}")
     if args.task == "dit":
         mode = "dit_quick" if args.quick else "dit"
-    report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms)
+    report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms, frontier=frontier)
     print(report["markdown"])
     return 0
 

@@ -1,0 +1,101 @@
+"""Compute saved at equal quality (pipelines/report/frontier.py) on synthetic frontiers with a known
+answer: a run on the frontier saves 0, a run at 70% compute with Full's 100% quality saves 30%,
+beyond the ends the saving is a bound, a frontier that gets worse is read through its envelope, and
+the t interval covers the true mean saving at its nominal rate (the bootstrap does not, at few seeds)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipelines.report.frontier import (AT_LEAST, AT_MOST, EXACT, IsoQuality, iso_quality, paired_difference,
+                                       seeds_needed, summarise_savings, t_interval)
+from tools.bench.interval_coverage import coverage
+
+# Full of one seed: masked MSE (lower is better) at 50..100% of the schedule, improving throughout
+FRONTIER = [(0.5, 0.30), (0.6, 0.27), (0.7, 0.25), (0.8, 0.235), (0.9, 0.225), (1.0, 0.22)]
+
+
+def test_a_run_on_the_frontier_saves_nothing():
+    for compute, value in FRONTIER[1:]:
+        found = iso_quality(FRONTIER, compute, value, lower_is_better=True)
+        assert found.kind == EXACT and found.saving == pytest.approx(0.0, abs=1e-12)
+    # between two points: on the line joining them
+    found = iso_quality(FRONTIER, 0.75, (0.25 + 0.235) / 2, lower_is_better=True)
+    assert found.saving == pytest.approx(0.0, abs=1e-12) and found.monotone
+
+
+def test_seventy_percent_compute_at_full_quality_saves_thirty_percent():
+    found = iso_quality(FRONTIER, 0.7, 0.22, lower_is_better=True)
+    assert (found.kind, found.iso_compute) == (EXACT, pytest.approx(1.0))
+    assert found.saving == pytest.approx(0.30)
+    # a higher-is-better metric the same way (PSNR)
+    psnr = [(c, -v) for c, v in FRONTIER]
+    assert iso_quality(psnr, 0.7, -0.22, lower_is_better=False).saving == pytest.approx(0.30)
+    # halfway between 80% and 90% of the passes
+    assert iso_quality(FRONTIER, 0.6, 0.23, lower_is_better=True).saving == pytest.approx(1 - 0.6 / 0.85)
+
+
+def test_beyond_the_ends_the_saving_is_a_bound_never_extrapolated():
+    better = iso_quality(FRONTIER, 0.7, 0.20, lower_is_better=True)  # better than Full at 100%
+    assert (better.kind, better.iso_compute, better.saving) == (AT_LEAST, 1.0, pytest.approx(0.30))
+    worse = iso_quality(FRONTIER, 0.7, 0.35, lower_is_better=True)  # worse than the cheapest Full
+    assert (worse.kind, worse.iso_compute, worse.saving) == (AT_MOST, 0.5, pytest.approx(1 - 0.7 / 0.5))
+    summary = summarise_savings([better, iso_quality(FRONTIER, 0.7, 0.21, True), better])
+    assert summary["bound"] == AT_LEAST and summary["bounded"] == 3
+    assert summary["verdict"].startswith("saves at least 30%")
+    mixed = summarise_savings([better, worse])
+    assert mixed["bound"] == "mixed" and mixed["verdict"].startswith("not resolved")
+
+
+def test_a_frontier_that_gets_worse_is_read_through_the_best_full_at_or_below_each_compute():
+    # on redundant data judged on clean data, training longer can fit the copies: 90-100% worse than 80%
+    bent = [(0.5, 0.30), (0.6, 0.27), (0.7, 0.25), (0.8, 0.235), (0.9, 0.24), (1.0, 0.245)]
+    found = iso_quality(bent, 0.7, 0.238, lower_is_better=True)
+    assert not found.monotone and found.kind == EXACT
+    assert found.iso_compute == pytest.approx(0.7 + 0.1 * (0.25 - 0.238) / (0.25 - 0.235))
+    # as good as Full at 100%: the best Full reached that at 80% already, not at 100%
+    assert iso_quality(bent, 0.7, 0.245, True).iso_compute < 0.8
+    # two runs at one compute count as their best
+    assert iso_quality([(0.5, 0.3), (1.0, 0.25), (1.0, 0.2)], 0.7, 0.2, True).saving == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="not finite"):
+        iso_quality([(0.5, float("nan"))], 0.7, 0.2, True)
+
+
+def test_verdict_words_follow_the_interval():
+    def seeds(*savings):
+        return [IsoQuality(0.7, 0.7 / (1 - s), s, EXACT, True, 6) for s in savings]
+
+    saves = summarise_savings(seeds(0.30, 0.28, 0.32, 0.29, 0.31))
+    assert saves["low"] > 0 and saves["verdict"].startswith("saves 30% [")
+    assert summarise_savings(seeds(0.1, -0.1, 0.05, -0.02))["verdict"].startswith("no saving detected (CI includes 0)")
+    assert summarise_savings(seeds(-0.2, -0.25, -0.22))["verdict"].startswith("costs more than training less")
+    one = summarise_savings(seeds(0.3))
+    assert math.isnan(one["low"]) and "1 seed, no interval" in one["verdict"]
+
+
+def test_paired_differences_use_only_the_seeds_both_runs_have():
+    arm = {0: 1.0, 1: 2.0, 2: 3.0, 3: 9.0}
+    full = {0: 1.5, 1: 2.4, 2: 3.6}  # seed 3 has no Full: left out, not guessed
+    found = paired_difference(arm, full, lower_is_better=True)
+    assert found["seeds"] == [0, 1, 2] and found["differences"] == pytest.approx([-0.5, -0.4, -0.6])
+    assert found["reading"] == "better"  # paired: the seed effect (1, 2, 3) cancels
+    assert paired_difference(arm, full, lower_is_better=False)["reading"] == "worse"
+    mean, low, high = t_interval([-0.5, -0.4, -0.6])
+    assert (found["mean"], found["low"], found["high"]) == pytest.approx((mean, low, high))
+
+
+def test_seeds_needed_is_the_paired_t_tests_sample_size():
+    # textbook sizes of a two-sided paired t test at 5% with 80% power: effect 1 -> 10 pairs, 0.5 -> 34
+    assert seeds_needed(1.0, 1.0) == 10
+    assert seeds_needed(-0.5, 1.0) == 34
+    assert seeds_needed(0.0, 1.0) is None and seeds_needed(1e-6, 1.0) is None
+    assert seeds_needed(1.0, 0.0) == 2
+
+
+def test_the_t_interval_covers_the_true_saving_at_its_nominal_rate():
+    found = coverage(seeds=5, experiments=600, rng_seed=3)
+    assert 0.92 <= found["t"] <= 0.98, found
+    # why the headline is the t interval: the percentile bootstrap is too narrow at 5 seeds
+    assert found["bootstrap"] < found["t"] - 0.05, found
