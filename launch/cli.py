@@ -71,7 +71,7 @@ def _demo(args) -> None:
     """A pruned run, its full baseline and a full run of equal compute on the digits; the verdicts."""
     from launch.demo import run_demo
 
-    run_demo(args.data, args.name, passes=args.passes, overrides=args.overrides)
+    run_demo(args.data, args.name, passes=args.passes, overrides=args.overrides, seeds=args.seeds)
 
 
 def _checkpoints_verify(args) -> int:
@@ -134,7 +134,7 @@ def _compare(args) -> None:
         return found
 
     report = compare_runs(runs([args.baseline]), runs(args.pruned), same_compute=runs(args.same_compute),
-                          tolerances=args.tolerance, k=args.k, out=args.out, weights=args.weights,
+                          frontier=runs(args.frontier), tolerances=args.tolerance, k=args.k, out=args.out, weights=args.weights,
                           plots=not args.no_plots)
     print(report["markdown"])
     print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
@@ -234,8 +234,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="pruned vs full vs equal-compute full on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
-    demo.add_argument("--name", default="demo_mae", help="run name prefix: NAME_infobatch, NAME_full, NAME_full_short")
+    demo.add_argument("--name", default="demo_mae",
+                      help="run name prefix: NAME_infobatch[_sN], NAME_full_sN, NAME_full_short[_sN]")
     demo.add_argument("--passes", type=int, default=0, help="0: the config's")
+    demo.add_argument("--seeds", type=int, default=3,
+                      help="seeds of the pruned run, its baseline and its equal-compute run (>= 2 for an interval)")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
 
@@ -254,11 +257,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                           help="key=value evaluation settings right after RUN, e.g. fid.reference=val probe.pool=avg")
     evaluate.set_defaults(func=_eval)
 
-    compare = sub.add_parser("compare", help="was a pruned run lossless? table, verdicts, cost, PNG plots")
+    compare = sub.add_parser("compare", help="was a pruned run lossless, and how much compute did it save at equal "
+                                             "quality? tables, verdicts, cost, PNG plots")
     compare.add_argument("baseline", help="baseline run(s): a folder or name; several seeds comma-separated or as a glob")
     compare.add_argument("pruned", nargs="+", help="pruned run(s) to judge")
     compare.add_argument("--same-compute", nargs="*", default=[],
                          help="full runs trained for about the pruned runs' samples forwarded (the equal-compute reference)")
+    compare.add_argument("--frontier", nargs="*", default=[],
+                         help="Full runs of other schedule lengths (e.g. 'runs/full_p*_s*'): with the baseline and "
+                              "--same-compute runs, each seed's quality-vs-compute curve, from which the compute "
+                              "saved at equal quality is read (paired by seed)")
     compare.add_argument("--tolerance", action="append", default=[], metavar="METRIC=VALUE[%]",
                          help="e.g. fid=0.5 or masked_mse=2%%; default k x seed std, or a per-metric default")
     compare.add_argument("--k", type=float, default=2.0, help="tolerance = k x baseline seed std (default 2)")

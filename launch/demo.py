@@ -1,10 +1,13 @@
 """`prunepipe demo` (what `make demo` runs): the question this project exists for, asked on the bundled
-digits on CPU in a few minutes. Was the pruned run lossless, and was it better than training less?
+digits on CPU in a few minutes. Was the pruned run lossless, was it better than training less, and
+how much compute did it save at equal quality?
 
-It trains a tiny MAE with InfoBatch, its full-data baseline for the same passes at three seeds (their
-spread is the tolerance), and a full run of the same compute (as many passes as the pruned run's
-samples forwarded buy, with its own schedule), evaluates each on held-out data, and prints the
-`prunepipe compare` report and both verdicts.
+At each of three seeds it trains a tiny MAE with InfoBatch, its full-data baseline for the same
+passes (the seeds' spread is the tolerance) and a full run of the same compute (as many passes as
+that seed's pruned run's samples forwarded buy, with its own schedule). Each seed's two full runs
+are its Full frontier: the compute saved at equal quality is read off it, paired by seed, with a
+95% interval over the seeds. It evaluates every run on held-out data and prints the `prunepipe
+compare` report and the three answers.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ def equal_compute_passes(pruned: dict, full_first_pass: int) -> int:
     return max(1, round(pruned["samples_forwarded"] / full_first_pass))
 
 
+def seed_suffix(seed: int) -> str:
+    return f"_s{seed}" if seed else ""
+
+
+def agreed(verdicts: list[str]) -> str:
+    """One verdict for several seeds: 'lossless (3 of 3 seeds)', or each verdict with its count."""
+    counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
+    if len(verdicts) == 1:
+        return verdicts[0]
+    return ", ".join(f"{v} ({n} of {len(verdicts)} seeds)" for v, n in counts.items())
+
+
 def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: list[str] = (), seeds: int = 3) -> dict:
     """Shards (written once), the runs, the comparison; returns the compare report."""
     if not os.path.exists(os.path.join(data, "train", "index.json")):
@@ -45,29 +60,37 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
         write_shards("digits", data, size=32, shard_size=300)
     common = [f"data.train={data}/train", f"data.val={data}/val", *([f"passes={passes}"] if passes else []),
               *overrides]
-    steps = seeds + 2
-    pruned, pruned_dir = train_and_evaluate("mae_tiny_infobatch.yaml", [*common, f"name={prefix}_infobatch"],
-                                            f"1/{steps} the pruned run (InfoBatch, seed 0)")
-    baseline = []  # several seeds: the verdicts' tolerances are their run-to-run spread
+    steps, step = 3 * seeds, 0
+    pruned_dirs, baseline, same_compute = [], [], []
     for seed in range(seeds):
+        suffix = seed_suffix(seed)
+        pruned, pruned_dir = train_and_evaluate("mae_tiny_infobatch.yaml", [*common, f"seed={seed}",
+                                                                            f"name={prefix}_infobatch{suffix}"],
+                                                f"{step + 1}/{steps} the pruned run (InfoBatch), seed {seed}")
         full, full_dir = train_and_evaluate("mae_tiny_full.yaml", [*common, f"seed={seed}", f"name={prefix}_full_s{seed}"],
-                                            f"{2 + seed}/{steps} the full-data baseline, same passes, seed {seed}")
-        baseline.append(full_dir)
-        if seed == 0:
-            full_passes, per_pass = full["epoch"] + 1, full["samples_forwarded"] // (full["epoch"] + 1)
-    short = equal_compute_passes(pruned, per_pass)
-    if short == full_passes:  # pruning saved less than a pass: the seed-0 baseline is the equal-compute run
-        print(f"\n== {steps}/{steps} the equal-compute run is the seed-0 baseline itself ({short} passes)")
-        same_dir = baseline[0]
-    else:
-        _, same_dir = train_and_evaluate("mae_tiny_full.yaml", [*common, f"passes={short}", f"name={prefix}_full_short"],
-                                         f"{steps}/{steps} full data for the pruned run's compute "
-                                         f"({pruned['samples_forwarded']} samples, seed 0)")
-    report = compare_runs(baseline, [pruned_dir], same_compute=[same_dir], weights="raw", plots=True)
+                                            f"{step + 2}/{steps} the full-data baseline, same passes, seed {seed}")
+        pruned_dirs.append(pruned_dir)
+        baseline.append(full_dir)  # several seeds: the verdicts' tolerances are their run-to-run spread
+        full_passes, per_pass = full["epoch"] + 1, full["samples_forwarded"] // (full["epoch"] + 1)
+        short = equal_compute_passes(pruned, per_pass)
+        if short == full_passes:  # pruning saved less than a pass: the baseline is the equal-compute run
+            print(f"\n== {step + 3}/{steps} the equal-compute run of seed {seed} is its baseline ({short} passes)")
+            same_compute.append(full_dir)
+        else:
+            _, same_dir = train_and_evaluate(
+                "mae_tiny_full.yaml", [*common, f"seed={seed}", f"passes={short}", f"name={prefix}_full_short{suffix}"],
+                f"{step + 3}/{steps} full data for that compute ({pruned['samples_forwarded']} samples), seed {seed}")
+            same_compute.append(same_dir)
+        step += 3
+    report = compare_runs(baseline, pruned_dirs, same_compute=same_compute, weights="raw", plots=True)
     print("\n" + report["markdown"])
-    name = os.path.basename(pruned_dir)
     print(f"report and plots: {report['out']}/\nthe same comparison: prunepipe compare {','.join(baseline)} "
-          f"{pruned_dir} --same-compute {same_dir} --weights raw")
-    print(f"\nVerdicts for {name}: at equal passes {report['equal_passes'][name]['verdict']}; "
-          f"at equal compute {report['equal_compute'][name]['verdict']}.")
+          f"{' '.join(pruned_dirs)} --same-compute {' '.join(same_compute)} --weights raw")
+    names = [os.path.basename(d) for d in pruned_dirs]
+    [setting] = report["equal_quality"]["settings"]
+    main = "masked_mse"
+    saving = setting["metrics"][main]["verdict"] if main in setting["metrics"] else "not measured"
+    print(f"\nVerdicts for {setting['setting']} (InfoBatch, {seeds} seed{'s' if seeds > 1 else ''}): at equal passes "
+          f"{agreed([report['equal_passes'][n]['verdict'] for n in names])}; at equal compute "
+          f"{agreed([report['equal_compute'][n]['verdict'] for n in names])}; at equal quality ({main}) {saving}.")
     return report

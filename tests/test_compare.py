@@ -54,7 +54,11 @@ def test_compare_of_two_tiny_runs_writes_the_table_and_the_plots(tiny_runs, tmp_
     assert cost["samples_forwarded"] < report["cost"]["mae_full"]["samples_forwarded"]  # InfoBatch pruned pass 2
     assert cost["saving_samples_forwarded"] > 0.05 and f"{cost['saving_samples_forwarded']:.1%}" in markdown
     names = sorted(os.path.basename(p) for p in report["plots"])
-    assert names == ["kept_fraction.png", "quality_vs_samples.png", "quality_vs_time.png", "score_histograms.png"]
+    assert names == ["kept_fraction.png", "quality_vs_compute_frontier.png", "quality_vs_samples.png",
+                     "quality_vs_time.png", "score_histograms.png"]
+    # one Full run of the pruned run's seed: the saving is a bound beside it, or read off nothing
+    answer = report["equal_quality"]["runs"]["mae_infobatch"]["masked_mse"]
+    assert answer["kind"] in ("at least", "at most") and answer["points"] == 1
     for path in report["plots"]:
         assert open(path, "rb").read(8) == PNG_MAGIC
     saved = json.load(open(tmp_path / "report" / "report.json"))
@@ -153,3 +157,50 @@ def test_compare_of_weights_that_were_not_evaluated_names_what_to_run(tiny_runs,
     assert not os.path.exists(tmp_path / "raw" / "report.md")
     assert compare_runs([full], [pruned], out=str(tmp_path / "ema"), plots=False)["pruned"][0]["metrics_source"] \
         .startswith("eval/")
+
+
+def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_frontier(tmp_path):
+    """Full at 2, 3 and 4 passes per seed (1000 samples a pass; seed s shifts every Full run of it by
+    its offset, as an initialisation does); three pruned seeds at 2800 samples whose quality Full of
+    the same seed reaches at 4000, 3500 and 3800 samples: they save 30%, 20% and 26.3%."""
+    offsets = {0: 0.0, 1: 0.02, 2: -0.02}
+    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+                for p, v in ((2, 0.20), (3, 0.15), (4, 0.10))] for s, off in offsets.items()}
+    pruned = [fake_run(tmp_path, f"ib_s{s}", "infobatch", s, {"masked_mse": v + offsets[s]}, [0.5] * 4,
+                       samples_per_pass=700, kept=0.7) for s, v in ((0, 0.10), (1, 0.125), (2, 0.11))]
+    baselines = [runs[-1] for runs in full.values()]
+    same = [runs[1] for runs in full.values()]  # Full at 3 passes of every seed
+    frontier = [runs[0] for runs in full.values()]
+    report = compare_runs(baselines, pruned, same_compute=same, frontier=frontier, out=str(tmp_path / "out"),
+                          weights="ema")
+    answers = report["equal_quality"]["runs"]
+    savings = [answers[f"ib_s{s}"]["masked_mse"]["saving"] for s in range(3)]
+    assert savings == pytest.approx([0.30, 0.20, 1 - 2800 / 3800])
+    assert all(answers[f"ib_s{s}"]["masked_mse"]["points"] == 3 for s in range(3))
+    [setting] = report["equal_quality"]["settings"]
+    summary = setting["metrics"]["masked_mse"]
+    assert setting["setting"] == "ib" and setting["seeds"] == [0, 1, 2]
+    assert summary["mean"] == pytest.approx(sum(savings) / 3) and summary["low"] > 0
+    assert summary["verdict"].startswith("saves 25% [")
+    # the equal-compute reference is the pruned run's own seed
+    assert report["equal_compute"]["ib_s1"]["reference"].startswith("full run full_p3_s1")
+    assert "## Compute saved at equal quality" in report["markdown"]
+    assert report["markdown"].index("Compute saved at equal quality") < report["markdown"].index("equal passes")
+    assert os.path.isfile(tmp_path / "out" / "quality_vs_compute_frontier.png")
+
+    # without the frontier the seeds still have two Full points each (baseline, same compute)
+    two = compare_runs(baselines, pruned, same_compute=same, out=str(tmp_path / "two"), plots=False)
+    assert two["equal_quality"]["runs"]["ib_s0"]["masked_mse"]["points"] == 2
+    assert any("fewer than 3 Full runs" in note for note in two["notes"])
+    # a seed without any Full run is named, not guessed
+    lone = fake_run(tmp_path, "ib_s7", "infobatch", 7, {"masked_mse": 0.1}, [0.5] * 4, samples_per_pass=700)
+    alone = compare_runs(baselines, [lone], out=str(tmp_path / "lone"), plots=False)
+    assert alone["equal_quality"]["missing"] == [7] and any("seed(s) 7" in n for n in alone["notes"])
+    with pytest.raises(ValueError, match="pruned data"):
+        compare_runs(baselines, pruned, frontier=[pruned[0]], out=str(tmp_path / "bad"), plots=False)
+
+    out = tmp_path / "cli"
+    assert cli_main(["compare", ",".join(baselines), *pruned, "--frontier", str(tmp_path / "full_p[23]_s*"),
+                     "--out", str(out), "--no-plots"]) == 0
+    recorded = json.load(open(out / "report.json"))
+    assert recorded["equal_quality"]["settings"][0]["metrics"]["masked_mse"]["mean"] == pytest.approx(summary["mean"])

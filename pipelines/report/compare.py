@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelines.evaluation.records import PRIMARY_METRICS
+from pipelines.report.equal_quality import equal_quality
 from pipelines.report.runs import UNRECORDED, RunSummary, held_out_metrics, load_run, trajectory_value
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
@@ -110,7 +111,9 @@ def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute:
     """The pruned run against full training of the same samples forwarded: the closest of the given
     same-compute runs, else the baseline runs' own held-out curves read at that many samples."""
     if same_compute:
-        match = min(same_compute, key=lambda r: abs(r.samples_forwarded - pruned.samples_forwarded))
+        # the pruned run's own seed first: same initialisation and draws, so the difference is the selection's
+        paired = [r for r in same_compute if r.seed == pruned.seed] or same_compute
+        match = min(paired, key=lambda r: abs(r.samples_forwarded - pruned.samples_forwarded))
         source = (f"full run {match.name} ({match.samples_forwarded} samples forwarded vs "
                   f"{pruned.samples_forwarded}; quality from {match.metrics_source})")
         references = {m: [match.metrics[m]] for m in match.metrics}
@@ -181,6 +184,25 @@ def notes_on(baselines: list[RunSummary], pruned: list[RunSummary], given: dict,
     return notes
 
 
+def equal_quality_notes(found: dict, pruned: list[RunSummary]) -> list[str]:
+    """What limits the compute-at-equal-quality answer."""
+    notes = []
+    if found["missing"]:
+        notes.append(f"No Full run of seed(s) {', '.join(map(str, found['missing']))}: their pruned runs have no "
+                     f"frontier to be read against (train Full at that seed, or pass it as baseline or --frontier).")
+    few = sorted({r.name for r in pruned if 0 < max((len(a["frontier"]) for a in found["runs"][r.name].values()),
+                                                     default=0) < 3})
+    if few:
+        notes.append(f"{', '.join(few)}: fewer than 3 Full runs of their seed, so the frontier between them is a "
+                     f"straight line; pass Full runs of more schedule lengths with --frontier (e.g. 50% to 90% of the "
+                     f"passes) for a curve.")
+    for setting in found["settings"]:
+        if setting["repeated_seeds"]:
+            notes.append(f"{setting['setting']}: several runs share a seed ({setting['seeds']}), so they are not "
+                         f"independent seeds; the interval over them is too narrow.")
+    return notes
+
+
 def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     """Refuse to judge eval records of different `eval.precision` against each other: a precision
     shifts every number it measures the same way, a bias that the tolerances (seed noise) do not
@@ -200,10 +222,13 @@ def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
                      + " so that every record states one precision")
 
 
-def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[str] = (), tolerances: list[str] = (),
-                 k: float = DEFAULT_K, out: str | None = None, weights: str = "ema", plots: bool = True) -> dict:
+def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[str] = (), frontier: list[str] = (),
+                 tolerances: list[str] = (), k: float = DEFAULT_K, out: str | None = None, weights: str = "ema",
+                 plots: bool = True) -> dict:
     """Compare run folders and write report.md, report.json and the PNGs to `out` (default: the first
-    pruned run's report/ folder); returns the report as a dict (its "markdown" key holds the table)."""
+    pruned run's report/ folder); returns the report as a dict (its "markdown" key holds the table).
+    `frontier`: Full runs of other schedule lengths; with the baseline and the same-compute runs they
+    are each seed's Full frontier, from which the compute saved at equal quality is read."""
     from pipelines.report.markdown import render_markdown
     from pipelines.report.plots import write_plots
 
@@ -213,14 +238,19 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
     base = [load_run(p, weights) for p in baselines]
     runs = [load_run(p, weights) for p in pruned]
     same = [load_run(p, weights) for p in same_compute]
-    other_weights = [r for r in base + runs + same if not r.evals and r.evaluated_weights]
+    curve = [load_run(p, weights) for p in frontier]
+    not_full = [r.path for r in curve if r.pruner != "full"]
+    if not_full:
+        raise ValueError(f"compare --frontier: {', '.join(not_full)} pruned data (a frontier is Full trained for "
+                         f"several schedule lengths, each its own schedule)")
+    other_weights = [r for r in base + runs + same + curve if not r.evals and r.evaluated_weights]
     if other_weights:  # falling back to the training log would compare other numbers than asked for
         raise ValueError(f"compare --weights {weights}: " + "; ".join(
             f"run {r.path} was evaluated with the {'/'.join(r.evaluated_weights)} weights only" for r in other_weights)
             + ". Evaluate them with " + ", ".join(f"`prunepipe eval {r.path} --weights {weights}`" for r in other_weights)
             + f", or compare the weights they were evaluated with (--weights {other_weights[0].evaluated_weights[0]})")
-    check_one_precision(base + runs + same, weights)
-    tasks = {r.task for r in base + runs}
+    check_one_precision(base + runs + same + curve, weights)
+    tasks = {r.task for r in base + runs + same + curve}
     if len(tasks) > 1:
         raise ValueError(f"compare: runs of different tasks {sorted(tasks)} cannot be compared")
     out = out or os.path.join(runs[0].path, "report")
@@ -234,9 +264,11 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
         "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
         "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
         "cost": {r.name: cost(base, r) for r in base + runs},
+        "equal_quality": equal_quality(base + same + curve, runs),
         "notes": notes_on(base, runs, given, k),
     }
-    report["plots"] = write_plots(base, runs, out) if plots else []
+    report["notes"] += equal_quality_notes(report["equal_quality"], runs)
+    report["plots"] = write_plots(base, runs, out, report["equal_quality"]) if plots else []
     report["markdown"] = render_markdown(report)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(report["markdown"])

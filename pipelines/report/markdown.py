@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from pipelines.evaluation.records import PRIMARY_METRICS
+from pipelines.report.frontier import interval_text
 
 
 def _num(value) -> str:
@@ -26,14 +27,38 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def equal_quality_section(found: dict | None) -> list[str]:
+    """The headline: per setting and metric, the compute saved at equal quality over its seeds."""
+    if not found or not any(setting["metrics"] for setting in found["settings"]):
+        return []
+    lines = ["## Compute saved at equal quality", "",
+             "Each pruned run against the Full runs of its own seed (baseline, same-compute and --frontier runs: "
+             "Full at several schedule lengths): saving = 1 - its samples forwarded / those at which that seed's "
+             "Full reaches its quality (linear between Full runs; beyond their ends a bound, >= or <=). Interval: "
+             "95% t over seeds.", ""]
+    rows = []
+    marks = {"at least": ">=", "at most": "<="}
+    for setting in found["settings"]:
+        for metric, s in setting["metrics"].items():
+            per_seed = ", ".join(f"s{seed}: {marks.get(a['kind'], '')}{100 * a['saving']:.1f}%"
+                                 for seed, a in zip(s["seeds"], s["per_seed"]))
+            rows.append([setting["setting"], metric, per_seed, interval_text(s), s["verdict"],
+                         str(s["seeds_needed"] or "-")])
+    lines += _table(["setting", "metric", "per seed", "saving [95% CI]", "verdict", "seeds needed"], rows) + [""]
+    lines += ["Seeds needed: for a paired t test (5%, two-sided, 80% power) to tell a saving of the measured size "
+              "from 0.", ""]
+    return lines
+
+
 def render_markdown(report: dict) -> str:
     base, pruned = report["baseline"], report["pruned"]
     names = [r["name"] for r in pruned]
-    lines = ["# Losslessness report", "",
+    lines = ["# Losslessness report: pruned against full", "",
              f"Baseline: {', '.join(b['name'] for b in base)} (pruner {base[0]['pruner']}, {len(base)} run(s)). "
              "Pruned: " + ", ".join(f"{r['name']} ({r['pruner']})" for r in pruned) + ".",
              "Quality from: " + "; ".join(f"{r['name']}: {r['metrics_source']}" for r in base + pruned) + ".", ""]
 
+    lines += equal_quality_section(report.get("equal_quality"))
     lines += ["## Quality at equal passes", ""]
     metrics = [m for m in PRIMARY_METRICS if any(m in report["equal_passes"][n]["metrics"] for n in names)]
     header = ["metric", "better", "baseline"] + [h for n in names for h in (n, f"delta {n}", f"verdict {n}")]

@@ -18,6 +18,7 @@ from pipelines.evaluation.records import PRIMARY_METRICS  # noqa: E402
 from pipelines.report.runs import RunSummary  # noqa: E402
 
 MAX_HISTOGRAMS = 3  # checkpoints per run in the score histogram
+BOUND_MARKS = {"at least": ">=", "at most": "<="}
 
 
 def _style(run: RunSummary, is_baseline: bool) -> dict:
@@ -137,9 +138,48 @@ def plot_score_histograms(runs: list[RunSummary], path: str) -> str | None:
     return path
 
 
-def write_plots(baselines: list[RunSummary], pruned: list[RunSummary], out: str) -> list[str]:
+def plot_equal_quality(found: dict, path: str) -> str | None:
+    """One panel per metric: each seed's Full frontier (final quality against samples forwarded, a line
+    per seed) and each pruned run at its own seed's colour; the title holds each setting's saving."""
+    from pipelines.report.frontier import interval_text
+
+    metrics = [m for m in PRIMARY_METRICS if any(m in answers for answers in found["runs"].values())]
+    if not metrics:
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.5), squeeze=False)
+    seeds = sorted({a["seed"] for answers in found["runs"].values() for a in answers.values()})
+    colour = {seed: f"C{i % 10}" for i, seed in enumerate(seeds)}
+    for ax, metric in zip(axes[0], metrics):
+        drawn = set()
+        for name, answers in found["runs"].items():
+            answer = answers.get(metric)
+            if answer is None:
+                continue
+            seed = answer["seed"]
+            if seed not in drawn:
+                drawn.add(seed)
+                xs = [p["samples_forwarded"] for p in answer["frontier"]]
+                ax.plot(xs, [p["value"] for p in answer["frontier"]], color=colour[seed], marker="o", ms=4,
+                        label=f"Full, seed {seed}")
+            ax.plot([answer["compute"]], [answer["value"]], color=colour[seed], marker="s", ms=8, mfc="none",
+                    ls="none", label=f"{name} (saves {BOUND_MARKS.get(answer['kind'], '')}{100 * answer['saving']:.0f}%)")
+        summaries = [f"{s['setting']}: {interval_text(s['metrics'][metric])}" for s in found["settings"]
+                     if metric in s["metrics"]]
+        ax.set_title(f"{metric}: saved at equal quality\n" + "; ".join(summaries), fontsize=9)
+        ax.set_xlabel("samples forwarded")
+        ax.set_ylabel(f"{metric} ({'higher' if PRIMARY_METRICS[metric] else 'lower'} is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(baselines: list[RunSummary], pruned: list[RunSummary], out: str, found: dict | None = None) -> list[str]:
     """All plots that have data; returns the paths written."""
     written = [
+        plot_equal_quality(found, os.path.join(out, "quality_vs_compute_frontier.png")) if found else None,
         plot_quality(baselines, pruned, "samples_forwarded", os.path.join(out, "quality_vs_samples.png")),
         plot_quality(baselines, pruned, "wall_seconds", os.path.join(out, "quality_vs_time.png")),
         plot_kept_fraction(baselines + pruned, os.path.join(out, "kept_fraction.png")),

@@ -15,6 +15,10 @@ from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 
 UNRECORDED = "not recorded"
+# config keys that name a run or say how it is operated, not what it trains: runs differing only in
+# these are seeds of one setting
+IDENTITY_KEYS = ("name", "runs_dir", "run_dir", "seed", "log_every", "checkpoint", "debug_sync", "debug_device_sync",
+                 "dist_timeout_seconds", "eval")
 
 
 @dataclass
@@ -39,6 +43,7 @@ class RunSummary:
     trajectory: list = field(default_factory=list)  # per-pass records of metrics.jsonl
     evals: list = field(default_factory=list)  # eval records of the compared weights, by optimizer step
     evaluated_weights: tuple = ()  # the weights (ema, raw) any eval record of the run is of
+    setting: str = ""  # the config without IDENTITY_KEYS: equal for seeds of one setting
 
 
 def load_run(path: str, weights: str = "ema") -> RunSummary:
@@ -51,6 +56,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     run = RunSummary(path, str(config.get("name", os.path.basename(path))), config.get("task", "?"),
                      str((config.get("pruner") or {}).get("name", "?")), int(config.get("seed", 0)),
                      int(config.get("passes", 0)))
+    run.setting = json.dumps({k: v for k, v in config.items() if k not in IDENTITY_KEYS}, sort_keys=True, default=str)
     log_path = os.path.join(path, "metrics.jsonl")
     records = []
     if os.path.isfile(log_path):

@@ -1,0 +1,60 @@
+"""Compute saved at equal quality for run folders (`prunepipe compare --frontier`): each pruned run
+against the Full runs of its own seed (the baseline, the same-compute runs and the frontier runs:
+Full at several schedule lengths), and the runs of one setting (configs equal but for the seed and
+the name) summed up over their seeds. The arithmetic is pipelines/report/frontier.py's."""
+
+from __future__ import annotations
+
+import re
+
+from pipelines.evaluation.records import PRIMARY_METRICS
+from pipelines.report.frontier import IsoQuality, iso_quality, summarise_savings
+from pipelines.report.runs import RunSummary
+
+
+def full_points(fulls: list[RunSummary], metric: str) -> dict[int, list[tuple[float, float]]]:
+    """Per seed, (samples forwarded, final `metric`) of its Full runs; a folder given twice counts once."""
+    points: dict[int, dict[str, tuple[float, float]]] = {}
+    for run in fulls:
+        if metric in run.metrics and run.samples_forwarded > 0:
+            points.setdefault(run.seed, {})[run.path] = (float(run.samples_forwarded), float(run.metrics[metric]))
+    return {seed: sorted(found.values()) for seed, found in points.items()}
+
+
+def setting_name(runs: list[RunSummary]) -> str:
+    """The runs' common name without a seed suffix (`ib_s1`, `ib_s2` -> `ib`), else their names."""
+    stems = {re.sub(r"_s\d+$", "", r.name) for r in runs}
+    return stems.pop() if len(stems) == 1 else " + ".join(r.name for r in runs)
+
+
+def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary]) -> dict:
+    """{"runs": {name: {metric: per-seed answer}}, "settings": [one per setting with its seeds' summary
+    per metric], "missing": seeds of pruned runs without any Full run}."""
+    full_runs = [r for r in fulls if r.pruner == "full"]
+    per_run: dict[str, dict] = {r.name: {} for r in pruned}
+    missing = sorted({r.seed for r in pruned} - {r.seed for r in full_runs})
+    for metric in PRIMARY_METRICS:
+        frontiers = full_points(full_runs, metric)
+        for run in pruned:
+            points = frontiers.get(run.seed)
+            if points and metric in run.metrics:
+                found = iso_quality(points, run.samples_forwarded, run.metrics[metric], not PRIMARY_METRICS[metric])
+                per_run[run.name][metric] = {**found.as_dict(), "seed": run.seed, "value": run.metrics[metric],
+                                            "frontier": [{"samples_forwarded": x, "value": y} for x, y in points]}
+    settings = []
+    groups: dict[str, list[RunSummary]] = {}
+    for run in pruned:
+        groups.setdefault(run.setting, []).append(run)
+    for runs in groups.values():
+        seeds = [r.seed for r in runs]
+        entry = {"setting": setting_name(runs), "runs": [r.name for r in runs], "seeds": seeds,
+                 "repeated_seeds": len(set(seeds)) < len(seeds), "metrics": {}}
+        for metric in PRIMARY_METRICS:
+            answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
+            if answers:
+                fields = IsoQuality.__dataclass_fields__
+                summary = summarise_savings([IsoQuality(**{k: a[k] for k in fields}) for a in answers])
+                summary["seeds"] = [a["seed"] for a in answers]
+                entry["metrics"][metric] = summary
+        settings.append(entry)
+    return {"runs": per_run, "settings": settings, "missing": missing}
