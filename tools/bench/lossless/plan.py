@@ -63,15 +63,17 @@ def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = (), frontier
 
 
 def check_frontier(fractions) -> tuple[float, ...]:
-    """Sorted fractions of the passes in (0, 1); 1 is Full itself."""
-    bad = [f for f in fractions if not 0 < f < 1]
+    """Sorted positive fractions of the passes other than 1 (Full itself always runs). Above 1: Full
+    trained longer, so that a setting better than Full at the full schedule gets a saving, not a bound."""
+    bad = [f for f in fractions if not 0 < f or f == 1]
     if bad:
-        raise ValueError(f"bench --frontier: fractions of the passes must lie in (0, 1) (Full at 1 always runs), got {bad}")
+        raise ValueError(f"bench --frontier: fractions of the passes must be > 0 and not 1 (Full at 1 always runs), "
+                         f"got {bad}")
     return tuple(sorted(set(float(f) for f in fractions)))
 
 
 def frontier_passes(plan: TaskPlan, passes: int) -> list[int]:
-    """The frontier's schedule lengths below `passes` (distinct, at least 1)."""
+    """The frontier's schedule lengths other than `passes` (distinct, at least 1)."""
     return sorted({max(1, int(round(f * passes))) for f in plan.frontier} - {passes})
 
 

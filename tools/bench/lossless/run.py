@@ -415,8 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(e.g. 'InfoBatch,InfoBatch no rescale')")
     parser.add_argument("--frontier", default="",
                         help="with --suite pays: Full also at these fractions of the passes, comma-separated "
-                             "(e.g. 0.5,0.6,0.7,0.8,0.9), at every seed: each seed's quality-vs-compute curve, "
-                             "from which the compute saved at equal quality is read")
+                             "(e.g. 0.5,0.6,0.7,0.8,0.9,1.2,1.5), at every seed: each seed's quality-vs-compute "
+                             "curve, from which the compute saved at equal quality is read (above 1: a setting "
+                             "better than Full gets a saving, not a bound)")
     parser.add_argument("--tag", default="",
                         help="with --suite pays: a name for this invocation's report block (e.g. with --arms, "
                              "so that it does not replace the whole suite's)")
