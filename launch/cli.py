@@ -235,10 +235,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="pruned vs full vs equal-compute full on the bundled digits, on CPU")
     demo.add_argument("--data", default=DEFAULT_DATA)
     demo.add_argument("--name", default="demo_mae",
-                      help="run name prefix: NAME_infobatch[_sN], NAME_full_sN, NAME_full_short[_sN]")
+                      help="run name prefix: NAME_infobatch[_sN], NAME_full_sN, NAME_full_short[_sN], NAME_full_half[_sN]")
     demo.add_argument("--passes", type=int, default=0, help="0: the config's")
     demo.add_argument("--seeds", type=int, default=3,
-                      help="seeds of the pruned run, its baseline and its equal-compute run (>= 2 for an interval)")
+                      help="seeds of the pruned run and its Full runs (>= 2 for an interval)")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
     demo.set_defaults(func=_demo)
 

@@ -3,10 +3,10 @@ digits on CPU in a few minutes. Was the pruned run lossless, was it better than 
 how much compute did it save at equal quality?
 
 At each of three seeds it trains a tiny MAE with InfoBatch, its full-data baseline for the same
-passes (the seeds' spread is the tolerance) and a full run of the same compute (as many passes as
-that seed's pruned run's samples forwarded buy, with its own schedule). Each seed's two full runs
-are its Full frontier: the compute saved at equal quality is read off it, paired by seed, with a
-95% interval over the seeds. It evaluates every run on held-out data and prints the `prunepipe
+passes (the seeds' spread is the tolerance), a full run of the same compute (as many passes as
+that seed's pruned run's samples forwarded buy, with its own schedule) and a full run of half the
+passes. Each seed's three full runs are its Full frontier: the compute saved at equal quality is
+read off it, paired by seed, with a 95% interval over the seeds. It evaluates every run on held-out data and prints the `prunepipe
 compare` report and the three answers.
 """
 
@@ -60,8 +60,8 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
         write_shards("digits", data, size=32, shard_size=300)
     common = [f"data.train={data}/train", f"data.val={data}/val", *([f"passes={passes}"] if passes else []),
               *overrides]
-    steps, step = 3 * seeds, 0
-    pruned_dirs, baseline, same_compute = [], [], []
+    steps, step = 4 * seeds, 0
+    pruned_dirs, baseline, same_compute, frontier = [], [], [], []
     for seed in range(seeds):
         suffix = seed_suffix(seed)
         pruned, pruned_dir = train_and_evaluate("mae_tiny_infobatch.yaml", [*common, f"seed={seed}",
@@ -81,11 +81,19 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
                 "mae_tiny_full.yaml", [*common, f"seed={seed}", f"passes={short}", f"name={prefix}_full_short{suffix}"],
                 f"{step + 3}/{steps} full data for that compute ({pruned['samples_forwarded']} samples), seed {seed}")
             same_compute.append(same_dir)
-        step += 3
-    report = compare_runs(baseline, pruned_dirs, same_compute=same_compute, weights="raw", plots=True)
+        # below the pruned run's compute, so that a run worse than training less gets a measured saving
+        _, half_dir = train_and_evaluate(
+            "mae_tiny_full.yaml", [*common, f"seed={seed}", f"passes={max(1, full_passes // 2)}",
+                                   f"name={prefix}_full_half{suffix}"],
+            f"{step + 4}/{steps} full data for half the passes (the frontier's low end), seed {seed}")
+        frontier.append(half_dir)
+        step += 4
+    report = compare_runs(baseline, pruned_dirs, same_compute=same_compute, frontier=frontier, weights="raw",
+                          plots=True)
     print("\n" + report["markdown"])
     print(f"report and plots: {report['out']}/\nthe same comparison: prunepipe compare {','.join(baseline)} "
-          f"{' '.join(pruned_dirs)} --same-compute {' '.join(same_compute)} --weights raw")
+          f"{' '.join(pruned_dirs)} --same-compute {' '.join(same_compute)} --frontier {' '.join(frontier)} "
+          f"--weights raw")
     names = [os.path.basename(d) for d in pruned_dirs]
     [setting] = report["equal_quality"]["settings"]
     main = "masked_mse"

@@ -158,7 +158,7 @@ def summarise_savings(per_seed: list[IsoQuality]) -> dict:
     summary.update(per_seed=[s.as_dict() for s in per_seed], bounded=sum(s.kind != EXACT for s in per_seed),
                    bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",
                    monotone=all(s.monotone for s in per_seed))
-    summary["verdict"] = saving_verdict(summary)
+    summary["verdict"], summary["note"] = saving_verdict(summary), bound_note(summary)
     return summary
 
 
@@ -174,33 +174,37 @@ def interval_text(summary: dict) -> str:
 
 
 def saving_verdict(summary: dict) -> str:
-    """Words that follow the numbers: what the interval says about the saving at equal quality."""
-    text, n = interval_text(summary), summary["n"]
-    bounds = f" ({summary['bounded']} of {n} seeds beyond the frontier's ends)" if summary["bounded"] else ""
-    if summary["bound"] == "mixed":
-        return (f"not resolved: some seeds beat every Full and some no Full{bounds}; a wider frontier "
-                f"(shorter and longer Full runs) would place them")
-    if n < 2:
-        if summary["bound"] == AT_LEAST:
-            return f"saves at least {percent(summary['mean'])} at equal quality (1 seed, no interval)"
-        if summary["bound"] == AT_MOST:
-            return f"saves at most {percent(summary['mean'])} at equal quality (1 seed, no interval)"
-        return f"saves {text} at equal quality"
+    """Words that follow the numbers: what the interval says about the saving at equal quality.
+    Short enough for a last line; `bound_note` says what the bounds mean."""
+    text, bound = interval_text(summary), summary["bound"]
+    if bound == "mixed":
+        return "not resolved: some seeds beat every Full of their seed and some no Full"
+    if bound == AT_MOST and not summary["high"] < 0:  # upper bounds: only "costs more" can be shown
+        return f"no saving shown: at most {percent(summary['mean'])}"
+    least = "at least " if bound == AT_LEAST else "at most " if bound == AT_MOST else ""
+    if summary["n"] < 2:
+        return f"saves {least}{text} at equal quality"
     if summary["low"] > 0:
-        if summary["bound"] == AT_MOST:  # upper bounds above 0 prove no saving
-            return (f"saves at most {text} at equal quality{bounds}: no better than the cheapest Full on some "
-                    f"seeds, so the saving is not shown; a frontier reaching lower compute would place them")
-        if summary["bound"] == AT_LEAST:  # bounds pile up at the frontier's end: the interval is too narrow
-            return (f"saves at least {text} at equal quality{bounds}: better than the longest Full there, so "
-                    f"those savings are lower bounds and the interval is narrower than the truth's; a frontier "
-                    f"reaching higher compute would measure them")
-        return f"saves {text} at equal quality{bounds}"
+        return f"saves {least}{text} at equal quality"
     if summary["high"] < 0:
-        if summary["bound"] == AT_LEAST:
-            return (f"not resolved: {text} with lower bounds{bounds}; a frontier reaching higher compute "
-                    f"would place them")
-        return f"costs more than training less: {text} at equal quality{bounds}"
-    return f"no saving detected (CI includes 0): {text}{bounds}"
+        if bound == AT_LEAST:
+            return f"not resolved: lower bounds {text}"
+        return f"costs more than training less: {least}{text} at equal quality"
+    return f"no saving detected (CI includes 0): {least}{text}"
+
+
+def bound_note(summary: dict) -> str:
+    """What the seeds beyond the frontier's ends mean for the verdict ('' when there are none)."""
+    if not summary["bounded"]:
+        return ""
+    head = f"{summary['bounded']} of {summary['n']} seeds beyond the frontier's ends"
+    if summary["bound"] == AT_LEAST:
+        return (f"{head}: better than the longest Full of their seed, so their savings are lower bounds and the "
+                f"interval is narrower than the truth's; Full trained longer would measure them")
+    if summary["bound"] == AT_MOST:
+        return (f"{head}: no better than the cheapest Full of their seed, so their savings are upper bounds; "
+                f"Full trained for less compute would measure them")
+    return f"{head}, on both sides: a frontier reaching lower and higher compute would place them"
 
 
 def paired_difference(values: dict[int, float], references: dict[int, float], lower_is_better: bool) -> dict:

@@ -45,6 +45,9 @@ def equal_quality_section(found: dict | None) -> list[str]:
             rows.append([setting["setting"], metric, per_seed, interval_text(s), s["verdict"],
                          str(s["seeds_needed"] or "-")])
     lines += _table(["setting", "metric", "per seed", "saving [95% CI]", "verdict", "seeds needed"], rows) + [""]
+    notes = {f"- {setting['setting']}: {s['note']}" for setting in found["settings"] for s in setting["metrics"].values()
+             if s["note"]}
+    lines += sorted(notes) + ([""] if notes else [])
     lines += ["Seeds needed: for a paired t test (5%, two-sided, 80% power) to tell a saving of the measured size "
               "from 0.", ""]
     return lines

@@ -276,10 +276,13 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
         lines.append(
             f"| {r['label']} | {r['compute']:.0%} | {len(r['seeds'])} | {'/'.join(map(str, points)) or '-'} | "
             + (f"{interval_text(s)} | [{percent(s['bootstrap_low'])}, {percent(s['bootstrap_high'])}] | {_seed_savings(s)} | "
-               f"{s['verdict'].split(':')[0]} | {s['seeds_needed'] or '-'} | " if s else "- | - | - | - | - | ")
+               f"{s['verdict']} | {s['seeds_needed'] or '-'} | " if s else "- | - | - | - | - | ")
             + f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])}{how} | "
               f"{fmt(c['delta_passes'], 2)} / {fmt(c['delta_compute'], 2)} |")
-    lines += ["", f"Saving = 1 − compute / the compute at which the same seed's Full frontier reaches the setting's "
+    notes = [f"- {r['label']}: {r['metrics'][main]['saving']['note']}" for r in mine
+             if (r["metrics"].get(main) or {}).get("saving") and r["metrics"][main]["saving"]["note"]]
+    lines += [""] + notes + (["" ] if notes else [])
+    lines += [f"Saving = 1 − compute / the compute at which the same seed's Full frontier reaches the setting's "
                   f"{main} (linear between Full runs; ≥ / ≤: beyond the frontier's ends, a bound). Interval: t over "
                   f"seeds (the bootstrap beside it covers less than 95% at few seeds). Seeds needed: for a paired t "
                   f"test (5%, two-sided) to show this mean saving ≠ 0 with 80% power. Paired Δ: mean of per-seed "

@@ -215,7 +215,8 @@ def saving_targets(arm_rows: list[dict]) -> list[dict]:
         need = saving["seeds_needed"]
         measured = ("reached on lower bounds only, so not measured: the frontier must reach further (Full "
                     "above the full schedule, --frontier ...,1.2,1.5); " if reached and not met else "")
-        measured += (f"best: {best['label']}, {saving['verdict']} ({best['main']}, {saving['n']} seeds, t interval); "
+        note = f" ({saving['note']})" if saving["note"] else ""
+        measured += (f"best: {best['label']}, {saving['verdict']}{note} ({best['main']}, {saving['n']} seeds, t interval); "
                     + (f"seeds a paired test would need to show its saving > 0: {need}" if need and saving["mean"] > 0
                        else "no number of seeds would show a saving > 0 (measured mean <= 0)"))
         ceiling = [(r, s) for r, s in judged if r["pruner"] == "full" and r["label"].startswith("Dedup")]
