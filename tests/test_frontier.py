@@ -9,8 +9,11 @@ import math
 
 import pytest
 
-from pipelines.report.frontier import (AT_LEAST, AT_MOST, EXACT, IsoQuality, iso_quality, paired_difference,
-                                       seeds_needed, summarise_savings, t_interval)
+import numpy as np
+
+from pipelines.report.frontier import (AT_LEAST, AT_MOST, EXACT, IsoQuality, fit_frontier, iso_quality,
+                                       paired_difference, saving_summary, savings_over_seeds, seeds_needed,
+                                       summarise_savings, t_interval)
 from tools.bench.interval_coverage import coverage
 
 # Full of one seed: masked MSE (lower is better) at 50..100% of the schedule, improving throughout
@@ -99,3 +102,53 @@ def test_the_t_interval_covers_the_true_saving_at_its_nominal_rate():
     assert 0.92 <= found["t"] <= 0.98, found
     # why the headline is the t interval: the percentile bootstrap is too narrow at 5 seeds
     assert found["bootstrap"] < found["t"] - 0.05, found
+
+
+def test_the_frontier_is_one_shape_plus_a_level_per_seed():
+    shape = {0.5: 0.30, 0.7: 0.25, 1.0: 0.22}
+    levels = {0: 0.0, 1: 0.03, 2: -0.03}
+    # seed 2 has no run at 70%: its level still comes from the lengths it shares
+    frontiers = {s: [(c, v + u) for c, v in shape.items() if not (s == 2 and c == 0.7)] for s, u in levels.items()}
+    model = fit_frontier(frontiers, lower_is_better=True)
+    assert model.shape == pytest.approx(list(shape.values())) and model.monotone and not model.own
+    assert [model.levels[s] for s in levels] == pytest.approx(list(levels.values()))
+    assert model.curve(2)[1] == (0.7, pytest.approx(0.25 - 0.03))
+    # each seed at 70% compute with its own seed's quality at 100%: 30% saved on every seed
+    found = savings_over_seeds(frontiers, {s: (0.7, 0.22 + u) for s, u in levels.items()}, True)
+    assert [a.saving for a in found.values()] == pytest.approx([0.3, 0.3, 0.3])
+    assert [a.points for a in found.values()] == [3, 3, 2]
+    # a seed that shares no length with the others keeps its own points
+    alone = fit_frontier({**frontiers, 9: [(0.6, 0.5), (0.9, 0.4)]}, True)
+    assert alone.own == {9: [(0.6, 0.5), (0.9, 0.4)]} and alone.curve(9) == [(0.6, 0.5), (0.9, 0.4)]
+
+
+def test_a_shape_that_gets_worse_is_made_monotone_by_isotonic_regression_not_by_the_luckiest_run():
+    # the seeds' mean at 90% is better than at 100%: pooled to their average, not kept at the best
+    frontiers = {s: [(0.5, 0.30 + u), (0.9, 0.20 + u), (1.0, 0.22 + u)] for s, u in ((0, 0.0), (1, 0.01))}
+    model = fit_frontier(frontiers, lower_is_better=True)
+    assert not model.monotone and model.shape == pytest.approx([0.305, 0.215, 0.215])  # the seeds' average
+    assert [v for _, v in model.curve(0)] == pytest.approx([0.30, 0.21, 0.21])
+    [answer] = savings_over_seeds(frontiers, {0: (0.7, 0.21 - 0.005)}, True).values()
+    assert answer.kind == AT_LEAST and not answer.monotone  # better than the pooled 90-100%: a bound
+    psnr = fit_frontier({s: [(c, -v) for c, v in p] for s, p in frontiers.items()}, lower_is_better=False)
+    assert psnr.shape == pytest.approx([-0.305, -0.215, -0.215])
+
+
+def test_reading_one_shape_over_the_seeds_is_less_noisy_than_each_seeds_own_points():
+    # 5 seeds, Full at 8 lengths with run noise as large as a few passes of training; the pruned run
+    # sits exactly on its seed's true curve at 85% compute, so every seed's true saving is the same
+    rng = np.random.default_rng(0)
+    lengths = np.linspace(0.5, 1.2, 8)
+    truth = 1 - 0.7 / 0.85
+    model_spread, own_spread = [], []
+    for _ in range(40):
+        levels = rng.normal(0, 0.5, 5)
+        frontiers = {s: [(c, u - c + rng.normal(0, 0.03)) for c in lengths] for s, u in enumerate(levels)}
+        runs = {s: (0.7, u - 0.85) for s, u in enumerate(levels)}
+        model = [a.saving for a in savings_over_seeds(frontiers, runs, True).values()]
+        own = [iso_quality(frontiers[s], 0.7, runs[s][1], True).saving for s in runs]
+        model_spread.append(np.std(np.subtract(model, truth)))
+        own_spread.append(np.std(np.subtract(own, truth)))
+    assert np.mean(model_spread) < 0.6 * np.mean(own_spread)
+    summary = saving_summary(frontiers, runs, True)
+    assert summary["interval"] == "jackknife t" and summary["standard_error"] > 0

@@ -1,14 +1,15 @@
 """Compute saved at equal quality for run folders (`prunepipe compare --frontier`): each pruned run
-against the Full runs of its own seed (the baseline, the same-compute runs and the frontier runs:
-Full at several schedule lengths), and the runs of one setting (configs equal but for the seed and
-the name) summed up over their seeds. The arithmetic is pipelines/report/frontier.py's."""
+against the Full curve of its own seed (the baseline, the same-compute runs and the frontier runs:
+Full at several schedule lengths, fitted as one shape plus a level per seed), and the runs of one
+setting (configs equal but for the seed and the name) summed up over their seeds. The arithmetic
+is pipelines/report/frontier.py's."""
 
 from __future__ import annotations
 
 import re
 
 from pipelines.evaluation.records import PRIMARY_METRICS
-from pipelines.report.frontier import IsoQuality, iso_quality, summarise_savings
+from pipelines.report.frontier import IsoQuality, fit_frontier, saving_summary, savings_over_seeds, summarise_savings
 from pipelines.report.runs import RunSummary
 
 
@@ -35,12 +36,18 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary]) -> dict:
     missing = sorted({r.seed for r in pruned} - {r.seed for r in full_runs})
     for metric in PRIMARY_METRICS:
         frontiers = full_points(full_runs, metric)
-        for run in pruned:
-            points = frontiers.get(run.seed)
-            if points and metric in run.metrics:
-                found = iso_quality(points, run.samples_forwarded, run.metrics[metric], not PRIMARY_METRICS[metric])
-                per_run[run.name][metric] = {**found.as_dict(), "seed": run.seed, "value": run.metrics[metric],
-                                            "frontier": [{"samples_forwarded": x, "value": y} for x, y in points]}
+        measured = [r for r in pruned if metric in r.metrics and r.seed in frontiers]
+        if not measured:
+            continue
+        lower = not PRIMARY_METRICS[metric]
+        model = fit_frontier(frontiers, lower)
+        for run in measured:  # runs of several settings may share a seed: each is read on its own
+            found = savings_over_seeds(frontiers, {run.seed: (run.samples_forwarded, run.metrics[metric])},
+                                       lower)[run.seed]
+            per_run[run.name][metric] = {
+                **found.as_dict(), "seed": run.seed, "value": run.metrics[metric],
+                "frontier": [{"samples_forwarded": x, "value": y} for x, y in frontiers[run.seed]],
+                "curve": [{"samples_forwarded": x, "value": y} for x, y in model.curve(run.seed)]}
     settings = []
     groups: dict[str, list[RunSummary]] = {}
     for run in pruned:
@@ -50,11 +57,16 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary]) -> dict:
         entry = {"setting": setting_name(runs), "runs": [r.name for r in runs], "seeds": seeds,
                  "repeated_seeds": len(set(seeds)) < len(seeds), "metrics": {}}
         for metric in PRIMARY_METRICS:
-            answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
-            if answers:
+            measured = {r.seed: (float(r.samples_forwarded), float(r.metrics[metric])) for r in runs
+                        if metric in per_run[r.name]}
+            if measured and not entry["repeated_seeds"]:
+                entry["metrics"][metric] = saving_summary(full_points(full_runs, metric), measured,
+                                                          not PRIMARY_METRICS[metric])
+            elif measured:  # seeds repeated: no jackknife over seeds, the plain t interval (noted)
                 fields = IsoQuality.__dataclass_fields__
-                summary = summarise_savings([IsoQuality(**{k: a[k] for k in fields}) for a in answers])
-                summary["seeds"] = [a["seed"] for a in answers]
-                entry["metrics"][metric] = summary
+                answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
+                entry["metrics"][metric] = {**summarise_savings([IsoQuality(**{k: a[k] for k in fields})
+                                                                for a in answers]),
+                                            "seeds": [a["seed"] for a in answers]}
         settings.append(entry)
     return {"runs": per_run, "settings": settings, "missing": missing}

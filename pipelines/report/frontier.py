@@ -2,14 +2,19 @@
 lengths, each with its own schedule) reaches a pruned run's quality, and the seeds' savings summed
 up with intervals. Pure numbers in, numbers and verdict words out; it reads and trains nothing.
 
-Per seed (docs/evaluation.md, "Compute saved at equal quality"):
-- the frontier is that seed's Full runs as (compute, quality) points; where training longer got
-  worse somewhere (a non-monotone frontier), each point takes the best quality of any Full at or
-  below its compute, so the saving is against the best Full a user could have stopped at;
-- the iso-quality compute is where that envelope reaches the run's quality, linear between points
-  (monotone, because the envelope is); beyond the frontier's ends it is a bound, never extrapolated:
-  a run better than every Full saves *at least* what the longest Full gives, a run no better than
-  the cheapest Full saves *at most* what the cheapest gives;
+The frontier (docs/evaluation.md, "Compute saved at equal quality"):
+- one shape for all seeds, one level per seed: quality(length, seed) = shape(length) + level(seed),
+  fitted by least squares over every Full run. A seed's initialisation and draws move all its runs
+  together (the level), while a single run at one length also carries noise of its own, as large
+  as a few passes of training; read one noisy point at a time, a seed's own frontier would move
+  its saving by that much, so every run of every seed informs the shape and every run of a seed
+  its level. A seed whose runs share no length with the others keeps its own points;
+- where training longer got worse somewhere, the shape is made monotone by isotonic regression
+  (least squares under "more compute is never worse"), not by the running best, which among noisy
+  runs would pick the luckiest one and bias every saving down; the report says it happened;
+- the iso-quality compute is where the seed's curve reaches the run's quality, linear between
+  lengths; beyond the ends it is a bound, never extrapolated: a run better than every Full saves
+  *at least* what the longest Full gives, a run no better than the cheapest *at most* what it gives;
 - saving = 1 - compute(run) / iso-quality compute. A run on the frontier saves 0.
 
 Across seeds: the mean and a 95% t interval (the headline; the t interval holds its level for
@@ -84,6 +89,105 @@ def iso_quality(points: list[tuple[float, float]], compute: float, value: float,
     return IsoQuality(float(compute), float(iso), float(1.0 - compute / iso), kind, monotone, len(xs))
 
 
+@dataclass
+class FrontierModel:
+    """Full's quality as shape(length) + level(seed): `computes` ascending, `shape` there (monotone),
+    `levels` per seed, and whether the fitted shape was monotone before isotonic regression."""
+
+    computes: np.ndarray
+    shape: np.ndarray
+    levels: dict[int, float]
+    monotone: bool
+    own: dict[int, list[tuple[float, float]]]  # seeds left with their own points (no length shared)
+
+    def curve(self, seed: int) -> list[tuple[float, float]]:
+        """The seed's frontier as (compute, quality) points."""
+        if seed in self.own:
+            return self.own[seed]
+        return [(float(x), float(y + self.levels[seed])) for x, y in zip(self.computes, self.shape)]
+
+
+def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Non-increasing least-squares fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([float(value), float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:  # a rise: pool the two blocks
+            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.concatenate([np.full(n, m) for m, _, n in blocks])
+
+
+def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
+    """The largest set of seeds joined through lengths they share (their levels are comparable)."""
+    seeds = sorted(frontiers)
+    parent = {s: s for s in seeds}
+
+    def root(s):
+        while parent[s] != s:
+            s = parent[s]
+        return s
+
+    by_length: dict[float, list[int]] = {}
+    for seed, points in frontiers.items():
+        for x, _ in points:
+            by_length.setdefault(x, []).append(seed)
+    for members in by_length.values():
+        for other in members[1:]:
+            parent[root(other)] = root(members[0])
+    groups: dict[int, set[int]] = {}
+    for s in seeds:
+        groups.setdefault(root(s), set()).add(s)
+    return max(groups.values(), key=len) if groups else set()
+
+
+def fit_frontier(frontiers: dict[int, list[tuple[float, float]]], lower_is_better: bool) -> FrontierModel:
+    """The shape-plus-level model of several seeds' Full runs (`frontiers`: seed -> (compute, quality)).
+    Runs of one length share its compute exactly (same data and batch size), which is how lengths
+    are matched across seeds."""
+    linked = _linked(frontiers) if len(frontiers) > 1 else set(frontiers)
+    own = {seed: sorted(points) for seed, points in frontiers.items() if seed not in linked}
+    rows = [(seed, x, y) for seed in sorted(linked) for x, y in frontiers[seed]]
+    if not rows:
+        raise ValueError("a frontier needs at least one Full run")
+    values = np.array([y for _, _, y in rows], dtype=float)
+    if not np.all(np.isfinite(values)) or not all(math.isfinite(x) for _, x, _ in rows):
+        raise ValueError(f"a frontier point is not finite: {frontiers}")
+    computes = np.array(sorted({x for _, x, _ in rows}), dtype=float)
+    seeds = sorted(linked)
+    column = {x: i for i, x in enumerate(computes)}
+    design = np.zeros((len(rows) + 1, len(computes) + len(seeds)))
+    for r, (seed, x, _) in enumerate(rows):
+        design[r, column[x]] = 1.0
+        design[r, len(computes) + seeds.index(seed)] = 1.0
+    design[-1, len(computes):] = 1.0  # levels sum to 0: the shape is the seeds' average
+    solution = np.linalg.lstsq(design, np.append(values, 0.0), rcond=None)[0]
+    shape, levels = solution[:len(computes)], solution[len(computes):]
+    counts = np.bincount([column[x] for _, x, _ in rows], minlength=len(computes)).astype(float)
+    signed = shape if lower_is_better else -shape  # lower = better from here on
+    fitted = _isotonic(signed, counts)
+    monotone = bool(np.allclose(fitted, signed, rtol=0, atol=1e-12 * max(1.0, float(np.abs(signed).max()))))
+    shape = fitted if lower_is_better else -fitted
+    return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own)
+
+
+def savings_over_seeds(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
+                       lower_is_better: bool) -> dict[int, IsoQuality]:
+    """Per seed of `runs` (seed -> (compute, quality)) that has Full runs: its IsoQuality against its
+    curve of the shape-plus-level model. `points` counts the seed's own Full runs."""
+    model = fit_frontier(frontiers, lower_is_better)
+    found = {}
+    for seed, (compute, value) in sorted(runs.items()):
+        if seed not in frontiers:
+            continue
+        answer = iso_quality(model.curve(seed), compute, value, lower_is_better)
+        answer.points = len(frontiers[seed])
+        if seed not in model.own:  # the model's shape, not the seed's own points, decided monotony
+            answer.monotone = model.monotone
+        found[seed] = answer
+    return found
+
+
 def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float, float]:
     """(mean, low, high): the t interval of the mean over seeds; nan bounds with fewer than 2."""
     from scipy import stats
@@ -148,12 +252,52 @@ def interval_summary(values: list[float], level: float = LEVEL) -> dict:
             "bootstrap_low": boot[0], "bootstrap_high": boot[1], "seeds_needed": seeds_needed(mean, std)}
 
 
-def summarise_savings(per_seed: list[IsoQuality]) -> dict:
-    """The seeds' savings as one answer: interval_summary of the per-seed savings, which of them are
-    bounds (`bound`: EXACT when none, else AT_LEAST / AT_MOST, or "mixed"), whether any frontier was
-    non-monotone, and the verdict words."""
+def jackknife_standard_error(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
+                             lower_is_better: bool) -> float:
+    """Standard error of the mean saving with every seed left out in turn, the frontier refitted
+    without it: the shape is fitted over all seeds, so their savings share its error, which the
+    spread of the savings alone does not show (the plain t interval then covers too rarely)."""
+    seeds = [seed for seed in runs if seed in frontiers]
+    if len(seeds) < 2:
+        return float("nan")
+    means = []
+    for left_out in seeds:
+        rest = {seed: points for seed, points in frontiers.items() if seed != left_out}
+        answers = savings_over_seeds(rest, {seed: runs[seed] for seed in seeds if seed != left_out}, lower_is_better)
+        means.append(np.mean([a.saving for a in answers.values()]))
+    means = np.asarray(means)
+    return float(math.sqrt((len(means) - 1) / len(means) * np.sum((means - means.mean()) ** 2)))
+
+
+def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
+                   lower_is_better: bool) -> dict | None:
+    """The savings of one setting's seeds (`runs`: seed -> (compute, quality)) against the Full runs
+    (`frontiers`: seed -> points), summed up with a jackknife t interval; None without a Full run of
+    any of its seeds."""
+    answers = savings_over_seeds(frontiers, runs, lower_is_better) if frontiers else {}
+    if not answers:
+        return None
+    summary = summarise_savings(list(answers.values()), jackknife_standard_error(frontiers, runs, lower_is_better))
+    summary["seeds"] = list(answers)
+    return summary
+
+
+def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None = None) -> dict:
+    """The seeds' savings as one answer: interval_summary of the per-seed savings (with
+    `standard_error`, the t interval is mean +- t x it: the jackknife's, when the frontier was
+    fitted over the seeds), which of them are bounds (`bound`: EXACT when none, else AT_LEAST /
+    AT_MOST, or "mixed"), whether any frontier was non-monotone, and the verdict words."""
+    from scipy import stats
+
     values = [s.saving for s in per_seed]
     summary = interval_summary(values)
+    if standard_error is not None and math.isfinite(standard_error) and len(values) > 1:
+        half = float(stats.t.ppf(0.5 + LEVEL / 2, len(values) - 1) * standard_error)
+        effective_std = standard_error * math.sqrt(len(values))
+        summary.update(low=summary["mean"] - half, high=summary["mean"] + half, standard_error=standard_error,
+                       interval="jackknife t", seeds_needed=seeds_needed(summary["mean"], effective_std))
+    else:
+        summary["interval"] = "t"
     kinds = {s.kind for s in per_seed} - {EXACT}
     summary.update(per_seed=[s.as_dict() for s in per_seed], bounded=sum(s.kind != EXACT for s in per_seed),
                    bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from pipelines.report.frontier import AT_MOST, interval_text, iso_quality, paired_difference, summarise_savings
+from pipelines.report.frontier import AT_MOST, interval_text, paired_difference, saving_summary
 from tools.bench.lossless.plan import TaskPlan
 
 LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
@@ -184,15 +184,11 @@ def paired_and_saved(mine: list[dict], fulls: list[dict], equal: list[dict], fro
             read = interpolate_frontier(frontiers[seed], compute[seed])
             if read is not None:
                 at_compute[seed], how[seed] = read, "interpolated"
-    per_seed = [iso_quality(frontiers[seed], compute[seed], value[seed], lower) for seed in sorted(value)
-                if frontiers.get(seed)]
     found = {"paired_passes": paired_difference(value, at_passes, lower),
              "paired_compute": paired_difference(value, at_compute, lower),
              "paired_compute_how": sorted(set(how.values())),
              "frontier_points": {str(seed): len(points) for seed, points in sorted(frontiers.items())},
-             "saving": summarise_savings(per_seed) if per_seed else None}
-    if found["saving"] is not None:
-        found["saving"]["seeds"] = [seed for seed in sorted(value) if frontiers.get(seed)]
+             "saving": saving_summary(frontiers, {seed: (compute[seed], value[seed]) for seed in value}, lower)}
     return found
 
 
