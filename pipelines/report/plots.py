@@ -139,8 +139,9 @@ def plot_score_histograms(runs: list[RunSummary], path: str) -> str | None:
 
 
 def plot_equal_quality(found: dict, path: str) -> str | None:
-    """One panel per metric: each seed's Full frontier (final quality against samples forwarded, a line
-    per seed) and each pruned run at its own seed's colour; the title holds each setting's saving."""
+    """One panel per metric: each seed's Full runs (final quality against samples forwarded) with the
+    curve read off for it, and each pruned run in its seed's colour; the title holds each setting's
+    saving."""
     from pipelines.report.frontier import interval_text
 
     metrics = [m for m in PRIMARY_METRICS if any(m in answers for answers in found["runs"].values())]
@@ -158,9 +159,10 @@ def plot_equal_quality(found: dict, path: str) -> str | None:
             seed = answer["seed"]
             if seed not in drawn:
                 drawn.add(seed)
-                xs = [p["samples_forwarded"] for p in answer["frontier"]]
-                ax.plot(xs, [p["value"] for p in answer["frontier"]], color=colour[seed], marker="o", ms=4,
-                        label=f"Full, seed {seed}")
+                ax.plot([p["samples_forwarded"] for p in answer["frontier"]], [p["value"] for p in answer["frontier"]],
+                        color=colour[seed], marker="o", ms=4, ls="none", label=f"Full runs, seed {seed}")
+                ax.plot([p["samples_forwarded"] for p in answer["curve"]], [p["value"] for p in answer["curve"]],
+                        color=colour[seed], lw=1.2, label="its curve (shape + level)")
             ax.plot([answer["compute"]], [answer["value"]], color=colour[seed], marker="s", ms=8, mfc="none",
                     ls="none", label=f"{name} (saves {BOUND_MARKS.get(answer['kind'], '')}{100 * answer['saving']:.0f}%)")
         summaries = [f"{s['setting']}: {interval_text(s['metrics'][metric])}" for s in found["settings"]
