@@ -50,6 +50,28 @@ def _shards_inspect(args) -> None:
     print(json.dumps(inspect_shards(args.location, args.grid), indent=1))
 
 
+def _shards_embed(args) -> None:
+    from pipelines.data.side_tables import open_embeddings
+    from tools.embed import embed_shards
+
+    path = embed_shards(args.location, args.model, weights=args.weights, name=args.out, batch_size=args.batch_size,
+                        image_size=args.image_size, device=args.device)
+    table = open_embeddings(args.location, os.path.basename(path)[:-len(".npy")])
+    print(f"{path}: {len(table)} x {table.dim} float16 rows by {table.header['model']}; "
+          f"{table.header['missing']['count']} sample(s) without an embedding")
+
+
+def _shards_import_embeddings(args) -> None:
+    from tools.embedding_import import import_embeddings
+
+    summary = import_embeddings(args.location, args.source, format=args.format, name=args.out,
+                                embedding=args.embedding, sample_key=args.sample_key)
+    print(f"{summary['path']}: {summary['matched']} of {summary['samples']} samples joined by key; "
+          f"{summary['missing']} without an embedding"
+          + (f" (first keys: {', '.join(map(repr, summary['missing_first_keys']))})" if summary["missing"] else "")
+          + f"; {summary['rows_matching_no_sample']} imported row(s) named no sample of this split")
+
+
 def _train(args) -> None:
     from pipelines.config import load_config
     from pipelines.training.loop import train
@@ -165,7 +187,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards")
+    shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards; embed them")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
     write = shards_sub.add_parser("write", help="write train/val shards from bundled data or a folder")
     write.add_argument("--source", choices=("digits", "photos", "redundant", "folder"), default="digits",
@@ -203,6 +225,31 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     inspect.add_argument("location", help="folder with index.json")
     inspect.add_argument("--grid", help="write a PNG grid of the first images here")
     inspect.set_defaults(func=_shards_inspect)
+    embed = shards_sub.add_parser("embed", help="one L2-normalised float16 embedding per sample, beside index.json "
+                                                "(resumable)")
+    embed.add_argument("location", help="split folder with index.json (gets embeddings/NAME.npy and NAME.json)")
+    embed.add_argument("--model", required=True,
+                       help="timm:ARCH (with --weights FILE), timm:FOLDER (config.json + weights), mae:RUN_OR_EXPORT_DIR, "
+                            "feature-net[:FILE], or phash (model-free perceptual hash)")
+    embed.add_argument("--weights", help="for timm:ARCH: a local .safetensors or .pth file (nothing is downloaded)")
+    embed.add_argument("--batch-size", type=int, default=64)
+    embed.add_argument("--image-size", type=int, help="decode side (default: the model's input size)")
+    embed.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    embed.add_argument("--out", help="the embeddings' name (default from the model: phash, feature-net, timm-ARCH, ...)")
+    embed.set_defaults(func=_shards_embed)
+    imports = shards_sub.add_parser("import-embeddings", help="embeddings a web dataset ships (clip-retrieval, "
+                                                              "DataComp), joined to the samples by key")
+    imports.add_argument("location", help="split folder with index.json")
+    imports.add_argument("--format", required=True, choices=("clip-retrieval", "datacomp"))
+    imports.add_argument("--from", dest="source", required=True,
+                         help="clip-retrieval: the folder holding img_emb/ and metadata/; datacomp: the folder of "
+                              "STEM.parquet + STEM.npz")
+    imports.add_argument("--embedding", default="l14_img", choices=("l14_img", "b32_img"), help="for datacomp")
+    imports.add_argument("--sample-key", help="what a sample is joined by: key (its WebDataset key; clip-retrieval's "
+                                              "default) or json:FIELD (a field of its .json; datacomp's default "
+                                              "json:uid)")
+    imports.add_argument("--out", help="the embeddings' name (default: the format's)")
+    imports.set_defaults(func=_shards_import_embeddings)
 
     train = sub.add_parser("train", help="train from a YAML config with key=value overrides")
     train.add_argument("config", help="YAML config (see configs/)")
