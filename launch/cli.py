@@ -72,6 +72,15 @@ def _shards_import_embeddings(args) -> None:
           + f"; {summary['rows_matching_no_sample']} imported row(s) named no sample of this split")
 
 
+def _shards_dedup(args) -> None:
+    from tools.dedup import dedup_shards, report_lines
+
+    report = dedup_shards(args.location, args.embeddings, args.threshold, clusters=args.clusters,
+                          report_thresholds=args.report_thresholds, out=args.out, picture=not args.no_picture,
+                          spill=not args.no_spill, seed=args.seed)
+    print("\n".join(report_lines(report)))
+
+
 def _train(args) -> None:
     from pipelines.config import load_config
     from pipelines.training.loop import train
@@ -187,7 +196,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards; embed them")
+    shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards; embed them and find "
+                                           "near-duplicates")
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
     write = shards_sub.add_parser("write", help="write train/val shards from bundled data or a folder")
     write.add_argument("--source", choices=("digits", "photos", "redundant", "folder"), default="digits",
@@ -250,6 +260,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                               "json:uid)")
     imports.add_argument("--out", help="the embeddings' name (default: the format's)")
     imports.set_defaults(func=_shards_import_embeddings)
+    dedup = shards_sub.add_parser("dedup", help="near-duplicate groups from embeddings: spherical k-means, exact "
+                                                "inner-product pairs per cluster, connected components")
+    dedup.add_argument("location", help="split folder with index.json and embeddings/")
+    dedup.add_argument("--embeddings", required=True, help="name of the embeddings (embeddings/NAME.npy)")
+    dedup.add_argument("--threshold", type=float, required=True,
+                       help="inner product of normalised rows at or above which two samples are near-duplicates "
+                            "(phash: 1 - 2 * hamming / 64, so 0.75 is hamming <= 8)")
+    dedup.add_argument("--clusters", type=int, help="k-means clusters (default: sqrt of the samples)")
+    dedup.add_argument("--report-thresholds", type=float, nargs="+", default=[0.8, 0.85, 0.9, 0.95, 0.98],
+                       help="thresholds the report also counts groups at (the same pairwise similarities)")
+    dedup.add_argument("--out", help="the groups' name (default: EMBEDDINGS_THRESHOLD)")
+    dedup.add_argument("--no-picture", action="store_true", help="skip the PNG of a few groups")
+    dedup.add_argument("--no-spill", action="store_true",
+                       help="search each cluster alone (SemDeDup); by default a cluster's search also holds the rows "
+                            "whose second-nearest centroid it is, which finds pairs split across two clusters")
+    dedup.add_argument("--seed", type=int, default=0, help="k-means and the picture's random groups")
+    dedup.set_defaults(func=_shards_dedup)
 
     train = sub.add_parser("train", help="train from a YAML config with key=value overrides")
     train.add_argument("config", help="YAML config (see configs/)")
