@@ -151,3 +151,12 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
     with Image.open(split / "groups" / "phash_0.75.png") as picture:
         assert picture.size[1] >= 64 * len(report["picture_groups"])
     assert os.path.getsize(split / "groups" / "phash_0.75.npy") == 128 + 4 * len(samples)  # int32 a sample
+
+
+def test_the_redundant_set_names_each_copy_s_original_in_its_key():
+    from tools.bench.dedup_quality import known_families
+
+    keys = ["photo_moon_0001", "photo_moon_0001_dup00000", "photo_rocket_0002", "photo_moon_0001_dup00064"]
+    assert known_families(keys).tolist() == [0, 0, 2, 0]
+    with pytest.raises(ValueError, match="photo_sky_0003"):
+        known_families(["photo_sky_0003_dup00001"])

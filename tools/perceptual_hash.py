@@ -5,7 +5,8 @@ The definition is imagehash's `phash` (grey 32x32 image, 2-D DCT-II, the top-lef
 each bit = coefficient above their median), written here with scipy's DCT over a whole batch: the
 imagehash package would add a dependency (and PyWavelets) for these lines and hash one PIL image at
 a time. The 64 bits are stored as a row of +-1/8: L2-normalised, so the inner product that
-`prunepipe shards dedup` thresholds is 1 - 2 * hamming / 64 (hamming <= 8 is inner product >= 0.75).
+`prunepipe shards dedup` thresholds is 1 - 2 * hamming / 64 (hamming <= 8: a threshold of 0.74, halfway
+to 9; `threshold_for_hamming`).
 
 `phash:12` keeps the 12x12 lowest frequencies of the same 32x32 image (144 bits): on the bundled
 redundant set it separates copies from other crops better than the standard 8x8 (docs/dedup.md).
@@ -36,9 +37,10 @@ def bits_to_rows(bits: np.ndarray) -> np.ndarray:
     return np.where(bits, 1.0, -1.0).astype(np.float32) / np.sqrt(bits.shape[1], dtype=np.float32)
 
 
-def hamming_of(inner_product: float, bits: int = BITS_SIDE * BITS_SIDE) -> float:
-    """The Hamming distance an inner product of two hash rows stands for."""
-    return (1.0 - inner_product) * bits / 2.0
+def threshold_for_hamming(hamming: int, bits: int = BITS_SIDE * BITS_SIDE) -> float:
+    """The inner-product threshold that keeps hash rows within Hamming distance `hamming`: halfway to the
+    next distance, so that float16 rounding (1/12 is not exact) cannot move a pair across it."""
+    return 1.0 - (2 * hamming + 1) / bits
 
 
 class PerceptualHash:
