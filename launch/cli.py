@@ -244,7 +244,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     embed.add_argument("location", help="split folder with index.json (gets embeddings/NAME.npy and NAME.json)")
     embed.add_argument("--model", required=True,
                        help="timm:ARCH (with --weights FILE), timm:FOLDER (config.json + weights), mae:RUN_OR_EXPORT_DIR, "
-                            "feature-net[:FILE], or phash (model-free perceptual hash)")
+                            "feature-net[:FILE], or phash[:SIDE] (the model-free perceptual hash: SIDE x SIDE bits, "
+                            "8 by default)")
     embed.add_argument("--weights", help="for timm:ARCH: a local .safetensors or .pth file (nothing is downloaded)")
     embed.add_argument("--batch-size", type=int, default=64)
     embed.add_argument("--image-size", type=int, help="decode side (default: the model's input size)")
