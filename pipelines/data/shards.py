@@ -222,3 +222,29 @@ def count_samples(url: str) -> tuple[int, list[str]]:
             in_sample.add(suffix)
             fields.add(suffix)
     return count, sorted(fields)
+
+
+def read_keys(url: str, field: str | None = None) -> list[tuple[str, bytes | None]]:
+    """(key, bytes of `field` or None) of each sample of one shard, in position order, from its tar
+    headers and that one member: the other members' data is seeked past. Samples are grouped
+    exactly as `read_shard` groups them; errors name the url and key as there. Joins by key
+    (embeddings made elsewhere) read this, not the images."""
+    samples: list[tuple[str, bytes | None]] = []
+    key = None
+
+    def where() -> str:
+        return f"in or after key {key!r}" if key is not None else "before its first sample"
+
+    with _reading(url, where) as stream:
+        members = TarMembers(stream, headers_only=field is None)
+        for name, _ in members.members():
+            split = _sample_field(name)
+            if split is None:
+                continue
+            prefix, suffix = split
+            if prefix != key:
+                key = prefix
+                samples.append((prefix, None))
+            if suffix == field:
+                samples[-1] = (prefix, members.read())
+    return samples
