@@ -267,7 +267,7 @@ def count_plain_archive(stream) -> tuple[int, list[str]] | None:
     longest = int((length - dot).max()) - 1
     if longest <= 8:
         at = (np.arange(n) * (width + 8) + dot + 1)[:, None] + np.arange(8)
-        raw, member_raw = np.unique(padded.reshape(-1)[at].view(np.uint64)[:, 0], return_inverse=True)
+        raw, member_raw = np.unique(padded.reshape(-1)[at].view("<u8")[:, 0], return_inverse=True)
         raw = [int(value).to_bytes(8, "little") for value in raw]
     else:
         at = np.minimum(dot[:, None] + 1 + np.arange(longest), width)

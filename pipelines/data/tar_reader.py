@@ -239,17 +239,12 @@ HEAD = 64 * 1024  # read first, to tell small members (read whole) from large on
 SMALL_MEMBERS = 8  # headers in HEAD from which a file is read whole: 8 KiB a member or less
 CHUNK = 4 << 20  # bytes checked at once; each thread keeps one buffer of this size
 # bytes 257..262 of a header, "ustar" and a NUL (POSIX) or a space (GNU), inside its 33rd 8-byte word
+# (read little-endian)
 MAGIC_WORD, MAGIC_SHIFT, MAGIC_BITS = 32, np.uint64(8), np.uint64((1 << 48) - 1)
 MAGICS = tuple(np.uint64(int.from_bytes(magic, "little")) for magic in (b"ustar\0", b"ustar "))
-SIZE_DIGITS = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # 11 octal digits, then a NUL or a space
-CHECKSUM_DIGITS = 8 ** np.arange(5, -1, -1, dtype=np.int64)  # 6 octal digits, then two NULs or spaces
-# bytes 124..155 of a header, less "0": the size (11 octal digits, then a NUL or a space), the mtime
-# (not read) and the checksum (6 digits, then NULs or spaces). A digit is 0..7; an end, ORed with a
-# space and XORed with a space less "0", is 0 for a NUL or a space and nothing else.
-NUMBER_OR, NUMBER_XOR, NUMBER_MAX = (np.zeros(32, np.uint8) for _ in range(3))
-NUMBER_MAX[:11] = NUMBER_MAX[24:30] = 7
-NUMBER_MAX[12:24] = 255
-NUMBER_OR[[11, 30, 31]], NUMBER_XOR[[11, 30, 31]] = ord(" "), (ord(" ") - ord("0")) % 256
+SIZE_DIGITS = 8.0 ** np.arange(10, -1, -1)  # an octal number's digits as a dot product (BLAS: float)
+CHECKSUM_DIGITS = 8.0 ** np.arange(5, -1, -1)
+SPACE, END = np.uint8(ord(" ")), np.uint8((ord(" ") - ord("0")) % 256)  # a NUL or a space, less "0", ORed with SPACE
 KINDS = np.zeros(256, np.uint8)  # a header's type flag: 1 a regular file, 2 a pax header, 0 what the walk handles
 REGULAR_FILE, PAX_HEADER = 1, 2
 KINDS[[ord(kind) for kind in REGULAR]] = REGULAR_FILE
@@ -280,7 +275,7 @@ def _regular_file(stream: BinaryIO) -> int | None:
 
 def _magic_blocks(blocks: np.ndarray) -> np.ndarray:
     """Indices of the blocks [B, 512] that carry the ustar magic."""
-    word = (blocks.view(np.uint64)[:, MAGIC_WORD] >> MAGIC_SHIFT) & MAGIC_BITS
+    word = (blocks.view("<u8")[:, MAGIC_WORD] >> MAGIC_SHIFT) & MAGIC_BITS
     return np.flatnonzero((word == MAGICS[0]) | (word == MAGICS[1]))
 
 
@@ -305,14 +300,18 @@ class _HeaderChain:
         if not len(found):  # inside a member larger than a chunk, or past the archive's end
             return done
         headers = blocks[found]  # [K, 512], a copy
-        numbers = headers[:, 124:156] - np.uint8(ord("0"))  # size, mtime, checksum; below "0" wraps above 7
-        if not (((numbers | NUMBER_OR) ^ NUMBER_XOR) <= NUMBER_MAX).all():
+        # bytes 124..155: the size (11 octal digits, then a NUL or a space), the mtime (not read), the
+        # checksum (6 digits, then NULs or spaces); less "0", a digit is 0..7 and an end ORed with a
+        # space is END (a byte below "0" wraps above 7)
+        numbers = headers[:, 124:156] - np.uint8(ord("0"))
+        if numbers[:, :11].max() > 7 or numbers[:, 24:30].max() > 7 or \
+                not ((numbers[:, 11] | SPACE) == END).all() or not ((numbers[:, 30:32] | SPACE) == END).all():
             return None  # a number written otherwise (base-256, fewer digits): the walk parses it
-        sizes = numbers[:, :11].astype(np.int64) @ SIZE_DIGITS
+        sizes = (numbers[:, :11] @ SIZE_DIGITS).astype(np.int64)  # exact: below 2**53
         # the checksum: the header's byte sum with its checksum field read as spaces (each half's
         # sum fits 16 bits, which numpy sums without a full-size temporary)
         headers[:, 148:156] = ord(" ")
-        if (numbers[:, 24:30].astype(np.int64) @ CHECKSUM_DIGITS
+        if (numbers[:, 24:30] @ CHECKSUM_DIGITS
                 != headers[:, :256].sum(1, dtype=np.uint16).astype(np.int64) + headers[:, 256:].sum(1, dtype=np.uint16)).any():
             return None
         kind = KINDS[headers[:, 156]]
