@@ -62,7 +62,7 @@ def with_pax_records(path: str, members: list[tuple[str, bytes, dict]]) -> str:
 # ---------------------------------------------------------------------------- what writers write
 MIXED = [(f"train/a/k{i:03d}.{field}", payload) for i in range(10)
          for field, payload in (("jpg", jpeg_bytes(i)), ("seg.png", b"s" * 512), ("JSON", b'{"i": %d}' % i),
-                                ("txt", b""), ("bin", b"b" * 513))]
+                                ("txt", b""), ("bin", b"b" * 513), ("annotation.json", b"{}"))]
 
 
 @pytest.mark.parametrize("writer", ["tarwriter", "ustar", "gnu", "pax"])
@@ -77,7 +77,7 @@ def test_writers_shards_are_counted_at_once_as_the_walk_counts_them(tmp_path, mo
     assert counted is not None, "a plain shard of small members is counted at once"
     assert counted == walked(path, monkeypatch) == read_whole(path) == count_samples(path)
     if writer != "tarwriter":
-        assert counted == (10, ["bin", "jpg", "json", "seg.png", "txt"])
+        assert counted == (10, ["annotation.json", "bin", "jpg", "json", "seg.png", "txt"])
 
 
 def test_a_shard_of_large_members_is_walked_so_that_their_data_is_seeked_past(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import re
 import tarfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
@@ -229,7 +229,7 @@ def count_samples(url: str) -> tuple[int, list[str]]:
     return count, sorted(fields)
 
 
-def count_plain_archive(stream) -> tuple[int, list[str]] | None:
+def count_plain_archive(stream: BinaryIO) -> tuple[int, list[str]] | None:
     """`count_samples`'s answer for a plain local tar of small members, from all its headers at once
     (`plain_member_names`) and its names grouped as arrays, as `_sample_field` and the walk group
     them; None when it declines, and then the walk gives the answer or the error: it also declines
@@ -246,32 +246,32 @@ def count_plain_archive(stream) -> tuple[int, list[str]] | None:
     length[(length == 0) & ~nul[:, 0]] = names.shape[1]  # a name that fills its field
     if length.min() < 2:  # no shorter name has a key and a field
         return None
-    width = int(length.max())
-    column = np.arange(width)
-    padded = np.zeros((n, width + 8), np.uint8)  # [N, W + 8] the names, zero after their end
-    np.copyto(padded[:, :width], names[:, :width], where=column < length[:, None])
-    names = padded[:, :width]
+    wide = int(length.max()) + 8  # room to read any field as 8 bytes
+    if wide > names.shape[1]:  # a name near the field's 100 bytes
+        names = np.pad(names, ((0, 0), (0, wide - names.shape[1])))
+    column = np.arange(wide)
+    names = np.where(column < length[:, None], names[:, :wide], 0)  # [N, W + 8] each name, then zeros
     if ((names[:, 0] == UNDERSCORE) & (names[:, 1] == UNDERSCORE)).any() or (names == NEWLINE).any():
         return None
     slash, dots = names == SLASH, names == DOT
     start = np.zeros(n, int)  # where the basename starts
     if slash.any():
-        start = np.where(slash.any(1), width - slash[:, ::-1].argmax(1), 0)
+        start = np.where(slash.any(1), wide - slash[:, ::-1].argmax(1), 0)
         dots &= column >= start[:, None]
     dot = dots.argmax(1)  # the basename's first dot: the key ends there (no dot: 0)
     if not (dot > start).all():
         return None
-    keys = np.where(column < dot[:, None], names, 0).view(f"V{width}")[:, 0]  # zero-padded: equal iff same key
+    keys = np.where(column < dot[:, None], names, 0).view(f"V{wide}")[:, 0]  # zero-padded: equal iff same key
     first = np.concatenate([[True], keys[1:] != keys[:-1]])  # [N] a member that starts a sample
     # a member's field: the bytes after its dot, read as one 8-byte integer when they fit
     longest = int((length - dot).max()) - 1
     if longest <= 8:
-        at = (np.arange(n) * (width + 8) + dot + 1)[:, None] + np.arange(8)
-        raw, member_raw = np.unique(padded.reshape(-1)[at].view("<u8")[:, 0], return_inverse=True)
+        at = (np.arange(n) * wide + dot + 1)[:, None] + np.arange(8)
+        raw, member_raw = np.unique(names.reshape(-1)[at].view("<u8")[:, 0], return_inverse=True)
         raw = [int(value).to_bytes(8, "little") for value in raw]
     else:
-        at = np.minimum(dot[:, None] + 1 + np.arange(longest), width)
-        raw, member_raw = np.unique(np.take_along_axis(padded, at, 1).view(f"V{longest}")[:, 0], return_inverse=True)
+        at = np.minimum(dot[:, None] + 1 + np.arange(longest), wide - 1)
+        raw, member_raw = np.unique(np.take_along_axis(names, at, 1).view(f"V{longest}")[:, 0], return_inverse=True)
         raw = [value.tobytes() for value in raw]
     lowered = [value.rstrip(b"\0").decode("utf-8", "surrogateescape").lower() for value in raw]
     fields = sorted(set(lowered))
@@ -282,5 +282,3 @@ def count_plain_archive(stream) -> tuple[int, list[str]] | None:
     if np.bincount(sample * len(fields) + field).max() > 1:  # a field twice in one sample: the walk raises
         return None
     return int(sample[-1]) + 1, fields
-
-

@@ -9,6 +9,10 @@ names. Compressed archives (gzip, bzip2, xz) go through tarfile, which handles t
 It is stricter than tarfile about endings, so that a cut-off shard never hands out its last sample
 short of a field: an archive must end with its zero blocks, not after an extended header, and an
 empty file is an error. Sparse members are refused.
+
+A plain local file of small members, where every page holds headers and nothing can be seeked
+past, is better read whole and all its headers checked at once as arrays (`plain_member_names`):
+it answers only when it can prove the answer is the walk's, and declines anything else.
 """
 
 from __future__ import annotations
