@@ -251,3 +251,22 @@ def test_random_shards_are_counted_as_the_walk_counts_them_or_left_to_it(tmp_pat
             answered += 1
             assert counted == walked(path, monkeypatch), f"case {case}"
     assert answered >= 20, "the check answered for many of them"
+
+
+def test_an_empty_pax_header_at_a_chunks_end_is_read_across_chunks(tmp_path, monkeypatch):
+    blocks = []
+    for i in range(7):  # blocks 0..13
+        info = tarfile.TarInfo(f"k{i:03d}.jpg")
+        info.size = 5
+        blocks += [info.tobuf(tarfile.USTAR_FORMAT), b"jpeg!".ljust(512, b"\0")]
+    blocks.append(tarfile.TarInfo("k006.cls").tobuf(tarfile.USTAR_FORMAT))  # block 14, no data
+    pax = tarfile.TarInfo("././@PaxHeader")
+    pax.type = tarfile.XHDTYPE
+    blocks.append(pax.tobuf(tarfile.USTAR_FORMAT))  # block 15: no records, the last block of an 8 KiB chunk
+    info = tarfile.TarInfo("k007.jpg")
+    info.size = 5
+    blocks += [info.tobuf(tarfile.USTAR_FORMAT), b"jpeg!".ljust(512, b"\0"), bytes(1024)]
+    path = tmp_path / "s.tar"
+    path.write_bytes(b"".join(blocks))
+    monkeypatch.setattr(tar_reader, "CHUNK", 8192)
+    assert at_once(str(path)) == walked(str(path), monkeypatch) == (8, ["cls", "jpg"])

@@ -295,9 +295,9 @@ class _HeaderChain:
 
     def add(self, blocks: np.ndarray, base: int, final: bool) -> int | None:
         """Check the candidates in `blocks` (the file's blocks from `base` on); returns how many
-        blocks are done with (all, unless a pax header's records reach past the chunk: from that
-        header on, the blocks start the next chunk), or None when the archive is not one this
-        check covers."""
+        blocks are done with (all, unless a pax header is not followed by its records and the next
+        header inside the chunk: from that header on, the blocks start the next chunk), or None
+        when the archive is not one this check covers."""
         if base <= self.end < base + len(blocks):
             self.end_is_zero = not blocks[self.end - base].any()
         found, done = _magic_blocks(blocks), len(blocks)
@@ -323,10 +323,10 @@ class _HeaderChain:
         if not kind.all() or (regular & (headers[:, 345] != 0)).any():  # or a ustar name prefix
             return None
         after = found + 1 + (sizes + BLOCK - 1) // BLOCK
-        crossing = pax & (after > len(blocks))  # records that reach past the chunk
+        crossing = pax & (after >= len(blocks))  # records that reach past the chunk, or no header after them
         if crossing.any():
             cut = int(crossing.argmax())
-            if final or found[cut] == 0:  # past the file's end, or records larger than a chunk
+            if final or found[cut] == 0:  # the file ends there, or records larger than a chunk
                 return None
             done = int(found[cut])
             found, headers, sizes, after, regular, pax = (part[:cut] for part in (found, headers, sizes, after,
@@ -392,6 +392,6 @@ def plain_member_names(stream: BinaryIO) -> np.ndarray | None:
             return None
         if final:
             return chain.names_if_chained()
-        kept = filled - done * BLOCK  # a pax header whose records reach past the chunk starts the next
+        kept = filled - done * BLOCK  # a pax header cut off from what follows it starts the next
         buffer[:kept] = buffer[done * BLOCK:filled]
         base, filled = base + done, kept
