@@ -199,36 +199,6 @@ def _first_line(e: BaseException) -> str:
     return text.split(" @ ")[0].splitlines()[0] if text else repr(e)
 
 
-def count_samples(url: str) -> tuple[int, list[str]]:
-    """Samples in a shard and the sorted field names seen, from its tar headers alone. A plain local
-    file of small members is read whole and its headers checked at once (`count_plain_archive`);
-    otherwise the headers are walked: member data is seeked past on a local file, which the kernel
-    is told not to read ahead (read and dropped on a pipe or http stream; compressed archives are
-    decompressed). Samples are grouped exactly as `read_shard` groups them, and a truncated or
-    corrupt shard, or a field twice in one sample, raises BadInputError naming the url and key."""
-    count, key, in_sample, fields = 0, None, set(), set()
-
-    def where() -> str:
-        return f"in or after key {key!r}" if key is not None else "before its first sample"
-
-    with _reading(url, where) as stream:
-        counted = count_plain_archive(stream)
-        if counted is not None:
-            return counted
-        for name, _ in TarMembers(stream, headers_only=True).members():
-            split = _sample_field(name)
-            if split is None:
-                continue
-            prefix, suffix = split
-            if prefix != key:  # a field named like webdataset's own keys is a duplicate for read_shard too
-                count, key, in_sample = count + 1, prefix, {"__key__", "__url__"}
-            if suffix in in_sample:  # webdataset's group_by_keys refuses it too
-                raise ValueError(f"{name}: duplicate file name in tar file {suffix} {sorted(in_sample)}")
-            in_sample.add(suffix)
-            fields.add(suffix)
-    return count, sorted(fields)
-
-
 def count_plain_archive(stream: BinaryIO) -> tuple[int, list[str]] | None:
     """`count_samples`'s answer for a plain local tar of small members, from all its headers at once
     (`plain_member_names`) and its names grouped as arrays, as `_sample_field` and the walk group
@@ -282,3 +252,33 @@ def count_plain_archive(stream: BinaryIO) -> tuple[int, list[str]] | None:
     if np.bincount(sample * len(fields) + field).max() > 1:  # a field twice in one sample: the walk raises
         return None
     return int(sample[-1]) + 1, fields
+
+
+def count_samples(url: str) -> tuple[int, list[str]]:
+    """Samples in a shard and the sorted field names seen, from its tar headers alone. A plain local
+    file of small members is read whole and its headers checked at once (`count_plain_archive`);
+    otherwise the headers are walked: member data is seeked past on a local file, which the kernel
+    is told not to read ahead (read and dropped on a pipe or http stream; compressed archives are
+    decompressed). Samples are grouped exactly as `read_shard` groups them, and a truncated or
+    corrupt shard, or a field twice in one sample, raises BadInputError naming the url and key."""
+    count, key, in_sample, fields = 0, None, set(), set()
+
+    def where() -> str:
+        return f"in or after key {key!r}" if key is not None else "before its first sample"
+
+    with _reading(url, where) as stream:
+        counted = count_plain_archive(stream)
+        if counted is not None:
+            return counted
+        for name, _ in TarMembers(stream, headers_only=True).members():
+            split = _sample_field(name)
+            if split is None:
+                continue
+            prefix, suffix = split
+            if prefix != key:  # a field named like webdataset's own keys is a duplicate for read_shard too
+                count, key, in_sample = count + 1, prefix, {"__key__", "__url__"}
+            if suffix in in_sample:  # webdataset's group_by_keys refuses it too
+                raise ValueError(f"{name}: duplicate file name in tar file {suffix} {sorted(in_sample)}")
+            in_sample.add(suffix)
+            fields.add(suffix)
+    return count, sorted(fields)
