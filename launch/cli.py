@@ -229,7 +229,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     index.add_argument("shards", nargs="+", help="folders, globs, brace patterns or urls of .tar shards")
     index.add_argument("--out", required=True, help="folder for index.json")
     index.add_argument("--workers", type=int, default=None,
-                       help="shards read at a time, in processes (default: the usable cores; more for remote "
+                       help="shards read at a time, in threads (default: the usable cores; more for remote "
                             "storage, where waiting dominates)")
     index.add_argument("--verify", action="store_true",
                        help="count the tar headers of shards that have img2dataset's *_stats.json too; they must "

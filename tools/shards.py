@@ -4,7 +4,7 @@ elsewhere, and look at what a shard folder holds.
 Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val (and, for
 the redundant source, val_mix: held-out data drawn from the train mix; val is clean). An image folder
 is written in a seeded global shuffle, holding its list of paths and one chunk of images at a time;
-indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel.
+indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel threads.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import multiprocessing
 import os
 import threading
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Iterable, Iterator, NamedTuple
 from urllib.parse import urlparse
 
@@ -234,9 +234,9 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
 
     A shard with img2dataset's NNNNN_stats.json beside it is counted from the stats' `successes`; the
     first shard, and every shard with `verify`, from its tar headers too (they must agree). Headers
-    are read without the member data (seeked past on local files), `workers` shards at a time in
-    processes (default: the usable cores). index.json's `counted` says how many shards had stats and
-    how many had their headers read.
+    are read without the member data where it can be seeked past (a local file of large members),
+    `workers` shards at a time in threads (default: the usable cores). index.json's `counted` says
+    how many shards had stats and how many had their headers read.
     """
     urls = shard_urls(sources)
     workers = usable_cores() if workers is None else workers
@@ -251,7 +251,10 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
                 counted.append(count_shard(url, headers))
                 bar.update(1)
         else:
-            with process_pool(min(workers, len(urls))) as pool:
+            # Threads, not processes: counting a shard is reading it and numpy's array work, which
+            # release the GIL, or waiting on storage; forking this process (webdataset brings torch)
+            # costs more, ~10 ms a worker and copy-on-write faults after, than 180 small shards take.
+            with ThreadPoolExecutor(min(workers, len(urls))) as pool:
                 counted = []
                 for result in pool.map(count_shard, urls, read_headers, chunksize=1):
                     counted.append(result)

@@ -13,17 +13,18 @@ import re
 import tarfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from pipelines.data.tar_reader import TarMembers
+from pipelines.data.tar_reader import TarMembers, plain_member_names
 
 INDEX_NAME = "index.json"
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skips these names
+SLASH, DOT, NEWLINE, UNDERSCORE = (ord(c) for c in "/.\n_")
 
 
 class BadInputError(RuntimeError):
@@ -198,18 +199,77 @@ def _first_line(e: BaseException) -> str:
     return text.split(" @ ")[0].splitlines()[0] if text else repr(e)
 
 
+def count_plain_archive(stream: BinaryIO) -> tuple[int, list[str]] | None:
+    """`count_samples`'s answer for a plain local tar of small members, from all its headers at once
+    (`plain_member_names`) and its names grouped as arrays, as `_sample_field` and the walk group
+    them; None when it declines, and then the walk gives the answer or the error: it also declines
+    what the arrays leave to the walk (a name `_sample_field` skips or sends through webdataset's
+    regex, one with a newline or starting with `__`, a field twice in a sample or named `__key__`)."""
+    names = plain_member_names(stream)
+    if names is None:
+        return None
+    n = len(names)
+    if n == 0:
+        return 0, []
+    nul = names == 0
+    length = nul.argmax(1)
+    length[(length == 0) & ~nul[:, 0]] = names.shape[1]  # a name that fills its field
+    if length.min() < 2:  # no shorter name has a key and a field
+        return None
+    wide = int(length.max()) + 8  # room to read any field as 8 bytes
+    if wide > names.shape[1]:  # a name near the field's 100 bytes
+        names = np.pad(names, ((0, 0), (0, wide - names.shape[1])))
+    column = np.arange(wide)
+    names = np.where(column < length[:, None], names[:, :wide], 0)  # [N, W + 8] each name, then zeros
+    if ((names[:, 0] == UNDERSCORE) & (names[:, 1] == UNDERSCORE)).any() or (names == NEWLINE).any():
+        return None
+    slash, dots = names == SLASH, names == DOT
+    start = np.zeros(n, int)  # where the basename starts
+    if slash.any():
+        start = np.where(slash.any(1), wide - slash[:, ::-1].argmax(1), 0)
+        dots &= column >= start[:, None]
+    dot = dots.argmax(1)  # the basename's first dot: the key ends there (no dot: 0)
+    if not (dot > start).all():
+        return None
+    keys = np.where(column < dot[:, None], names, 0).view(f"V{wide}")[:, 0]  # zero-padded: equal iff same key
+    first = np.concatenate([[True], keys[1:] != keys[:-1]])  # [N] a member that starts a sample
+    # a member's field: the bytes after its dot, read as one 8-byte integer when they fit
+    longest = int((length - dot).max()) - 1
+    if longest <= 8:
+        at = (np.arange(n) * wide + dot + 1)[:, None] + np.arange(8)
+        raw, member_raw = np.unique(names.reshape(-1)[at].view("<u8")[:, 0], return_inverse=True)
+        raw = [int(value).to_bytes(8, "little") for value in raw]
+    else:
+        at = np.minimum(dot[:, None] + 1 + np.arange(longest), wide - 1)
+        raw, member_raw = np.unique(np.take_along_axis(names, at, 1).view(f"V{longest}")[:, 0], return_inverse=True)
+        raw = [value.tobytes() for value in raw]
+    lowered = [value.rstrip(b"\0").decode("utf-8", "surrogateescape").lower() for value in raw]
+    fields = sorted(set(lowered))
+    if "__key__" in fields or "__url__" in fields:  # the walk raises: a duplicate of webdataset's own keys
+        return None
+    field = np.array([fields.index(f) for f in lowered])[member_raw.reshape(-1)]
+    sample = np.cumsum(first) - 1
+    if np.bincount(sample * len(fields) + field).max() > 1:  # a field twice in one sample: the walk raises
+        return None
+    return int(sample[-1]) + 1, fields
+
+
 def count_samples(url: str) -> tuple[int, list[str]]:
-    """Samples in a shard and the sorted field names seen, from its tar headers alone: member data is
-    seeked past on a local file, which the kernel is told not to read ahead (read and dropped on a
-    pipe or http stream; compressed archives are decompressed). Samples are grouped exactly as
-    `read_shard` groups them, and a truncated or corrupt shard, or a field twice in one sample,
-    raises BadInputError naming the url and key."""
+    """Samples in a shard and the sorted field names seen, from its tar headers alone. A plain local
+    file of small members is read whole and its headers checked at once (`count_plain_archive`);
+    otherwise the headers are walked: member data is seeked past on a local file, which the kernel
+    is told not to read ahead (read and dropped on a pipe or http stream; compressed archives are
+    decompressed). Samples are grouped exactly as `read_shard` groups them, and a truncated or
+    corrupt shard, or a field twice in one sample, raises BadInputError naming the url and key."""
     count, key, in_sample, fields = 0, None, set(), set()
 
     def where() -> str:
         return f"in or after key {key!r}" if key is not None else "before its first sample"
 
     with _reading(url, where) as stream:
+        counted = count_plain_archive(stream)
+        if counted is not None:
+            return counted
         for name, _ in TarMembers(stream, headers_only=True).members():
             split = _sample_field(name)
             if split is None:
