@@ -71,7 +71,7 @@ class Dedup(Pruner):
         self._group_size: np.ndarray | None = None
         self._groups = {"digest": "", "source": "none (every sample its own group)"}
         self._sizes = np.ones(1, np.int64), np.array([self.num_samples], np.int64)  # size histogram
-        self._per_group_used = per_group
+        self._per_group_used, self._per_group_raised = per_group, False
         self._scale: float | None = None  # importance: c of the last plan
         self._threshold: float | None = None  # the weighted mean score of the last plan
         self._below_skip = 0.0  # infobatch: skip probability of below-mean samples in the last plan
@@ -95,7 +95,8 @@ class Dedup(Pruner):
         # the groups alone keep sum(min(n, m)) samples: if that is below `keep`, m rises to meet it
         wanted = self.keep * self.num_samples
         at_least = kept_by_groups(self.per_group, *self._sizes)
-        self._per_group_used = self.per_group if at_least >= wanted else per_group_for(wanted, *self._sizes)
+        self._per_group_raised = at_least < wanted
+        self._per_group_used = per_group_for(wanted, *self._sizes) if self._per_group_raised else self.per_group
 
     @property
     def groups(self) -> dict[str, str]:
@@ -149,9 +150,10 @@ class Dedup(Pruner):
         mean, seen_share, all_share = self._mean_seen_score(groups)
         self._threshold = mean if seen_share > 0 else None
         probs = np.ones(self.num_samples, dtype=np.float16)
-        # what the score must still remove: the groups keep all_share, the pass may keep keep * N
+        # what the score must still remove: the groups keep all_share, the pass may keep keep * N (when
+        # per_group was raised, the groups meet keep alone: what float16 rounding leaves is not pruned)
         excess = all_share - self.keep * self.num_samples
-        if seen_share > 0 and excess > 0:
+        if seen_share > 0 and excess > 0 and not self._per_group_raised:
             if self.then == "importance":
                 self._importance_probs(probs, groups, mean, excess)
             else:
