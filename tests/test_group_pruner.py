@@ -373,11 +373,11 @@ N = index.num_samples
 token = run_token()
 make = lambda: build_pruner("dedup", N, 6, seed=1, keep=0.4, then="infobatch")
 shared, alone = make(), make()
-table = use_group_table(shared, "known", TRAIN, index, rank=rank, local_rank=local_rank, local_size=local_size,
-                        token=token)
+_, digest = use_group_table(shared, "known", TRAIN, index, rank=rank, local_rank=local_rank, local_size=local_size,
+                            token=token)
 use_group_table(alone, "known", TRAIN, index, rank=rank)  # the sizes in this process's own memory
 sizes = shared._group_size
-report = {{"token": token, "digest": table.digest, "mapped": type(sizes).__name__,
+report = {{"token": token, "digest": digest, "mapped": type(sizes).__name__,
           "read_only": not sizes.flags.writeable, "plans": [], "same_as_alone": True}}
 rng = np.random.default_rng(rank)  # each rank its own batches; the gathered batch is the same everywhere
 ids = np.arange(N)

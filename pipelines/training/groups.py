@@ -45,12 +45,18 @@ def group_sizes(table: GroupTable, rank: int, local_rank: int, local_size: int, 
 
 
 def use_group_table(pruner, value: str, train: str, index: ShardIndex, *, rank: int = 0, local_rank: int = 0,
-                    local_size: int = 1, token: str = "") -> GroupTable:
+                    local_size: int = 1, token: str = "") -> tuple[str, str]:
     """Give `pruner` the group table `value` (pruner.groups) of the split at `train`; collective when
-    several ranks run."""
+    several ranks run. Returns the table's (path, digest); its mapping is closed (only the sizes stay)."""
     if not hasattr(pruner, "use_groups"):
         raise ValueError(f"pruner.groups={value!r} is read by the dedup pruner only; pruner.name is {pruner.name!r}")
     table = open_group_table(group_table_path(value, train), index.num_samples, index.path or train)
+    give_groups(pruner, table, rank, local_rank, local_size, token)
+    return table.path, table.digest
+
+
+def give_groups(pruner, table: GroupTable, rank: int = 0, local_rank: int = 0, local_size: int = 1,
+                token: str = "") -> None:
+    """`table`, agreed on by every rank, as `pruner`'s group sizes (shared per node when it has several ranks)."""
     agree_on_table(table, rank)
     pruner.use_groups(group_sizes(table, rank, local_rank, local_size, token), digest=table.digest, source=table.path)
-    return table

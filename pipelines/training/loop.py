@@ -164,11 +164,11 @@ def train(cfg: RunConfig) -> dict:
         print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
               f"({local_size} ranks per node)")
     if cfg.pruner.get("groups"):  # side data, before a resume: the checkpoint names the table it needs
-        groups = use_group_table(pruner, cfg.pruner["groups"], cfg.data.train, index, rank=rank,
-                                 local_rank=local_rank, local_size=local_size, token=token)
+        path, digest = use_group_table(pruner, cfg.pruner["groups"], cfg.data.train, index, rank=rank,
+                                       local_rank=local_rank, local_size=local_size, token=token)
         if main:
             stats = pruner.stats()
-            print(f"near-duplicate groups: {groups.path} (digest {groups.digest}), {stats['grouped_samples']} "
+            print(f"near-duplicate groups: {path} (digest {digest}), {stats['grouped_samples']} "
                   f"samples in groups of 2 or more, about {stats['per_group']:.3g} of each group a pass")
     position = TrainingPosition()
     checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
