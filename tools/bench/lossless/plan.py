@@ -164,7 +164,7 @@ PAYS_LDM = {
 
 
 # The dedup pruner on the redundant set's known groups (tools/known_groups.py, written by the bench's
-# data preparation): at keep 0.7, the oracle's compute, each of the 64 groups (about 14.7 members)
+# data preparation): at keep 0.7, the oracle's compute, each of the 64 groups (about 13.7 members)
 # gives about 6 members a pass in turn, and the scores prune nothing more; once with the deduplicated expectation (weight 1),
 # once with the duplicated one (weight 1/share). Every near-duplicate is still seen, unlike the oracle's.
 DEDUP_ARMS = {
