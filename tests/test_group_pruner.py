@@ -417,3 +417,20 @@ def test_two_ranks_share_one_group_table_plan_alike_and_refuse_different_tables(
     for report in reports:
         assert "the ranks hold different group tables" in report["mismatch"]
         assert f"rank 1: {other}" in report["mismatch"] and "rank 0: " in report["mismatch"]
+
+
+def test_two_ranks_train_dedup_through_the_loop_with_one_plan(redundant, tmp_path):
+    from test_distributed import debug_file, launch, passes_of
+
+    output = launch(2, "mae_tiny_importance.yaml", [
+        f"data.train={redundant}/train", "data.val=''", f"runs_dir={tmp_path}", "name=ddp", "passes=2",
+        "debug_sync=true", "pruner.name=dedup", "pruner.groups=known", "pruner.keep=0.6",
+        *[o for o in TINY_MAE if not o.startswith(("data.val=", "log_every"))]])
+    run_dir = str(tmp_path / "ddp")
+    assert output.count("near-duplicate groups: ") == 1 and "pruner tables: one copy per node" in output
+    for record in passes_of(run_dir):
+        digests = [open(debug_file(run_dir, "digest", record["epoch"], 2, r) + ".txt").read() for r in range(2)]
+        assert digests[0] == digests[1], "the ranks' plans (group shares included) or scores differ"
+        ids = [np.load(debug_file(run_dir, "ids", record["epoch"], 2, r) + ".npy") for r in range(2)]
+        assert len(ids[0]) == len(ids[1]) and not set(ids[0]) & set(ids[1])
+        assert abs(record["pruner"]["expected_keep"] - 0.6) < 5e-3
