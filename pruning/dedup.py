@@ -98,11 +98,6 @@ class Dedup(Pruner):
         self._per_group_raised = at_least < wanted
         self._per_group_used = per_group_for(wanted, *self._sizes) if self._per_group_raised else self.per_group
 
-    @property
-    def groups(self) -> dict[str, str]:
-        """The group table in use: its digest and where it came from."""
-        return dict(self._groups)
-
     # -- scores --------------------------------------------------------------------------------
 
     def _record(self, ids: np.ndarray, losses: np.ndarray) -> None:
@@ -155,7 +150,7 @@ class Dedup(Pruner):
         excess = all_share - self.keep * self.num_samples
         if seen_share > 0 and excess > 0 and not self._per_group_raised:
             if self.then == "importance":
-                self._importance_probs(probs, groups, mean, excess)
+                self._importance_probs(probs, groups, mean)
             else:
                 self._infobatch_probs(probs, groups, mean, excess)
         expected = 0.0
@@ -169,7 +164,7 @@ class Dedup(Pruner):
         return FrozenPlan(self.seed, epoch, self.num_samples, self._expected_keep, None, self.rescale, probs, groups,
                           self.group_rescale)
 
-    def _importance_probs(self, probs: np.ndarray, groups: np.ndarray | None, mean: float, excess: float) -> None:
+    def _importance_probs(self, probs: np.ndarray, groups: np.ndarray | None, mean: float) -> None:
         """p = clip(c r, p_min, 1) with r = (s / mean) ** alpha for seen samples, 1 for unseen, and c
         such that sum g p = keep * N. `probs` holds r (float16, inf for unseen) while c is sought, so
         the search needs no temporaries beyond a chunk."""
