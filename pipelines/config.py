@@ -22,6 +22,7 @@ from omegaconf.errors import (
 
 from pipelines.data.augment import CROPS
 from pipelines.data.decode import FLIPPED_LATENT_FIELD
+from pipelines.data.group_table import group_table_path
 from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
@@ -37,6 +38,7 @@ MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 NONFINITE_POLICIES = ("stop", "skip")
 SCHEDULES = ("cosine", "constant")
 EMA_WARMUPS = ("passes", "none")
+PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
 
 
 class ConfigError(ValueError):
@@ -121,6 +123,8 @@ class RunConfig:
     # enough that a hung job frees its nodes.
     dist_timeout_seconds: int = 1800
     data: DataConfig = field(default_factory=DataConfig)
+    # name, the pruner's hyper-parameters, and `groups` (dedup's group table: NAME for
+    # groups/NAME.npy beside data.train's index, or a path; side data the loop reads, not a hyper-parameter)
     pruner: Dict[str, Any] = field(default_factory=lambda: {"name": "full"})
     score: ScoreConfig = field(default_factory=ScoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -275,11 +279,31 @@ def validate(cfg: RunConfig) -> None:
     name = cfg.pruner.get("name")
     if name not in PRUNERS:
         raise ConfigError(f"config: pruner.name={name!r} is not accepted; accepted: {', '.join(sorted(PRUNERS))}")
-    hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
     try:
-        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **hparams)
+        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
+    _validate_groups(cfg, name)
+
+
+def pruner_hparams(pruner: dict) -> dict:
+    """The pruner section without its name and side data: what `build_pruner` takes."""
+    return {k: v for k, v in pruner.items() if k not in ("name", *PRUNER_SIDE_DATA)}
+
+
+def _validate_groups(cfg: RunConfig, name: str) -> None:
+    """pruner.groups is dedup's, and dedup needs it; the table exists where it points."""
+    groups = cfg.pruner.get("groups")
+    if groups and name != "dedup":
+        raise ConfigError(f"config: pruner.groups={groups!r} is read by pruner.name=dedup only, not {name}")
+    if name == "dedup" and not groups:
+        raise ConfigError("config: pruner.name=dedup needs pruner.groups: a near-duplicate group table beside "
+                          "data.train (NAME for groups/NAME.npy there, or a path)")
+    train = cfg.data.train
+    if groups and train and os.path.exists(os.path.join(train, "index.json") if os.path.isdir(train) else train):
+        path = group_table_path(str(groups), train)
+        if not os.path.exists(path):
+            raise ConfigError(f"config: pruner.groups={groups!r}: no group table at {path}")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

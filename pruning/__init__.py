@@ -3,7 +3,8 @@
 pruning/ never imports a model or opens a file; torch.distributed appears only in sync.py.
 """
 
-from .base import FrozenPlan, Pruner, first_full_pass, uniform_coin
+from .base import FrozenPlan, Pruner, first_full_pass, rotation_keeps, uniform_coin
+from .dedup import Dedup
 from .full import Full
 from .importance import Importance
 from .infobatch import InfoBatch
@@ -14,6 +15,6 @@ from .sync import gather_batch, gather_ids_losses, gather_tensors
 from .ted import TED
 
 __all__ = [
-    "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "build_pruner", "PRUNERS", "hparam_names",
-    "gather_ids_losses", "gather_batch", "gather_tensors", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "first_full_pass", "FrozenPlan",
+    "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "Dedup", "build_pruner", "PRUNERS", "hparam_names",
+    "gather_ids_losses", "gather_batch", "gather_tensors", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "rotation_keeps", "first_full_pass", "FrozenPlan",
 ]

@@ -61,6 +61,23 @@ def uniform_coin(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+_ROTATION_SALT = 0x67726F7570  # "group": a stream of its own for each sample's phase on its rotation
+
+
+def rotation_keeps(seed: int, epoch: int, ids: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """bool per id: kept in pass `epoch` by a rotation that keeps each id a `share` (in (0, 1]) of the passes.
+
+    Sample i has a phase u_i, a coin of (seed, id) that is the same in every pass, and moves by its
+    share s_i each pass: it is kept when frac(u_i + epoch * s_i) < s_i. In any one pass that happens
+    with probability s_i (u_i is uniform), so weighting by 1/s_i is unbiased as with an independent
+    coin; unlike one, it keeps the sample at least once in any ceil(1/s_i) consecutive passes (steps
+    of s_i cannot jump the window [0, s_i)), and in exactly a share s_i of passes in the long run.
+    """
+    share = np.asarray(share, dtype=np.float64)
+    position = uniform_coin(seed ^ _ROTATION_SALT, 0, ids) + int(epoch) * share
+    return position - np.floor(position) < share
+
+
 # ----------------------------------------------------------------------------------------------
 # Annealing: the last passes train on full data
 # ----------------------------------------------------------------------------------------------
@@ -129,10 +146,15 @@ class FrozenPlan:
     `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
     sample's expected weight is 1 and the expected gradient equals the full-data one.
     `candidates is None` means every sample is a candidate; keep_prob == 1 means full data.
-    `keep_probs` (float32 per sample, 4 bytes each: Importance's plan, the one that needs them)
-    replaces the one keep_prob by a probability per sample.
+    `keep_probs` (per sample, float32 or float16: Importance's and Dedup's plans, the ones that need
+    them) replaces the one keep_prob by a probability per sample.
     `rescale=False` keeps the kept ones at weight 1: the expectation then leans away from what is
     skipped (a choice to measure on redundant data, not a default).
+    `group_probs` (float16 per sample, with `keep_probs`: Dedup's plan) adds a second, independent
+    decision, each sample's share of its near-duplicate group: a sample is kept when its coin is below
+    its keep_prob and its group rotation (`rotation_keeps`) keeps it; its weight gains 1/group_prob
+    only with `group_rescale`. Decisions and weights read the same stored probabilities, so the
+    quantisation to float16 moves no expectation.
     """
 
     seed: int
@@ -141,7 +163,13 @@ class FrozenPlan:
     keep_prob: float
     candidates: Bitmap | None  # 1 bit per sample, read-only
     rescale: bool = True
-    keep_probs: np.ndarray | None = None  # float32 [num_samples] in (0, 1], read-only
+    keep_probs: np.ndarray | None = None  # float32 or float16 [num_samples] in (0, 1], read-only
+    group_probs: np.ndarray | None = None  # float16 [num_samples] in (0, 1], read-only; needs keep_probs
+    group_rescale: bool = True
+
+    def __post_init__(self):
+        if self.group_probs is not None and self.keep_probs is None:
+            raise ValueError("a plan with group_probs needs keep_probs (1.0 where the score prunes nothing)")
 
     @property
     def candidate_weight(self) -> np.float32:
@@ -151,6 +179,16 @@ class FrozenPlan:
     def keeps_all(self) -> bool:
         return self.keep_prob >= 1.0 and self.keep_probs is None
 
+    def _per_sample(self, ids: np.ndarray, probs: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(kept, weight if kept) of `ids`, whose keep_probs are `probs` and group_probs `groups`."""
+        kept = uniform_coin(self.seed, self.epoch, ids) < probs
+        weight = np.float32(1.0) / probs if self.rescale else np.ones(len(ids), dtype=np.float32)
+        if groups is not None:
+            kept &= rotation_keeps(self.seed, self.epoch, ids, groups)
+            if self.group_rescale:
+                weight = weight / groups
+        return kept, weight.astype(np.float32, copy=False)
+
     def weights(self, ids: np.ndarray) -> np.ndarray:
         ids = as_ids(ids)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
@@ -158,9 +196,9 @@ class FrozenPlan:
             raise ValueError(f"sample id {bad} is outside 0..{self.num_samples - 1} (num_samples of this pruner)")
         weights = np.ones(len(ids), dtype=np.float32)
         if self.keep_probs is not None:
-            p = self.keep_probs[ids]
-            kept = uniform_coin(self.seed, self.epoch, ids) < p
-            weights[:] = np.where(kept, (np.float32(1.0) / p) if self.rescale else np.float32(1.0), np.float32(0.0))
+            groups = None if self.group_probs is None else self.group_probs[ids]
+            kept, kept_weight = self._per_sample(ids, self.keep_probs[ids], groups)
+            weights[:] = np.where(kept, kept_weight, np.float32(0.0))
             return weights
         if self.keep_prob >= 1.0:
             return weights
@@ -178,7 +216,8 @@ class FrozenPlan:
             return np.ones(stop - start, dtype=bool)
         if self.keep_probs is not None:
             ids = np.arange(start, stop, dtype=np.int64)
-            return uniform_coin(self.seed, self.epoch, ids) < self.keep_probs[start:stop]
+            groups = None if self.group_probs is None else self.group_probs[start:stop]
+            return self._per_sample(ids, self.keep_probs[start:stop], groups)[0]
         kept = np.ones(stop - start, dtype=bool)
         if self.candidates is None:
             candidate_ids = np.arange(start, stop, dtype=np.int64)
@@ -200,18 +239,16 @@ class FrozenPlan:
     def to_state(self) -> dict:
         # copies: torch refuses to wrap the read-only arrays of a frozen plan
         bits = None if self.candidates is None else torch.from_numpy(self.candidates.packed.copy())
-        keep_probs = None if self.keep_probs is None else torch.from_numpy(self.keep_probs.copy())
+        keep_probs = None if self.keep_probs is None else torch.from_numpy(np.array(self.keep_probs))
+        group_probs = None if self.group_probs is None else torch.from_numpy(np.array(self.group_probs))
         return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": None, "candidate_bits": bits,
-                "rescale": self.rescale, "keep_probs": keep_probs}
+                "rescale": self.rescale, "keep_probs": keep_probs, "group_probs": group_probs,
+                "group_rescale": self.group_rescale}
 
     @classmethod
     def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
-        keep_probs = state.get("keep_probs")  # absent from plans saved before it existed
-        if keep_probs is not None:
-            keep_probs = np.array(keep_probs.numpy(), dtype=np.float32, copy=True)
-            if keep_probs.shape != (num_samples,):
-                raise ValueError(f"plan keep_probs have shape {tuple(keep_probs.shape)}, expected ({num_samples},)")
-            keep_probs.flags.writeable = False
+        keep_probs = _per_sample_probs(state, "keep_probs", num_samples, (np.float32, np.float16))
+        group_probs = _per_sample_probs(state, "group_probs", num_samples, (np.float16,))
         candidates = None
         if state.get("candidate_bits") is not None:
             packed = np.array(state["candidate_bits"].numpy(), dtype=np.uint8, copy=True)
@@ -227,7 +264,22 @@ class FrozenPlan:
         if candidates is not None:
             candidates.packed.flags.writeable = False
         return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates,
-                   bool(state.get("rescale", True)), keep_probs)
+                   bool(state.get("rescale", True)), keep_probs, group_probs, bool(state.get("group_rescale", True)))
+
+
+def _per_sample_probs(state: dict, name: str, num_samples: int, dtypes: tuple) -> np.ndarray | None:
+    """A plan's per-sample probabilities from its state (absent from plans saved before they existed),
+    a read-only copy in the dtype they were saved in."""
+    saved = state.get(name)
+    if saved is None:
+        return None
+    probs = saved.numpy()
+    if probs.shape != (num_samples,) or probs.dtype not in [np.dtype(d) for d in dtypes]:
+        raise ValueError(f"plan {name} are {probs.dtype}{list(probs.shape)}, expected "
+                         f"{' or '.join(np.dtype(d).name for d in dtypes)}[{num_samples}]")
+    probs = np.array(probs, copy=True)
+    probs.flags.writeable = False
+    return probs
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Pruner
+from .dedup import Dedup
 from .full import Full
 from .importance import Importance
 from .infobatch import InfoBatch
 from .random_pruner import Random
 from .ted import TED
 
-PRUNERS: dict[str, type[Pruner]] = {cls.name: cls for cls in (Full, Random, InfoBatch, TED, Importance)}
+PRUNERS: dict[str, type[Pruner]] = {cls.name: cls for cls in (Full, Random, InfoBatch, TED, Importance, Dedup)}
 
 
 def hparam_names(cls: type[Pruner]) -> list[str]:

@@ -175,8 +175,8 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"),
                    frontier=(0.5,))
     keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
-    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle")
-                    for s in ("", "_s1", "_s2")}
+    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle", "dedup_known",
+                                                     "dedup_known_rescaled") for s in ("", "_s1", "_s2")}
     oracle = next(r for r in report["results"] if r["key"] == "mae_long_dedup_oracle")
     full = next(r for r in report["results"] if r["key"] == "mae_long_full_s0")
     assert oracle["samples_forwarded"] < 0.8 * full["samples_forwarded"]  # trained on train_dedup
@@ -184,7 +184,12 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         assert arm["seeds"] == [0, 1, 2] and {"masked_mse", "masked_mse@val_mix"} <= set(arm["metrics"])
     equal = [r for r in report["results"] if r["role"] == "equal_compute"]
     assert sorted((r["compute_of"], r["seed"]) for r in equal) == sorted(
-        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle") for s in (0, 1, 2))
+        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle", "Dedup known", "Dedup known rescaled")
+        for s in (0, 1, 2))
+    # the dedup arms train on the known groups at the oracle's 70%, each rescale choice its own weights
+    for label in ("Dedup known", "Dedup known rescaled"):
+        arm = next(r for r in report["results"] if r["label"] == label and r["seed"] == 0)
+        assert abs(arm["mean_kept_fraction"] - 0.7) < 0.1 and arm["pruner"]["groups"] == "known"
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "a pruner saves >= 25% compute at equal quality with the 95% CI above 0" in text

@@ -422,7 +422,7 @@ def test_build_pruner_by_config_name():
 
 
 def test_unknown_pruner_name_lists_the_accepted_names():
-    with pytest.raises(ValueError, match="accepted names: full, importance, infobatch, random, ted"):
+    with pytest.raises(ValueError, match="accepted names: dedup, full, importance, infobatch, random, ted"):
         build_pruner("infobach", 10, 2)
 
 

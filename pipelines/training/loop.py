@@ -23,7 +23,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from pipelines.checkpoint.position import TrainingPosition
 from pipelines.checkpoint.pruner_state import CheckpointedPruner
 from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
-from pipelines.config import RunConfig, to_yaml
+from pipelines.config import RunConfig, pruner_hparams, to_yaml
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
@@ -37,6 +37,7 @@ from pipelines.training.device import build_optimizer, place_model, set_backend_
 from pipelines.training.accumulation import GradientAccumulation
 from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from pipelines.training.ema import PassProgressEMA
+from pipelines.training.groups import use_group_table
 from pipelines.training.metrics import MetricsLog
 from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
 from pipelines.training.sync_check import SyncDebug
@@ -147,8 +148,7 @@ def train(cfg: RunConfig) -> dict:
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
     task = build_task(cfg)
     index = ShardIndex.load(cfg.data.train)
-    hparams = {k: v for k, v in cfg.pruner.items() if k != "name"}
-    pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **hparams)
+    pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
     set_backend_flags(cfg, device)
     place_model(cfg, task.model, device)  # before the optimizer: the fused kernel checks the parameters' device
     optimizer = build_optimizer(cfg, task.model, device)
@@ -158,10 +158,18 @@ def train(cfg: RunConfig) -> dict:
                           full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum))
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
-    node_tables = NodeTables(pruner, rank, local_rank, local_size, run_token() if world > 1 else "")
+    token = run_token() if world > 1 else ""
+    node_tables = NodeTables(pruner, rank, local_rank, local_size, token)
     if main and node_tables.shared:
         print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
               f"({local_size} ranks per node)")
+    if cfg.pruner.get("groups"):  # side data, before a resume: the checkpoint names the table it needs
+        path, digest = use_group_table(pruner, cfg.pruner["groups"], cfg.data.train, index, rank=rank,
+                                       local_rank=local_rank, local_size=local_size, token=token)
+        if main:
+            stats = pruner.stats()
+            print(f"near-duplicate groups: {path} (digest {digest}), {stats['grouped_samples']} "
+                  f"samples in groups of 2 or more, about {stats['per_group']:.3g} of each group a pass")
     position = TrainingPosition()
     checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
     accelerator.register_for_checkpointing(checkpointed, ema, position)

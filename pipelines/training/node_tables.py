@@ -5,7 +5,8 @@ one rank) keeps its tables in process memory.
 
 The files are unlinked as soon as every rank of the node has mapped them, so the memory goes back to
 the system when the last of those processes exits, a crash included; only a crash in the moment
-between creating and mapping leaves a `prunepipe-*` file in /dev/shm behind.
+between creating and mapping leaves a `prunepipe-*` file in /dev/shm behind. Read-only side data
+(a near-duplicate table's group sizes, pipelines/training/groups.py) is shared the same way.
 """
 
 from __future__ import annotations
@@ -40,32 +41,47 @@ class NodeTables:
         self.writer = local_rank == 0
         if not self.shared:
             return
-        node = rank // local_size  # launchers number the ranks of a node contiguously
-        paths = {name: os.path.join(folder, f"prunepipe-{token}-node{node}-{name}")
-                 for name in pruner.table_specs()}
-        if self.writer:
-            for name, (shape, dtype) in pruner.table_specs().items():
-                with open(paths[name], "wb") as f:  # a sparse file: pages cost memory once written
-                    f.truncate(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
-        dist.barrier()  # created before the others map them
-        tables = {}
-        for name, (shape, dtype) in pruner.table_specs().items():
-            if not os.path.exists(paths[name]):
-                raise RuntimeError(f"rank {rank}: shared score table {paths[name]} is missing; local rank 0 of "
-                                   f"this node creates it (is LOCAL_RANK / LOCAL_WORLD_SIZE={local_size} right, "
-                                   f"and is {folder} one file system on the node?)")
-            # writable everywhere so that torch can wrap them for a checkpoint; only the writer records
-            tables[name] = np.memmap(paths[name], dtype=dtype, mode="r+", shape=shape)
-        dist.barrier()  # mapped everywhere: the names can go, the mappings stay
-        if self.writer:
-            for path in paths.values():
-                os.unlink(path)
+        # writable everywhere so that torch can wrap them for a checkpoint; only the writer records
+        tables = map_node_files(pruner.table_specs(), rank, local_rank, local_size, token, folder=folder,
+                                what="shared score table")
         pruner.share_tables(tables, writes=self.writer)
 
     def settle(self) -> None:
         """Wait until this node's writer has written every update so far (before anyone reads)."""
         if self.shared:
             dist.barrier()
+
+
+def map_node_files(specs: dict, rank: int, local_rank: int, local_size: int, token: str, *, folder: str = SHM,
+                   fill=None, read_only: bool = False, what: str = "shared table") -> dict[str, np.ndarray]:
+    """Arrays of `specs` (name -> (shape, dtype)) in files of this node's shared memory: local rank 0
+    creates them (zero) and, with `fill`, writes them (`fill(arrays)`) before any other rank maps
+    them; the names are unlinked once every rank of the node has mapped them. Collective over all ranks."""
+    node = rank // local_size  # launchers number the ranks of a node contiguously
+    paths = {name: os.path.join(folder, f"prunepipe-{token}-node{node}-{name}") for name in specs}
+    if local_rank == 0:
+        for name, (shape, dtype) in specs.items():
+            with open(paths[name], "wb") as f:  # a sparse file: pages cost memory once written
+                f.truncate(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
+        if fill is not None:
+            filled = {name: np.memmap(paths[name], dtype=dtype, mode="r+", shape=shape)
+                      for name, (shape, dtype) in specs.items()}
+            fill(filled)
+            for array in filled.values():
+                array.flush()
+    dist.barrier()  # created (and filled) before the others map them
+    arrays = {}
+    for name, (shape, dtype) in specs.items():
+        if not os.path.exists(paths[name]):
+            raise RuntimeError(f"rank {rank}: {what} {paths[name]} is missing; local rank 0 of this node creates "
+                               f"it (is LOCAL_RANK / LOCAL_WORLD_SIZE={local_size} right, and is {folder} one file "
+                               f"system on the node?)")
+        arrays[name] = np.memmap(paths[name], dtype=dtype, mode="r" if read_only else "r+", shape=shape)
+    dist.barrier()  # mapped everywhere: the names can go, the mappings stay
+    if local_rank == 0:
+        for path in paths.values():
+            os.unlink(path)
+    return arrays
 
 
 def run_token() -> str:

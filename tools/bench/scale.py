@@ -6,8 +6,9 @@ Run: `prunepipe bench scale --samples 100000000` (a markdown table on stdout, JS
 sample is scored (TED: twice, with a learning rate between) through the pruner's `_record`, the
 update path without the per-batch de-duplication, which would only make filling 1e9 ids slow.
 What is measured, and how:
-- `tables`, `plan`, `consumed`: numpy `nbytes` of the score tables, the frozen plan's arrays and the
-  pass's consumed bitmap, per sample; per rank = all three, for a process alone.
+- `tables`, `plan`, `consumed`, `groups`: numpy `nbytes` of the score tables, the frozen plan's arrays,
+  the pass's consumed bitmap and (dedup) the group sizes of a synthetic table with 40% of the samples
+  in groups of 4, per sample; per rank = all four, for a process alone.
 - `peak RSS`: the child's high-water resident memory (VmHWM, reset after the imports) above its RSS
   after imports, per sample: before loading a saved state, and with it.
 - `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
@@ -67,6 +68,40 @@ def score_everything(pruner, visits: int) -> float:
     return time.perf_counter() - start
 
 
+GROUPED_SHARE, GROUP_SIZE = 0.4, 4  # dedup's synthetic table: 40% of the samples in groups of 4
+
+
+def synthetic_group_table(samples: int, folder: str) -> str:
+    """A group table for dedup, written once per size: the first 40% of the ids in groups of 4
+    consecutive ids (a group's id is its first), the rest alone. Only its sizes matter here."""
+    from pipelines.data.group_table import write_group_table
+
+    path = os.path.join(folder, f"groups-{samples}.npy")
+    if not os.path.exists(path):
+        group_of = np.arange(samples, dtype=np.int32)
+        grouped = int(samples * GROUPED_SHARE) // GROUP_SIZE * GROUP_SIZE
+        group_of[:grouped] -= group_of[:grouped] % GROUP_SIZE
+        write_group_table(path, group_of, {"made_by": "tools.bench.scale: synthetic"})
+    return path
+
+
+def give_synthetic_groups(pruner, samples: int, folder: str, rank: int = 0, local_rank: int = 0,
+                          local_size: int = 1, token: str = ""):
+    """dedup's group sizes from the synthetic table, as the loop gives them (shared per node); the sizes."""
+    from pipelines.data.group_table import open_group_table
+    from pipelines.training.groups import give_groups
+
+    give_groups(pruner, open_group_table(synthetic_group_table(samples, folder), samples), rank, local_rank,
+                local_size, token)
+    return pruner._group_size
+
+
+def plan_arrays(frozen) -> list:
+    """The frozen plan's per-sample arrays (a candidate bitmap, keep probabilities, group shares)."""
+    return [a for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs)
+            if a is not None]
+
+
 def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
             folder: str) -> dict:
     """One pruner's row (run in a child process: see `main`)."""
@@ -78,12 +113,15 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     from pruning.pass_plan import PassPlan
 
     torch.set_num_threads(1)
+    if name == "dedup":
+        synthetic_group_table(samples, folder)  # written before the baseline: not the pruner's memory
     reset_peak_rss()
     baseline = rss_bytes()
     counts = np.full(-(-samples // shard_size), shard_size, dtype=np.int64)
     counts[-1] = samples - shard_size * (len(counts) - 1)
     index = ShardIndex(tuple(f"shard-{i:07d}.tar" for i in range(len(counts))), counts)
     pruner = build_pruner(name, samples, 100, seed=0)
+    groups_bytes = give_synthetic_groups(pruner, samples, folder).nbytes if name == "dedup" else 0
     fill_seconds = score_everything(pruner, 2 if name == "ted" else 1)
     world = nodes * ranks_per_node
     start_boundary = time.perf_counter()
@@ -96,10 +134,9 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     consumed = Bitmap.zeros(samples)  # what the loop keeps per pass
     frozen = plan.frozen
     tables = sum(t.nbytes for t in pruner._tables().values())
-    plan_bytes = sum(a.nbytes for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs)
-                     if a is not None)
+    plan_bytes = sum(a.nbytes for a in plan_arrays(frozen))
     consumed_bytes = consumed.packed.nbytes
-    per_rank = plan_bytes + consumed_bytes
+    per_rank = plan_bytes + consumed_bytes + groups_bytes
     # as a checkpoint holds it: the small state in a .pkl, the tables as files (pipelines/checkpoint/pruner_state.py)
     checkpoint = os.path.join(folder, f"{name}-checkpoint")
     os.makedirs(checkpoint, exist_ok=True)
@@ -112,6 +149,8 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     del pruner, plan, frozen, consumed  # a resumed process holds one pruner: the one it loads into
     start = time.perf_counter()
     loader = CheckpointedPruner(build_pruner(name, samples, 100, seed=0))
+    if name == "dedup":  # the same table: the state names it
+        give_synthetic_groups(loader.pruner, samples, folder)
     loader.load_state_dict(torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=True))
     loader.finish_load(checkpoint)
     loaded = time.perf_counter() - start
@@ -120,7 +159,8 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
         "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
         "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
         "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed_bytes / samples,
-        "per_rank_B": (tables + per_rank) / samples,  # one process alone: tables, plan, consumed
+        "groups_B": groups_bytes / samples,
+        "per_rank_B": (tables + per_rank) / samples,  # one process alone: tables, plan, consumed, group sizes
         "peak_rss_B": (peak_before_load - baseline) / samples,
         "peak_rss_with_load_B": (peak_rss_bytes() - baseline) / samples,
         "plan_s": planned - start_boundary, "boundary_s": boundary, "fill_s": fill_seconds,
@@ -162,7 +202,10 @@ def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int
     dist.barrier()
     before = memory_of_process()
     pruner = build_pruner(name, samples, 100, seed=0)
-    tables = NodeTables(pruner, rank, rank, ranks_per_node, run_token())
+    token = run_token()
+    tables = NodeTables(pruner, rank, rank, ranks_per_node, token)
+    if name == "dedup":  # the group sizes once per node too, read-only
+        give_synthetic_groups(pruner, samples, os.path.dirname(out), rank, rank, ranks_per_node, token)
     score_everything(pruner, 2 if name == "ted" else 1)
     tables.settle()
     start = time.perf_counter()
@@ -209,7 +252,7 @@ def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, worke
 
 def format_table(rows: list[dict]) -> str:
     columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
-               ("consumed_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
+               ("consumed_B", "{:.3f}"), ("groups_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
                ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"),
                ("boundary_s", "{:.1f}"),
                ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}"),

@@ -29,12 +29,13 @@ import scipy.stats
 import torch
 
 from pipelines.checkpoint.store import load_checkpoint_states, newest_intact
-from pipelines.config import load_config
+from pipelines.config import load_config, pruner_hparams
 from pipelines.data.shards import ShardIndex, read_shard
 from pipelines.data.splits import read_split
 from pipelines.evaluation.records import resolve_run_dir
 from pipelines.tasks.build import build_task
 from pipelines.tasks.randomness import SampleRandomness
+from pipelines.training.groups import use_group_table
 from pruning import ScoreNormaliser, build_pruner
 
 DRAW_SEED = 7_000_003  # far from any training seed: these draws are not the training run's
@@ -106,8 +107,10 @@ def skip_probability(run_cfg, folder: str, num_samples: int, passes: int = 4) ->
     state = load_checkpoint_states(folder, read_model=False)["pruner"]
     if state is None or run_cfg.pruner["name"] == "full":
         return None
-    hparams = {k: v for k, v in run_cfg.pruner.items() if k != "name"}
-    pruner = build_pruner(run_cfg.pruner["name"], num_samples, run_cfg.passes, seed=run_cfg.seed, **hparams)
+    pruner = build_pruner(run_cfg.pruner["name"], num_samples, run_cfg.passes, seed=run_cfg.seed,
+                          **pruner_hparams(run_cfg.pruner))
+    if run_cfg.pruner.get("groups"):  # dedup: its group table, which the checkpoint's state must match
+        use_group_table(pruner, run_cfg.pruner["groups"], run_cfg.data.train, ShardIndex.load(run_cfg.data.train))
     pruner.load_state_dict(state)
     ids = np.arange(num_samples, dtype=np.int64)
     last = max(pruner.first_full_pass - 1, 0)

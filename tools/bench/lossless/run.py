@@ -47,12 +47,15 @@ def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
     Digits: train/index.json lists only the first shard, which holds exactly `train_samples` images
     (ids 0..N-1). Photos and redundant: `crops_per_photo` crops of each bundled photograph."""
     from pipelines.data.shards import ShardIndex
+    from tools.known_groups import KNOWN, write_known_groups
     from tools.shards import write_shards
 
     if plan.data != "digits":
         root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
         if not os.path.exists(os.path.join(root, "val", "index.json")):
             write_shards(plan.data, root, size=size, shard_size=100_000, crops_per_photo=plan.crops_per_photo)
+        if plan.data == "redundant" and not os.path.exists(os.path.join(root, "train", "groups", f"{KNOWN}.npy")):
+            write_known_groups(os.path.join(root, "train"))  # the dedup arms' group table (pruner.groups=known)
         return root
     train_samples = plan.train_samples
     root = os.path.join(work, f"digits{size}_n{train_samples}")

@@ -1,0 +1,82 @@
+"""The exact near-duplicate groups of the bundled `redundant` shards (tools/sources.py), known from
+their keys: a copy is named after its original, `ORIGINAL_dupNNNNN` (`_heldoutdupNNNNN` in val_mix).
+Written as the group table the dedup pruner reads (pipelines/data/group_table.py), so that the pruner
+can be measured and tested before groups found from embeddings exist. For the small bundled shards:
+it holds every key of the split in memory.
+
+    python -m tools.known_groups DATA/train     # writes DATA/train/groups/known.npy and .json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+
+import numpy as np
+
+from pipelines.data.group_table import GROUPS_FOLDER, write_group_table
+from pipelines.data.shards import INDEX_NAME, ShardIndex, read_shard
+
+KNOWN = "known"  # the table's name: pruner.groups=known
+_COPY = re.compile(r"^(?P<original>.+)_(?:heldout)?dup\d{5}$")
+
+
+def original_key(key: str) -> str:
+    """The key of the sample `key` is a near-duplicate of (itself when it is no copy)."""
+    copy = _COPY.match(key)
+    return copy.group("original") if copy else key
+
+
+def split_keys(split: str) -> list[str]:
+    """Every sample's key in id order (index order, then position in the shard)."""
+    return [sample["__key__"] for url in ShardIndex.load(split).urls for _, sample in read_shard(url)]
+
+
+def known_groups(split: str) -> np.ndarray:
+    """int32 per sample id: its group, the smallest id among the samples with its original (the
+    original and its copies); a sample without copies is its own group."""
+    first_of: dict[str, int] = {}
+    roots = [original_key(key) for key in split_keys(split)]
+    for sample_id, root in enumerate(roots):
+        first_of.setdefault(root, sample_id)
+    return np.array([first_of[root] for root in roots], dtype=np.int32)
+
+
+def index_fingerprint(split: str) -> dict:
+    """What the ids depend on: the sample count and the sha256 of the shard list (urls and counts)."""
+    with open(os.path.join(split, INDEX_NAME)) as f:
+        shards = json.load(f)["shards"]
+    canonical = json.dumps([[s["url"], int(s["num_samples"])] for s in shards], separators=(",", ":"))
+    return {"num_samples": sum(int(s["num_samples"]) for s in shards),
+            "shards_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+
+
+def write_known_groups(split: str, name: str = KNOWN) -> str:
+    """The known groups of `split` as `split/groups/NAME.npy` with its header; returns the .npy path."""
+    groups = known_groups(split)
+    sizes = np.bincount(groups, minlength=len(groups))
+    header = {"format": "prunepipe-side-table", "kind": "groups", "dtype": "int32", "shape": [len(groups)],
+              "index": index_fingerprint(split),
+              "made_by": "tools.known_groups: the keys of the redundant source's copies name their original",
+              "groups": int(np.count_nonzero(sizes)), "groups_with_copies": int(np.count_nonzero(sizes > 1)),
+              "grouped_samples": int(sizes[sizes > 1].sum()), "largest_group": int(sizes.max())}
+    return write_group_table(os.path.join(split, GROUPS_FOLDER, f"{name}.npy"), groups, header)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("split", help="a split folder of redundant shards (with index.json)")
+    parser.add_argument("--name", default=KNOWN)
+    args = parser.parse_args(argv)
+    path = write_known_groups(args.split, args.name)
+    with open(os.path.splitext(path)[0] + ".json") as f:
+        header = json.load(f)
+    print(f"{path}: {header['grouped_samples']} of {header['shape'][0]} samples in {header['groups_with_copies']} "
+          f"groups of 2 or more (largest {header['largest_group']})")
+
+
+if __name__ == "__main__":
+    main()
