@@ -32,10 +32,11 @@ def equal_quality_section(found: dict | None) -> list[str]:
     if not found or not any(setting["metrics"] for setting in found["settings"]):
         return []
     lines = ["## Compute saved at equal quality", "",
-             "Each pruned run against the Full runs of its own seed (baseline, same-compute and --frontier runs: "
-             "Full at several schedule lengths): saving = 1 - its samples forwarded / those at which that seed's "
-             "Full reaches its quality (linear between Full runs; beyond their ends a bound, >= or <=). Interval: "
-             "95% t over seeds.", ""]
+             "Each pruned run against the Full curve of its own seed (baseline, same-compute and --frontier runs: "
+             "Full at several schedule lengths, fitted as one shape plus a level per seed): saving = 1 - its "
+             "samples forwarded / those at which that curve reaches its quality (linear between lengths; beyond "
+             "their ends a bound, >= or <=). Interval: 95% t over seeds, standard error by jackknife over seeds "
+             "(docs/evaluation.md).", ""]
     rows = []
     marks = {"at least": ">=", "at most": "<="}
     for setting in found["settings"]:
