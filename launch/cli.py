@@ -317,7 +317,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                       help="run name prefix: NAME_infobatch[_sN], NAME_full_sN, NAME_full_short[_sN], NAME_full_half[_sN]")
     demo.add_argument("--passes", type=int, default=25,
                       help="passes of the full schedule (0: the tiny config's 40; 12 runs of it take about 6 "
-                           "minutes on 2 cores, 25 passes about 4)")
+                           "minutes on 2 cores, 25 passes about 3)")
     demo.add_argument("--seeds", type=int, default=3,
                       help="seeds of the pruned run and its Full runs (>= 2 for an interval)")
     demo.add_argument("overrides", nargs="*", help="key=value config overrides")
