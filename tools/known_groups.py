@@ -10,7 +10,6 @@ it holds every key of the split in memory.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -18,7 +17,8 @@ import re
 import numpy as np
 
 from pipelines.data.group_table import GROUPS_FOLDER, write_group_table
-from pipelines.data.shards import INDEX_NAME, ShardIndex, read_shard
+from pipelines.data.side_tables import make_header
+from pipelines.data.shards import ShardIndex, read_shard
 
 KNOWN = "known"  # the table's name: pruner.groups=known
 _COPY = re.compile(r"^(?P<original>.+)_(?:heldout)?dup\d{5}$")
@@ -45,24 +45,14 @@ def known_groups(split: str) -> np.ndarray:
     return np.array([first_of[root] for root in roots], dtype=np.int32)
 
 
-def index_fingerprint(split: str) -> dict:
-    """What the ids depend on: the sample count and the sha256 of the shard list (urls and counts)."""
-    with open(os.path.join(split, INDEX_NAME)) as f:
-        shards = json.load(f)["shards"]
-    canonical = json.dumps([[s["url"], int(s["num_samples"])] for s in shards], separators=(",", ":"))
-    return {"num_samples": sum(int(s["num_samples"]) for s in shards),
-            "shards_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
-
-
 def write_known_groups(split: str, name: str = KNOWN) -> str:
     """The known groups of `split` as `split/groups/NAME.npy` with its header; returns the .npy path."""
     groups = known_groups(split)
     sizes = np.bincount(groups, minlength=len(groups))
-    header = {"format": "prunepipe-side-table", "kind": "groups", "dtype": "int32", "shape": [len(groups)],
-              "index": index_fingerprint(split),
-              "made_by": "tools.known_groups: the keys of the redundant source's copies name their original",
-              "groups": int(np.count_nonzero(sizes)), "groups_with_copies": int(np.count_nonzero(sizes > 1)),
-              "grouped_samples": int(sizes[sizes > 1].sum()), "largest_group": int(sizes.max())}
+    header = make_header(split, "groups", groups.shape,
+                         made_by="tools.known_groups: the keys of the redundant source's copies name their original",
+                         groups=int(np.count_nonzero(sizes)), groups_with_copies=int(np.count_nonzero(sizes > 1)),
+                         grouped_samples=int(sizes[sizes > 1].sum()), largest_group=int(sizes.max()))
     return write_group_table(os.path.join(split, GROUPS_FOLDER, f"{name}.npy"), groups, header)
 
 
