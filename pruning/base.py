@@ -154,7 +154,8 @@ class FrozenPlan:
     decision, each sample's share of its near-duplicate group: a sample is kept when its coin is below
     its keep_prob and its group rotation (`rotation_keeps`) keeps it; its weight gains 1/group_prob
     only with `group_rescale`. Decisions and weights read the same stored probabilities, so the
-    quantisation to float16 moves no expectation.
+    quantisation to float16 moves no expectation. `rotate=False` turns the rotation at pass 0 in every
+    pass: the same members of each group every pass, the others never (a static deduplication).
     """
 
     seed: int
@@ -166,6 +167,7 @@ class FrozenPlan:
     keep_probs: np.ndarray | None = None  # float32 or float16 [num_samples] in (0, 1], read-only
     group_probs: np.ndarray | None = None  # float16 [num_samples] in (0, 1], read-only; needs keep_probs
     group_rescale: bool = True
+    rotate: bool = True
 
     def __post_init__(self):
         if self.group_probs is not None and self.keep_probs is None:
@@ -184,7 +186,7 @@ class FrozenPlan:
         kept = uniform_coin(self.seed, self.epoch, ids) < probs
         weight = np.float32(1.0) / probs if self.rescale else np.ones(len(ids), dtype=np.float32)
         if groups is not None:
-            kept &= rotation_keeps(self.seed, self.epoch, ids, groups)
+            kept &= rotation_keeps(self.seed, self.epoch if self.rotate else 0, ids, groups)
             if self.group_rescale:
                 weight = weight / groups
         return kept, weight.astype(np.float32, copy=False)
@@ -243,7 +245,7 @@ class FrozenPlan:
         group_probs = None if self.group_probs is None else torch.from_numpy(np.array(self.group_probs))
         return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": None, "candidate_bits": bits,
                 "rescale": self.rescale, "keep_probs": keep_probs, "group_probs": group_probs,
-                "group_rescale": self.group_rescale}
+                "group_rescale": self.group_rescale, "rotate": self.rotate}
 
     @classmethod
     def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
@@ -264,7 +266,8 @@ class FrozenPlan:
         if candidates is not None:
             candidates.packed.flags.writeable = False
         return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates,
-                   bool(state.get("rescale", True)), keep_probs, group_probs, bool(state.get("group_rescale", True)))
+                   bool(state.get("rescale", True)), keep_probs, group_probs, bool(state.get("group_rescale", True)),
+                   bool(state.get("rotate", True)))
 
 
 def _per_sample_probs(state: dict, name: str, num_samples: int, dtypes: tuple) -> np.ndarray | None:

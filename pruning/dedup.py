@@ -36,6 +36,10 @@ class Dedup(Pruner):
       `then: infobatch` (below-mean samples skipped with one probability, at most `prune_ratio`);
       the mean is over what the groups keep (each seen score weighted by g_i). Unseen samples: p = 1.
 
+    `static`: the rotation stands still, so each group gives the same members every pass and the
+    others are never seen: a static deduplication at the same compute, the control that says what
+    the rotation adds (with `delta: 1` no pass trains on everything, as after removing them once).
+
     Weight of a kept sample: (1/p_i if `rescale`) x (1/g_i if `group_rescale`). `group_rescale`
     true keeps the duplicated distribution in expectation (every sample's expected weight is 1);
     false (the default) gives a group of n the expected weight min(n, m) of m samples, so the
@@ -47,7 +51,7 @@ class Dedup(Pruner):
     def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7,
                  per_group: float = 1.0, then: str = "importance", alpha: float = 1.0, p_min: float = 0.1,
                  prune_ratio: float = 0.5, delta: float = 0.875, rescale: bool = True, group_rescale: bool = False,
-                 momentum: float = 0.0):
+                 momentum: float = 0.0, static: bool = False):
         keep = check_range("dedup", "keep", keep, 0.0, 1.0, low_open=True)
         per_group = check_range("dedup", "per_group", per_group, 0.0, float(2**31), low_open=True)
         if then not in THEN:
@@ -59,11 +63,13 @@ class Dedup(Pruner):
         rescale = check_flag("dedup", "rescale", rescale)
         group_rescale = check_flag("dedup", "group_rescale", group_rescale)
         momentum = check_range("dedup", "momentum", momentum, 0.0, 1.0, high_open=True)
+        static = check_flag("dedup", "static", static)
         super().__init__(num_samples, num_epochs, seed=seed, keep=keep, per_group=per_group, then=then, alpha=alpha,
                          p_min=p_min, prune_ratio=prune_ratio, delta=delta, rescale=rescale,
-                         group_rescale=group_rescale, momentum=momentum)
+                         group_rescale=group_rescale, momentum=momentum, static=static)
         self.keep, self.per_group, self.then, self.alpha, self.p_min = keep, per_group, then, alpha, p_min
         self.prune_ratio, self.rescale, self.group_rescale, self.momentum = prune_ratio, rescale, group_rescale, momentum
+        self.static = static
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
         self._seen = np.zeros(self.num_samples, dtype=np.uint8)
@@ -162,7 +168,7 @@ class Dedup(Pruner):
             if array is not None:
                 array.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
         return FrozenPlan(self.seed, epoch, self.num_samples, self._expected_keep, None, self.rescale, probs, groups,
-                          self.group_rescale)
+                          self.group_rescale, rotate=not self.static)
 
     def _importance_probs(self, probs: np.ndarray, groups: np.ndarray | None, mean: float) -> None:
         """p = clip(c r, p_min, 1) with r = (s / mean) ** alpha for seen samples, 1 for unseen, and c

@@ -176,7 +176,8 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
                    frontier=(0.5,))
     keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
     assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle", "dedup_known",
-                                                     "dedup_known_rescaled") for s in ("", "_s1", "_s2")}
+                                                     "dedup_known_rescaled", "static_dedup_known")
+                    for s in ("", "_s1", "_s2")}
     oracle = next(r for r in report["results"] if r["key"] == "mae_long_dedup_oracle")
     full = next(r for r in report["results"] if r["key"] == "mae_long_full_s0")
     assert oracle["samples_forwarded"] < 0.8 * full["samples_forwarded"]  # trained on train_dedup
@@ -184,12 +185,14 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         assert arm["seeds"] == [0, 1, 2] and {"masked_mse", "masked_mse@val_mix"} <= set(arm["metrics"])
     equal = [r for r in report["results"] if r["role"] == "equal_compute"]
     assert sorted((r["compute_of"], r["seed"]) for r in equal) == sorted(
-        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle", "Dedup known", "Dedup known rescaled")
-        for s in (0, 1, 2))
+        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle", "Dedup known", "Dedup known rescaled",
+                             "Static dedup known") for s in (0, 1, 2))
     # the dedup arms train on the known groups at the oracle's 70%, each rescale choice its own weights
     for label in ("Dedup known", "Dedup known rescaled"):
         arm = next(r for r in report["results"] if r["label"] == label and r["seed"] == 0)
         assert abs(arm["mean_kept_fraction"] - 0.7) < 0.1 and arm["pruner"]["groups"] == "known"
+    static = next(r for r in report["results"] if r["label"] == "Static dedup known" and r["seed"] == 0)
+    assert abs(static["mean_kept_fraction"] - 0.7) < 0.1  # every pass pruned: no full passes at the end
     text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "a pruner saves >= 25% compute at equal quality with the 95% CI above 0" in text
@@ -224,6 +227,23 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     assert (tmp_path / "docs" / "benchmarks" / "lossless_pays_micro_redundant.json").exists()
     with pytest.raises(ValueError, match="a task appears in more than one report"):
         rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
+
+    # a second invocation with --reuse takes every recorded run and trains none; a changed setting is trained
+    from tools.bench.lossless.run import recorded_runs, same_run
+    from tools.bench.lossless.plan import first_specs, task_plans
+
+    runs = recorded_runs([str(recorded)])
+    again = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "again"), work=str(tmp_path / "work2"),
+                  frontier=(0.5,), reuse=runs)
+    assert again["reused_runs"] == len({r["key"] for r in report["results"]})
+    assert not os.path.exists(tmp_path / "work2" / "runs")
+    assert sorted((r["key"], r["label"], r["metrics"]["masked_mse"]) for r in again["results"]) == \
+        sorted((r["key"], r["label"], r["metrics"]["masked_mse"]) for r in report["results"])
+    spec = next(s for s in first_specs(task_plans("pays_micro_redundant", ["mae"], (), (0.5,))[0])
+                if s.key == "mae_long_infobatch")
+    assert same_run(spec, runs[spec.key])
+    spec.pruner["prune_ratio"] = 0.3
+    assert not same_run(spec, runs[spec.key])
 
     # which samples the pruner skips, by kind, and how reliable its scores are over draws
     from tools.bench.score_noise import analyse, render

@@ -115,6 +115,28 @@ def test_over_ceil_n_over_m_passes_every_member_is_kept(per_group):
     assert independent_missed > 0, "independent coins at the same probabilities miss members in such windows"
 
 
+def test_static_keeps_the_same_members_every_pass_and_never_the_others():
+    group_of, sizes = spread_groups()
+    rotating, static = (grouped(sizes=sizes, keep=0.01, static=flag) for flag in (False, True))
+    kept = {name: kept_over_passes(pruner, range(max(GROUP_SIZES))) for name, pruner in (("rotating", rotating), ("static", static))}
+    assert (kept["static"] == kept["static"][0]).all(), "a static deduplication keeps one fixed subset"
+    np.testing.assert_array_equal(kept["static"][0], kept["rotating"][0])  # the rotation's pass 0, frozen
+    grouped_members = sizes > 1
+    never = ~kept["static"][:, grouped_members].any(axis=0)
+    assert never.mean() > 0.5, "most near-duplicates are never seen statically"
+    assert kept["rotating"][:, grouped_members].any(axis=0).all(), "in ceil(n / m) passes the rotation shows each"
+    assert abs(kept["static"].mean() - kept["rotating"].mean()) < 0.02, "the same compute either way"
+    # the plan says so, through a checkpoint too
+    buffer = io.BytesIO()
+    torch.save(static.state_dict(), buffer)
+    buffer.seek(0)
+    restored = grouped(sizes=sizes, keep=0.01, static=True)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert not restored.frozen_plan.rotate
+    restored.plan(max(GROUP_SIZES) + 1)
+    np.testing.assert_array_equal(restored.weights(np.arange(N)) > 0, kept["static"][0])
+
+
 def test_rotation_keeps_each_sample_its_share_of_the_passes():
     _, sizes = spread_groups()
     pruner = grouped(sizes=sizes, keep=0.01)

@@ -147,6 +147,8 @@ PAYS_MAE = {
                             "run": {"score.normalise": "stratum_mean"}},
     "Importance mask-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
                              "run": {"score.normalise": "stratum_mean"}},
+    # what the model already learns through the other samples: the loss-side signal of redundancy
+    "TED": PRUNERS["TED"],
 }
 PAYS_LDM = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
@@ -160,7 +162,10 @@ PAYS_LDM = {
     "InfoBatch t-norm, sampled t": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
                                     "run": {"score.normalise": "stratum_mean",
                                             "ldm.timestep_sampling": "loss_second_moment"}},
+    "TED": PRUNERS["TED"],
 }
+# DiT + flow (today's diffusion recipe, bench_dit.yaml) on the same data: the loss pruners, timestep-normalised
+PAYS_DIT = {label: PAYS_LDM[label] for label in ("InfoBatch", "InfoBatch t-norm", "Importance t-norm", "TED")}
 
 
 # The dedup pruner on the redundant set's known groups (tools/known_groups.py, written by the bench's
@@ -172,6 +177,10 @@ DEDUP_ARMS = {
                     "delta": 0.875, "group_rescale": False},
     "Dedup known rescaled": {"name": "dedup", "groups": "known", "keep": 0.7, "per_group": 1, "then": "importance",
                              "delta": 0.875, "group_rescale": True},
+    # the control: the same groups, the same share of each kept, but always the same members and no
+    # full passes at the end, as if the others had been removed from the shards once before training
+    "Static dedup known": {"name": "dedup", "groups": "known", "keep": 0.7, "per_group": 1, "then": "importance",
+                           "delta": 1.0, "group_rescale": False, "static": True},
 }
 
 
@@ -209,6 +218,11 @@ def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
                      extra_splits=extra),
             TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, {**PAYS_LDM, **known}, overrides=channels,
+                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
+                     extra_splits=extra),
+            # labels: the photograph (15) on photos and redundant data, the digit on digits
+            TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 24, 0, {**PAYS_DIT, **known},
+                     overrides=[*channels, f"ldm.num_classes={15 if photos else 10}"],
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
                      extra_splits=extra)]
 

@@ -196,9 +196,28 @@ def evaluate(cfg, plan: TaskPlan, fid_weights: str, val: str = "", fid: bool = T
 
 
 # ----------------------------------------------------------------------------- scheduling
-def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[dict]:
-    """Every run of every plan, `workers` at a time; an equal-compute Full starts when its pruned run ends."""
+def recorded_runs(paths: list[str]) -> dict[str, dict]:
+    """The runs of recorded reports by key (one result per key: an equal-compute alias is the run it
+    names), each marked with the report it came from."""
+    runs: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            for result in json.load(f)["results"]:
+                runs.setdefault(result["key"], {**result, "reused_from": os.path.basename(path)})
+    return runs
+
+
+def same_run(spec: RunSpec, recorded: dict | None) -> bool:
+    """Does a recorded result train exactly what `spec` asks (task, schedule, seed, passes, pruner)?"""
+    return recorded is not None and all(recorded.get(name) == getattr(spec, name)
+                                        for name in ("task", "schedule", "seed", "passes", "pruner"))
+
+
+def run_all(plans: list[TaskPlan], work: str, workers: int, log=None, reuse: dict | None = None) -> list[dict]:
+    """Every run of every plan, `workers` at a time; an equal-compute Full starts when its pruned run
+    ends. A run `reuse` holds (same key and settings) is taken from it instead of trained."""
     log = log or (lambda message: print(message, flush=True))
+    reuse = reuse or {}
     runs_dir = os.path.join(work, "runs")
     jobs = []
     context = {}
@@ -217,16 +236,25 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None) -> list[di
     with ProcessPoolExecutor(**pool_kwargs) as pool:
         futures = {}
         while pending or futures:
+            finished = []  # (spec, result) of runs done since the last look
             while pending and len(futures) < workers:
                 spec = pending.pop(0)
+                recorded = reuse.get(spec.key)
+                if same_run(spec, recorded):
+                    finished.append((spec, {**recorded, "label": spec.label, "role": spec.role,
+                                            "compute_of": spec.compute_of}))
+                    continue
                 futures[pool.submit(execute, spec, *context[spec.task][:2], runs_dir, context[spec.task][2])] = spec
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in done:
-                spec = futures.pop(future)
-                result = future.result()
+            if not finished:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                finished = [(futures[future], future.result()) for future in done]
+                for future in done:
+                    futures.pop(future)
+            for spec, result in finished:
                 results.append(result)
                 plan = context[spec.task][0]
-                log(f"[{time.strftime('%H:%M:%S')}] {spec.key}: {result['passes']} passes, "
+                log(f"[{time.strftime('%H:%M:%S')}] {spec.key}{' (reused)' if result.get('reused_from') else ''}: "
+                    f"{result['passes']} passes, "
                     f"{result['samples_forwarded']} samples, {result['optimizer_steps']} steps, "
                     f"{result['wall_seconds']:.1f} s, {plan.main} {result['metrics'].get(plan.main)}")
                 done_keys[spec.key] = result
@@ -307,13 +335,14 @@ def running_keys(futures: dict) -> set[str]:
 # ----------------------------------------------------------------------------- entry point
 def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str = "docs",
           work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None,
-          arms: tuple[str, ...] = (), frontier: tuple[float, ...] = ()) -> dict:
-    """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict."""
+          arms: tuple[str, ...] = (), frontier: tuple[float, ...] = (), reuse: dict | None = None) -> dict:
+    """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict.
+    `reuse`: recorded results by run key (`recorded_runs`), taken instead of training them again."""
     plans = task_plans(mode, list(tasks), arms, frontier)
     os.makedirs(work, exist_ok=True)
     load_start = os.getloadavg()
     start = time.perf_counter()
-    results = run_all(plans, work, workers, log=log)
+    results = run_all(plans, work, workers, log=log, reuse=reuse)
     timing = timing_runs(plans, work, log=log)
     meta = {"mode": mode, "command": command or f"prunepipe bench lossless --task {','.join(tasks)}"
             + (" --quick" if mode == "quick" else ""),
@@ -321,7 +350,8 @@ def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str 
                        f"Python {platform.python_version()}, torch {__import__('torch').__version__}",
             "workers": workers, "bench_seconds": time.perf_counter() - start,
             "load_start": " ".join(f"{x:.1f}" for x in load_start),
-            "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "timing": timing}
+            "load_end": " ".join(f"{x:.1f}" for x in os.getloadavg()), "timing": timing,
+            "reused_runs": len({r["key"] for r in results if r.get("reused_from")})}
     return write_report(results, plans, meta, out, os.path.join(work, f"lossless_{mode}.json"))
 
 
@@ -396,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("mae", "ldm", "both", "dit"), default="both",
-                        help="dit: the DiT + flow latent-diffusion task, InfoBatch vs Full at 3 seeds (its own block)")
+                        help="dit: the DiT + flow latent-diffusion task (without --suite pays: InfoBatch vs Full at "
+                             "3 seeds, its own block)")
     parser.add_argument("--quick", action="store_true", help="a few minutes: same runs, few passes")
     parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
@@ -424,6 +455,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tag", default="",
                         help="with --suite pays: a name for this invocation's report block (e.g. with --arms, "
                              "so that it does not replace the whole suite's)")
+    parser.add_argument("--reuse", nargs="+", metavar="JSON",
+                        help="take the runs these recorded reports (lossless_MODE.json) hold instead of training "
+                             "them again: a run whose key, seed, passes and pruner settings match (runs are "
+                             "deterministic on this code; the report lists how many were reused)")
     parser.add_argument("--timing-only", action="store_true",
                         help="with --from-json: (re)run only the sequential timing runs and rewrite the report")
 
@@ -465,9 +500,13 @@ def run_from_args(args) -> int:
     mode, suite = pays_invocation(args) if args.suite == "pays" else ("quick" if args.quick else "full", "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    if args.task == "dit":
+    if args.task == "dit" and args.suite != "pays":
         mode = "dit_quick" if args.quick else "dit"
-    report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms, frontier=frontier)
+    if args.reuse:
+        command += f" --reuse {' '.join(args.reuse)}"
+    reuse = recorded_runs(args.reuse or [])
+    report = bench(mode, tasks, args.out, args.work, args.workers, command=command, arms=arms, frontier=frontier,
+                   reuse=reuse)
     print(report["markdown"])
     return 0
 
