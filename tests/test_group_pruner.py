@@ -377,6 +377,21 @@ def test_group_table_mistakes_name_the_field_or_the_file(redundant, tmp_path):
         train(dedup_cfg(redundant, tmp_path, "x", ["pruner.groups=groups/short.npy"]))
 
 
+def test_a_group_table_made_for_another_shard_list_is_refused(redundant, tmp_path):
+    """Same sample count, shards listed in another order: the ids name other samples."""
+    import shutil
+
+    moved = tmp_path / "train"
+    shutil.copytree(os.path.join(redundant, "train"), moved)
+    write_known_groups(str(moved))
+    index = json.loads((moved / "index.json").read_text())
+    open_group_table(group_table_path("known", str(moved)), 216, shards_dir=str(moved))  # made for it: fine
+    index["shards"][0]["url"] = "renamed-" + index["shards"][0]["url"]
+    (moved / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"known.json: made for another shard list"):
+        open_group_table(group_table_path("known", str(moved)), 216, shards_dir=str(moved))
+
+
 TWO_RANKS = """
 import hashlib, json, os, sys
 sys.path.insert(0, sys.argv[1])

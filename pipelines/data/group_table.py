@@ -5,8 +5,9 @@ that memory-maps, with a JSON header of the same name saying what made it:
     TRAIN/groups/NAME.npy     int32 [N]
     TRAIN/groups/NAME.json    header: what made it, the index it describes
 
-Here a table is found from the config's `pruner.groups`, checked against the train index, and named
-by a digest of its contents. It is read a chunk at a time, never loaded whole; the training loop
+Here a table is found from the config's `pruner.groups`, checked against the train index (its
+sample count; and the shard list, when its header records one as side_tables.py's headers do), and
+named by a digest of its contents. It is read a chunk at a time, never loaded whole; the training loop
 shares what the pruner needs (pipelines/training/groups.py).
 """
 
@@ -18,6 +19,8 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from pipelines.data.side_tables import FORMAT, check_made_for
 
 GROUPS_FOLDER = "groups"
 _CHUNK = 1 << 22
@@ -48,9 +51,11 @@ class GroupTable:
     digest: str  # blake2b of dtype, shape and contents: the same table gives the same digest anywhere
 
 
-def open_group_table(path: str, num_samples: int, index_path: str = "data.train") -> GroupTable:
+def open_group_table(path: str, num_samples: int, index_path: str = "data.train",
+                     shards_dir: str | None = None) -> GroupTable:
     """The table at `path`, checked to hold one group id in 0..N-1 per sample of the index (read once
-    in chunks, which also makes its digest); errors name the file and the index."""
+    in chunks, which also makes its digest) and, when its header is a side table's and `shards_dir`
+    is given, to have been made for that folder's shard list; errors name the file and the index."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"pruner.groups: no group table at {path} (an int32 [N] .npy of group ids per "
                                 f"sample of {index_path}; a bare name means groups/NAME.npy beside it)")
@@ -72,6 +77,8 @@ def open_group_table(path: str, num_samples: int, index_path: str = "data.train"
         if made_for != num_samples:
             raise ValueError(f"{header_path(path)}: made for an index of {made_for} samples, {index_path} "
                              f"indexes {num_samples}")
+        if header.get("format") == FORMAT and shards_dir is not None:
+            check_made_for(header, len(group_of), shards_dir, path, header_path(path), "groups")
     digest = hashlib.blake2b(f"{group_of.dtype.str}{list(group_of.shape)}".encode(), digest_size=16)
     for start in range(0, num_samples, _CHUNK):
         chunk = np.ascontiguousarray(group_of[start:start + _CHUNK])

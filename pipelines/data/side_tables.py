@@ -144,13 +144,19 @@ def _open(shards_dir: str, kind: str, name: str) -> tuple[np.ndarray, dict, str]
         raise ValueError(f"{array_path}: dtype {rows.dtype}, {kind} are stored as {KINDS[kind].name}")
     if list(rows.shape) != header.get("shape"):
         raise ValueError(f"{array_path}: shape {list(rows.shape)}, its header {header_path} says {header.get('shape')}")
+    check_made_for(header, rows.shape[0], shards_dir, array_path, header_path, kind)
+    return rows, header, array_path
+
+
+def check_made_for(header: dict, rows: int, shards_dir: str, array_path: str, header_path: str, kind: str) -> None:
+    """Refuse a table whose header was made for another index than `shards_dir`'s (another sample
+    count or shard list: its ids may name other samples)."""
     index, made_for = index_fingerprint(shards_dir), header.get("index", {})
-    if rows.shape[0] != index["num_samples"] or made_for.get("num_samples") != index["num_samples"]:
-        raise ValueError(f"{array_path}: {rows.shape[0]} rows, made for an index of {made_for.get('num_samples')} "
+    if rows != index["num_samples"] or made_for.get("num_samples") != index["num_samples"]:
+        raise ValueError(f"{array_path}: {rows} rows, made for an index of {made_for.get('num_samples')} "
                          f"samples, but {shards_dir}/{INDEX_NAME} lists {index['num_samples']}: the shards changed "
                          f"since; make the {kind} again")
     if made_for.get("shards_sha256") != index["shards_sha256"]:
         raise ValueError(f"{header_path}: made for another shard list (sha256 {made_for.get('shards_sha256')}, "
                          f"{shards_dir}/{INDEX_NAME} has {index['shards_sha256']}): the ids may not match; make "
                          f"the {kind} again")
-    return rows, header, array_path

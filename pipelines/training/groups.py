@@ -7,11 +7,13 @@ table's digest, which its checkpoints record. The table itself is not held after
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch.distributed as dist
 
 from pipelines.data.group_table import GroupTable, group_table_path, open_group_table
-from pipelines.data.shards import ShardIndex
+from pipelines.data.shards import INDEX_NAME, ShardIndex
 from pipelines.training.node_tables import map_node_files
 from pruning.groups import fill_group_sizes
 
@@ -50,7 +52,9 @@ def use_group_table(pruner, value: str, train: str, index: ShardIndex, *, rank: 
     several ranks run. Returns the table's (path, digest); its mapping is closed (only the sizes stay)."""
     if not hasattr(pruner, "use_groups"):
         raise ValueError(f"pruner.groups={value!r} is read by the dedup pruner only; pruner.name is {pruner.name!r}")
-    table = open_group_table(group_table_path(value, train), index.num_samples, index.path or train)
+    folder = train if os.path.isdir(train) else os.path.dirname(os.path.abspath(train))
+    shards_dir = folder if os.path.exists(os.path.join(folder, INDEX_NAME)) else None  # else: urls, a glob
+    table = open_group_table(group_table_path(value, train), index.num_samples, index.path or train, shards_dir)
     give_groups(pruner, table, rank, local_rank, local_size, token)
     return table.path, table.digest
 
