@@ -1,0 +1,168 @@
+"""The replication evaluator as a specification: a "model" that returns training images under a little
+noise is reported, sample by sample with the right train ids; one that returns digits it never saw
+scores like the held-out baseline; bad input stops with a message that names what is wrong. Real
+digits, CPU, seconds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from eval_runs import one_torch_thread
+from PIL import Image
+
+from pipelines.data.shards import ShardIndex
+from pipelines.data.splits import read_split
+from pipelines.evaluation.fid import to_uint8
+from pipelines.evaluation.replication import NearestTrain, measure_replication, save_pairs_picture
+from tools.perceptual_hash import PerceptualHash
+
+HELD_OUT = 90  # the first 90 val digits are the baseline; the other 90 are what a non-copying model draws
+COPIED = np.arange(0, 1600, 40)  # the 40 train ids the copying model reproduces
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_torch_thread()
+
+
+def images_of(folder: str, count: int = 0) -> torch.Tensor:
+    """The first `count` images of a split (0 = all) as float [N, 3, 32, 32] in [0, 1]."""
+    return torch.cat([(b.images + 1) / 2 for b in read_split(folder, resolution=32, channels=3, max_samples=count)])
+
+
+def phash(images: torch.Tensor) -> np.ndarray:
+    """pHash rows of float 32-px images in [0, 1]: the model-free feature for this small domain."""
+    return PerceptualHash()(to_uint8(images))
+
+
+@pytest.fixture(scope="module")
+def splits(digits_shards):
+    return f"{digits_shards}/train", f"{digits_shards}/val"
+
+
+@pytest.fixture(scope="module")
+def copying(splits):
+    """A model that memorised: it returns train images under Gaussian noise of 2% of the range."""
+    train, val = splits
+    originals = images_of(train)[COPIED]
+    noise = torch.randn(originals.shape, generator=torch.Generator().manual_seed(0))
+    samples = (originals + 0.02 * noise).clamp(0, 1)
+    return measure_replication(samples, train, val, feature=phash, held_out_samples=HELD_OUT, picture_pairs=8)
+
+
+@pytest.fixture(scope="module")
+def new_digits(splits):
+    """A model that generalises: it returns real digits it never saw (the second half of val)."""
+    train, val = splits
+    return measure_replication(images_of(val)[HELD_OUT:], train, val, feature=phash, held_out_samples=HELD_OUT)
+
+
+def test_a_model_that_copies_training_images_is_reported_with_their_train_ids(copying):
+    numbers = copying.numbers
+    assert numbers["replication_rate"] == 1.0 and numbers["replication_flagged"] == len(COPIED)
+    assert numbers["replication_rate_held_out"] == 0.0  # no real digit is that close to another
+    np.testing.assert_array_equal(copying.nearest_train, COPIED)
+    assert sorted((f.sample, f.train_id) for f in copying.flagged) == list(enumerate(COPIED.tolist()))
+    assert max(f.ratio for f in copying.flagged) <= 0.2 < numbers["replication_ratio_held_out_q01"]
+    # both measures put every copy beyond the held-out images' 99th percentile
+    assert numbers["replication_closer_than_held_out_p99"] == 1.0
+    assert numbers["replication_feature_above_held_out_p99"] == 1.0
+    assert np.mean(copying.similar_train == COPIED) >= 0.9  # pHash ties may name an identical-hash twin
+    assert numbers["replication_train_samples"] == 1617 and numbers["replication_held_out_samples"] == HELD_OUT
+    assert numbers["replication_neighbours"] == 50 and numbers["replication_pixel_size"] == 32
+
+
+def test_a_model_that_draws_new_images_scores_like_held_out_images(new_digits, copying):
+    numbers = new_digits.numbers
+    assert numbers["replication_rate"] == numbers["replication_rate_held_out"] == 0.0
+    assert not new_digits.flagged
+    # by construction ~5% / ~1% of new images lie beyond the held-out 95th / 99th percentile; 90 samples
+    # (and pHash's ties, similarities in steps of 1/32) leave room around that
+    assert numbers["replication_closer_than_held_out_p95"] <= 0.15
+    assert numbers["replication_closer_than_held_out_p99"] <= 0.05
+    assert numbers["replication_feature_above_held_out_p95"] <= 0.25
+    assert numbers["replication_ratio_q50"] == pytest.approx(numbers["replication_ratio_held_out_q50"], abs=0.05)
+    assert copying.numbers["replication_rate"] - numbers["replication_rate"] == 1.0
+
+
+def test_noise_is_no_copy_of_anything(splits):
+    train, val = splits
+    noise = torch.rand(20, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    found = measure_replication(noise, train, val, held_out_samples=HELD_OUT, max_train=500)
+    assert found.numbers["replication_rate"] == 0.0 and found.numbers["replication_ratio_q01"] > 0.9
+    assert found.similarities is None and "replication_similarity_q50" not in found.numbers
+
+
+def test_a_model_that_copies_some_images_is_reported_for_exactly_those(splits):
+    train, val = splits
+    new, originals = images_of(val)[HELD_OUT:HELD_OUT + 30], images_of(train, 300)
+    samples = new.clone()
+    copies = {3: 17, 11: 250, 12: 0, 29: 299}  # sample index -> the train id it reproduces
+    for index, train_id in copies.items():
+        samples[index] = (originals[train_id] + 1 / 255).clamp(0, 1)  # a shade brighter
+    found = measure_replication(samples, train, val, held_out_samples=HELD_OUT, max_train=300, neighbours=20)
+    assert {f.sample: f.train_id for f in found.flagged} == copies
+    assert found.numbers["replication_rate"] == pytest.approx(4 / 30)
+    assert found.numbers["replication_neighbours"] == 20 and found.numbers["replication_train_samples"] == 300
+
+
+def test_the_pairs_picture_shows_each_flagged_sample_beside_its_train_image(copying, tmp_path):
+    path = save_pairs_picture(copying, str(tmp_path / "pairs.png"))
+    with Image.open(path) as picture:
+        assert picture.size == (4 * 33 + 1, 4 * 33 + 1)  # 8 pairs, 2 a row, 32 px and 1 px padding
+    pairs = copying.pairs
+    assert pairs.shape == (8, 2, 3, 32, 32)
+    assert float((pairs[:, 0] - pairs[:, 1]).abs().mean()) < 0.03  # sample and train image nearly equal
+
+
+def test_samples_split_over_ranks_give_the_numbers_of_one_process(splits, copying):
+    # one process holding every other sample (indices 1, 3, ...) answers for those samples alike
+    train, val = splits
+    originals = images_of(train)[COPIED]
+    noise = torch.randn(originals.shape, generator=torch.Generator().manual_seed(0))
+    samples = (originals + 0.02 * noise).clamp(0, 1)
+    odd = measure_replication(samples[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2),
+                              held_out_samples=HELD_OUT)
+    np.testing.assert_array_equal(odd.sample_ids, np.arange(1, len(COPIED), 2))
+    np.testing.assert_array_equal(odd.nearest_train, COPIED[1::2])
+    # faiss sums squared distances in float32 by another route for fewer queries: equal to ~1e-5
+    np.testing.assert_allclose(odd.ratios, copying.ratios[1::2], rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_an_empty_train_split_is_an_error_naming_it(splits, tmp_path):
+    _, val = splits
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with wds.TarWriter(str(empty / "0.tar")):
+        pass
+    ShardIndex.write(str(empty), [(str(empty / "0.tar"), 0)])
+    with pytest.raises(ValueError, match=rf"train split {empty} gave 0 images"):
+        measure_replication(torch.rand(2, 3, 32, 32), str(empty), val)
+
+
+@pytest.mark.parametrize("images,message", [
+    (torch.rand(2, 3, 32, 16), r"generated samples: images are 32x16"),
+    (torch.rand(2, 2, 32, 32), r"generated samples: images have 2 channels; accepted: 1 \(grey\) or 3 \(RGB\)"),
+    (torch.rand(3, 32, 32), r"generated samples: expected images \[N, C, H, W\], got .* \[3, 32, 32\]"),
+    (torch.rand(2, 3, 32, 32) * 2 - 1, r"generated samples: expected float images in \[0, 1\].*\(x \+ 1\) / 2"),
+], ids=["not-square", "channels", "not-a-batch", "range"])
+def test_samples_of_the_wrong_shape_or_range_are_errors_naming_the_fault(splits, images, message):
+    train, val = splits
+    with pytest.raises(ValueError, match=message):
+        measure_replication(images, train, val)
+
+
+def test_train_rows_of_another_size_than_the_samples_are_an_error():
+    search = NearestTrain(np.zeros((2, 3 * 16 * 16), np.float32), None, k=5)
+    with pytest.raises(ValueError, match=r"train rows have 3072 pixel values, the queries 768: train and generated "
+                                         r"images differ in size or channels"):
+        search.add(np.arange(4), np.zeros((4, 3 * 32 * 32), np.float32), None)
+
+
+def test_the_train_split_as_its_own_baseline_is_an_error(splits):
+    train, _ = splits
+    with pytest.raises(ValueError, match="held-out split .* is the train split"):
+        measure_replication(torch.rand(2, 3, 32, 32), train, train + "/")
