@@ -1,21 +1,29 @@
 """The replication evaluator as a specification: a "model" that returns training images under a little
 noise is reported, sample by sample with the right train ids; one that returns digits it never saw
-scores like the held-out baseline; bad input stops with a message that names what is wrong. Real
-digits, CPU, seconds."""
+scores like the held-out baseline; the Evaluator records the numbers for UNet and DiT runs and reuses
+FID's samples; bad input stops with a message that names what is wrong. Real digits, CPU, seconds."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 import webdataset as wds
-from eval_runs import one_torch_thread
+from eval_runs import ROOT, TINY_LDM, one_torch_thread
 from PIL import Image
 
+from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
+from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.fid import to_uint8
 from pipelines.evaluation.replication import NearestTrain, measure_replication, save_pairs_picture
+from pipelines.evaluation.runner import Evaluator
+from pipelines.tasks.build import build_task
 from tools.perceptual_hash import PerceptualHash
 
 HELD_OUT = 90  # the first 90 val digits are the baseline; the other 90 are what a non-copying model draws
@@ -131,6 +139,76 @@ def test_samples_split_over_ranks_give_the_numbers_of_one_process(splits, copyin
     np.testing.assert_allclose(odd.ratios, copying.ratios[1::2], rtol=1e-4)
 
 
+# ----------------------------------------------------------------------------- through the Evaluator
+def tiny_features(weights=None) -> nn.Module:
+    """A fixed random conv net, float [0, 1] images -> [N, 8]: a stand-in feature network for FID."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+def untrained(digits_shards, tmp_path, config: str, extra=()):
+    """(run config, task) of a tiny diffusion run's initial model: it draws noise, copies nothing."""
+    cfg = load_config(os.path.join(ROOT, "configs", config),
+                      [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val",
+                       f"runs_dir={tmp_path}", "name=replication", *extra])
+    torch.manual_seed(0)
+    return cfg, build_task(cfg)
+
+
+REPLICATION = ["fid.sampler_steps=2", "val_samples=16", "replication.enabled=true", "replication.num_samples=6",
+               "replication.max_train=300", "replication.held_out_samples=60"]
+
+
+@pytest.mark.parametrize("config,extra", [("ldm_tiny_full.yaml", TINY_LDM), ("ldm_dit_tiny_full.yaml", ())],
+                         ids=["unet", "dit"])
+def test_the_evaluator_records_replication_of_a_diffusion_run(digits_shards, tmp_path, config, extra):
+    cfg, task = untrained(digits_shards, tmp_path, config, extra)
+    eval_cfg = load_eval_config(overrides=["fid.enabled=false", *REPLICATION])
+    record = Evaluator(cfg, eval_cfg, run_dir=str(tmp_path)).evaluate(task, task.model, at={"optimizer_steps": 0})
+    details = record["details"]
+    assert details["replication_rate"] == 0.0 and details["replication_flagged_samples"] == []
+    assert details["replication_samples"] == 6 and details["replication_train_samples"] == 300
+    assert details["replication_held_out_samples"] == 60 and details["replication_pixel_size"] == 16
+    assert details["replication_feature"] == "pixels only" and details["replication_reused_fid_samples"] is False
+    assert "replication_picture" not in details  # nothing flagged, nothing to look at
+    assert "replication_rate" not in record["metrics"]  # a detail: compare judges quality, not copies
+    written = json.load(open(record["path"]))
+    assert written["details"]["replication_rate"] == 0.0
+    assert written["eval_config"]["replication"]["enabled"] is True
+
+
+def test_the_evaluator_draws_the_flagged_pairs_beside_its_record(digits_shards, tmp_path):
+    cfg, task = untrained(digits_shards, tmp_path, "ldm_tiny_full.yaml", TINY_LDM)
+    # d_1 / mean(d_1..d_k) <= 1 always: a threshold just below 1 flags every sample, so there are pairs to draw
+    eval_cfg = load_eval_config(overrides=["fid.enabled=false", *REPLICATION, "replication.threshold=0.999",
+                                           "replication.picture_pairs=4"])
+    record = Evaluator(cfg, eval_cfg, run_dir=str(tmp_path)).evaluate(task, task.model, at={"optimizer_steps": 7})
+    details = record["details"]
+    assert details["replication_picture"] == str(tmp_path / "eval" / "step_000007_replication.png")
+    assert len(details["replication_flagged_samples"]) == details["replication_flagged"] > 0
+    with Image.open(details["replication_picture"]) as picture:
+        assert picture.size == (4 * 17 + 1, 2 * 17 + 1)  # 4 pairs of 16 px images, 2 pairs a row
+    assert json.load(open(record["path"]))["details"]["replication_picture"] == details["replication_picture"]
+
+
+def test_the_evaluator_reuses_fid_samples_for_replication(digits_shards, tmp_path):
+    cfg, task = untrained(digits_shards, tmp_path, "ldm_tiny_full.yaml", TINY_LDM)
+    apart = load_eval_config(overrides=["fid.enabled=false", *REPLICATION, "replication.feature=module:"
+                                        "test_replication:tiny_features"])
+    shared = load_eval_config(overrides=[*REPLICATION, "fid.feature=module:test_replication:tiny_features",
+                                         "fid.num_samples=8", "fid.reference=val", "fid.reference_samples=60",
+                                         f"fid.stats_dir={tmp_path / 'stats'}",
+                                         "replication.feature=module:test_replication:tiny_features"])
+    alone = Evaluator(cfg, apart, run_dir=str(tmp_path)).evaluate(task, task.model, write=False)["details"]
+    with_fid = Evaluator(cfg, shared, run_dir=str(tmp_path)).evaluate(task, task.model, write=False)["details"]
+    assert with_fid["replication_reused_fid_samples"] is True and with_fid["fid_samples"] == 8
+    # FID's first 6 samples are the 6 replication draws alone: the same numbers, feature ones included
+    numbers = {k: v for k, v in alone.items() if k.startswith("replication_") and k != "replication_reused_fid_samples"}
+    assert numbers and {k: with_fid[k] for k in numbers} == numbers
+    assert alone["replication_feature"].startswith("module-test_replication.tiny_features")
+    assert "replication_similarity_held_out_q95" in alone
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_an_empty_train_split_is_an_error_naming_it(splits, tmp_path):
     _, val = splits
@@ -166,3 +244,22 @@ def test_the_train_split_as_its_own_baseline_is_an_error(splits):
     train, _ = splits
     with pytest.raises(ValueError, match="held-out split .* is the train split"):
         measure_replication(torch.rand(2, 3, 32, 32), train, train + "/")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("replication.feature=inception", r"replication.feature='inception' is not accepted"),
+    ("replication.threshold=1.5", r"replication.threshold is a ratio of distances, in \(0, 1\)"),
+    ("replication.neighbours=1", r"replication.neighbours must be >= 2"),
+    ("replication.num_samples=0", r"replication.num_samples must be >= 1"),
+])
+def test_bad_replication_settings_are_errors_naming_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_eval_config(overrides=[override])
+
+
+def test_replication_of_an_mae_run_is_an_error(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+                      [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}"])
+    eval_cfg = load_eval_config(overrides=["replication.enabled=true"])
+    with pytest.raises(ValueError, match="replication.enabled measures copies among diffusion samples; .* mae run"):
+        Evaluator(cfg, eval_cfg, run_dir=str(tmp_path)).evaluate(None, nn.Linear(1, 1))
