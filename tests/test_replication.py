@@ -11,10 +11,12 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import webdataset as wds
 from eval_runs import ROOT, TINY_LDM, one_torch_thread
 from PIL import Image
+from test_evaluate_ranks import join_group, leave, results_of, run_ranks
 
 from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
@@ -50,14 +52,18 @@ def splits(digits_shards):
     return f"{digits_shards}/train", f"{digits_shards}/val"
 
 
-@pytest.fixture(scope="module")
-def copying(splits):
-    """A model that memorised: it returns train images under Gaussian noise of 2% of the range."""
-    train, val = splits
+def copied_samples(train: str) -> torch.Tensor:
+    """What a model that memorised draws: the COPIED train images under Gaussian noise of 2% of the range."""
     originals = images_of(train)[COPIED]
     noise = torch.randn(originals.shape, generator=torch.Generator().manual_seed(0))
-    samples = (originals + 0.02 * noise).clamp(0, 1)
-    return measure_replication(samples, train, val, feature=phash, held_out_samples=HELD_OUT, picture_pairs=8)
+    return (originals + 0.02 * noise).clamp(0, 1)
+
+
+@pytest.fixture(scope="module")
+def copying(splits):
+    train, val = splits
+    return measure_replication(copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT,
+                               picture_pairs=8)
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +134,41 @@ def test_the_pairs_picture_shows_each_flagged_sample_beside_its_train_image(copy
 def test_samples_split_over_ranks_give_the_numbers_of_one_process(splits, copying):
     # one process holding every other sample (indices 1, 3, ...) answers for those samples alike
     train, val = splits
-    originals = images_of(train)[COPIED]
-    noise = torch.randn(originals.shape, generator=torch.Generator().manual_seed(0))
-    samples = (originals + 0.02 * noise).clamp(0, 1)
-    odd = measure_replication(samples[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2),
+    odd = measure_replication(copied_samples(train)[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2),
                               held_out_samples=HELD_OUT)
     np.testing.assert_array_equal(odd.sample_ids, np.arange(1, len(COPIED), 2))
     np.testing.assert_array_equal(odd.nearest_train, COPIED[1::2])
     # faiss sums squared distances in float32 by another route for fewer queries: equal to ~1e-5
     np.testing.assert_allclose(odd.ratios, copying.ratios[1::2], rtol=1e-4)
+
+
+def _replicate_on_ranks(rank, world, init_file, splits, out):
+    join_group(rank, world, init_file)
+    train, val = splits
+    mine = copied_samples(train)[rank::world]  # rank r holds samples r, r + world, ...
+    found = measure_replication(mine, train, val, feature=phash, sample_ids=np.arange(rank, len(COPIED), world),
+                                held_out_samples=HELD_OUT, max_train=1000, picture_pairs=8)
+    dist.destroy_process_group()
+    leave(rank, out, {"numbers": found.numbers, "flagged": [[f.sample, f.train_id] for f in found.flagged],
+                      "ratios": found.ratios.tolist(), "similar": found.similar_train.tolist(),
+                      "pairs": found.pairs.flatten().tolist()})
+
+
+@pytest.mark.slow  # ~20 s on a loaded 2-core machine: two spawned processes import torch and faiss
+def test_two_ranks_find_what_one_process_finds(splits, tmp_path):
+    # each rank holds half the samples and reads half of each split; the k nearest merged over ranks
+    train, val = splits
+    run_ranks(_replicate_on_ranks, 2, str(tmp_path / "init"), splits, str(tmp_path))
+    one = measure_replication(copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT,
+                              max_train=1000, picture_pairs=8)
+    for rank in results_of(str(tmp_path), 2):
+        assert rank["flagged"] == [[f.sample, f.train_id] for f in one.flagged]
+        assert rank["similar"] == one.similar_train.tolist()
+        np.testing.assert_allclose(rank["ratios"], one.ratios, rtol=1e-4)
+        np.testing.assert_allclose(rank["pairs"], one.pairs.flatten().numpy(), atol=1e-6)
+        assert rank["numbers"].keys() == one.numbers.keys()
+        for key, value in one.numbers.items():
+            assert rank["numbers"][key] == pytest.approx(value, rel=1e-4), key
 
 
 # ----------------------------------------------------------------------------- through the Evaluator

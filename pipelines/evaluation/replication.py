@@ -171,7 +171,7 @@ class NearestTrain:
         found = np.sqrt(np.maximum(squared, 0))  # faiss gives squared l2, a hair below 0 for equal rows
         distances = np.concatenate([self.distances, found], axis=1)
         candidates = np.concatenate([self.ids, ids[where]], axis=1)
-        best = np.argsort(distances, axis=1, kind="stable")[:, :self.k]
+        best = _nearest_first(distances, candidates)[:, :self.k]
         self.distances = np.take_along_axis(distances, best, axis=1)
         self.ids = np.take_along_axis(candidates, best, axis=1)
         if len(self.nearest_rows):
@@ -182,7 +182,7 @@ class NearestTrain:
             index = faiss.IndexFlatIP(features.shape[1])
             index.add(np.ascontiguousarray(features))
             similarity, where = index.search(self.feature_queries, 1)
-            closer = similarity[:, 0] > self.similarity
+            closer = similarity[:, 0] > self.similarity  # a tie keeps the earlier chunk's, smaller, id
             self.similarity[closer] = similarity[closer, 0]
             self.similar_ids[closer] = ids[where[closer, 0]]
 
@@ -196,13 +196,13 @@ class NearestTrain:
         ids = gather_rows(torch.from_numpy(self.ids)).numpy().reshape(world, q, k)
         distances = distances.transpose(1, 0, 2).reshape(q, world * k)
         ids = ids.transpose(1, 0, 2).reshape(q, world * k)
-        best = np.argsort(distances, axis=1, kind="stable")[:, :k]
+        best = _nearest_first(distances, ids)[:, :k]
         self.distances = np.take_along_axis(distances, best, axis=1)
         self.ids = np.take_along_axis(ids, best, axis=1)
         if self.feature_queries is not None:
             similarity = gather_rows(torch.from_numpy(self.similarity)).numpy().reshape(world, q)
             similar_ids = gather_rows(torch.from_numpy(self.similar_ids)).numpy().reshape(world, q)
-            winner = np.argmax(similarity, axis=0)
+            winner = np.lexsort((similar_ids, -similarity), axis=0)[0]  # most similar; a tie: the smaller id
             self.similarity = similarity[winner, np.arange(q)]
             self.similar_ids = similar_ids[winner, np.arange(q)]
         if len(self.nearest_rows):
@@ -217,6 +217,12 @@ class NearestTrain:
         finite = np.where(np.isfinite(self.distances), self.distances, np.nan)
         mean = np.nanmean(finite, axis=1)
         return np.divide(finite[:, 0], mean, out=np.zeros(len(mean), dtype=np.float32), where=mean > 0)
+
+
+def _nearest_first(distances: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Column order of each row by distance, ties by train id: one process and several ranks, which
+    see duplicates in another order, pick the same neighbours."""
+    return np.lexsort((ids, distances), axis=1)
 
 
 # ----------------------------------------------------------------------------- the measure
