@@ -131,8 +131,8 @@ def test_the_pairs_picture_shows_each_flagged_sample_beside_its_train_image(copy
     assert float((pairs[:, 0] - pairs[:, 1]).abs().mean()) < 0.03  # sample and train image nearly equal
 
 
-def test_samples_split_over_ranks_give_the_numbers_of_one_process(splits, copying):
-    # one process holding every other sample (indices 1, 3, ...) answers for those samples alike
+def test_a_share_of_the_samples_is_measured_as_among_all_of_them(splits, copying):
+    # what a rank holds (every other sample, indices 1, 3, ...) gets the numbers those samples get among all
     train, val = splits
     odd = measure_replication(copied_samples(train)[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2),
                               held_out_samples=HELD_OUT)

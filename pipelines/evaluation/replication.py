@@ -159,6 +159,7 @@ class NearestTrain:
         self.count = 0
 
     def add(self, ids: np.ndarray, pixels: np.ndarray, features: np.ndarray | None) -> None:
+        """Train rows (ids [n], pixel rows [n, D], unit feature rows [n, E] or None) searched and merged in."""
         import faiss
 
         if pixels.shape[1] != self.pixel_queries.shape[1]:
