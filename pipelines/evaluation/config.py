@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 FID_FEATURES = ("inception", "classifier")  # or "module:package.module:factory"
+# Inception is not offered: its pool features judge what an image shows, not whether it is a copy
+REPLICATION_FEATURES = ("", "classifier")  # or "module:package.module:factory"
 INCEPTION_DIMS = (64, 192, 768, 2048)
 INCEPTION_RESIZE = ("tf1", "antialias")
 WEIGHTS = ("ema", "raw")
@@ -58,6 +60,30 @@ class ProbeConfig:
 
 
 @dataclass
+class ReplicationConfig:
+    """Replication (memorisation) of diffusion samples: how close they come to their nearest train
+    images, against held-out images as the baseline (pipelines/evaluation/replication.py). Off by default."""
+
+    enabled: bool = False
+    # generated samples, over all ranks; drawn like FID's (fid.sampler_steps, fid.guidance_scale, seed),
+    # and FID's own first samples when FID runs and draws at least this many
+    num_samples: int = 1000
+    max_train: int = 10000  # train images searched, the first in index order (0 = all)
+    held_out_samples: int = 1000  # held-out images of the baseline, the first in index order (0 = all)
+    neighbours: int = 50  # k of the ratio d_1 / mean(d_1..d_k) (Carlini et al.'s n = 50)
+    threshold: float = 0.2  # flagged as a copy when that ratio is at most this
+    pixel_size: int = 64  # the pixel search works at this side at most (area-downsampled)
+    # "": pixels only; classifier: the small-domain classifier (as fid.feature=classifier); or
+    # module:package.module:factory, factory(weights) -> nn.Module mapping float [0, 1] images to [N, D]
+    # (a copy detector such as SSCD, or DINO, from a local file)
+    feature: str = ""
+    weights: str = ""  # the feature network's file; "" = its default place
+    train: str = ""  # "" = the run's data.train; runs on latents name the image shards they were encoded from
+    held_out: str = ""  # "" = eval.val, else data.val; image shards the model never trained on
+    picture_pairs: int = 32  # flagged pairs drawn side by side beside the eval record (0 = no picture)
+
+
+@dataclass
 class EvalConfig:
     every_passes: int = 0  # evaluate during training every E passes (0 = only `prunepipe eval`)
     weights: str = "ema"  # ema | raw: which weights of a checkpoint are evaluated
@@ -73,6 +99,7 @@ class EvalConfig:
     precision: str = "fp32"
     fid: FIDConfig = field(default_factory=FIDConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
 def load_eval_config(base: EvalConfig | None = None, path: str | None = None, overrides: list[str] = ()) -> EvalConfig:
@@ -107,11 +134,20 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     if cfg.fid.feature not in FID_FEATURES and not (cfg.fid.feature.startswith("module:") and cfg.fid.feature.count(":") == 2):
         raise ValueError(f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
                          f"{', '.join(FID_FEATURES)}, module:package.module:factory")
+    rep = cfg.replication
+    if rep.feature not in REPLICATION_FEATURES and not (rep.feature.startswith("module:") and rep.feature.count(":") == 2):
+        raise ValueError(f"eval config: replication.feature={rep.feature!r} is not accepted; accepted: '' (pixels "
+                         f"only), classifier, module:package.module:factory")
+    if not 0 < rep.threshold < 1:
+        raise ValueError(f"eval config: replication.threshold is a ratio of distances, in (0, 1); got {rep.threshold}")
     at_least = {"fid.num_samples": (cfg.fid.num_samples, 2), "fid.sampler_steps": (cfg.fid.sampler_steps, 1),
                 "fid.batch_size": (cfg.fid.batch_size, 1), "batch_size": (cfg.batch_size, 1),
                 "every_passes": (cfg.every_passes, 0), "val_samples": (cfg.val_samples, 0),
                 "fid.reference_samples": (cfg.fid.reference_samples, 0), "probe.train_samples": (cfg.probe.train_samples, 0),
-                "probe.per_class": (cfg.probe.per_class, 0)}
+                "probe.per_class": (cfg.probe.per_class, 0), "replication.num_samples": (rep.num_samples, 1),
+                "replication.max_train": (rep.max_train, 0), "replication.held_out_samples": (rep.held_out_samples, 0),
+                "replication.neighbours": (rep.neighbours, 2), "replication.pixel_size": (rep.pixel_size, 1),
+                "replication.picture_pairs": (rep.picture_pairs, 0)}
     for name, (value, low) in at_least.items():
         if value < low:
             raise ValueError(f"eval config: {name} must be >= {low}, got {value}")

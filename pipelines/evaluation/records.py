@@ -14,12 +14,16 @@ PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accur
                    "denoise_mse": False, "fid": False}
 
 
+def record_path(run_dir: str, record: dict, ending: str = ".json") -> str:
+    """RUN/eval/step_XXXXXX[_raw]`ending`: the record's file, or a file that goes with it."""
+    suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"
+    return os.path.join(run_dir, EVAL_DIR, f"step_{int(record.get('optimizer_steps', 0)):06d}{suffix}{ending}")
+
+
 def write_record(run_dir: str, record: dict) -> str:
     """eval/step_XXXXXX[_raw].json, written atomically."""
-    folder = os.path.join(run_dir, EVAL_DIR)
-    os.makedirs(folder, exist_ok=True)
-    suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"
-    path = os.path.join(folder, f"step_{int(record.get('optimizer_steps', 0)):06d}{suffix}.json")
+    path = record_path(run_dir, record)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)

@@ -1,5 +1,6 @@
 """The evaluators of a run: MAE reconstruction (masked MSE, PSNR, SSIM) and linear probe; diffusion
-held-out denoising loss and FID of DDIM samples. `Evaluator` is built once per run (feature network,
+held-out denoising loss, FID of DDIM samples and (eval.replication) how close those samples come to
+training images. `Evaluator` is built once per run (feature network,
 cached reference statistics) and called with the weights to evaluate, from `prunepipe eval` on a
 checkpoint or from the training loop every E passes. It never trains and never downloads.
 
@@ -15,6 +16,7 @@ import dataclasses
 import os
 import time
 
+import numpy as np
 import torch
 import torch.nn as nn
 from diffusers.training_utils import EMAModel
@@ -22,12 +24,13 @@ from diffusers.training_utils import EMAModel
 from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
 from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_split
-from pipelines.evaluation.config import EvalConfig, load_eval_config
+from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from pipelines.evaluation.fid import FIDEvaluator
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
-from pipelines.evaluation.ranks import (counts_by_rank, gather_in_index_order, mean_over_ranks, rank0_value,
-                                       rank_and_world)
-from pipelines.evaluation.records import PRIMARY_METRICS, resolve_run_dir, write_record
+from pipelines.evaluation.ranks import (counts_by_rank, gather_in_index_order, mean_over_ranks, on_every_rank,
+                                       rank0_value, rank_and_world)
+from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
+from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task
 from pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -66,6 +69,8 @@ class Evaluator:
         self.run_dir = run_dir or run_cfg.run_dir
         self.device = torch.device(device) if device is not None else None
         self._fid: FIDEvaluator | None = None
+        self._replication_net = None  # replication.feature's network, loaded once
+        self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
 
     # ------------------------------------------------------------------ per task
     def _val_batches(self, max_samples: int, rank: int, world: int):
@@ -101,25 +106,81 @@ class Evaluator:
     def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
         from pipelines.evaluation.sampling import generate_images, latent_decoder
 
-        fid_cfg = self.cfg.fid
-        if fid_cfg.enabled and fid_cfg.num_samples < world:  # decided alike on every rank, before any collective
-            raise ValueError(f"eval config: fid.num_samples={fid_cfg.num_samples} is fewer than the {world} ranks "
-                             f"evaluating (each rank generates num_samples / world images); use at least {world}")
+        fid_cfg, rep_cfg = self.cfg.fid, self.cfg.replication
+        for name, enabled, count in (("fid.num_samples", fid_cfg.enabled, fid_cfg.num_samples),
+                                     ("replication.num_samples", rep_cfg.enabled, rep_cfg.num_samples)):
+            if enabled and count < world:  # decided alike on every rank, before any collective
+                raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
+                                 f"rank generates num_samples / world images); use at least {world}")
         results = held_out_over_ranks(task, model, self._val_batches(self.cfg.val_samples, rank, world), self.cfg)
+        if not (fid_cfg.enabled or rep_cfg.enabled):
+            return results
+        data = self.run_cfg.data
+        latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
+        decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
+
+        def samples(count: int):
+            return generate_images(task, model, num_images=count, steps=fid_cfg.sampler_steps, seed=self.cfg.seed,
+                                   batch_size=fid_cfg.batch_size, rank=rank, world_size=world, decode=decode,
+                                   guidance_scale=fid_cfg.guidance_scale, precision=self.cfg.precision)
+
+        # sample i is keyed by (seed, i): FID's first replication.num_samples are the ones replication
+        # would draw, so they are kept as FID streams past instead of being drawn twice
+        reuse = rep_cfg.enabled and fid_cfg.enabled and rep_cfg.num_samples <= fid_cfg.num_samples
+        kept: list[torch.Tensor] = []
         if fid_cfg.enabled:
-            data = self.run_cfg.data
-            latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
-            decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
-            images = generate_images(task, model, num_images=fid_cfg.num_samples, steps=fid_cfg.sampler_steps,
-                                     seed=self.cfg.seed, batch_size=fid_cfg.batch_size, rank=rank, world_size=world,
-                                     decode=decode, guidance_scale=fid_cfg.guidance_scale,
-                                     precision=self.cfg.precision)
+            images = samples(fid_cfg.num_samples)
+            if reuse:
+                images = _keeping(images, kept, len(range(rank, rep_cfg.num_samples, world)))
             first = next(images)  # the generated size decides the reference resolution; every rank has one
             fid = self._fid_evaluator(first.shape[-1], first.shape[1])
             results.update(fid.score(_chain(first, images)))
             results["fid_sampler_steps"] = fid_cfg.sampler_steps
             results["fid_guidance_scale"] = fid_cfg.guidance_scale
+        if rep_cfg.enabled:
+            generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_cfg.num_samples)])
+            results.update(self._replication_of(generated, rank, world))
+            results["replication_reused_fid_samples"] = reuse
         return results
+
+    def _replication_of(self, generated: torch.Tensor, rank: int, world: int) -> dict:
+        """Replication numbers of this rank's samples (indices rank, rank + world, ...) against train."""
+        from pipelines.evaluation.replication import measure_replication
+
+        rep, data = self.cfg.replication, self.run_cfg.data
+        train = rep.train or data.train
+        held_out = rep.held_out or self.cfg.val or data.val
+        if not held_out:
+            raise ValueError(f"run {self.run_cfg.name}: replication needs held-out image shards as its baseline and "
+                             f"data.val is empty; set data.val=DIR or replication.held_out=DIR")
+        feature, feature_name = self._replication_feature(train)
+        self._replication = measure_replication(
+            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, rep.num_samples, world),
+            max_train=rep.max_train, held_out_samples=rep.held_out_samples, neighbours=rep.neighbours,
+            threshold=rep.threshold, pixel_size=rep.pixel_size, batch_size=self.cfg.batch_size,
+            picture_pairs=rep.picture_pairs)
+        return {**self._replication.details(), "replication_feature": feature_name}
+
+    def _replication_feature(self, train: str):
+        """(feature function or None, its name) for `replication.feature`, loaded once per run."""
+        rep = self.cfg.replication
+        if not rep.feature:
+            return None, "pixels only"
+        if self._replication_net is None:
+            from pipelines.evaluation.fid import feature_net_from_config
+
+            shards_root = os.path.dirname(os.path.abspath(train.rstrip("/")))
+            spec = FIDConfig(feature=rep.feature, weights=rep.weights)
+            try:
+                # every rank loads it from its node's disk: a node without the file stops every rank
+                net = on_every_rank(lambda: feature_net_from_config(spec, shards_root))
+            except (FileNotFoundError, ValueError, TypeError) as e:
+                raise type(e)(f"eval config: replication.feature={rep.feature!r} replication.weights={rep.weights!r} "
+                              f"(loaded as fid.feature / fid.weights would be): {e}") from e
+            self._replication_net = net
+        net, device = self._replication_net, self.device or torch.device("cpu")
+        module = net.feature.to(device)
+        return (lambda images: module(images.to(device))), net.identity
 
     def _fid_evaluator(self, size: int, channels: int) -> FIDEvaluator:
         if self._fid is None:
@@ -140,6 +201,10 @@ class Evaluator:
         Every rank calls this and evaluates its share; every rank returns the same record, which rank
         0 writes to eval/step_XXXXXX.json."""
         rank, world = rank_and_world()
+        if self.cfg.replication.enabled and self.run_cfg.task != "ldm":
+            raise ValueError(f"eval config: replication.enabled measures copies among diffusion samples; run "
+                             f"{self.run_cfg.name} is a {self.run_cfg.task} run (set replication.enabled=false)")
+        self._replication = None
         bare = unwrap(model)
         if self.device is None:
             self.device = next(bare.parameters()).device
@@ -156,6 +221,10 @@ class Evaluator:
                   "metrics": metrics, "details": details,
                   "eval_seconds": time.perf_counter() - start, "eval_config": dataclasses.asdict(self.cfg)}
         if write and rank == 0:
+            if self._replication is not None:
+                picture = save_pairs_picture(self._replication, record_path(self.run_dir, record, "_replication.png"))
+                if picture:
+                    details["replication_picture"] = picture
             record["path"] = write_record(self.run_dir, record)
         return record
 
@@ -163,6 +232,15 @@ class Evaluator:
 def _chain(first, rest):
     yield first
     yield from rest
+
+
+def _keeping(batches, kept: list, count: int):
+    """`batches` passed on unchanged, their first `count` images appended to `kept` (on the CPU)."""
+    for images in batches:
+        room = count - sum(len(x) for x in kept)
+        if room > 0:
+            kept.append(images[:room].cpu())
+        yield images
 
 
 def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
