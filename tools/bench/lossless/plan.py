@@ -35,6 +35,8 @@ class TaskPlan:
     # Full's frontier: besides the full schedule, Full at these fractions of its passes (each its own
     # schedule, every Full seed), so that each seed has its own quality-vs-compute curve
     frontier: tuple = ()
+    # diffusion: samples measured for copies of train images (eval.replication, pixels) at the end of each run
+    replication_samples: int = 0
 
 
 PRUNERS = {
@@ -224,7 +226,7 @@ def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[
             TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 24, 0, {**PAYS_DIT, **known},
                      overrides=[*channels, f"ldm.num_classes={15 if photos else 10}"],
                      timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
-                     extra_splits=extra)]
+                     extra_splits=extra, fid_steps=20, replication_samples=256)]
 
 
 def first_specs(plan: TaskPlan) -> list[RunSpec]:

@@ -223,6 +223,7 @@ def render(report: dict) -> str:
                 passes = plan[schedule]
                 lines += [f"#### {task}, {schedule} schedule ({passes} passes)", ""] + table + [""]
         lines += arms_table(report.get("arms") or [], task)
+        lines += replication_table(report["results"], task)
         lines += [f"![{task} curves](benchmarks/{os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
     if report.get("timing_rows"):
         lines += ["### Wall-clock, one run at a time", "",
@@ -242,6 +243,34 @@ def render(report: dict) -> str:
     lines += ["### Targets", "", "| target | status | measured |", "|---|---|---|"]
     lines += [f"| {t['target']} | {'met' if t['met'] else 'MISSED'} | {t['measured']} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
+
+
+def replication_table(results: list[dict], task: str) -> list[str]:
+    """Per setting: how many of its samples copy a train image (eval.replication, pixels), over seeds."""
+    by_label: dict[str, list[dict]] = {}
+    for r in results:
+        if r["task"] == task and r.get("replication") and r["role"] in ("full", "pruned"):
+            by_label.setdefault("Full" if r["role"] == "full" else r["label"], []).append(r["replication"])
+    if not by_label:
+        return []
+    first = next(iter(by_label.values()))[0]
+    lines = [f"Replication ({task}): {first['replication_samples']} samples of each run searched among its "
+             f"{first['replication_train_samples']} train images; a copy is a sample whose nearest train image is "
+             f"at most {first['replication_threshold']:g} of the mean distance to its "
+             f"{first['replication_neighbours']} nearest (pixels; pipelines/evaluation/replication.py). Mean over "
+             f"seeds [min, max]:", "",
+             "| setting | seeds | copies | held-out images flagged | closer than the held-out 1% | median ratio |",
+             "|---|---|---|---|---|---|"]
+    for label, rows in by_label.items():
+        def cell(key: str, percent: bool = True) -> str:
+            values = [row[key] for row in rows if key in row]
+            if not values:
+                return "-"
+            show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.3f}")
+            return f"{show(float(np.mean(values)))} [{show(min(values))}, {show(max(values))}]"
+        lines.append(f"| {label} | {len(rows)} | {cell('replication_rate')} | {cell('replication_rate_held_out')} | "
+                     f"{cell('replication_closer_than_held_out_p99')} | {cell('replication_ratio_q50', False)} |")
+    return lines + [""]
 
 
 def _seed_savings(saving: dict) -> str:
