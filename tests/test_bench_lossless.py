@@ -305,3 +305,27 @@ def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path)
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "dit_long_infobatch", "config.yaml"))
     assert (cfg.ldm.backbone, cfg.ldm.objective) == ("dit", "flow")
     assert "<!-- bench:dit_micro:end -->" in (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+
+
+def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interval():
+    from tools.bench.lossless.verdicts import saving_targets
+
+    def row(label, pruner, mean, low, high, static=False):
+        saving = {"mean": mean, "low": low, "high": high, "bound": "", "bounded": 0, "n": 5, "note": "",
+                  "seeds_needed": 3, "verdict": f"saves {mean:.0%}",
+                  "per_seed": [{"kind": "interpolated", "saving": mean}] * 5}
+        return {"task": "mae", "data": "redundant", "label": label, "pruner": pruner, "static": static,
+                "main": "masked_mse", "metrics": {"masked_mse": {"saving": saving}}}
+
+    oracle = row("Dedup oracle", "full", 0.30, 0.20, 0.40)
+    rows = [row("InfoBatch", "infobatch", 0.05, -0.1, 0.2), row("Dedup known", "dedup", 0.28, 0.12, 0.44),
+            row("Static dedup known", "dedup", 0.6, 0.5, 0.7, static=True), oracle]
+    general, redundancy = saving_targets(rows)
+    assert "best: Dedup known" in general["measured"], "a static deduplication is a data set, not a pruner"
+    assert redundancy["met"] and "within its interval" in redundancy["measured"]
+    assert "the redundancy-aware pruner saves >= 25%" in redundancy["target"]
+    oracle["metrics"]["masked_mse"]["saving"].update(low=0.35, high=0.45, mean=0.4)
+    assert not saving_targets(rows)[1]["met"], "outside the oracle's interval"
+    rows[1]["metrics"]["masked_mse"]["saving"].update(low=-0.02)
+    oracle["metrics"]["masked_mse"]["saving"].update(low=0.2, high=0.4)
+    assert not saving_targets(rows)[1]["met"], "an interval that holds 0"
