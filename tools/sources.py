@@ -220,7 +220,7 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
     "jpeg" (re-encoded at a random quality), "near" (moved by up to 2 px and recoloured), "crop"
     (trimmed by 5-15% and recoloured). A copy's key names its original and its kind (copy_key).
     Labels are the photograph, as for `photos`. The defaults give the set of the first versions,
-    bit for bit: what draws the counts and kinds is a generator of its own."""
+    bit for bit: heavy counts draw nothing, and the kinds are drawn by a generator of their own."""
     if not 0.0 <= fraction < 1.0 or originals < 1:
         raise ValueError(f"redundant: need 0 <= fraction < 1 and originals >= 1, got {fraction}, {originals}")
     if copy_counts not in COPY_COUNTS:
@@ -241,7 +241,7 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
         made = []
         for number, (origin, kind) in enumerate(zip(origins, copy_kinds_in_turn(len(origins), shares, plan_rng))):
             key, image, label = sources[origin]
-            made.append((copy_key(key, str(kind), number, heldout), MAKE_COPY[kind](image, rng), label))
+            made.append((copy_key(key, str(kind), number, heldout), MAKE_COPY[str(kind)](image, rng), label))
         return made
 
     train_origins = copy_origins(int(round(fraction / (1.0 - fraction) * len(unique))), originals, copy_counts)
