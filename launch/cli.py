@@ -8,10 +8,13 @@ import json
 import os
 import sys
 
+from tools.redundant_options import add_redundant_arguments
+
 DEFAULT_DATA = "data/digits"
 
 
 def _shards_write(args) -> None:
+    from tools.redundant_options import redundant_options
     from tools.shards import write_shards
 
     paths = write_shards(
@@ -23,9 +26,8 @@ def _shards_write(args) -> None:
         seed=args.seed,
         folder=args.folder,
         crops_per_photo=args.crops_per_photo,
-        redundant_fraction=args.redundant_fraction,
-        redundant_originals=args.redundant_originals,
         workers=args.workers,
+        **(redundant_options(args) if args.source == "redundant" else {}),
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
@@ -205,8 +207,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     shards_sub = shards.add_subparsers(dest="shards_command", required=True)
     write = shards_sub.add_parser("write", help="write train/val shards from bundled data or a folder")
     write.add_argument("--source", choices=("digits", "photos", "redundant", "folder"), default="digits",
-                       help="redundant: photo crops of which a fraction are near-duplicates, with a clean val "
-                            "and an in-distribution val_mix")
+                       help="redundant: photo crops of which a fraction are copies (near, exact, re-encoded, "
+                            "cropped; evenly or heavy-tailed over the originals), with a clean val and an "
+                            "in-distribution val_mix")
     write.add_argument("--out", required=True, help="output folder (gets train/ and val/)")
     write.add_argument("--folder", help="image folder, for --source folder")
     write.add_argument("--resolution", "--size", dest="resolution", type=int, default=32,
@@ -215,10 +218,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     write.add_argument("--shard-size", type=int, default=500, help="samples per shard")
     write.add_argument("--val-fraction", type=float, default=0.1)
     write.add_argument("--crops-per-photo", type=int, default=250, help="for --source photos and redundant")
-    write.add_argument("--redundant-fraction", type=float, default=0.5,
-                       help="for --source redundant: fraction of train that are near-duplicates")
-    write.add_argument("--redundant-originals", type=int, default=64,
-                       help="for --source redundant: how many train crops the duplicates copy")
+    add_redundant_arguments(write)
     write.add_argument("--seed", type=int, default=0,
                        help="the val split, the photo crops, and the sample order of --source folder")
     write.add_argument("--workers", type=int, default=None,

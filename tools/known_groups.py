@@ -1,5 +1,6 @@
 """The exact near-duplicate groups of the bundled `redundant` shards (tools/sources.py), known from
-their keys: a copy is named after its original, `ORIGINAL_dupNNNNN` (`_heldoutdupNNNNN` in val_mix).
+their keys: a copy is named after its original, `ORIGINAL_dupNNNNN` (`_heldoutdupNNNNN` in val_mix; an exact,
+re-encoded or cropped copy `_dupexactNNNNN`, `_dupjpegNNNNN`, `_dupcropNNNNN`: tools/sources.py:copy_key).
 Written as the group table the dedup pruner reads (pipelines/data/group_table.py), so that the pruner
 can be measured and tested before groups found from embeddings exist. For the small bundled shards:
 it holds every key of the split in memory.
@@ -12,21 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 
 import numpy as np
 
 from pipelines.data.group_table import GROUPS_FOLDER, write_group_table
 from pipelines.data.side_tables import make_header
 from pipelines.data.shards import ShardIndex, read_shard
+from tools.sources import COPY_KEY
 
 KNOWN = "known"  # the table's name: pruner.groups=known
-_COPY = re.compile(r"^(?P<original>.+)_(?:heldout)?dup\d{5}$")
 
 
 def original_key(key: str) -> str:
-    """The key of the sample `key` is a near-duplicate of (itself when it is no copy)."""
-    copy = _COPY.match(key)
+    """The key of the sample `key` is a copy of (itself when it is no copy)."""
+    copy = COPY_KEY.match(key)
     return copy.group("original") if copy else key
 
 

@@ -18,7 +18,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, Mapping, NamedTuple
 from urllib.parse import urlparse
 
 import numpy as np
@@ -28,7 +28,8 @@ from PIL import Image
 
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.progress import progress, tracked
-from tools.sources import folder_key, list_image_folder, load_image, load_source, redundant_splits
+from tools.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
+                           redundant_splits)
 
 SPLITS = ("train", "val")
 FOLDER_CHUNK = 256  # images of an image folder decoded before they are written: what write holds at once
@@ -65,11 +66,14 @@ def write_shards(
     crops_per_photo: int = 250,
     redundant_fraction: float = 0.5,
     redundant_originals: int = 64,
+    redundant_copies: str = "even",
+    redundant_kinds: Mapping[str, float] | None = None,
     workers: int | None = None,
     chunk: int = FOLDER_CHUNK,
 ) -> dict[str, str]:
     """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
-    ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`)."""
+    ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`).
+    `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if source == "folder":
@@ -79,8 +83,12 @@ def write_shards(
                             workers=workers, chunk=chunk)
     if source == "redundant":
         splits = redundant_splits(size, fraction=redundant_fraction, originals=redundant_originals,
-                                  val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed)
-        meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals}
+                                  val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed,
+                                  copy_counts=redundant_copies, copy_kinds=redundant_kinds)
+        meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals,
+                "redundant_copies": redundant_copies,
+                "redundant_kinds": check_copy_kinds({"near": 1.0} if redundant_kinds is None else redundant_kinds),
+                "crops_per_photo": crops_per_photo, "seed": seed}
     else:
         items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
         # A fixed permutation decides the split, so val holds every class in proportion.
@@ -90,8 +98,14 @@ def write_shards(
         meta = {}
     return {split: write_split(os.path.join(out, split), ((k, png_bytes(im), label) for k, im, label in chosen),
                                source=source, size=size, shard_size=shard_size, desc=f"{source}/{split}",
-                               total=len(chosen), **meta)
+                               total=len(chosen), **meta, **split_meta(source, chosen))
             for split, chosen in splits.items() if chosen}
+
+
+def split_meta(source: str, items: list[tuple[str, Image.Image, int]]) -> dict:
+    """What index.json records of one split beyond the source's settings: for `redundant`, its copies
+    of each kind (read from their keys)."""
+    return {"copies_by_kind": copies_by_kind(key for key, _, _ in items)} if source == "redundant" else {}
 
 
 def write_folder(folder: str, out: str, *, size: int, shard_size: int = 500, val_fraction: float = 0.1,
