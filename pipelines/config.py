@@ -27,7 +27,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig
+from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, check_conditioning
 from pipelines.tasks.dit import DIT_PRESETS
 from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
@@ -263,9 +263,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("ldm.objective", cfg.ldm.objective, OBJECTIVES)
     _choice("ldm.flow_weighting", cfg.ldm.flow_weighting, FLOW_WEIGHTINGS)
     _choice("ldm.dit", cfg.ldm.dit, DIT_PRESETS)
-    if cfg.eval.fid.guidance_scale != 1.0 and cfg.task == "ldm" and not cfg.ldm.num_classes:
-        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class-conditional "
-                          f"models; ldm.num_classes is 0: use 1.0")
+    if cfg.task == "ldm":
+        _validate_conditioning(cfg)
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
         raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
                           f"{cfg.score.momentum}")
@@ -304,6 +303,30 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
         path = group_table_path(str(groups), train)
         if not os.path.exists(path):
             raise ConfigError(f"config: pruner.groups={groups!r}: no group table at {path}")
+
+
+def _validate_conditioning(cfg: RunConfig) -> None:
+    """ldm.conditioning and what it needs: labels for guidance, a text encoder folder; the evaluators
+    that cannot sample a text-conditional model yet are refused here, not after the first pass."""
+    try:
+        conditioning = check_conditioning(cfg.ldm)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
+        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
+                          f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
+    if conditioning != "text":
+        return
+    for name, folder in (("ldm.text_encoder", cfg.ldm.text_encoder), ("ldm.tokenizer", cfg.ldm.tokenizer)):
+        if folder and not os.path.isdir(os.path.expanduser(folder)):
+            raise ConfigError(f"config: {name}={folder!r} is not a folder; give the local folder of a transformers "
+                              f"CLIP text model or T5 encoder (and its tokenizer)")
+    sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
+                                                                          cfg.eval.replication.enabled)) if on]
+    if cfg.eval.every_passes and sampled:
+        raise ConfigError(f"config: {' and '.join(sampled)} sample from held-out captions, not built yet for "
+                          f"ldm.conditioning=text: set {'.enabled=false, '.join(sampled)}.enabled=false (the "
+                          f"held-out flow loss is evaluated every pass)")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

@@ -79,8 +79,9 @@ class Evaluator:
         if not folder:
             raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
                              f"(or the eval setting val=DIR)")
+        captions = self.run_cfg.task == "ldm" and self.run_cfg.ldm.conditioning == "text"
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
-                          max_samples=max_samples, rank=rank, world_size=world, desc="val")
+                          max_samples=max_samples, rank=rank, world_size=world, desc="val", captions=captions)
 
     def _mae(self, task, model: nn.Module, rank: int, world: int) -> dict:
         from pipelines.evaluation.probe import encoder_features, fit_probe
