@@ -306,7 +306,7 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
 
 
 def _validate_conditioning(cfg: RunConfig) -> None:
-    """ldm.conditioning and what it needs: labels for guidance, a text encoder folder; the evaluators
+    """ldm.conditioning and what it needs: labels or text for guidance, a text encoder; the evaluators
     that cannot sample a text-conditional model yet are refused here, not after the first pass."""
     try:
         conditioning = check_conditioning(cfg.ldm)
@@ -315,12 +315,8 @@ def _validate_conditioning(cfg: RunConfig) -> None:
     if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
         raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
                           f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
-    if conditioning != "text":
+    if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/text.py)
         return
-    for name, folder in (("ldm.text_encoder", cfg.ldm.text_encoder), ("ldm.tokenizer", cfg.ldm.tokenizer)):
-        if folder and not os.path.isdir(os.path.expanduser(folder)):
-            raise ConfigError(f"config: {name}={folder!r} is not a folder; give the local folder of a transformers "
-                              f"CLIP text model or T5 encoder (and its tokenizer)")
     sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
                                                                           cfg.eval.replication.enabled)) if on]
     if cfg.eval.every_passes and sampled:

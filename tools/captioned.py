@@ -1,4 +1,4 @@
-"""`prunepipe shards write --captions`: the bundled digits and photo crops as img2dataset writes web
+"""What `prunepipe shards write --captions` writes: the bundled digits and photo crops as img2dataset writes web
 image-text pairs (KEY.jpg, KEY.txt the caption, KEY.json its metadata), captioned from what is known
 of each image: the digit's name, or the photograph, the crop's place in it and how close it is.
 Nothing is downloaded; the captions are plain and few, so a tiny word-level tokenizer covers them
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from typing import Iterator
 
 import numpy as np
@@ -69,20 +68,11 @@ def img2dataset_sample(key: str, image: Image.Image, caption: str, meta: dict) -
     return {"__key__": key, "jpg": jpeg_bytes(image), "txt": caption, "json": json.dumps(record)}
 
 
-def write_captioned(source: str, out: str, *, size: int = 32, shard_size: int = 500, val_fraction: float = 0.1,
-                    seed: int = 0, crops_per_photo: int = 250) -> dict[str, str]:
-    """train/ and val/ img2dataset-style shards of `source` with their index.json; returns index paths.
-    The split is the same permutation `write_shards` draws, so the same images are held out."""
-    from tools.shards import write_samples
-
+def captioned_splits(source: str, size: int, *, val_fraction: float = 0.1, seed: int = 0,
+                     crops_per_photo: int = 250) -> dict[str, list[tuple[str, Image.Image, str, dict]]]:
+    """train and val items of `source`, split by the permutation `prunepipe shards write` draws without
+    captions, so that the same images are held out."""
     items = list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo))
     is_val = np.zeros(len(items), dtype=bool)
     is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
-    paths = {}
-    for split in ("train", "val"):
-        chosen = [item for item, v in zip(items, is_val) if v == (split == "val")]
-        if chosen:
-            paths[split] = write_samples(os.path.join(out, split), (img2dataset_sample(*item) for item in chosen),
-                                         source=source, size=size, shard_size=shard_size, keys=CAPTIONED_KEYS,
-                                         desc=f"{source}/{split} (captioned)", total=len(chosen), captions=True)
-    return paths
+    return {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in ("train", "val")}

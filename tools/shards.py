@@ -28,6 +28,7 @@ from PIL import Image
 
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.progress import progress, tracked
+from tools.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
 from tools.sources import folder_key, list_image_folder, load_image, load_source, redundant_splits
 
 SPLITS = ("train", "val")
@@ -75,10 +76,11 @@ def write_shards(
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if captions:
-        from tools.captioned import write_captioned
-
-        return write_captioned(source, out, size=size, shard_size=shard_size, val_fraction=val_fraction, seed=seed,
-                               crops_per_photo=crops_per_photo)
+        splits = captioned_splits(source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo)
+        return {split: write_samples(os.path.join(out, split), (img2dataset_sample(*item) for item in chosen),
+                                     source=source, size=size, shard_size=shard_size, keys=CAPTIONED_KEYS,
+                                     desc=f"{source}/{split} (captioned)", total=len(chosen), captions=True)
+                for split, chosen in splits.items() if chosen}
     if source == "folder":
         if not folder:
             raise ValueError("source 'folder' needs --folder PATH")
