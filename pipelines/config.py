@@ -306,8 +306,9 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
 
 
 def _validate_conditioning(cfg: RunConfig) -> None:
-    """ldm.conditioning and what it needs: labels or text for guidance, a text encoder; the evaluators
-    that cannot sample a text-conditional model yet are refused here, not after the first pass."""
+    """ldm.conditioning and what it needs: labels or text for guidance, a text encoder; held-out captions
+    for the evaluators that sample a text-conditional model, and CLIPScore only where there are captions,
+    refused here, not after the first pass."""
     try:
         conditioning = check_conditioning(cfg.ldm)
     except ValueError as e:
@@ -315,14 +316,22 @@ def _validate_conditioning(cfg: RunConfig) -> None:
     if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
         raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
                           f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
+    clip = cfg.eval.clip_score.model
     if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/text.py)
+        if clip:
+            raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
+                              f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")
+        return
+    if not cfg.eval.every_passes:
         return
     sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
-                                                                          cfg.eval.replication.enabled)) if on]
-    if cfg.eval.every_passes and sampled:
-        raise ConfigError(f"config: {' and '.join(sampled)} sample from held-out captions, not built yet for "
-                          f"ldm.conditioning=text: set {'.enabled=false, '.join(sampled)}.enabled=false (the "
-                          f"held-out flow loss is evaluated every pass)")
+                                     cfg.eval.replication.enabled), ("eval.clip_score", bool(clip))) if on]
+    if sampled and not (cfg.eval.val or cfg.data.val):
+        raise ConfigError(f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
+                          f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards")
+    if clip and not os.path.isdir(os.path.expanduser(clip)):
+        raise ConfigError(f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
+                          f"and its processor; nothing is downloaded)")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

@@ -70,6 +70,23 @@ def read_split(
         yield _batch(decoder, ids, images, labels, texts)
 
 
+def read_captions(folder: str, max_samples: int = 0) -> list[str]:
+    """The captions (`txt`) of the first `max_samples` samples (0 = all) of `folder`, in index order,
+    without decoding an image: the held-out prompts a text-conditional model is sampled from. A
+    sample without a caption stops the read, naming its shard and key."""
+    index = ShardIndex.load(folder)
+    total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
+    texts: list[str] = []
+    for url in index.urls:
+        for _, sample in read_shard(url):
+            if len(texts) == total:
+                return texts
+            texts.append(caption(sample))
+    if len(texts) < total:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {len(texts)}")
+    return texts
+
+
 def _batch(decoder: SampleDecoder, ids, images, labels, captions) -> Batch:
     return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)),
                  decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
