@@ -275,7 +275,6 @@ def test_an_export_refuses_a_text_encoder_other_than_its_runs(captioned, encoder
     ("ldm.text_encoder=", "needs ldm.text_encoder"),
     ("ldm.num_classes=10", "ldm.num_classes=10"),
     ("ldm.caption_dropout=1.0", "ldm.caption_dropout"),
-    ("eval.every_passes=1", "eval.fid.enabled=false"),
     ("ldm.conditioning=words", "accepted: none, class, text"),
 ])
 def test_a_text_config_mistake_names_its_field(captioned, encoder, tmp_path, setting, named):
