@@ -28,9 +28,25 @@ def _shards_write(args) -> None:
         crops_per_photo=args.crops_per_photo,
         workers=args.workers,
         **(redundant_options(args) if args.source == "redundant" else {}),
+        captions=args.captions,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
+
+
+def _text_encoder_tiny(args) -> None:
+    from pipelines.data.shards import ShardIndex, read_shard
+    from tools.tiny_text_encoder import write_tiny_text_encoder
+
+    captions = [sample["txt"].decode() for folder in args.shards for url in ShardIndex.load(folder).urls
+                for _, sample in read_shard(url) if "txt" in sample]
+    if not captions:
+        raise SystemExit(f"no captions (txt fields) in {', '.join(args.shards)}: write them with "
+                         f"`prunepipe shards write --captions`")
+    path = write_tiny_text_encoder(args.out, captions, hidden_size=args.hidden_size, layers=args.layers,
+                                   max_length=args.max_length, seed=args.seed)
+    print(f"{path}: a tiny CLIP text model (random weights) and the tokenizer of {len(captions)} captions' words; "
+          f"set ldm.text_encoder={path} ldm.text_max_length={args.max_length}")
 
 
 def _shards_index(args) -> None:
@@ -224,6 +240,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     write.add_argument("--workers", type=int, default=None,
                        help="for --source folder: processes decoding and resizing images (default: the usable "
                             "cores; 0 or 1: this process)")
+    write.add_argument("--captions", action="store_true",
+                       help="for --source digits and photos: img2dataset-style image-text pairs (jpg, txt, json), "
+                            "captioned from the digit or the photograph and the crop's place")
     write.set_defaults(func=_shards_write)
     index = shards_sub.add_parser("index", help="write index.json for shards written elsewhere")
     index.add_argument("shards", nargs="+", help="folders, globs, brace patterns or urls of .tar shards")
@@ -302,6 +321,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     encode.add_argument("--flip", action="store_true",
                         help="also store each mirrored image's latent, for data.hflip runs (twice the encoding)")
     encode.set_defaults(func=_latents_encode)
+
+    text = sub.add_parser("text-encoder", help="text encoders for ldm.conditioning=text")
+    text_sub = text.add_subparsers(dest="text_encoder_command", required=True)
+    tiny = text_sub.add_parser("tiny", help="a tiny random CLIP text model and a word-level tokenizer of the "
+                                            "shards' captions, for CPU tests and demos")
+    tiny.add_argument("shards", nargs="+", help="captioned shard folders (with index.json) whose words it knows")
+    tiny.add_argument("--out", required=True, help="output folder (ldm.text_encoder)")
+    tiny.add_argument("--hidden-size", type=int, default=32)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--max-length", type=int, default=16, help="tokens per caption (ldm.text_max_length)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_text_encoder_tiny)
 
     checkpoints = sub.add_parser("checkpoints", help="check a run's checkpoints against their manifests")
     checkpoints_sub = checkpoints.add_subparsers(dest="checkpoints_command", required=True)

@@ -27,7 +27,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig
+from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, check_conditioning
 from pipelines.tasks.dit import DIT_PRESETS
 from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
@@ -263,9 +263,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("ldm.objective", cfg.ldm.objective, OBJECTIVES)
     _choice("ldm.flow_weighting", cfg.ldm.flow_weighting, FLOW_WEIGHTINGS)
     _choice("ldm.dit", cfg.ldm.dit, DIT_PRESETS)
-    if cfg.eval.fid.guidance_scale != 1.0 and cfg.task == "ldm" and not cfg.ldm.num_classes:
-        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class-conditional "
-                          f"models; ldm.num_classes is 0: use 1.0")
+    if cfg.task == "ldm":
+        _validate_conditioning(cfg)
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
         raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
                           f"{cfg.score.momentum}")
@@ -304,6 +303,35 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
         path = group_table_path(str(groups), train)
         if not os.path.exists(path):
             raise ConfigError(f"config: pruner.groups={groups!r}: no group table at {path}")
+
+
+def _validate_conditioning(cfg: RunConfig) -> None:
+    """ldm.conditioning and what it needs: labels or text for guidance, a text encoder; held-out captions
+    for the evaluators that sample a text-conditional model, and CLIPScore only where there are captions,
+    refused here, not after the first pass."""
+    try:
+        conditioning = check_conditioning(cfg.ldm)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
+        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
+                          f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
+    clip = cfg.eval.clip_score.model
+    if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/text.py)
+        if clip:
+            raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
+                              f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")
+        return
+    if not cfg.eval.every_passes:
+        return
+    sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
+                                     cfg.eval.replication.enabled), ("eval.clip_score", bool(clip))) if on]
+    if sampled and not (cfg.eval.val or cfg.data.val):
+        raise ConfigError(f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
+                          f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards")
+    if clip and not os.path.isdir(os.path.expanduser(clip)):
+        raise ConfigError(f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
+                          f"and its processor; nothing is downloaded)")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

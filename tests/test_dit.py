@@ -188,7 +188,7 @@ def test_fid_sampler_draws_from_the_dit_with_and_without_guidance(objective):
     assert plain.shape == (4, CHANNELS, SIZE, SIZE) and 0 <= float(plain.min()) and float(plain.max()) <= 1
     assert torch.equal(plain, again) and not torch.allclose(plain, guided, atol=1e-3)
     unconditional = make_task(objective=objective)
-    with pytest.raises(ValueError, match="guidance_scale=4.0 needs a class-conditional model"):
+    with pytest.raises(ValueError, match="guidance_scale=4.0 needs a class- or text-conditional model"):
         next(generate_images(unconditional, unconditional.model, **kw, guidance_scale=4.0))
 
 

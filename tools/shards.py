@@ -28,6 +28,7 @@ from PIL import Image
 
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.progress import progress, tracked
+from tools.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
 from tools.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
                            redundant_splits)
 
@@ -70,12 +71,20 @@ def write_shards(
     redundant_kinds: Mapping[str, float] | None = None,
     workers: int | None = None,
     chunk: int = FOLDER_CHUNK,
+    captions: bool = False,
 ) -> dict[str, str]:
     """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
     ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`).
-    `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`."""
+    `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
+    `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/captioned.py)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if captions:
+        splits = captioned_splits(source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo)
+        return {split: write_samples(os.path.join(out, split), (img2dataset_sample(*item) for item in chosen),
+                                     source=source, size=size, shard_size=shard_size, keys=CAPTIONED_KEYS,
+                                     desc=f"{source}/{split} (captioned)", total=len(chosen), captions=True)
+                for split, chosen in splits.items() if chosen}
     if source == "folder":
         if not folder:
             raise ValueError("source 'folder' needs --folder PATH")
@@ -172,6 +181,15 @@ def write_split(folder: str, items: Iterable[tuple[str, bytes, int]], *, source:
                 desc: str, total: int | None = None, **meta) -> str:
     """(key, png, label) items, taken one at a time, as shards in `folder` with their index.json;
     returns its path."""
+    samples = (shard_sample(key, png, label) for key, png, label in items)
+    return write_samples(folder, samples, source=source, size=size, shard_size=shard_size, keys=["png", "cls"],
+                         desc=desc, total=total, **meta)
+
+
+def write_samples(folder: str, samples: Iterable[dict], *, source: str, size: int, shard_size: int, keys: list[str],
+                  desc: str, total: int | None = None, **meta) -> str:
+    """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
+    `keys`); returns its path."""
     os.makedirs(folder, exist_ok=True)
     for stale in glob.glob(os.path.join(folder, "shard-*.tar")):
         os.remove(stale)
@@ -179,9 +197,9 @@ def write_split(folder: str, items: Iterable[tuple[str, bytes, int]], *, source:
     pattern = os.path.join(folder, "shard-%06d.tar")
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
         writer.post = lambda fname: entries.append((fname, writer.count))
-        for key, png, label in tracked(items, total=total, desc=desc, unit="img"):
-            writer.write(shard_sample(key, png, label))
-    return ShardIndex.write(folder, entries, source=source, size=size, keys=["png", "cls"], **meta)
+        for sample in tracked(samples, total=total, desc=desc, unit="img"):
+            writer.write(sample)
+    return ShardIndex.write(folder, entries, source=source, size=size, keys=keys, **meta)
 
 
 def shard_urls(sources: list[str]) -> list[str]:

@@ -54,6 +54,14 @@ def photo_files() -> list[str]:
 
 def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> Iterator[tuple[str, Image.Image, int]]:
     """Deterministic square crops of the bundled photographs, resized to `size`; class = photo."""
+    for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
+        yield key, photo.crop(box).resize((size, size), Image.BICUBIC), label
+
+
+def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
+                     ) -> Iterator[tuple[str, Image.Image, int, tuple[int, int, int, int]]]:
+    """(key, whole photograph, class, crop box (left, top, right, bottom)) of `photo_crops`' crops, in
+    its order: where each crop sits, for captions that say so."""
     rng = np.random.default_rng(seed)
     for label, path in enumerate(photo_files()):
         with Image.open(path) as img:
@@ -63,8 +71,7 @@ def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> It
         for i in range(crops_per_photo):
             side = int(rng.integers(min(size, min(w, h)), max(size, min(w, h) // 2) + 1))
             left, top = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
-            crop = photo.crop((left, top, left + side, top + side)).resize((size, size), Image.BICUBIC)
-            yield f"photo_{name}_{i:04d}", crop, label
+            yield f"photo_{name}_{i:04d}", photo, label, (left, top, left + side, top + side)
 
 
 def recoloured(image: Image.Image, rng: np.random.Generator) -> Image.Image:

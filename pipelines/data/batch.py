@@ -25,6 +25,7 @@ class Batch:
     labels: torch.Tensor  # int64 [B], -1 where the shards carry no class
     bad: tuple[BadInput, ...] = ()  # bad-input events met while filling this batch
     worker: int = 0  # the part of this rank's slice it came from (for resuming exactly)
+    captions: tuple[str, ...] = ()  # one per sample ("" for padding) when the task reads them, else empty
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
@@ -40,7 +41,7 @@ class Batch:
         # From a loader worker: the small per-sample fields travel inside the message as numpy
         # arrays; only the images take a shared-memory segment, which the receiver must map.
         small = [t.numpy() if t.device.type == "cpu" else t for t in (self.ids, self.weights, self.labels)]
-        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker)
+        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker, self.captions)
 
     def undecodable(self) -> int:
         """Samples read for this batch but not decodable."""
@@ -50,8 +51,9 @@ class Batch:
         return len(self.ids)
 
 
-def _rebuild(ids, weights, images, labels, bad, worker) -> Batch:
-    return Batch(torch.as_tensor(ids), torch.as_tensor(weights), images, torch.as_tensor(labels), bad, worker)
+def _rebuild(ids, weights, images, labels, bad, worker, captions=()) -> Batch:
+    return Batch(torch.as_tensor(ids), torch.as_tensor(weights), images, torch.as_tensor(labels), bad, worker,
+                 captions)
 
 
 def real_samples(batches) -> Iterator[Batch]:
@@ -61,5 +63,6 @@ def real_samples(batches) -> Iterator[Batch]:
         if bool(keep.all()):
             yield batch
         elif bool(keep.any()):
+            captions = tuple(c for c, k in zip(batch.captions, keep.tolist()) if k)
             yield dataclasses.replace(batch, ids=batch.ids[keep], weights=batch.weights[keep],
-                                      images=batch.images[keep], labels=batch.labels[keep])
+                                      images=batch.images[keep], labels=batch.labels[keep], captions=captions)

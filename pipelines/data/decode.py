@@ -1,4 +1,5 @@
-"""Decoding one undecoded webdataset sample into (image tensor [C, H, W] in [-1, 1], label).
+"""Decoding one undecoded webdataset sample into (image tensor [C, H, W] in [-1, 1], label), and its
+caption when the task reads one.
 
 This is the expensive step that pruned samples never reach. Augmentation randomness is a
 pure function of (seed, epoch, id) with a stream per purpose (pipelines/data/augment.py), so resumed
@@ -28,6 +29,7 @@ FAST_FIELDS = ("png", "jpg", "jpeg", "webp")  # torchvision decodes these; PIL t
 LATENT_FIELDS = ("latent.npy", "npy")
 FLIPPED_LATENT_FIELD = "latent_flip.npy"  # the latent of the mirrored image (`prunepipe latents encode --flip`)
 LABEL_FIELDS = ("cls", "label", "class")
+CAPTION_FIELD = "txt"  # img2dataset's caption (LAION, DataComp, CC12M, COYO shards alike)
 NO_LABEL = -1
 
 
@@ -51,6 +53,7 @@ class SampleDecoder:
     num_classes: int = 0  # > 0: a label must be below it (a bad one is named here, not met on the device)
     crop: str = "center"  # center: shorter side to `resolution`, centre square; random_resized: MAE's
     crop_scale: tuple[float, float] = (0.2, 1.0)  # random_resized: the crop's share of the image area
+    captions: bool = False  # the task reads captions: a sample without one is bad input (data.on_bad_sample)
 
     def __post_init__(self):
         if self.crop not in CROPS:
@@ -145,6 +148,22 @@ class SampleDecoder:
             raise BadInputError(f"{_where(sample)}: label {label} is out of range for {self.num_classes} classes "
                                 f"(ldm.num_classes; -1 = no label)")
         return label
+
+
+def caption(sample: dict) -> str:
+    """The sample's caption (the `txt` field, UTF-8, stripped). Missing, empty or undecodable is bad
+    input, never a silently unconditional sample."""
+    raw = sample.get(CAPTION_FIELD)
+    if raw is None:
+        present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
+        raise BadInputError(f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}; has: {present})")
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise BadInputError(f"{_where(sample)}: field {CAPTION_FIELD!r} is not UTF-8 text: {e}") from e
+    if not text:
+        raise BadInputError(f"{_where(sample)}: empty caption (field {CAPTION_FIELD!r})")
+    return text
 
 
 def _where(sample: dict) -> str:

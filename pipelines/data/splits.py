@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipelines.data.batch import Batch
-from pipelines.data.decode import SampleDecoder
+from pipelines.data.decode import SampleDecoder, caption
 from pipelines.data.shards import ShardIndex, read_shard
 from pipelines.progress import progress
 
@@ -28,17 +28,19 @@ def read_split(
     rank: int = 0,
     world_size: int = 1,
     desc: str = "",
+    captions: bool = False,
 ) -> Iterator[Batch]:
     """Batches of the first `max_samples` samples (0 = all) of the shards in `folder`, in index order.
 
     With `world_size` > 1 this rank gets the samples whose id (their position in that order) is
     congruent to `rank`: the others' bytes are skipped in the tar reader (seeked past on a local file),
-    so a rank reads and decodes about its share, not the whole split. Weights are 1.
+    so a rank reads and decodes about its share, not the whole split. Weights are 1. With `captions`
+    each batch carries the samples' captions (a sample without one stops the read, naming it).
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
     decoder = SampleDecoder(resolution, channels)
-    ids, images, labels = [], [], []
+    ids, images, labels, texts = [], [], [], []
     ordinal = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
@@ -48,13 +50,15 @@ def read_split(
             if ordinal >= total:
                 break
             if sample is not None and (first + position) % world_size == rank:
+                if captions:
+                    texts.append(caption(sample))
                 image, label = decoder.decode(sample, first + position)
                 ids.append(first + position)
                 images.append(image)
                 labels.append(label)
                 if len(ids) == batch_size:
-                    yield _batch(decoder, ids, images, labels)
-                    ids, images, labels = [], [], []
+                    yield _batch(decoder, ids, images, labels, texts)
+                    ids, images, labels, texts = [], [], [], []
             ordinal += 1
             bar.update(1)
         if ordinal >= total:
@@ -63,13 +67,30 @@ def read_split(
     if ordinal < total:
         raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {ordinal}")
     if ids:
-        yield _batch(decoder, ids, images, labels)
+        yield _batch(decoder, ids, images, labels, texts)
 
 
-def _batch(decoder: SampleDecoder, ids, images, labels) -> Batch:
+def read_captions(folder: str, max_samples: int = 0) -> list[str]:
+    """The captions (`txt`) of the first `max_samples` samples (0 = all) of `folder`, in index order,
+    without decoding an image: the held-out prompts a text-conditional model is sampled from. A
+    sample without a caption stops the read, naming its shard and key."""
+    index = ShardIndex.load(folder)
+    total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
+    texts: list[str] = []
+    for url in index.urls:
+        for _, sample in read_shard(url):
+            if len(texts) == total:
+                return texts
+            texts.append(caption(sample))
+    if len(texts) < total:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {len(texts)}")
+    return texts
+
+
+def _batch(decoder: SampleDecoder, ids, images, labels, captions) -> Batch:
     return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)),
                  decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
-                 torch.tensor(labels, dtype=torch.int64))
+                 torch.tensor(labels, dtype=torch.int64), captions=tuple(captions))
 
 
 def index_metadata(folder: str) -> dict:

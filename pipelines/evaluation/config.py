@@ -27,7 +27,7 @@ class FIDConfig:
     enabled: bool = True
     num_samples: int = 1000  # generated images, over all ranks (published numbers use 50,000)
     sampler_steps: int = 50  # DDIM steps, eta = 0 (flow: Euler steps)
-    guidance_scale: float = 1.0  # classifier-free guidance of class-conditional models; 1 = none
+    guidance_scale: float = 1.0  # classifier-free guidance of class- and text-conditional models; 1 = none
     batch_size: int = 64  # images per generation and feature batch, per rank
     # inception: Inception-v3 (torch-fidelity's port of the TF FID graph) from `weights`;
     # classifier: a small-domain classifier written by `python -m tools.feature_net` (not
@@ -37,7 +37,10 @@ class FIDConfig:
     weights: str = ""  # the feature network's file; "" = its default place (docs/evaluation.md)
     inception_dim: int = 2048  # 64 | 192 | 768 | 2048
     resize: str = "tf1"  # to 299 px: tf1 (as TF FID and torch-fidelity, published numbers) | antialias
-    reference: str = "train"  # train | val (the run's shards) | a folder of image shards
+    # train | val (the run's shards) | a folder of image shards. Text-conditional runs compare with the
+    # held-out images of the captions they sampled: the val shards, or this folder when it names the
+    # image shards (in the same order) that latent val shards were encoded from
+    reference: str = "train"
     reference_samples: int = 50000  # real images in the reference statistics (0 = all)
     stats_dir: str = ""  # reference-statistics cache; "" = fid_stats/ beside the reference shards
     vae: str = ""  # runs on precomputed latents: the VAE that encoded them ("" = the latent index's)
@@ -84,6 +87,16 @@ class ReplicationConfig:
 
 
 @dataclass
+class ClipScoreConfig:
+    """CLIPScore (torchmetrics) of a text-conditional run's samples against the captions they were
+    drawn from: the FID samples (fid.num_samples, fid.sampler_steps, fid.guidance_scale)."""
+
+    # a local folder of a transformers CLIPModel and its processor (`hf download openai/clip-vit-large-patch14`
+    # on a connected machine); "" = off. Read with local_files_only: nothing is downloaded
+    model: str = ""
+
+
+@dataclass
 class EvalConfig:
     every_passes: int = 0  # evaluate during training every E passes (0 = only `prunepipe eval`)
     weights: str = "ema"  # ema | raw: which weights of a checkpoint are evaluated
@@ -100,6 +113,7 @@ class EvalConfig:
     fid: FIDConfig = field(default_factory=FIDConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    clip_score: ClipScoreConfig = field(default_factory=ClipScoreConfig)
 
 
 def load_eval_config(base: EvalConfig | None = None, path: str | None = None, overrides: list[str] = ()) -> EvalConfig:

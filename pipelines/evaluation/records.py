@@ -11,7 +11,7 @@ EVAL_DIR = "eval"
 
 # Metrics `prunepipe compare` judges, and whether higher is better; the rest is detail.
 PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accuracy": True,
-                   "denoise_mse": False, "fid": False}
+                   "denoise_mse": False, "fid": False, "clip_score": True}
 
 
 def record_path(run_dir: str, record: dict, ending: str = ".json") -> str:

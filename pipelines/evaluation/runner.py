@@ -1,8 +1,10 @@
 """The evaluators of a run: MAE reconstruction (masked MSE, PSNR, SSIM) and linear probe; diffusion
 held-out denoising loss, FID of DDIM samples and (eval.replication) how close those samples come to
-training images. `Evaluator` is built once per run (feature network,
-cached reference statistics) and called with the weights to evaluate, from `prunepipe eval` on a
-checkpoint or from the training loop every E passes. It never trains and never downloads.
+training images; for text-conditional runs the samples are drawn from held-out captions, FID compares
+them with those captions' images, and CLIPScore (eval.clip_score) with the captions. `Evaluator` is
+built once per run (feature network, cached reference statistics, CLIP) and called with the weights to
+evaluate, from `prunepipe eval` on a checkpoint or from the training loop every E passes. It never
+trains and never downloads.
 
 Every rank takes part: each evaluates its share of the held-out images, the probe's train and val
 images and the FID samples, and the shares are combined (pipelines/evaluation/ranks.py), so no rank
@@ -23,12 +25,12 @@ from diffusers.training_utils import EMAModel
 
 from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
 from pipelines.config import load_config
-from pipelines.data.splits import index_metadata, read_split
+from pipelines.data.splits import index_metadata, read_captions, read_split
 from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from pipelines.evaluation.fid import FIDEvaluator
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
-from pipelines.evaluation.ranks import (counts_by_rank, gather_in_index_order, mean_over_ranks, on_every_rank,
-                                       rank0_value, rank_and_world)
+from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks,
+                                       on_every_rank, rank0_value, rank_and_world)
 from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
 from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task
@@ -69,6 +71,7 @@ class Evaluator:
         self.run_dir = run_dir or run_cfg.run_dir
         self.device = torch.device(device) if device is not None else None
         self._fid: FIDEvaluator | None = None
+        self._clip = None  # torchmetrics' CLIPScore on eval.clip_score.model, loaded once
         self._replication_net = None  # replication.feature's network, loaded once
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
 
@@ -79,8 +82,9 @@ class Evaluator:
         if not folder:
             raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
                              f"(or the eval setting val=DIR)")
+        captions = self.run_cfg.task == "ldm" and self.run_cfg.ldm.conditioning == "text"
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
-                          max_samples=max_samples, rank=rank, world_size=world, desc="val")
+                          max_samples=max_samples, rank=rank, world_size=world, desc="val", captions=captions)
 
     def _mae(self, task, model: nn.Module, rank: int, world: int) -> dict:
         from pipelines.evaluation.probe import encoder_features, fit_probe
@@ -104,44 +108,101 @@ class Evaluator:
         return results
 
     def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
+        from pipelines.evaluation.clip_score import scoring
         from pipelines.evaluation.sampling import generate_images, latent_decoder
 
         fid_cfg, rep_cfg = self.cfg.fid, self.cfg.replication
-        for name, enabled, count in (("fid.num_samples", fid_cfg.enabled, fid_cfg.num_samples),
-                                     ("replication.num_samples", rep_cfg.enabled, rep_cfg.num_samples)):
-            if enabled and count < world:  # decided alike on every rank, before any collective
-                raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
-                                 f"rank generates num_samples / world images); use at least {world}")
+        clip_on = bool(self.cfg.clip_score.model)
+        if clip_on and not task.reads_captions:
+            raise ValueError(f"eval config: clip_score.model scores samples against the captions they were drawn "
+                             f"from; run {self.run_cfg.name} is not text-conditional (set clip_score.model=)")
+        # CLIPScore measures FID's samples: it draws fid.num_samples of them with FID off too
+        fid_count, rep_count = fid_cfg.num_samples, rep_cfg.num_samples
+        self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
         results = held_out_over_ranks(task, model, self._val_batches(self.cfg.val_samples, rank, world), self.cfg)
-        if not (fid_cfg.enabled or rep_cfg.enabled):
+        if not (fid_cfg.enabled or rep_cfg.enabled or clip_on):
             return results
         data = self.run_cfg.data
         latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
         decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
+        captions = None
+        if task.reads_captions:  # sample i is drawn from held-out caption i; a short val set caps the counts
+            captions = self._held_out_captions(max(fid_count if fid_cfg.enabled or clip_on else 0,
+                                                   rep_count if rep_cfg.enabled else 0))
+            fid_count, rep_count = min(fid_count, len(captions)), min(rep_count, len(captions))
+            self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
+            results["held_out_captions"] = len(captions)
 
         def samples(count: int):
             return generate_images(task, model, num_images=count, steps=fid_cfg.sampler_steps, seed=self.cfg.seed,
                                    batch_size=fid_cfg.batch_size, rank=rank, world_size=world, decode=decode,
-                                   guidance_scale=fid_cfg.guidance_scale, precision=self.cfg.precision)
+                                   guidance_scale=fid_cfg.guidance_scale, precision=self.cfg.precision,
+                                   captions=captions)
 
         # sample i is keyed by (seed, i): FID's first replication.num_samples are the ones replication
         # would draw, so they are kept as FID streams past instead of being drawn twice
-        reuse = rep_cfg.enabled and fid_cfg.enabled and rep_cfg.num_samples <= fid_cfg.num_samples
+        reuse = rep_cfg.enabled and (fid_cfg.enabled or clip_on) and rep_count <= fid_count
         kept: list[torch.Tensor] = []
-        if fid_cfg.enabled:
-            images = samples(fid_cfg.num_samples)
+        if fid_cfg.enabled or clip_on:
+            images = samples(fid_count)
             if reuse:
-                images = _keeping(images, kept, len(range(rank, rep_cfg.num_samples, world)))
-            first = next(images)  # the generated size decides the reference resolution; every rank has one
-            fid = self._fid_evaluator(first.shape[-1], first.shape[1])
-            results.update(fid.score(_chain(first, images)))
-            results["fid_sampler_steps"] = fid_cfg.sampler_steps
-            results["fid_guidance_scale"] = fid_cfg.guidance_scale
+                images = _keeping(images, kept, len(range(rank, rep_count, world)))
+            if clip_on:
+                clip = self._clip_metric()
+                images = scoring(images, clip, [captions[i] for i in range(rank, fid_count, world)])
+            if fid_cfg.enabled:
+                first = next(images)  # the generated size decides the reference resolution; every rank has one
+                fid = self._fid_evaluator(first.shape[-1], first.shape[1], fid_count if captions else 0)
+                results.update(fid.score(_chain(first, images)))
+                results["fid_sampler_steps"] = fid_cfg.sampler_steps
+                results["fid_guidance_scale"] = fid_cfg.guidance_scale
+            else:
+                for _ in images:  # CLIPScore alone: its metric sees every sample as they stream past
+                    pass
+            if clip_on:
+                results.update({"clip_score": float(clip.compute()), "clip_score_samples": fid_count,
+                                "clip_score_model": os.path.abspath(self.cfg.clip_score.model),
+                                "clip_score_sampler_steps": fid_cfg.sampler_steps,
+                                "clip_score_guidance_scale": fid_cfg.guidance_scale})
         if rep_cfg.enabled:
-            generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_cfg.num_samples)])
+            generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_count)])
             results.update(self._replication_of(generated, rank, world))
             results["replication_reused_fid_samples"] = reuse
         return results
+
+    @staticmethod
+    def _check_counts(fid_on: bool, fid_count: int, rep_on: bool, rep_count: int, world: int) -> None:
+        """Decided alike on every rank, before any collective: each rank generates num_samples / world images."""
+        for name, enabled, count in (("fid.num_samples", fid_on, fid_count),
+                                     ("replication.num_samples", rep_on, rep_count)):
+            if enabled and count < world:
+                raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
+                                 f"rank generates num_samples / world images); use at least {world}")
+
+    def _held_out_folder(self) -> str:
+        folder = self.cfg.val or self.run_cfg.data.val
+        if not folder:
+            raise ValueError(f"run {self.run_cfg.name}: a text-conditional model is sampled from held-out captions "
+                             f"for FID, CLIPScore and replication, and data.val is empty; set data.val=DIR or the "
+                             f"eval setting val=DIR")
+        return folder
+
+    def _held_out_captions(self, count: int) -> list[str]:
+        """The first `count` captions of the held-out shards in index order, read by rank 0 and handed
+        to every rank (each rank samples from its share of them)."""
+        folder = self._held_out_folder()
+        return decided_on_rank0(lambda: read_captions(folder, count))
+
+    def _clip_metric(self):
+        """torchmetrics' CLIPScore on eval.clip_score.model, loaded once per run by every rank from its
+        node's disk (a node without the folder stops every rank); reset for each evaluation."""
+        if self._clip is None:
+            from pipelines.evaluation.clip_score import clip_score_metric
+
+            path, device = self.cfg.clip_score.model, self.device or "cpu"
+            self._clip = on_every_rank(lambda: clip_score_metric(path, device))
+        self._clip.reset()
+        return self._clip
 
     def _replication_of(self, generated: torch.Tensor, rank: int, world: int) -> dict:
         """Replication numbers of this rank's samples (indices rank, rank + world, ...) against train."""
@@ -182,10 +243,16 @@ class Evaluator:
         module = net.feature.to(device)
         return (lambda images: module(images.to(device))), net.identity
 
-    def _fid_evaluator(self, size: int, channels: int) -> FIDEvaluator:
+    def _fid_evaluator(self, size: int, channels: int, captioned: int = 0) -> FIDEvaluator:
+        """FID against fid.reference, or with `captioned` > 0 (a text-conditional run's samples of the
+        first `captioned` held-out captions) against those captions' own images."""
         if self._fid is None:
             data, fid_cfg = self.run_cfg.data, self.cfg.fid
-            folder = {"train": data.train, "val": data.val}.get(fid_cfg.reference, fid_cfg.reference)
+            if captioned:
+                folder = self._captioned_images()
+                fid_cfg = dataclasses.replace(fid_cfg, reference_samples=captioned)
+            else:
+                folder = {"train": data.train, "val": data.val}.get(fid_cfg.reference, fid_cfg.reference)
             if not folder:
                 raise ValueError(f"eval config: fid.reference={fid_cfg.reference!r} names no shards (data.val is empty)")
             if "latent_shape" in index_metadata(folder):
@@ -194,6 +261,18 @@ class Evaluator:
             self._fid = FIDEvaluator.from_config(fid_cfg, folder, resolution=size, channels=channels,
                                                  device=self.device or "cpu")
         return self._fid
+
+    def _captioned_images(self) -> str:
+        """The image shards of the held-out captions: the held-out shards themselves, or where they hold
+        latents, fid.reference naming the image shards they were encoded from (in the same order)."""
+        folder, reference = self._held_out_folder(), self.cfg.fid.reference
+        if "latent_shape" in index_metadata(folder):
+            if reference in ("train", "val"):
+                raise ValueError(f"eval config: the held-out shards {folder} hold latents; FID of a text-conditional "
+                                 f"run compares with its captions' images: set fid.reference to the image shards "
+                                 f"those latents were encoded from (in the same order)")
+            return reference
+        return folder
 
     # ------------------------------------------------------------------ entry point
     def evaluate(self, task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:

@@ -1,12 +1,13 @@
 """Images from an in-memory model for FID: DDIM (eta 0), or Euler for flow, with classifier-free
-guidance when asked (the task's loop, pipelines/tasks/sampler.py), then the VAE decoder for latent runs. Sample i starts from noise seeded by (seed, i), so the set of images is
-the same for any world size and batch size; each rank generates only its share. Nothing here
-measures anything or touches files other than a VAE's.
+guidance when asked (the task's loop, pipelines/tasks/sampler.py), then the VAE decoder for latent runs.
+Sample i starts from noise seeded by (seed, i), and a text-conditional model draws it from caption i,
+so the set of images is the same for any world size and batch size; each rank generates only its
+share. Nothing here measures anything or touches files other than a VAE's.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -59,11 +60,16 @@ def generate_images(
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     guidance_scale: float = 1.0,
     precision: str = "fp32",
+    captions: Sequence[str] | None = None,
 ) -> Iterator[torch.Tensor]:
     """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
-    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, guided by
-    `guidance_scale` (1 = none). `precision`: that of the model's and the decoder's forwards, entered
-    per batch (never across a yield, which would leak it into whatever consumes the images)."""
+    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, text-conditional
+    ones captions[i] (every rank holds the whole list), guided by `guidance_scale` (1 = none) against
+    the null label or the empty caption's features. `precision`: that of the model's and the decoder's
+    forwards, entered per batch (never across a yield, which would leak it into whatever consumes the images)."""
+    if task.reads_captions and (captions is None or len(captions) < num_images):
+        raise ValueError(f"a text-conditional model is sampled from captions: {num_images} images need as many "
+                         f"captions, {0 if captions is None else len(captions)} given")
     decode = decode or latent_decoder(task)
     device = next(model.parameters()).device
     was_training = model.training
@@ -82,6 +88,9 @@ def generate_images(
             labels = None
             if task.cfg.num_classes:
                 labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
+            if task.reads_captions:
+                labels = task.text_encoder.encode([captions[i] for i in indices], device)
+                null = task.text_encoder.null(device)
             with forward_precision(precision, device):
                 x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
                 images = decode(x)

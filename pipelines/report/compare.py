@@ -18,7 +18,8 @@ from pipelines.report.runs import UNRECORDED, RunSummary, held_out_metrics, load
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
 DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
-                      "psnr": (0.1, False), "ssim": (0.005, False), "probe_accuracy": (0.01, False)}
+                      "psnr": (0.1, False), "ssim": (0.005, False), "probe_accuracy": (0.01, False),
+                      "clip_score": (0.01, True)}
 DEFAULT_K = 2.0  # tolerance = k x the baseline seeds' standard deviation when there are >= 2 of them
 
 

@@ -1,5 +1,6 @@
-"""The latent-diffusion task: a diffusers UNet2DModel or DiTTransformer2DModel (pipelines/tasks/dit.py)
-trained with DDPMScheduler (epsilon or v) or flow matching (pipelines/tasks/flow.py), in pixel space,
+"""The latent-diffusion task: a diffusers UNet2DModel or DiTTransformer2DModel (pipelines/tasks/dit.py),
+or for text conditioning a PixArtTransformer2DModel reading a frozen text encoder's features
+(pipelines/tasks/pixart.py, text.py), trained with DDPMScheduler (epsilon or v) or flow matching (pipelines/tasks/flow.py), in pixel space,
 on precomputed latents, or on latents of a frozen AutoencoderKL; a per-sample loss, a low-variance
 held-out loss, an export diffusers loads, and a sampler for it (pipelines/tasks/sampler.py).
 Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
@@ -17,15 +18,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 from diffusers import (AutoencoderKL, DDPMPipeline, DDPMScheduler, DiTTransformer2DModel,
-                       FlowMatchEulerDiscreteScheduler, UNet2DModel)
+                       FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel, UNet2DModel)
 from huggingface_hub import constants as hub_constants
 
 from pipelines.data.batch import real_samples
 from pipelines.tasks.dit import DIT_PRESETS, build_dit, dit_null_label
 from pipelines.tasks.flow import FLOW_WEIGHTINGS, HELD_OUT_S, draw_s, interpolate, s_stratum
+from pipelines.tasks.pixart import build_text_dit
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
-from pipelines.tasks.sampler import denoise, predict, sampling_scheduler
+from pipelines.tasks.sampler import Condition, denoise, predict, sampling_scheduler
+from pipelines.tasks.text import TextCondition, TextEncoder, caption_dropped
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -34,7 +37,9 @@ OBJECTIVES = ("ddpm", "flow")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
 PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
+CONDITIONINGS = ("none", "class", "text")
 AUTOENCODER_INFO = "autoencoder.json"
+TEXT_ENCODER_INFO = "text_encoder.json"  # the export's reference to its text encoder (not a copy)
 HELD_OUT_TIMESTEPS = 10
 MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # export subfolders, as diffusers pipelines name them
 
@@ -60,6 +65,15 @@ class DiffusionConfig:
     dit_patch_size: int = 0
     num_classes: int = 0  # > 0: class-conditional; label -1 maps to an extra "null" class (index num_classes)
     label_dropout: float = 0.1  # class-conditional: share of samples trained on the null label (guidance)
+    # none | class | text; "" = class when num_classes > 0, else none (what num_classes alone meant before)
+    conditioning: str = ""
+    # text: the local folder of a transformers CLIP text model or T5 encoder (frozen; never downloaded),
+    # its tokenizer's folder ("" = the same folder), tokens per caption (CLIP 77; PixArt-alpha's T5 120),
+    # and the share of samples trained on the empty caption's features (guidance; PixArt, Sana: 0.1)
+    text_encoder: str = ""
+    tokenizer: str = ""
+    text_max_length: int = 77
+    caption_dropout: float = 0.1
     # flow: the density of s (compute_density_for_timestep_sampling's): logit_normal | uniform | mode
     flow_weighting: str = "logit_normal"
     flow_logit_mean: float = 0.0
@@ -114,6 +128,33 @@ def load_autoencoder(
     return vae.eval().requires_grad_(False)
 
 
+def check_conditioning(cfg: DiffusionConfig) -> str:
+    """ldm.conditioning resolved ("" -> class or none by ldm.num_classes) and checked against the
+    settings it needs; the error names the fields."""
+    conditioning = cfg.conditioning or ("class" if cfg.num_classes else "none")
+    if conditioning not in CONDITIONINGS:
+        raise ValueError(f"ldm.conditioning: got {cfg.conditioning!r}, accepted: {', '.join(CONDITIONINGS)} "
+                         f"(or empty: class when ldm.num_classes > 0, else none)")
+    if (conditioning == "class") != (cfg.num_classes > 0):
+        raise ValueError(f"ldm.conditioning={conditioning} with ldm.num_classes={cfg.num_classes}: class "
+                         f"conditioning needs ldm.num_classes > 0, and the others ldm.num_classes=0")
+    if conditioning == "text":
+        if cfg.backbone != "dit":
+            raise ValueError(f"ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
+                             f"ldm.backbone=dit (got {cfg.backbone!r})")
+        if not cfg.text_encoder:
+            raise ValueError("ldm.conditioning=text needs ldm.text_encoder: the local folder of a transformers CLIP "
+                             "text model or T5 encoder")
+        if not 0.0 <= cfg.caption_dropout < 1.0:
+            raise ValueError(f"ldm.caption_dropout must be in [0, 1), got {cfg.caption_dropout}")
+        if cfg.text_max_length < 1:
+            raise ValueError(f"ldm.text_max_length must be >= 1, got {cfg.text_max_length}")
+    elif cfg.text_encoder:
+        raise ValueError(f"ldm.text_encoder={cfg.text_encoder!r} is read with ldm.conditioning=text only "
+                         f"(conditioning is {conditioning})")
+    return conditioning
+
+
 class DiffusionTask:
     """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
@@ -150,6 +191,7 @@ class DiffusionTask:
                                  if cfg.timestep_sampling == "loss_second_moment" else None)
         if cfg.num_classes < 0:
             raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
+        self.conditioning = check_conditioning(cfg)
         bad_groups = [c for c in cfg.block_out_channels if c % cfg.norm_num_groups]
         if bad_groups and cfg.backbone == "unet":
             raise ValueError(
@@ -188,7 +230,14 @@ class DiffusionTask:
             )
 
         # ---------------------------------------------------------------- model and schedule
-        self.model = build_dit(
+        self.text_encoder: TextEncoder | None = None
+        if self.conditioning == "text":
+            self.text_encoder = TextEncoder(cfg.text_encoder, cfg.tokenizer, cfg.text_max_length)
+        self.model = build_text_dit(
+            cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels,
+            caption_channels=self.text_encoder.hidden_size, depth=cfg.dit_depth, width=cfg.dit_width,
+            heads=cfg.dit_heads, patch_size=cfg.dit_patch_size,
+        ) if self.text_encoder is not None else build_dit(
             cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels, num_classes=cfg.num_classes,
             depth=cfg.dit_depth, width=cfg.dit_width, heads=cfg.dit_heads, patch_size=cfg.dit_patch_size,
         ) if cfg.backbone == "dit" else UNet2DModel(
@@ -232,6 +281,32 @@ class DiffusionTask:
         """Classes a training label must be below (0: labels unused); the stream's decoder checks."""
         return self.cfg.num_classes
 
+    @property
+    def reads_captions(self) -> bool:
+        """Whether batches must carry captions (the `txt` field); the stream's decoder reads them."""
+        return self.text_encoder is not None
+
+    def condition(self, batch, device) -> Condition:
+        """What the model is conditioned on, nothing dropped: the captions' features (text), the class
+        labels (class), or None."""
+        if self.text_encoder is not None:
+            return self.text_encoder.encode(batch.captions, device)
+        labels = self.class_labels(batch.labels)
+        return None if labels is None else labels.to(device)
+
+    def training_condition(self, batch, draws: SampleDraws, device) -> tuple[Condition, torch.Tensor | None]:
+        """(condition with the per-sample drops applied, bool [B] of dropped captions or None). Text:
+        each caption replaced by the empty caption's features with probability ldm.caption_dropout, once
+        per sample from its draws, here at train time (never when features are precomputed: that would
+        fix which samples are unconditional for good and make a pruner's scores incomparable)."""
+        if self.text_encoder is None:
+            return self.training_labels(batch.labels.to(device), draws), None
+        features = self.text_encoder.encode(batch.captions, device)
+        if self.cfg.caption_dropout <= 0:
+            return features, None
+        dropped = caption_dropped(draws, self.cfg.caption_dropout, device)
+        return features.where(dropped, self.text_encoder.null(device)), dropped
+
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
         """Labels for the model: None when unconditional (a DiT then gets the null label); -1 (no
         label) becomes the null class. Labels on the host are range-checked here; labels on a device
@@ -268,8 +343,19 @@ class DiffusionTask:
 
     @property
     def num_strata(self) -> int:
-        """Per-sample strata: the timesteps, 0..T-1 (flow: s in T equal buckets)."""
-        return self.cfg.num_train_timesteps
+        """Per-sample strata: the timesteps, 0..T-1 (flow: s in T equal buckets); with caption dropout,
+        T more for the samples trained on the null caption (their loss is not comparable with a
+        captioned one's), so score.buckets splits into halves: kept captions, then dropped ones."""
+        return self.cfg.num_train_timesteps * (2 if self._drops_captions else 1)
+
+    @property
+    def _drops_captions(self) -> bool:
+        return self.text_encoder is not None and self.cfg.caption_dropout > 0
+
+    def _stratum(self, timestep_stratum: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
+        if dropped is None:
+            return timestep_stratum
+        return timestep_stratum + dropped.long() * self.cfg.num_train_timesteps
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
         """`per_sample(...).loss`."""
@@ -283,8 +369,8 @@ class DiffusionTask:
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
         pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
-        only), the noise [B, C, h, w], the timesteps or s [B], the label drop [B] (class-conditional
-        with label_dropout > 0 only). `model` may be a DDP/accelerate wrapper: always call the one passed.
+        only), the noise [B, C, h, w], the timesteps or s [B], the label or caption drop [B]
+        (class-conditional with label_dropout > 0, text-conditional with caption_dropout > 0). `model` may be a DDP/accelerate wrapper: always call the one passed.
         """
         draws = batch_draws(generator, len(batch.images))
         x0 = self.encode(batch.images, draws)
@@ -300,18 +386,21 @@ class DiffusionTask:
         if cfg.objective == "flow":
             s = draw_s(draws, cfg.flow_weighting, logit_mean=cfg.flow_logit_mean, logit_std=cfg.flow_logit_std,
                        mode_scale=cfg.flow_mode_scale, device=device)
-            losses = self._flow_mse(model, x0, noise, s, self.training_labels(batch.labels.to(device), draws))
-            return SampleLosses(losses, s_stratum(s, cfg.num_train_timesteps))
+            condition, dropped = self.training_condition(batch, draws, device)
+            losses = self._flow_mse(model, x0, noise, s, condition)
+            return SampleLosses(losses, self._stratum(s_stratum(s, cfg.num_train_timesteps), dropped))
         if self.timestep_sampler is None:
             timesteps, importance = draws.randint(cfg.num_train_timesteps).to(device), None
         else:
             timesteps, importance = self.timestep_sampler.draw(draws.rand().to(device))
-        losses = self._denoising_mse(model, x0, noise, timesteps, self.training_labels(batch.labels.to(device), draws))
+        condition, dropped = self.training_condition(batch, draws, device)
+        losses = self._denoising_mse(model, x0, noise, timesteps, condition)
         if self.cfg.min_snr_gamma > 0:
             losses = losses * self.min_snr_weights(timesteps)
+        stratum = self._stratum(timesteps, dropped)
         if importance is None:
-            return SampleLosses(losses, timesteps)
-        return SampleLosses(losses * importance, timesteps, score=losses.detach())
+            return SampleLosses(losses, stratum)
+        return SampleLosses(losses * importance, stratum, score=losses.detach())
 
     def observe(self, ids: np.ndarray, strata: np.ndarray | None, scores: np.ndarray) -> None:
         """After each step, the gathered batch's (timesteps, unweighted losses) feed the timestep sampler."""
@@ -319,7 +408,7 @@ class DiffusionTask:
             self.timestep_sampler.update(ids, strata, scores)
 
     def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
-        """`labels` as class_labels returns them (None or class indices)."""
+        """`labels` as `condition` returns them (None, class indices or caption features)."""
         noisy = self.scheduler.add_noise(x0, noise, timesteps)
         if self.cfg.prediction_type == "epsilon":
             target = noise
@@ -367,8 +456,7 @@ class DiffusionTask:
             for batch in real_samples(batches):
                 ids = batch.ids.cpu().numpy()
                 x0 = self.encode(batch.images.to(device))
-                labels = self.class_labels(batch.labels)
-                labels = None if labels is None else labels.to(device)
+                labels = self.condition(batch, device)
                 noise = per_sample_seeded(tuple(x0.shape[1:]), ids, seed, normal=True).to(device)
                 for k, (_, t) in enumerate(grid):
                     sums[k] += float(mse(model, x0, noise, t.to(device).expand(len(ids)), labels).double().sum())
@@ -408,6 +496,11 @@ class DiffusionTask:
         with open(info_path, "w") as f:
             json.dump(info, f, indent=1)
         written.append(info_path)
+        if self.text_encoder is not None:
+            text_path = os.path.join(out_dir, TEXT_ENCODER_INFO)
+            with open(text_path, "w") as f:
+                json.dump(self.text_encoder.identity(), f, indent=1)
+            written.append(text_path)
         return written
 
 
@@ -417,8 +510,9 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------- sampling from an export
-def _load_model(export_dir: str, ema: bool) -> UNet2DModel | DiTTransformer2DModel:
-    """The export's unet/ or transformer/ (their _ema/ twins with `ema`)."""
+def _load_model(export_dir: str, ema: bool) -> UNet2DModel | DiTTransformer2DModel | PixArtTransformer2DModel:
+    """The export's unet/ or transformer/ (their _ema/ twins with `ema`): a transformer/ is a DiT, or a
+    PixArt transformer where text_encoder.json says the run was text-conditional."""
     dit = os.path.isdir(os.path.join(export_dir, MODEL_FOLDERS["dit"] + ("_ema" if ema else "")))
     subfolder = MODEL_FOLDERS["dit" if dit else "unet"] + ("_ema" if ema else "")
     if not os.path.isdir(os.path.join(export_dir, subfolder)):
@@ -426,11 +520,15 @@ def _load_model(export_dir: str, ema: bool) -> UNet2DModel | DiTTransformer2DMod
             f"{export_dir}: no {subfolder}/ (written by DiffusionTask.export"
             + ("; the run kept no EMA, pass ema=False)" if ema else ")")
         )
-    return (DiTTransformer2DModel if dit else UNet2DModel).from_pretrained(export_dir, subfolder=subfolder)
+    text = os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO))
+    model_class = (PixArtTransformer2DModel if text else DiTTransformer2DModel) if dit else UNet2DModel
+    return model_class.from_pretrained(export_dir, subfolder=subfolder)
 
 
 def _null_label(model: UNet2DModel | DiTTransformer2DModel) -> int | None:
     """The null label of a class-conditional model, None for an unconditional UNet."""
+    if isinstance(model, PixArtTransformer2DModel):
+        return None
     if isinstance(model, DiTTransformer2DModel):
         return dit_null_label(model)
     return model.config.num_class_embeds - 1 if model.config.num_class_embeds else None
@@ -463,13 +561,17 @@ def sample(
     vae: str | None = None,
     vae_subfolder: str = "",
     guidance_scale: float = 1.0,
+    prompts: list[str] | None = None,
+    text_encoder: str | None = None,
 ) -> torch.Tensor:
     """[num_images, C, H, W] float images in [0, 1] from an export: DDIM (eta 0), or Euler for flow,
     over `steps` steps from torch.randn(generator), then the VAE decoder for latent runs. Runs on
     generator.device. The same loop as the FID evaluator's (pipelines/tasks/sampler.py).
 
     class_labels [N] for class-conditional models (default: the null class), with classifier-free
-    guidance when guidance_scale != 1. `vae` overrides the
+    guidance when guidance_scale != 1. Text-conditional models take `prompts` (one per image; the
+    empty caption when None), guided against the empty caption's features, encoded by the encoder
+    text_encoder.json records or by `text_encoder` (a folder; its tokenizer beside it). `vae` overrides the
     autoencoder recorded in autoencoder.json (with `vae_subfolder`); runs on precomputed latents
     must pass it (the latent shards' index.json records "vae" and "subfolder").
     """
@@ -480,7 +582,13 @@ def sample(
     config = DDPMScheduler.load_config(export_dir, subfolder="scheduler")
     scheduler = sampling_scheduler(config.get("_class_name", ""), config)
     labels, null = None, _null_label(model)
-    if null is not None and (null > 0 or isinstance(model, UNet2DModel)):  # a DiT of 0 classes is unconditional
+    if isinstance(model, PixArtTransformer2DModel):
+        encoder = load_text_encoder(export_dir, text_encoder)
+        labels = encoder.encode([""] * num_images if prompts is None else list(prompts), device)
+        if len(labels) != num_images:
+            raise ValueError(f"prompts: {len(labels)} given for num_images={num_images}")
+        null = encoder.null(device)
+    elif null is not None and (null > 0 or isinstance(model, UNet2DModel)):  # a DiT of 0 classes is unconditional
         labels = torch.full((num_images,), null, dtype=torch.long) if class_labels is None else class_labels.long()
         labels = torch.where(labels < 0, torch.full_like(labels, null), labels).to(device)
     size = model.config.sample_size
@@ -503,3 +611,18 @@ def sample(
         shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
         images = autoencoder.decode(x / scale + shift).sample
     return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+def load_text_encoder(export_dir: str, path: str | None = None) -> TextEncoder:
+    """The text encoder text_encoder.json records (or the folder `path`, its tokenizer beside it), refused
+    when its files differ from the run's (the digest of TextEncoder.identity): other features, other images."""
+    with open(os.path.join(export_dir, TEXT_ENCODER_INFO)) as f:
+        info = json.load(f)
+    encoder = TextEncoder(path or info["text_encoder"], "" if path else info["tokenizer"], info["max_length"],
+                          setting=f"{TEXT_ENCODER_INFO} text_encoder" if path is None else "text_encoder")
+    found = encoder.identity()["digest"]
+    if found != info["digest"]:
+        raise ValueError(f"{export_dir}/{TEXT_ENCODER_INFO}: the run's text encoder had digest {info['digest']}, "
+                         f"the one at {encoder.path!r} has {found} (another model or tokenizer): pass "
+                         f"text_encoder= the folder the run used")
+    return encoder

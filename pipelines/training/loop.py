@@ -121,12 +121,14 @@ def mixed_precision(cfg: RunConfig) -> str:
 
 def load_held_out(cfg: RunConfig, rank: int = 0, world: int = 1) -> list | None:
     """This rank's share of the first `data.val_batches` batches of the val shards in index order,
-    decoded once (possibly empty); None when the run has no val shards."""
+    decoded once (possibly empty), with their captions for a text-conditional run; None when the run
+    has no val shards."""
     if not cfg.data.val:
         return None
+    captions = cfg.task == "ldm" and cfg.ldm.conditioning == "text"
     return list(read_split(cfg.data.val, resolution=cfg.data.resolution, channels=cfg.data.channels,
                            batch_size=cfg.data.batch_size, max_samples=cfg.data.val_batches * cfg.data.batch_size,
-                           rank=rank, world_size=world, desc="held-out samples"))
+                           rank=rank, world_size=world, desc="held-out samples", captions=captions))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -192,7 +194,7 @@ def train(cfg: RunConfig) -> dict:
         index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
                               num_classes=task.label_classes, crop=cfg.data.crop,
-                              crop_scale=tuple(cfg.data.crop_scale)),
+                              crop_scale=tuple(cfg.data.crop_scale), captions=task.reads_captions),
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
     held_out = load_held_out(cfg, rank, world)  # every rank evaluates its share at each pass end

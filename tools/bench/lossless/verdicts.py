@@ -13,7 +13,7 @@ from pipelines.report.frontier import AT_MOST, interval_text, paired_difference,
 from tools.bench.lossless.plan import TaskPlan
 
 LOWER_IS_BETTER = {"masked_mse": True, "denoise_mse": True, "psnr": False, "ssim": False,
-                   "probe_accuracy": False, "fid": True}
+                   "probe_accuracy": False, "fid": True, "clip_score": False}
 TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, within 1 seed std
 TARGET_ISO_SAVING = 0.25  # the pays suite: compute saved at equal quality, with the 95% CI above 0
 FULL_ROLES = ("full", "frontier", "equal_compute")  # Full runs of some schedule length: frontier points

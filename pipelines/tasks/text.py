@@ -1,0 +1,138 @@
+"""The frozen text encoder of text-conditional diffusion: a transformers CLIP text model or T5 encoder
+and its tokenizer from local folders (never a download); captions -> TextCondition (features [B, L, D],
+mask [B, L]); and the features of the empty caption, computed once: the null condition that caption
+dropout trains on and guidance samples against (Sana's choice; PixArt-alpha's learned null is a
+parameter of the model instead). It never trains, and it never draws random numbers (the task does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+# config.model_type -> the transformers class holding the encoder alone (a T5 folder also has a decoder)
+ENCODER_CLASSES = {"clip_text_model": "CLIPTextModel", "clip": "CLIPTextModel", "t5": "T5EncoderModel",
+                   "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "spiece.model")
+
+
+@dataclass
+class TextCondition:
+    """What the transformer cross-attends to: per-token features and which tokens are real."""
+
+    features: torch.Tensor  # float [B, L, D]: the encoder's last hidden state
+    mask: torch.Tensor  # int64 [B, L]: 1 = a real token, 0 = padding
+
+    def __len__(self) -> int:
+        return len(self.features)
+
+    def to(self, device) -> "TextCondition":
+        return TextCondition(self.features.to(device), self.mask.to(device))
+
+    def where(self, dropped: torch.Tensor, null: "TextCondition") -> "TextCondition":
+        """Each sample where `dropped` [B] is true replaced by `null` (a batch of 1)."""
+        features = torch.where(dropped[:, None, None], null.features.to(self.features.dtype), self.features)
+        return TextCondition(features, torch.where(dropped[:, None], null.mask, self.mask))
+
+    def expand(self, batch_size: int) -> "TextCondition":
+        """A batch of 1 repeated `batch_size` times (views, no copies)."""
+        return TextCondition(self.features.expand(batch_size, -1, -1), self.mask.expand(batch_size, -1))
+
+    @staticmethod
+    def cat(parts: list["TextCondition"]) -> "TextCondition":
+        return TextCondition(torch.cat([p.features for p in parts]), torch.cat([p.mask for p in parts]))
+
+
+def caption_dropped(draws, rate: float, device) -> torch.Tensor:
+    """bool [B]: which samples train on the null caption this pass, one uniform of the sample's own
+    draws each (keyed by (seed, pass, id): the same whatever the batch, the rank or a resume)."""
+    return draws.rand().to(device) < rate
+
+
+class TextEncoder:
+    """A frozen encoder in eval mode and its tokenizer, both read from local folders only."""
+
+    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text_encoder"):
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # a bar per load: noise in a training log
+        # absolute: an export records them, and is sampled from anywhere
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.tokenizer_path = os.path.abspath(os.path.expanduser(tokenizer or path))
+        self.max_length = int(max_length)
+        for name, folder in ((setting, self.path), ("ldm.tokenizer", self.tokenizer_path)):
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(f"{name}={folder!r}: no such folder. Give the local folder of a transformers "
+                                        f"CLIP text model or T5 encoder (config.json + weights) and its tokenizer; "
+                                        f"this machine never downloads (on a connected machine `hf download REPO` "
+                                        f"and copy the folder)")
+        try:
+            config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"{setting}={self.path!r}: no transformers config.json there: "
+                                    f"{str(e).splitlines()[0]}") from None
+        if config.model_type not in ENCODER_CLASSES:
+            raise ValueError(f"{setting}={self.path!r} holds a {config.model_type!r} model; accepted: "
+                             f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)")
+        self.class_name = ENCODER_CLASSES[config.model_type]
+        self.model = getattr(transformers, self.class_name).from_pretrained(self.path, local_files_only=True)
+        self.model.eval().requires_grad_(False)
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise FileNotFoundError(f"ldm.tokenizer={self.tokenizer_path!r}: no tokenizer there: "
+                                    f"{str(e).splitlines()[0]}") from None
+        self._null: TextCondition | None = None
+
+    @property
+    def hidden_size(self) -> int:
+        """D, the width of the features (PixArtTransformer2DModel's caption_channels)."""
+        return int(self.model.config.hidden_size if hasattr(self.model.config, "hidden_size")
+                   else self.model.config.d_model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, captions: list[str] | tuple[str, ...], device=None) -> TextCondition:
+        """Captions -> their features, padded to max_length (a fixed shape: a sample's features do not
+        depend on its batch-mates) and truncated beyond it; float32, whatever autocast runs the encoder in."""
+        device = torch.device(device) if device is not None else self.device
+        if self.device != device:
+            self.model.to(device)  # the loop moves only the trained model
+        tokens = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt")
+        ids, mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device).long()
+        features = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return TextCondition(features.float(), mask)
+
+    def null(self, device=None) -> TextCondition:
+        """The features of the empty caption, a batch of 1, encoded once and kept on `device`."""
+        device = torch.device(device) if device is not None else self.device
+        if self._null is None or self._null.features.device != device:
+            self._null = self.encode([""], device)
+        return self._null
+
+    def identity(self) -> dict:
+        """What an export records to find this encoder again and notice another in its place: the
+        folders, the class, max_length, and a SHA-256 of the config and tokenizer files with each
+        weight file's name and size (not its bytes: T5-XXL's are ~9 GB)."""
+        digest = hashlib.sha256()
+        for folder in dict.fromkeys((self.path, self.tokenizer_path)):
+            for name in sorted(os.listdir(folder)):
+                full = os.path.join(folder, name)
+                if not os.path.isfile(full):
+                    continue
+                digest.update(name.encode())
+                if name == "config.json" or name in TOKENIZER_FILES:
+                    with open(full, "rb") as f:
+                        digest.update(f.read())
+                else:
+                    digest.update(str(os.path.getsize(full)).encode())
+        return {"text_encoder": self.path, "tokenizer": self.tokenizer_path, "class": self.class_name,
+                "max_length": self.max_length, "digest": digest.hexdigest()}
