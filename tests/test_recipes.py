@@ -120,3 +120,21 @@ def test_the_mae_configs_train_as_the_mae_paper(name, digits_shards):
     assert (cfg.optim.weight_decay, cfg.optim.betas) == (0.05, [0.9, 0.95])
     assert (cfg.data.crop, cfg.data.crop_scale, cfg.data.hflip) == ("random_resized", [0.2, 1.0], True)
     assert cfg.ema_warmup == "passes", "an EMA that pruned and full runs share pass for pass"
+
+
+def test_the_text_to_image_config_trains_as_pixart_alpha(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(CONFIGS, "ldm_t2i_base.yaml"),
+                      [f"data.train={digits_shards}/train", f"ldm.text_encoder={tmp_path}"])
+    assert (cfg.ldm.backbone, cfg.ldm.dit, cfg.ldm.conditioning, cfg.ldm.autoencoder) == ("dit", "DiT-B/2", "text",
+                                                                                           "latents")
+    assert (cfg.ldm.text_max_length, cfg.ldm.caption_dropout) == (120, 0.1), "120 T5 tokens, 10% to the empty caption"
+    # AdamW at a constant 2e-5 after a short warmup, weight decay 0.03, gradient clip 0.01, whatever the GPUs
+    assert (cfg.optim.schedule, cfg.optim.blr, cfg.optim.weight_decay, cfg.optim.grad_clip) == ("constant", 0, 0.03,
+                                                                                                 0.01)
+    for world in (8, 64):
+        at_scale = with_peak_learning_rate(cfg, world, announce=False)
+        assert learning_rate(at_scale, cfg.optim.warmup_passes / 2) == pytest.approx(1e-5)
+        assert [learning_rate(at_scale, p) for p in (cfg.optim.warmup_passes, cfg.passes / 2, cfg.passes)] == [2e-5] * 3
+    assert (cfg.ema_decay, cfg.ema_warmup) == (0.9999, "none")
+    assert not cfg.data.hflip, "captions name left and right"
+    assert (cfg.data.batch_size, cfg.data.resolution) == (32, 256)

@@ -296,3 +296,28 @@ def test_shards_write_captions_writes_img2dataset_pairs_captioned_from_what_is_k
         assert record["caption"] == caption and record["key"] == sample["__key__"]
         assert f"the {record['photograph'].replace('_', ' ')} photograph" in caption
         assert len(record["crop"]) == 4 and Image.open(io.BytesIO(sample["jpg"])).format == "JPEG"
+
+
+def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(captioned, encoder, tmp_path):
+    """`prunepipe latents encode` keeps each sample's caption beside its latent, so the real recipe
+    (a text DiT on precomputed VAE latents) reads the same txt it would read from the images."""
+    from eval_runs import tiny_vae
+
+    from pipelines.data.shards import ShardIndex, read_shard
+    from tools.latents import encode_shards
+
+    vae = str(tmp_path / "vae")
+    tiny_vae(1, 8).save_pretrained(vae)
+    for split in ("train", "val"):
+        encode_shards(f"{captioned}/{split}", vae, str(tmp_path / "latents" / split), resolution=8, batch_size=64)
+    index = ShardIndex.load(str(tmp_path / "latents" / "train"))
+    assert "txt" in index.meta["keys"]
+    originals = {key: s["txt"] for url in ShardIndex.load(f"{captioned}/train").urls for key, s in read_shard(url)}
+    encoded = {key: s["txt"] for url in index.urls for key, s in read_shard(url)}
+    assert encoded == originals
+    cfg = load_config(CONFIG, [f"data.train={tmp_path}/latents/train", f"data.val={tmp_path}/latents/val",
+                               f"runs_dir={tmp_path}", "name=on_latents", *tiny(encoder), "passes=2",
+                               "ldm.autoencoder=latents"])
+    train(cfg)
+    records = passes_of(cfg.run_dir)
+    assert records[-1]["bad_samples"] == 0 and np.isfinite(records[-1]["held_out"]["denoise_mse"])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipelines.data.decode import FLIPPED_LATENT_FIELD, LABEL_FIELDS, SampleDecoder
+from pipelines.data.decode import CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import load_autoencoder
@@ -101,7 +101,8 @@ def encode_shards(
                 if position >= count:
                     raise BadInputError(f"shard {url}: holds more than the {count} samples {index.path} lists")
                 image, _ = decoder(sample, int(first_id) + position, 0)  # BadInputError names shard and key
-                kept = {k: sample[k] for k in ("__key__", *LABEL_FIELDS) if k in sample}
+                # labels and the caption travel with the latent (a text run reads `txt` from latent shards)
+                kept = {k: sample[k] for k in ("__key__", *LABEL_FIELDS, CAPTION_FIELD) if k in sample}
                 fields_seen.update(k for k in kept if k != "__key__")
                 pending.append((kept, image))
                 seen = position + 1
