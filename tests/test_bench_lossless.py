@@ -329,3 +329,16 @@ def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interv
     rows[1]["metrics"]["masked_mse"]["saving"].update(low=-0.02)
     oracle["metrics"]["masked_mse"]["saving"].update(low=0.2, high=0.4)
     assert not saving_targets(rows)[1]["met"], "an interval that holds 0"
+
+
+def test_bench_t2i_micro_runs_the_text_task_infobatch_against_full(tmp_path):
+    report = bench("t2i_micro", ("t2i",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"), workers=2)
+    rows = {r["label"]: r for r in report["rows"]}
+    assert {"Full s0", "Full s1", "Full s2", "InfoBatch", "Full @ InfoBatch"} <= set(rows)
+    assert all(r["task"] == "t2i" and r["metrics"]["denoise_mse"] > 0 for r in report["results"])
+    from pipelines.config import load_config
+
+    cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "t2i_long_infobatch", "config.yaml"))
+    assert (cfg.ldm.conditioning, cfg.ldm.backbone, cfg.pruner["name"]) == ("text", "dit", "infobatch")
+    assert cfg.ldm.text_encoder == str(tmp_path / "work" / "captioned16_n96" / "text_encoder")
+    assert "<!-- bench:t2i_micro:end -->" in (tmp_path / "docs" / "BENCHMARKS.md").read_text()

@@ -15,7 +15,7 @@ SEEDS = (0, 1, 2)
 class TaskPlan:
     """One task's benchmark: its config, data size, schedules, pruners and extra settings to try."""
 
-    task: str  # mae | ldm | dit (latent diffusion with the DiT + flow recipe)
+    task: str  # mae | ldm | dit (latent diffusion with the DiT + flow recipe) | t2i (text-conditional DiT)
     config: str  # configs/bench_*.yaml
     main: str  # the metric the verdicts use
     train_samples: int  # the first N digits train; the val split is all of val
@@ -27,7 +27,7 @@ class TaskPlan:
     fid_steps: int = 20
     overrides: list = field(default_factory=list)
     timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
-    data: str = "digits"  # digits | photos | redundant (prunepipe shards write --source)
+    data: str = "digits"  # digits | photos | redundant (prunepipe shards write --source) | captioned (digits, --captions)
     crops_per_photo: int = 0  # photos and redundant: crops of each of the 15 bundled photographs
     pruned_seeds: tuple = (0,)  # seeds of every pruned run and of its equal-compute Full
     full_seeds: tuple = SEEDS  # seeds of Full at the full schedule
@@ -97,6 +97,8 @@ def _mode_plans(mode: str, tasks: list[str], arms: tuple[str, ...]) -> list[Task
                           fid_steps=10, timing_rounds=0)]
     elif mode.startswith("dit"):
         plans = [dit_plan(mode)]
+    elif mode.startswith("t2i"):
+        plans = [t2i_plan(mode)]
     elif mode == "micro":
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1"]
         plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0, PRUNERS, overrides=tiny)]
@@ -118,6 +120,19 @@ def dit_plan(mode: str) -> TaskPlan:
     if mode == "dit_micro":
         return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 96, 2, 0, infobatch, timing_rounds=0)
     raise ValueError(f"bench mode {mode!r}: accepted: dit, dit_quick, dit_micro")
+
+
+def t2i_plan(mode: str) -> TaskPlan:
+    """The text-to-image task (a text-conditional DiT on captioned digits, a tiny text encoder the
+    bench writes beside them), InfoBatch against Full at 3 seeds: t2i (the measurement), t2i_quick
+    (the same in a few minutes), t2i_micro (the harness test)."""
+    infobatch = {"InfoBatch": PRUNERS["InfoBatch"]}
+    text = ["ldm.text_encoder={data}/text_encoder"]  # written by prepare_data
+    samples, passes = {"t2i": (500, 16), "t2i_quick": (500, 4), "t2i_micro": (96, 2)}.get(mode, (0, 0))
+    if not samples:
+        raise ValueError(f"bench mode {mode!r}: accepted: t2i, t2i_quick, t2i_micro")
+    return TaskPlan("t2i", "configs/bench_t2i.yaml", "denoise_mse", samples, passes, 0, infobatch, overrides=text,
+                    timing_rounds=0, data="captioned")
 
 
 @dataclass

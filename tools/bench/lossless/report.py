@@ -207,6 +207,7 @@ def render(report: dict) -> str:
         flat = report["flattening"][task]
         data = plan.get("data", "digits")
         what = (f"{plan['train_samples']} training digits" if data == "digits" else
+                f"{plan['train_samples']} training digits as captioned image-text pairs" if data == "captioned" else
                 f"{data} shards ({plan['crops_per_photo']} crops of each bundled photograph)")
         lines += [f"### {task}: {what} at 16 px, `{plan['config']}`", "",
                   f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "

@@ -50,6 +50,8 @@ def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
     from tools.known_groups import KNOWN, write_known_groups
     from tools.shards import write_shards
 
+    if plan.data == "captioned":
+        return captioned_data(work, plan, size)
     if plan.data != "digits":
         root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
         if not os.path.exists(os.path.join(root, "val", "index.json")):
@@ -64,6 +66,25 @@ def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
         train = os.path.join(root, "train")
         ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)], source="digits",
                          size=size, keys=["png", "cls"])
+    return root
+
+
+def captioned_data(work: str, plan: TaskPlan, size: int) -> str:
+    """The digits as captioned image-text pairs (train: the first `train_samples`, one shard) and a
+    tiny random CLIP text encoder of their words in ROOT/text_encoder, written once."""
+    from pipelines.data.shards import ShardIndex, read_shard
+    from tools.captioned import CAPTIONED_KEYS
+    from tools.shards import write_shards
+    from tools.tiny_text_encoder import write_tiny_text_encoder
+
+    root = os.path.join(work, f"captioned{size}_n{plan.train_samples}")
+    if not os.path.exists(os.path.join(root, "text_encoder", "config.json")):
+        write_shards("digits", root, size=size, shard_size=plan.train_samples, captions=True)
+        train = os.path.join(root, "train")
+        first = os.path.join(train, "shard-000000.tar")
+        ShardIndex.write(train, [(first, plan.train_samples)], source="digits", size=size, keys=CAPTIONED_KEYS)
+        captions = [sample["txt"].decode() for _, sample in read_shard(first)]
+        write_tiny_text_encoder(os.path.join(root, "text_encoder"), captions)
     return root
 
 
@@ -129,7 +150,7 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     val = f"{data_root}/val" if evaluate_runs else ""  # data.val= : no held-out set
     overrides = [f"runs_dir={runs_dir}", f"name={spec.key}", f"seed={spec.seed}", f"passes={spec.passes}",
                  f"data.train={data_root}/train", f"data.val={val}",
-                 *plan.overrides]
+                 *(o.format(data=data_root) for o in plan.overrides)]  # "{data}": the bench's data folder
     pruner = dict(spec.pruner)
     # e.g. timestep-normalised scores, or another train split ("{data}" is the bench's data folder)
     overrides += [f"{k}={v.format(data=data_root) if isinstance(v, str) else v}" for k, v in pruner.pop("run", {}).items()]
@@ -235,7 +256,7 @@ def run_all(plans: list[TaskPlan], work: str, workers: int, log=None, reuse: dic
         fid_weights = feature_net(root) if plan.fid_samples > 0 else ""
         context[plan.task] = (plan, root, fid_weights)
         jobs += first_specs(plan)
-    cost = {"mae": 1.0, "ldm": 4.0, "dit": 2.0}  # seconds per pass, roughly: the costliest job first keeps both workers busy
+    cost = {"mae": 1.0, "ldm": 4.0, "dit": 2.0, "t2i": 2.5}  # seconds per pass, roughly: the costliest job first keeps both workers busy
     pending = sorted(jobs, key=lambda s: -s.passes * cost[s.task])
     results = []
     pool_kwargs = dict(max_workers=workers, initializer=_init_worker,
@@ -434,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=("mae", "ldm", "both", "dit"), default="both",
+    parser.add_argument("--task", choices=("mae", "ldm", "both", "dit", "t2i"), default="both",
                         help="dit: the DiT + flow latent-diffusion task (without --suite pays: InfoBatch vs Full at "
-                             "3 seeds, its own block)")
+                             "3 seeds, its own block); t2i: the text-conditional DiT on captioned digits, the same")
     parser.add_argument("--quick", action="store_true", help="a few minutes: same runs, few passes")
     parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
@@ -509,8 +530,8 @@ def run_from_args(args) -> int:
     mode, suite = pays_invocation(args) if args.suite == "pays" else ("quick" if args.quick else "full", "")
     command = (f"prunepipe bench lossless --task {args.task}{' --quick' if args.quick else ''}{suite} --out {args.out}"
                f" --workers {args.workers}")
-    if args.task == "dit" and args.suite != "pays":
-        mode = "dit_quick" if args.quick else "dit"
+    if args.task in ("dit", "t2i") and args.suite != "pays":
+        mode = f"{args.task}_quick" if args.quick else args.task
     if args.reuse:
         command += f" --reuse {' '.join(args.reuse)}"
     reuse = recorded_runs(args.reuse or [])
