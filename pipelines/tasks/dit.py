@@ -39,18 +39,25 @@ def dit_shape(preset: str, depth: int = 0, width: int = 0, heads: int = 0, patch
     return shape
 
 
-def build_dit(preset: str, *, sample_size: int, in_channels: int, num_classes: int, depth: int = 0,
-              width: int = 0, heads: int = 0, patch_size: int = 0) -> DiTTransformer2DModel:
-    """A DiT with the paper's initialisation and no built-in label dropout. Predicts as many
-    channels as it takes (no learned sigma: epsilon / v / velocity only)."""
+def transformer_shape(preset: str, sample_size: int, in_channels: int, depth: int = 0, width: int = 0, heads: int = 0,
+                      patch_size: int = 0) -> dict:
+    """The keyword arguments diffusers' DiT-style transformers share, for a preset and its overrides,
+    checked against the input size."""
     shape = dit_shape(preset, depth, width, heads, patch_size)
     if sample_size % shape["patch_size"]:
         raise ValueError(f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
                          f"{shape['patch_size']} (ldm.dit={preset!r}, ldm.dit_patch_size)")
+    return dict(num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
+                in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
+                sample_size=sample_size, patch_size=shape["patch_size"])
+
+
+def build_dit(preset: str, *, sample_size: int, in_channels: int, num_classes: int, depth: int = 0,
+              width: int = 0, heads: int = 0, patch_size: int = 0) -> DiTTransformer2DModel:
+    """A DiT with the paper's initialisation and no built-in label dropout. Predicts as many
+    channels as it takes (no learned sigma: epsilon / v / velocity only)."""
     model = DiTTransformer2DModel(
-        num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
-        in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
-        sample_size=sample_size, patch_size=shape["patch_size"],
+        **transformer_shape(preset, sample_size, in_channels, depth, width, heads, patch_size),
         num_embeds_ada_norm=num_classes,  # the label table has num_classes + 1 rows: the last is the null label
     )
     disable_block_label_dropout(model)

@@ -13,22 +13,18 @@ import torch
 import torch.nn as nn
 from diffusers import PixArtTransformer2DModel
 
-from pipelines.tasks.dit import dit_shape
+from pipelines.tasks.dit import transformer_shape
 
 
 def build_text_dit(preset: str, *, sample_size: int, in_channels: int, caption_channels: int, depth: int = 0,
                    width: int = 0, heads: int = 0, patch_size: int = 0) -> PixArtTransformer2DModel:
     """A PixArt transformer of a DiT preset's shape (ldm.dit and its overrides) that reads
     `caption_channels`-wide text features, initialised as PixArt-alpha's code does."""
-    shape = dit_shape(preset, depth, width, heads, patch_size)
-    if sample_size % shape["patch_size"]:
-        raise ValueError(f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
-                         f"{shape['patch_size']} (ldm.dit={preset!r}, ldm.dit_patch_size)")
+    shape = transformer_shape(preset, sample_size, in_channels, depth, width, heads, patch_size)
     model = PixArtTransformer2DModel(
-        num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
-        in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
-        sample_size=sample_size, patch_size=shape["patch_size"],
-        cross_attention_dim=shape["width"],  # the caption projection maps text features to the model's width
+        **shape,
+        # the caption projection maps text features to the model's width
+        cross_attention_dim=shape["num_attention_heads"] * shape["attention_head_dim"],
         caption_channels=caption_channels,
         use_additional_conditions=False,  # no resolution / aspect-ratio embedding: one size per run
     )
