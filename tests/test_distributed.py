@@ -64,6 +64,18 @@ def passes_of(run_dir):
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if '"pass"' in line]
 
 
+def trained_from_its_first_model(cfg):
+    """Train `cfg`; returns (the held-out metrics of the model the run starts from, its pass records)."""
+    from pipelines.tasks.build import build_task
+    from pipelines.training.loop import load_held_out, train
+
+    torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
+    task = build_task(cfg)
+    before = task.held_out(task.model, load_held_out(cfg), seed=cfg.eval.seed)
+    train(cfg)
+    return before, passes_of(cfg.run_dir)
+
+
 def debug_file(run_dir, what, epoch, world, rank=None):
     name = f"{what}_pass{epoch:04d}_world{world}" + ("" if rank is None else f"_rank{rank}")
     return os.path.join(run_dir, "debug", name)

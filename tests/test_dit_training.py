@@ -10,16 +10,15 @@ import pytest
 import torch
 from eval_runs import digit_shards, feature_net, one_torch_thread, session_dir
 from safetensors.torch import load_file
-from test_distributed import launch, passes_of
+from test_distributed import launch, passes_of, trained_from_its_first_model
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
 from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import load_config
 from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.tasks.build import build_task
 from pipelines.tasks.diffusion import sample
-from pipelines.training.loop import load_held_out, train
+
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_dit_tiny_infobatch.yaml")
 TINY_DIT = ["data.batch_size=64", "data.val_batches=1", "log_every=5"]
@@ -36,11 +35,7 @@ def trained_run(digits_shards, tmp_path_factory):
     runs = session_dir(tmp_path_factory, "dit_runs")
     cfg = load_config(CONFIG, [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val",
                                f"runs_dir={runs}", "name=dit_falls", "passes=4", *TINY_DIT])
-    torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
-    task = build_task(cfg)
-    before = task.held_out(task.model, load_held_out(cfg), seed=cfg.eval.seed)
-    train(cfg)
-    return cfg, before, passes_of(cfg.run_dir)
+    return (cfg, *trained_from_its_first_model(cfg))
 
 
 def test_tiny_dit_flow_trains_and_its_held_out_flow_loss_falls(trained_run):

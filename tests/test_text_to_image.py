@@ -18,7 +18,7 @@ import webdataset as wds
 from eval_runs import one_torch_thread
 from PIL import Image
 from safetensors.torch import load_file
-from test_distributed import launch, passes_of
+from test_distributed import launch, passes_of, trained_from_its_first_model
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
 from pipelines.checkpoint.store import latest_checkpoint
@@ -30,7 +30,7 @@ from pipelines.tasks.diffusion import TEXT_ENCODER_INFO, sample
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.tasks.sampler import denoise
 from pipelines.tasks.text import caption_dropped
-from pipelines.training.loop import load_held_out, train
+from pipelines.training.loop import train
 from tools.captioned import digit_caption
 from tools.shards import index_shards
 from tools.tiny_text_encoder import write_tiny_text_encoder
@@ -122,11 +122,7 @@ def digit_batch(count: int, captions: list[str], first_id: int = 0) -> Batch:
 def trained_run(captioned, encoder, tmp_path_factory):
     cfg = config(captioned, encoder, tmp_path_factory.mktemp("runs"), "t2i", "passes=8",
                  "pruner.name=infobatch", "score.normalise=stratum_mean")
-    torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
-    task = build_task(cfg)
-    before = task.held_out(task.model, load_held_out(cfg), seed=cfg.eval.seed)
-    train(cfg)
-    return cfg, before, passes_of(cfg.run_dir)
+    return (cfg, *trained_from_its_first_model(cfg))
 
 
 def test_a_tiny_text_conditional_dit_trains_from_img2dataset_shards_and_its_held_out_loss_falls(trained_run):
