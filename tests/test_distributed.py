@@ -114,17 +114,24 @@ def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_p
     assert output.count("run folder:") == 1, "only rank 0 reports"
 
 
+def two_ranks_of_32_and_one_of_64(config: str, common: list[str], tmp_path) -> tuple[dict, dict]:
+    """The final weights of `config` trained on 2 ranks of batch 32 (run "two") and on 1 rank of 64
+    ("one"), 3 optimizer steps each (a 64-sample set, 3 passes)."""
+    launch(2, config, common + ["name=two", "data.batch_size=32"])
+    launch(1, config, common + ["name=one", "data.batch_size=64"])
+    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
+    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
+    assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
+    return two, one
+
+
 def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path):
     # 64 samples: with batch 32 on 2 ranks or 64 on 1, every step sees the whole set, so the
     # averaged gradients (and per-sample masks, keyed by sample id) must agree.
     small = digit_shards(digits_shards, tmp_path / "small", shards=1, per_shard=64)
     common = [f"data.train={small}", "data.val=''", f"runs_dir={tmp_path}", "passes=3", "optim.warmup_passes=0",
               *TINY_MAE]
-    launch(2, "mae_tiny_full.yaml", common + ["name=two", "data.batch_size=32"])
-    launch(1, "mae_tiny_full.yaml", common + ["name=one", "data.batch_size=64"])
-    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
-    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
-    assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
+    two, one = two_ranks_of_32_and_one_of_64("mae_tiny_full.yaml", common, tmp_path)
     moved = 0
     for key in one:
         a, b = two[key], one[key]

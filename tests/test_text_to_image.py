@@ -17,11 +17,9 @@ import torch
 import webdataset as wds
 from eval_runs import one_torch_thread
 from PIL import Image
-from safetensors.torch import load_file
-from test_distributed import launch, passes_of, trained_from_its_first_model
+from test_distributed import passes_of, trained_from_its_first_model, two_ranks_of_32_and_one_of_64
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
-from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import ConfigError, load_config
 from pipelines.data.batch import Batch
 from pipelines.data.shards import BadInputError
@@ -153,11 +151,7 @@ def test_two_ranks_of_batch_b_train_the_text_dit_like_one_rank_of_batch_2b(capti
     # by sample id, and captions are padded to a fixed length, so the averaged gradients agree
     common = [f"data.train={captioned}/val", "data.val=", f"runs_dir={tmp_path}", "passes=3",
               "optim.warmup_passes=0", *tiny(encoder)]
-    launch(2, "ldm_t2i_tiny.yaml", common + ["name=two", "data.batch_size=32"])
-    launch(1, "ldm_t2i_tiny.yaml", common + ["name=one", "data.batch_size=64"])
-    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
-    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
-    assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
+    two, one = two_ranks_of_32_and_one_of_64("ldm_t2i_tiny.yaml", common, tmp_path)
     moved = 0
     for key in one:
         if key.endswith(("attn1.to_k.bias", "attn2.to_k.bias")):
