@@ -76,6 +76,15 @@ def trained_from_its_first_model(cfg):
     return before, passes_of(cfg.run_dir)
 
 
+def assert_held_out_flow_loss_fell(before: dict, records: list[dict]) -> dict:
+    """The last pass's held-out metrics, its flow loss below 0.8 of the first model's (printed per pass)."""
+    after = records[-1]["held_out"]
+    print(f"held-out flow loss: {before['denoise_mse']:.4f} before, "
+          + ", ".join(f"{r['held_out']['denoise_mse']:.4f}" for r in records) + " after each pass")
+    assert after["denoise_mse"] < 0.8 * before["denoise_mse"]
+    return after
+
+
 def debug_file(run_dir, what, epoch, world, rank=None):
     name = f"{what}_pass{epoch:04d}_world{world}" + ("" if rank is None else f"_rank{rank}")
     return os.path.join(run_dir, "debug", name)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from eval_runs import digit_shards, feature_net, one_torch_thread, session_dir
 from safetensors.torch import load_file
-from test_distributed import launch, passes_of, trained_from_its_first_model
+from test_distributed import assert_held_out_flow_loss_fell, launch, passes_of, trained_from_its_first_model
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
 from pipelines.checkpoint.store import latest_checkpoint
@@ -40,10 +40,7 @@ def trained_run(digits_shards, tmp_path_factory):
 
 def test_tiny_dit_flow_trains_and_its_held_out_flow_loss_falls(trained_run):
     cfg, before, records = trained_run
-    after = records[-1]["held_out"]
-    print(f"held-out flow loss: {before['denoise_mse']:.4f} before, "
-          + ", ".join(f"{r['held_out']['denoise_mse']:.4f}" for r in records) + " after each pass")
-    assert after["denoise_mse"] < 0.8 * before["denoise_mse"]
+    after = assert_held_out_flow_loss_fell(before, records)
     falls = [k for k in before if k.startswith("flow_mse_s")]
     assert len(falls) == 10 and all(after[k] < before[k] for k in falls)
     assert records[1]["kept_fraction"] < 1.0, "InfoBatch pruned on the flow scores"

@@ -205,7 +205,7 @@ def saving_targets(arm_rows: list[dict]) -> list[dict]:
         pruners = [(r, s) for r, s in judged if r["pruner"] != "full" and not r.get("static")]
         if not pruners:
             continue
-        best, saving = max(pruners, key=lambda rs: rs[1]["mean"] if math.isfinite(rs[1]["mean"]) else -math.inf)
+        best, saving = best_saving(pruners)
         reached = bool(saving["mean"] >= TARGET_ISO_SAVING and saving["low"] > 0 and saving["bound"] not in (AT_MOST, "mixed"))
         # a seed beyond the frontier's end is a bound: values piled at a bound make the interval too
         # narrow, so the target is met only on measured savings
@@ -227,13 +227,18 @@ def saving_targets(arm_rows: list[dict]) -> list[dict]:
     return targets_
 
 
+def best_saving(settings: list) -> tuple[dict, dict]:
+    """The (arm row, saving) of the largest finite mean saving among `settings`."""
+    return max(settings, key=lambda rs: rs[1]["mean"] if math.isfinite(rs[1]["mean"]) else -math.inf)
+
+
 def redundancy_target(task: str, pruners: list, oracle: list) -> list[dict]:
     """Issue 23's goal where the suite runs the dedup pruner: its best setting saves >= 25% compute at
     equal quality, CI above 0, and lies within the dedup oracle's interval."""
     dedup = [(r, s) for r, s in pruners if r["pruner"] == "dedup"]
     if not dedup:
         return []
-    best, saving = max(dedup, key=lambda rs: rs[1]["mean"] if math.isfinite(rs[1]["mean"]) else -math.inf)
+    best, saving = best_saving(dedup)
     marks = {"at least": "≥", "at most": "≤"}
     per_seed = ", ".join(f"{marks.get(p['kind'], '')}{p['saving']:.0%}" for p in saving["per_seed"])
     measured = f"best: {best['label']}, {saving['verdict']} ({saving['n']} seeds: {per_seed})"
