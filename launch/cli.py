@@ -113,7 +113,8 @@ def _latents_encode(args) -> None:
     from tools.latents import encode_shards
 
     print(encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
-                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip))
+                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip,
+                        text_encoder=args.text_encoder, tokenizer=args.tokenizer, text_max_length=args.text_max_length))
 
 
 def _demo(args) -> None:
@@ -307,7 +308,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value, e.g. pruner.prune_ratio=0.3 data.batch_size=64")
     train.set_defaults(func=_train)
 
-    latents = sub.add_parser("latents", help="precompute VAE latents of image shards")
+    latents = sub.add_parser("latents", help="precompute VAE latents (and text features) of image shards")
     latents_sub = latents.add_subparsers(dest="latents_command", required=True)
     encode = latents_sub.add_parser("encode", help="image shards -> latent shards with the same ids")
     encode.add_argument("shards", help="image shard folder (with index.json)")
@@ -320,6 +321,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     encode.add_argument("--flip", action="store_true",
                         help="also store each mirrored image's latent, for data.hflip runs (twice the encoding)")
+    encode.add_argument("--text-encoder", default="",
+                        help="local CLIP text or T5 encoder folder: also store each caption's features (text.npy, "
+                             "real tokens only) for ldm.text_encoder=precomputed")
+    encode.add_argument("--tokenizer", default="", help="its tokenizer's folder (default: the encoder's)")
+    encode.add_argument("--text-max-length", type=int, default=77,
+                        help="tokens per caption, as ldm.text_max_length (CLIP 77, PixArt-alpha's T5 120)")
     encode.set_defaults(func=_latents_encode)
 
     text = sub.add_parser("text-encoder", help="text encoders for ldm.conditioning=text")

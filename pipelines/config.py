@@ -31,6 +31,7 @@ from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, ch
 from pipelines.tasks.dit import DIT_PRESETS
 from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
+from pipelines.tasks.text import PRECOMPUTED_TEXT
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
 TASKS = ("mae", "ldm")
@@ -322,6 +323,8 @@ def _validate_conditioning(cfg: RunConfig) -> None:
             raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
                               f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")
         return
+    if cfg.ldm.text_encoder == PRECOMPUTED_TEXT:
+        _validate_precomputed_text(cfg)
     if not cfg.eval.every_passes:
         return
     sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
@@ -332,6 +335,26 @@ def _validate_conditioning(cfg: RunConfig) -> None:
     if clip and not os.path.isdir(os.path.expanduser(clip)):
         raise ConfigError(f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
                           f"and its processor; nothing is downloaded)")
+
+
+def _validate_precomputed_text(cfg: RunConfig) -> None:
+    """ldm.text_encoder=precomputed: the train shards record their text features, and held-out shards
+    hold features of the same encoder (a held-out loss of other features measures nothing)."""
+    made_by = {}
+    for setting, folder in (("data.train", cfg.data.train), ("data.val", cfg.data.val), ("eval.val", cfg.eval.val)):
+        if not folder or not os.path.exists(os.path.join(folder, "index.json") if os.path.isdir(folder) else folder):
+            continue  # a missing split is named where it is read
+        index = ShardIndex.load(folder)
+        info = index.meta.get("text_encoder")
+        if not isinstance(info, dict):
+            raise ConfigError(f"config: ldm.text_encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
+                              f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
+                              f"encode ... --text-encoder PATH`")
+        made_by[setting] = info.get("digest")
+    if len(set(made_by.values())) > 1:
+        listed = ", ".join(f"{setting}: {digest}" for setting, digest in made_by.items())
+        raise ConfigError(f"config: the splits' text features come from different encoders ({listed}); encode "
+                          f"every split with the same --text-encoder")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

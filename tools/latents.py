@@ -1,7 +1,9 @@
 """Encode image shards once into latent shards with a diffusers AutoencoderKL, so latent-diffusion
-runs stream `latent.npy` instead of running the VAE every step. The output keeps every sample's
-key, label, position and per-shard count, so global sample ids (and pruner scores) are the same.
-It never downloads a VAE and never skips a sample: a sample that does not decode stops it.
+runs stream `latent.npy` instead of running the VAE every step; with a text encoder, each caption's
+features too (`text.npy`, its real tokens only), so a text-conditional run loads no encoder. The
+output keeps every sample's key, label, caption, position and per-shard count, so global sample ids
+(and pruner scores) are the same. It never downloads a model and never skips a sample: a sample that
+does not decode, or has no caption when features are asked for, stops it.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipelines.data.decode import CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, SampleDecoder
+from pipelines.data.decode import (CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, TEXT_FEATURES_FIELD, TEXT_NULL_FILE,
+                                   SampleDecoder, caption)
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import load_autoencoder
+from pipelines.tasks.text import TextCondition, TextEncoder
 
 LATENT_FIELD = "latent.npy"
 LATENT_DTYPES = ("float16", "float32")
@@ -41,6 +45,9 @@ def encode_shards(
     dtype: str = "float16",
     device: str | None = None,
     flip: bool = False,
+    text_encoder: str = "",
+    tokenizer: str = "",
+    text_max_length: int = 77,
 ) -> str:
     """Write OUT/shard-%06d.tar (one per input shard) + OUT/index.json; return the index path.
 
@@ -51,6 +58,11 @@ def encode_shards(
     shift_factor, latent_shape and flip. With `flip`, each sample also holds `latent_flip.npy`, the
     latent of its mirrored image, which a `data.hflip` run reads where the flip coin says: the exact
     flip, for twice the encoding and the bytes (docs/diffusion.md, "Latents and flips").
+
+    With `text_encoder` (a local CLIP text or T5 encoder folder, `tokenizer` beside it unless given),
+    each sample also holds `text.npy`: its caption's features, [n, D] for its n real tokens (at most
+    `text_max_length`), in `dtype`; OUT/text_null.npy holds the empty caption's, and index.json the
+    encoder's identity (ldm.text_encoder=precomputed reads them; docs/diffusion.md, "Text features").
     """
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"dtype: got {dtype!r}, accepted: {', '.join(LATENT_DTYPES)}")
@@ -62,6 +74,7 @@ def encode_shards(
     scaling = float(autoencoder.config.scaling_factor)
     shift = float(getattr(autoencoder.config, "shift_factor", None) or 0.0)
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
+    encoder = TextEncoder(text_encoder, tokenizer, text_max_length, setting="text_encoder") if text_encoder else None
 
     os.makedirs(out_folder, exist_ok=True)
     for stale in glob.glob(os.path.join(out_folder, "shard-*.tar")):
@@ -75,15 +88,19 @@ def encode_shards(
         return ((autoencoder.encode(images).latent_dist.mean - shift) * scaling).float().cpu().numpy().astype(dtype)
 
     @torch.no_grad()
-    def write_batch(writer, pending: list[tuple[dict, torch.Tensor]]) -> None:
-        images = torch.stack([image for _, image in pending]).to(device)
+    def write_batch(writer, pending: list[tuple[dict, torch.Tensor, str | None]]) -> None:
+        images = torch.stack([image for _, image, _ in pending]).to(device)
         latents = encode(images)
         latent_shape[:] = list(latents.shape[1:])
         mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
-        for (fields, _), latent, latent_of_mirror in zip(pending, latents, mirrored):
+        texts = real_tokens(encoder.encode([text for _, _, text in pending], device), dtype) \
+            if encoder is not None else [None] * len(latents)
+        for (fields, _, _), latent, latent_of_mirror, text in zip(pending, latents, mirrored, texts):
             record = {**fields, LATENT_FIELD: npy_bytes(latent)}
             if flip:
                 record[FLIPPED_LATENT_FIELD] = npy_bytes(latent_of_mirror)
+            if text is not None:
+                record[TEXT_FEATURES_FIELD] = npy_bytes(text)
             writer.write(record)
         pending.clear()
 
@@ -95,16 +112,17 @@ def encode_shards(
         for shard, (url, count, first_id) in enumerate(zip(index.urls, index.counts, index.first_ids)):
             if shard > 0:
                 writer.next_stream()  # close the previous shard even when it was empty
-            pending: list[tuple[dict, torch.Tensor]] = []
+            pending: list[tuple[dict, torch.Tensor, str | None]] = []
             seen = 0
             for position, sample in read_shard(url):
                 if position >= count:
                     raise BadInputError(f"shard {url}: holds more than the {count} samples {index.path} lists")
                 image, _ = decoder(sample, int(first_id) + position, 0)  # BadInputError names shard and key
+                text = caption(sample) if encoder is not None else None  # no caption: stop, naming it
                 # labels and the caption travel with the latent (a text run reads `txt` from latent shards)
                 kept = {k: sample[k] for k in ("__key__", *LABEL_FIELDS, CAPTION_FIELD) if k in sample}
                 fields_seen.update(k for k in kept if k != "__key__")
-                pending.append((kept, image))
+                pending.append((kept, image, text))
                 seen = position + 1
                 if len(pending) == batch_size:
                     write_batch(writer, pending)
@@ -114,6 +132,11 @@ def encode_shards(
             if seen != count:
                 raise BadInputError(f"shard {url}: ended after {seen} samples, {index.path} lists {count}")
         bar.close()
+    text_meta = {}
+    if encoder is not None:
+        null = real_tokens(encoder.encode([""], device), dtype)[0]
+        np.save(os.path.join(out_folder, TEXT_NULL_FILE), null, allow_pickle=False)
+        text_meta = {"text_encoder": encoder.identity(), "text_width": encoder.hidden_size}
     return ShardIndex.write(
         out_folder,
         entries,
@@ -126,5 +149,15 @@ def encode_shards(
         resolution=resolution,
         dtype=dtype,
         flip=flip,
-        keys=[LATENT_FIELD, *([FLIPPED_LATENT_FIELD] if flip else []), *sorted(fields_seen)],
+        keys=[LATENT_FIELD, *([FLIPPED_LATENT_FIELD] if flip else []), *([TEXT_FEATURES_FIELD] if encoder else []),
+              *sorted(fields_seen)],
+        **text_meta,
     )
+
+
+def real_tokens(condition: TextCondition, dtype: str) -> list[np.ndarray]:
+    """Each caption's features at its real tokens only, [n, D] in `dtype`: the padding is masked out of
+    the cross-attention anyway, and stored it would be most of the bytes (T5's 120 tokens, ~30 real)."""
+    features = condition.features.float().cpu().numpy()
+    counts = condition.mask.sum(1).cpu().numpy()
+    return [np.ascontiguousarray(f[:int(n)]).astype(dtype) for f, n in zip(features, counts)]

@@ -34,6 +34,9 @@ class TrainingPosition:
     # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
     # a resume under the same layout skips them with the batches they were read for.
     undecodable: np.ndarray | None = None
+    # text-conditional runs: the digest of the text encoder's files (TextEncoder.identity), in the loop
+    # or behind precomputed features; a resume refuses another encoder (other features, silently)
+    text_digest: str = ""
 
     def state_dict(self) -> dict:
         state = {}

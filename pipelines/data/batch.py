@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from pipelines.data.shards import BadInput
@@ -26,22 +27,31 @@ class Batch:
     bad: tuple[BadInput, ...] = ()  # bad-input events met while filling this batch
     worker: int = 0  # the part of this rank's slice it came from (for resuming exactly)
     captions: tuple[str, ...] = ()  # one per sample ("" for padding) when the task reads them, else empty
+    # precomputed text features, when the task reads them: every sample's real tokens, one after the
+    # other [T, D] (a padded [B, L, D] would be mostly padding: T5's 120 tokens against ~30 real), and
+    # each sample's count [B] (0 for padding); the task pads them on its device
+    text_tokens: torch.Tensor | None = None
+    text_lengths: torch.Tensor | None = None
+
+    def _tensors(self) -> tuple[str, ...]:
+        return ("ids", "weights", "images", "labels") + (("text_tokens", "text_lengths")
+                                                         if self.text_tokens is not None else ())
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return dataclasses.replace(self, ids=move(self.ids), weights=move(self.weights), images=move(self.images),
-                                   labels=move(self.labels))
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
+                                            for name in self._tensors()})
 
     def pin_memory(self) -> "Batch":
         """The DataLoader's pin_memory=True calls this: pinned tensors copy to CUDA without a host wait."""
-        return dataclasses.replace(self, ids=self.ids.pin_memory(), weights=self.weights.pin_memory(),
-                                   images=self.images.pin_memory(), labels=self.labels.pin_memory())
+        return dataclasses.replace(self, **{name: getattr(self, name).pin_memory() for name in self._tensors()})
 
     def __reduce__(self):
         # From a loader worker: the small per-sample fields travel inside the message as numpy
-        # arrays; only the images take a shared-memory segment, which the receiver must map.
-        small = [t.numpy() if t.device.type == "cpu" else t for t in (self.ids, self.weights, self.labels)]
-        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker, self.captions)
+        # arrays; only the images and text features take shared-memory segments, which the receiver maps.
+        small = [t.numpy() if t is not None and t.device.type == "cpu" else t
+                 for t in (self.ids, self.weights, self.labels, self.text_lengths)]
+        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker, self.captions,
+                          self.text_tokens, small[3])
 
     def undecodable(self) -> int:
         """Samples read for this batch but not decodable."""
@@ -51,9 +61,22 @@ class Batch:
         return len(self.ids)
 
 
-def _rebuild(ids, weights, images, labels, bad, worker, captions=()) -> Batch:
+def _rebuild(ids, weights, images, labels, bad, worker, captions=(), text_tokens=None, text_lengths=None) -> Batch:
     return Batch(torch.as_tensor(ids), torch.as_tensor(weights), images, torch.as_tensor(labels), bad, worker,
-                 captions)
+                 captions, text_tokens, None if text_lengths is None else torch.as_tensor(text_lengths))
+
+
+def text_fields(texts: list, *, captions: bool = False, width: int = 0) -> dict:
+    """Batch's text fields for the samples' texts as the decoder gives them (None for padding): the
+    captions ("" for padding), precomputed features ([n, D] arrays of width `width`), or {} for none."""
+    if captions:
+        return {"captions": tuple("" if t is None else t for t in texts)}
+    if not width:
+        return {}
+    lengths = [0 if t is None else len(t) for t in texts]
+    real = [t for t in texts if t is not None]
+    tokens = np.concatenate(real) if real else np.zeros((0, width), np.float16)
+    return {"text_tokens": torch.from_numpy(tokens), "text_lengths": torch.tensor(lengths, dtype=torch.int64)}
 
 
 def real_samples(batches) -> Iterator[Batch]:
@@ -64,5 +87,7 @@ def real_samples(batches) -> Iterator[Batch]:
             yield batch
         elif bool(keep.any()):
             captions = tuple(c for c, k in zip(batch.captions, keep.tolist()) if k)
+            lengths = batch.text_lengths[keep] if batch.text_lengths is not None else None  # padding holds no tokens
             yield dataclasses.replace(batch, ids=batch.ids[keep], weights=batch.weights[keep],
-                                      images=batch.images[keep], labels=batch.labels[keep], captions=captions)
+                                      images=batch.images[keep], labels=batch.labels[keep], captions=captions,
+                                      text_lengths=lengths)

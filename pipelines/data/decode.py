@@ -1,5 +1,5 @@
 """Decoding one undecoded webdataset sample into (image tensor [C, H, W] in [-1, 1], label), and its
-caption when the task reads one.
+text when the task reads one: the caption, or its precomputed text-encoder features.
 
 This is the expensive step that pruned samples never reach. Augmentation randomness is a
 pure function of (seed, epoch, id) with a stream per purpose (pipelines/data/augment.py), so resumed
@@ -30,6 +30,8 @@ LATENT_FIELDS = ("latent.npy", "npy")
 FLIPPED_LATENT_FIELD = "latent_flip.npy"  # the latent of the mirrored image (`prunepipe latents encode --flip`)
 LABEL_FIELDS = ("cls", "label", "class")
 CAPTION_FIELD = "txt"  # img2dataset's caption (LAION, DataComp, CC12M, COYO shards alike)
+TEXT_FEATURES_FIELD = "text.npy"  # the caption's real tokens' features [n, D] (`latents encode --text-encoder`)
+TEXT_NULL_FILE = "text_null.npy"  # beside index.json: the empty caption's features, the null condition
 NO_LABEL = -1
 
 
@@ -54,6 +56,9 @@ class SampleDecoder:
     crop: str = "center"  # center: shorter side to `resolution`, centre square; random_resized: MAE's
     crop_scale: tuple[float, float] = (0.2, 1.0)  # random_resized: the crop's share of the image area
     captions: bool = False  # the task reads captions: a sample without one is bad input (data.on_bad_sample)
+    # > 0: the task reads precomputed text features of this width, at most text_max_length tokens
+    text_width: int = 0
+    text_max_length: int = 0
 
     def __post_init__(self):
         if self.crop not in CROPS:
@@ -83,6 +88,12 @@ class SampleDecoder:
                 )
             tensor = self._image(sample, field, sample_id, epoch)
         return tensor, self._label(sample)
+
+    def text(self, sample: dict) -> str | np.ndarray | None:
+        """What the task reads of the sample's text: its caption, its features [n, D], or None."""
+        if self.text_width:
+            return text_features(sample, self.text_width, self.text_max_length)
+        return caption(sample) if self.captions else None
 
     def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
@@ -164,6 +175,26 @@ def caption(sample: dict) -> str:
     if not text:
         raise BadInputError(f"{_where(sample)}: empty caption (field {CAPTION_FIELD!r})")
     return text
+
+
+def text_features(sample: dict, width: int, max_length: int) -> np.ndarray:
+    """The features of the sample's caption's real tokens, [n, width] (1 <= n <= max_length), as stored
+    (float16 or float32). Missing or malformed is bad input, never a silently unconditional sample."""
+    raw = sample.get(TEXT_FEATURES_FIELD)
+    if raw is None:
+        present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
+        raise BadInputError(f"{_where(sample)}: no text features (field {TEXT_FEATURES_FIELD!r}, written by "
+                            f"`prunepipe latents encode --text-encoder`; has: {present})")
+    try:
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except Exception as e:  # noqa: BLE001
+        raise BadInputError(f"{_where(sample)}: cannot decode field {TEXT_FEATURES_FIELD!r} as a .npy array: {e}") from e
+    if array.ndim != 2 or array.shape[1] != width or not 1 <= array.shape[0] <= max_length \
+            or array.dtype not in (np.float16, np.float32):
+        raise BadInputError(f"{_where(sample)}: field {TEXT_FEATURES_FIELD!r} holds {array.dtype} {list(array.shape)}; "
+                            f"expected float16 or float32 [tokens, {width}] with 1 to {max_length} tokens, as the "
+                            f"shards' index.json records")
+    return array
 
 
 def _where(sample: dict) -> str:

@@ -12,8 +12,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipelines.data.batch import Batch
-from pipelines.data.decode import SampleDecoder, caption
+from pipelines.data.batch import Batch, text_fields
+from pipelines.data.decode import SampleDecoder, caption, text_features
 from pipelines.data.shards import ShardIndex, read_shard
 from pipelines.progress import progress
 
@@ -29,17 +29,21 @@ def read_split(
     world_size: int = 1,
     desc: str = "",
     captions: bool = False,
+    text_width: int = 0,
+    text_max_length: int = 0,
 ) -> Iterator[Batch]:
     """Batches of the first `max_samples` samples (0 = all) of the shards in `folder`, in index order.
 
     With `world_size` > 1 this rank gets the samples whose id (their position in that order) is
     congruent to `rank`: the others' bytes are skipped in the tar reader (seeked past on a local file),
     so a rank reads and decodes about its share, not the whole split. Weights are 1. With `captions`
-    each batch carries the samples' captions (a sample without one stops the read, naming it).
+    each batch carries the samples' captions, with `text_width` their precomputed text features (a
+    sample without them stops the read, naming it).
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
-    decoder = SampleDecoder(resolution, channels)
+    decoder = SampleDecoder(resolution, channels, captions=captions, text_width=text_width,
+                            text_max_length=text_max_length)
     ids, images, labels, texts = [], [], [], []
     ordinal = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
@@ -50,8 +54,7 @@ def read_split(
             if ordinal >= total:
                 break
             if sample is not None and (first + position) % world_size == rank:
-                if captions:
-                    texts.append(caption(sample))
+                texts.append(decoder.text(sample))
                 image, label = decoder.decode(sample, first + position)
                 ids.append(first + position)
                 images.append(image)
@@ -87,10 +90,30 @@ def read_captions(folder: str, max_samples: int = 0) -> list[str]:
     return texts
 
 
-def _batch(decoder: SampleDecoder, ids, images, labels, captions) -> Batch:
+def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[int, np.ndarray]:
+    """{id: its precomputed text features [n, width]} for the sample ids `ids` (positions in index
+    order) of `folder`: the held-out prompts of a run on precomputed features, each rank reading its
+    own; the other samples' bytes are seeked past. A sample without them stops the read, naming it."""
+    index = ShardIndex.load(folder)
+    wanted = {int(i) for i in ids}
+    if wanted and max(wanted) >= index.num_samples:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples; sample {max(wanted)} was asked for")
+    found: dict[int, np.ndarray] = {}
+    for shard, url in enumerate(index.urls):
+        first, count = int(index.first_ids[shard]), int(index.counts[shard])
+        if not any(first <= i < first + count for i in wanted):
+            continue
+        for position, sample in read_shard(url, lambda p, first=first: first + p in wanted):
+            if sample is not None:
+                found[first + position] = text_features(sample, width, max_length)
+    return found
+
+
+def _batch(decoder: SampleDecoder, ids, images, labels, texts) -> Batch:
     return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)),
                  decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
-                 torch.tensor(labels, dtype=torch.int64), captions=tuple(captions))
+                 torch.tensor(labels, dtype=torch.int64),
+                 **text_fields(texts, captions=decoder.captions, width=decoder.text_width))
 
 
 def index_metadata(folder: str) -> dict:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipelines.data.batch import PADDING_ID, Batch
-from pipelines.data.decode import NO_LABEL, SampleDecoder, caption
+from pipelines.data.batch import PADDING_ID, Batch, text_fields
+from pipelines.data.decode import NO_LABEL, SampleDecoder
 from pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
 from pipelines.data.shards import BadInput, BadInputError, ShardIndex, read_shard
 from pruning.pass_plan import PassPlan
@@ -274,14 +274,14 @@ class _PartReader(IterableDataset):
 
     def _next_batch(self, samples, epoch: int, events: list, template: list, replayed, worker: int,
                     last: bool) -> Batch:
-        ids, weights, pixels, labels, captions = [], [], [], [], []
+        ids, weights, pixels, labels, texts = [], [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
             if item is None:
                 break
             sample_id, weight, sample = item
             try:
-                text = caption(sample) if self.decoder.captions else None  # before the pixels: cheap to refuse
+                text = self.decoder.text(sample)  # before the pixels: cheap to refuse
                 decoded, label = self.decoder.decode(sample, sample_id, epoch)
             except BadInputError as e:
                 self._bad(events, BadInput(str(e), undecodable=True))
@@ -290,7 +290,7 @@ class _PartReader(IterableDataset):
             weights.append(weight)
             pixels.append(decoded)
             labels.append(label)
-            captions.append(text)
+            texts.append(text)
         if pixels:
             images = self.decoder.finish(torch.stack(pixels), np.array(ids, dtype=np.int64), epoch)
             template[:] = [images[0]]
@@ -307,7 +307,7 @@ class _PartReader(IterableDataset):
             ids += [PADDING_ID] * missing
             weights += [0.0] * missing
             labels += [NO_LABEL] * missing
-            captions += [""] * missing
+            texts += [None] * missing
         if last:  # read (never decode) this worker's tail, so a shard's bad end is still reported
             for _ in samples:
                 pass
@@ -320,7 +320,7 @@ class _PartReader(IterableDataset):
             torch.tensor(labels, dtype=torch.int64),
             bad,
             worker,
-            tuple(captions) if self.decoder.captions else (),
+            **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
     def _first_decodable(self, items, epoch: int) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from diffusers.training_utils import EMAModel
 
 from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
 from pipelines.config import load_config
-from pipelines.data.splits import index_metadata, read_captions, read_split
+from pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from pipelines.evaluation.fid import FIDEvaluator
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
@@ -33,7 +33,7 @@ from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather
                                        on_every_rank, rank0_value, rank_and_world)
 from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
 from pipelines.evaluation.replication import save_pairs_picture
-from pipelines.tasks.build import build_task
+from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 
@@ -76,22 +76,21 @@ class Evaluator:
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
 
     # ------------------------------------------------------------------ per task
-    def _val_batches(self, max_samples: int, rank: int, world: int):
+    def _val_batches(self, task, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data
         folder = self.cfg.val or data.val
         if not folder:
             raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
                              f"(or the eval setting val=DIR)")
-        captions = self.run_cfg.task == "ldm" and self.run_cfg.ldm.conditioning == "text"
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
-                          max_samples=max_samples, rank=rank, world_size=world, desc="val", captions=captions)
+                          max_samples=max_samples, rank=rank, world_size=world, desc="val", **text_reading(task))
 
     def _mae(self, task, model: nn.Module, rank: int, world: int) -> dict:
         from pipelines.evaluation.probe import encoder_features, fit_probe
         from pipelines.evaluation.reconstruction import reconstruction_metrics
 
         cfg = self.cfg
-        results = mean_over_ranks(reconstruction_metrics(task, model, self._val_batches(cfg.val_samples, rank, world),
+        results = mean_over_ranks(reconstruction_metrics(task, model, self._val_batches(task, cfg.val_samples, rank, world),
                                                          seed=cfg.seed, precision=cfg.precision))
         if cfg.probe.enabled:
             data = self.run_cfg.data
@@ -99,7 +98,7 @@ class Evaluator:
                                batch_size=cfg.batch_size, max_samples=cfg.probe.train_samples, rank=rank,
                                world_size=world, desc="probe train")
             # the probe's val set is all of val, whatever val_samples caps reconstruction at
-            val = self._val_batches(0, rank, world)
+            val = self._val_batches(task, 0, rank, world)
             mine = [encoder_features(model.encoder, split, cfg.probe.pool, cfg.precision) for split in (train, val)]
             (_, train_x, train_y), (_, val_x, val_y) = [gather_in_index_order(*features) for features in mine]
             # every rank fits the same arrays at the same time (a deterministic fit): nobody waits
@@ -113,31 +112,33 @@ class Evaluator:
 
         fid_cfg, rep_cfg = self.cfg.fid, self.cfg.replication
         clip_on = bool(self.cfg.clip_score.model)
-        if clip_on and not task.reads_captions:
+        if clip_on and not task.text_conditional:
             raise ValueError(f"eval config: clip_score.model scores samples against the captions they were drawn "
                              f"from; run {self.run_cfg.name} is not text-conditional (set clip_score.model=)")
         # CLIPScore measures FID's samples: it draws fid.num_samples of them with FID off too
         fid_count, rep_count = fid_cfg.num_samples, rep_cfg.num_samples
         self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
-        results = held_out_over_ranks(task, model, self._val_batches(self.cfg.val_samples, rank, world), self.cfg)
+        results = held_out_over_ranks(task, model, self._val_batches(task, self.cfg.val_samples, rank, world), self.cfg)
         if not (fid_cfg.enabled or rep_cfg.enabled or clip_on):
             return results
         data = self.run_cfg.data
         latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
         decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
-        captions = None
-        if task.reads_captions:  # sample i is drawn from held-out caption i; a short val set caps the counts
-            captions = self._held_out_captions(max(fid_count if fid_cfg.enabled or clip_on else 0,
-                                                   rep_count if rep_cfg.enabled else 0))
+        captions = prompts = None
+        if task.text_conditional:  # sample i is drawn from held-out caption i; a short val set caps the counts
+            captions = prompts = self._held_out_captions(max(fid_count if fid_cfg.enabled or clip_on else 0,
+                                                             rep_count if rep_cfg.enabled else 0))
             fid_count, rep_count = min(fid_count, len(captions)), min(rep_count, len(captions))
             self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
             results["held_out_captions"] = len(captions)
+            if not task.reads_captions:  # the model reads their precomputed features: this rank's share
+                prompts = self._held_out_features(task, len(captions), rank, world)
 
         def samples(count: int):
             return generate_images(task, model, num_images=count, steps=fid_cfg.sampler_steps, seed=self.cfg.seed,
                                    batch_size=fid_cfg.batch_size, rank=rank, world_size=world, decode=decode,
                                    guidance_scale=fid_cfg.guidance_scale, precision=self.cfg.precision,
-                                   captions=captions)
+                                   captions=prompts)
 
         # sample i is keyed by (seed, i): FID's first replication.num_samples are the ones replication
         # would draw, so they are kept as FID streams past instead of being drawn twice
@@ -192,6 +193,12 @@ class Evaluator:
         to every rank (each rank samples from its share of them)."""
         folder = self._held_out_folder()
         return decided_on_rank0(lambda: read_captions(folder, count))
+
+    def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
+        """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
+        the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
+        found = read_text_features(self._held_out_folder(), range(rank, count, world), *task.text_features)
+        return [found.get(i) for i in range(count)]
 
     def _clip_metric(self):
         """torchmetrics' CLIPScore on eval.clip_score.model, loaded once per run by every rank from its

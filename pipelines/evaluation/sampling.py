@@ -64,10 +64,11 @@ def generate_images(
 ) -> Iterator[torch.Tensor]:
     """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
     batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, text-conditional
-    ones captions[i] (every rank holds the whole list), guided by `guidance_scale` (1 = none) against
+    ones captions[i] (every rank holds the whole list; a run on precomputed features gets features
+    [n, D] at this rank's places), guided by `guidance_scale` (1 = none) against
     the null label or the empty caption's features. `precision`: that of the model's and the decoder's
     forwards, entered per batch (never across a yield, which would leak it into whatever consumes the images)."""
-    if task.reads_captions and (captions is None or len(captions) < num_images):
+    if task.text_conditional and (captions is None or len(captions) < num_images):
         raise ValueError(f"a text-conditional model is sampled from captions: {num_images} images need as many "
                          f"captions, {0 if captions is None else len(captions)} given")
     decode = decode or latent_decoder(task)
@@ -88,7 +89,7 @@ def generate_images(
             labels = None
             if task.cfg.num_classes:
                 labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
-            if task.reads_captions:
+            if task.text_conditional:  # captions, or their precomputed features
                 labels = task.text_encoder.encode([captions[i] for i in indices], device)
                 null = task.text_encoder.null(device)
             with forward_precision(precision, device):

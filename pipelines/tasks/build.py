@@ -23,4 +23,10 @@ def build_task(cfg, *, strata: bool | None = None):
         shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
         if shape:
             channels, size = int(shape[0]), int(shape[-1])
-    return DiffusionTask(cfg.ldm, image_size=size, channels=channels)
+    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, text_shards=cfg.data.train)
+
+
+def text_reading(task) -> dict:
+    """read_split's keywords for the text a task's batches carry: captions, precomputed features, or none."""
+    width, max_length = getattr(task, "text_features", (0, 0))
+    return {"captions": task.reads_captions, "text_width": width, "text_max_length": max_length}

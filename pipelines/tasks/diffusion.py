@@ -28,7 +28,7 @@ from pipelines.tasks.pixart import build_text_dit
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
 from pipelines.tasks.sampler import Condition, denoise, predict, sampling_scheduler
-from pipelines.tasks.text import TextCondition, TextEncoder, caption_dropped
+from pipelines.tasks.text import PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -68,7 +68,8 @@ class DiffusionConfig:
     # none | class | text; "" = class when num_classes > 0, else none (what num_classes alone meant before)
     conditioning: str = ""
     # text: the local folder of a transformers CLIP text model or T5 encoder (frozen; never downloaded),
-    # its tokenizer's folder ("" = the same folder), tokens per caption (CLIP 77; PixArt-alpha's T5 120),
+    # or "precomputed" (the shards hold its features: `prunepipe latents encode --text-encoder`), its
+    # tokenizer's folder ("" = the same folder), tokens per caption (CLIP 77; PixArt-alpha's T5 120),
     # and the share of samples trained on the empty caption's features (guidance; PixArt, Sana: 0.1)
     text_encoder: str = ""
     tokenizer: str = ""
@@ -155,13 +156,30 @@ def check_conditioning(cfg: DiffusionConfig) -> str:
     return conditioning
 
 
+def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
+    """The text features stored with the shards at `shards`, checked against the config."""
+    if not shards:
+        raise ValueError(f"ldm.text_encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards "
+                         f"(data.train)")
+    text = PrecomputedText(shards)
+    if cfg.tokenizer:
+        raise ValueError(f"ldm.tokenizer={cfg.tokenizer!r}: with ldm.text_encoder={PRECOMPUTED_TEXT} the shards "
+                         f"hold features; no tokenizer runs")
+    if cfg.text_max_length != text.max_length:
+        raise ValueError(f"ldm.text_max_length={cfg.text_max_length}, but {text.index_path} holds features of up to "
+                         f"{text.max_length} tokens (`latents encode --text-max-length`): set "
+                         f"ldm.text_max_length={text.max_length}")
+    return text
+
+
 class DiffusionTask:
     """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
-    def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int):
+    def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int, text_shards: str = ""):
         """`image_size` and `channels` describe the decoded images. With autoencoder='latents' the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
-        records `latent_shape`), or pass that shape here."""
+        records `latent_shape`), or pass that shape here. With ldm.text_encoder=precomputed,
+        `text_shards` is the train split whose shards hold the text features."""
         self.cfg = cfg
         for name, value, accepted in (("backbone", cfg.backbone, BACKBONES), ("objective", cfg.objective, OBJECTIVES),
                                       ("flow_weighting", cfg.flow_weighting, FLOW_WEIGHTINGS),
@@ -230,8 +248,10 @@ class DiffusionTask:
             )
 
         # ---------------------------------------------------------------- model and schedule
-        self.text_encoder: TextEncoder | None = None
-        if self.conditioning == "text":
+        self.text_encoder: TextEncoder | PrecomputedText | None = None
+        if self.conditioning == "text" and cfg.text_encoder == PRECOMPUTED_TEXT:
+            self.text_encoder = precomputed_text(cfg, text_shards)
+        elif self.conditioning == "text":
             self.text_encoder = TextEncoder(cfg.text_encoder, cfg.tokenizer, cfg.text_max_length)
         self.model = build_text_dit(
             cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels,
@@ -282,17 +302,42 @@ class DiffusionTask:
         return self.cfg.num_classes
 
     @property
-    def reads_captions(self) -> bool:
-        """Whether batches must carry captions (the `txt` field); the stream's decoder reads them."""
+    def text_conditional(self) -> bool:
         return self.text_encoder is not None
+
+    @property
+    def reads_captions(self) -> bool:
+        """Whether batches must carry captions (the `txt` field) for the encoder; the stream's decoder reads them."""
+        return isinstance(self.text_encoder, TextEncoder)
+
+    @property
+    def text_features(self) -> tuple[int, int]:
+        """(width, max tokens) of the precomputed text features batches must carry (text.npy), else (0, 0)."""
+        if isinstance(self.text_encoder, PrecomputedText):
+            return self.text_encoder.width, self.text_encoder.max_length
+        return 0, 0
+
+    @property
+    def text_digest(self) -> str:
+        """The digest of the text encoder's files (whoever ran it): a resume checks it is unchanged."""
+        return self.text_encoder.identity()["digest"] if self.text_encoder is not None else ""
 
     def condition(self, batch, device) -> Condition:
         """What the model is conditioned on, nothing dropped: the captions' features (text), the class
         labels (class), or None."""
         if self.text_encoder is not None:
-            return self.text_encoder.encode(batch.captions, device)
+            return self._text_condition(batch, device)
         labels = self.class_labels(batch.labels)
         return None if labels is None else labels.to(device)
+
+    def _text_condition(self, batch, device) -> TextCondition:
+        """The batch's caption features: encoded here, or its precomputed ones padded on `device`
+        (padding samples, which hold no tokens, get the empty caption's, as an empty caption would)."""
+        if isinstance(self.text_encoder, TextEncoder):
+            return self.text_encoder.encode(batch.captions, device)
+        lengths = batch.text_lengths.to(device)
+        features = self.text_encoder.of_batch(batch.text_tokens.to(device), lengths)
+        return features.where(lengths == 0, self.text_encoder.null(device))
 
     def training_condition(self, batch, draws: SampleDraws, device) -> tuple[Condition, torch.Tensor | None]:
         """(condition with the per-sample drops applied, bool [B] of dropped captions or None). Text:
@@ -301,7 +346,7 @@ class DiffusionTask:
         fix which samples are unconditional for good and make a pruner's scores incomparable)."""
         if self.text_encoder is None:
             return self.training_labels(batch.labels.to(device), draws), None
-        features = self.text_encoder.encode(batch.captions, device)
+        features = self._text_condition(batch, device)
         if self.cfg.caption_dropout <= 0:
             return features, None
         dropped = caption_dropped(draws, self.cfg.caption_dropout, device)

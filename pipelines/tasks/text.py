@@ -3,6 +3,8 @@ and its tokenizer from local folders (never a download); captions -> TextConditi
 mask [B, L]); and the features of the empty caption, computed once: the null condition that caption
 dropout trains on and guidance samples against (Sana's choice; PixArt-alpha's learned null is a
 parameter of the model instead). It never trains, and it never draws random numbers (the task does).
+`PrecomputedText` stands in for it when the shards hold the features (`prunepipe latents encode
+--text-encoder`, PixArt's way): no encoder in the training process, the same conditions.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from pipelines.data.decode import TEXT_NULL_FILE
+from pipelines.data.shards import ShardIndex
 
 # config.model_type -> the transformers class holding the encoder alone (a T5 folder also has a decoder)
 ENCODER_CLASSES = {"clip_text_model": "CLIPTextModel", "clip": "CLIPTextModel", "t5": "T5EncoderModel",
@@ -136,3 +142,76 @@ class TextEncoder:
                     digest.update(str(os.path.getsize(full)).encode())
         return {"text_encoder": self.path, "tokenizer": self.tokenizer_path, "class": self.class_name,
                 "max_length": self.max_length, "digest": digest.hexdigest()}
+
+
+PRECOMPUTED_TEXT = "precomputed"  # ldm.text_encoder: the shards hold the features
+
+
+def padded_condition(tokens: list[np.ndarray] | tuple, max_length: int, device) -> TextCondition:
+    """Samples' real tokens' features ([n_i, D] each) as a TextCondition padded with zeros to
+    max_length: padding is masked out of the cross-attention, so its values never count."""
+    width = tokens[0].shape[1]
+    features = torch.zeros(len(tokens), max_length, width)
+    mask = torch.zeros(len(tokens), max_length, dtype=torch.int64)
+    for i, rows in enumerate(tokens):
+        features[i, :len(rows)] = torch.from_numpy(np.asarray(rows, dtype=np.float32))
+        mask[i, :len(rows)] = 1
+    return TextCondition(features.to(device), mask.to(device))
+
+
+class PrecomputedText:
+    """The text features `prunepipe latents encode --text-encoder` stored beside the latents: each
+    sample's real tokens (text.npy), the empty caption's (text_null.npy beside index.json), and the
+    encoder's identity in index.json. Answers what TextEncoder answers, without the encoder."""
+
+    def __init__(self, folder: str):
+        index = ShardIndex.load(folder)
+        meta = index.meta
+        if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
+            raise ValueError(f"ldm.text_encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
+                             f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
+                             f"ldm.text_encoder to the encoder's folder to encode captions in the loop")
+        self.index_path = index.path
+        self.info = dict(meta["text_encoder"])
+        self.width = int(meta["text_width"])
+        self.max_length = int(self.info["max_length"])
+        null_path = os.path.join(os.path.dirname(index.path), TEXT_NULL_FILE)
+        try:
+            self._null_tokens = np.load(null_path, allow_pickle=False)
+        except OSError as e:
+            raise FileNotFoundError(f"{null_path}: the empty caption's features, written with the shards by "
+                                    f"`prunepipe latents encode --text-encoder`, cannot be read: {e}") from None
+        if self._null_tokens.ndim != 2 or self._null_tokens.shape[1] != self.width:
+            raise ValueError(f"{null_path}: holds {list(self._null_tokens.shape)}, expected [tokens, {self.width}]")
+        self._null: TextCondition | None = None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.width
+
+    @property
+    def digest(self) -> str:
+        return self.info["digest"]
+
+    def encode(self, tokens, device=None) -> TextCondition:
+        """Samples' stored features ([n, D] arrays) -> the TextCondition TextEncoder.encode gives
+        their captions (float32, padded to max_length), up to the storage's precision."""
+        return padded_condition(tokens, self.max_length, device or "cpu")
+
+    def of_batch(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextCondition:
+        """A Batch's flat real tokens [T, D] and counts [B] (on any device) -> the padded condition,
+        without a host round trip: the mask comes from the counts and the tokens fill its ones in order."""
+        mask = (torch.arange(self.max_length, device=lengths.device) < lengths[:, None]).long()
+        features = torch.zeros(len(lengths), self.max_length, self.width, device=tokens.device)
+        features = features.masked_scatter(mask[..., None].bool(), tokens.float())
+        return TextCondition(features, mask)
+
+    def null(self, device=None) -> TextCondition:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if self._null is None or self._null.features.device != device:
+            self._null = padded_condition([self._null_tokens], self.max_length, device)
+        return self._null
+
+    def identity(self) -> dict:
+        """The encoder that made the features, as TextEncoder.identity() recorded it at encoding time."""
+        return dict(self.info)

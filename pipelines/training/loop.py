@@ -31,7 +31,7 @@ from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
 from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
-from pipelines.tasks.build import build_task
+from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from pipelines.training.accumulation import GradientAccumulation
@@ -119,16 +119,15 @@ def mixed_precision(cfg: RunConfig) -> str:
     return cfg.mixed_precision
 
 
-def load_held_out(cfg: RunConfig, rank: int = 0, world: int = 1) -> list | None:
+def load_held_out(cfg: RunConfig, task, rank: int = 0, world: int = 1) -> list | None:
     """This rank's share of the first `data.val_batches` batches of the val shards in index order,
-    decoded once (possibly empty), with their captions for a text-conditional run; None when the run
-    has no val shards."""
+    decoded once (possibly empty), with the text `task` reads for a text-conditional run; None when the
+    run has no val shards."""
     if not cfg.data.val:
         return None
-    captions = cfg.task == "ldm" and cfg.ldm.conditioning == "text"
     return list(read_split(cfg.data.val, resolution=cfg.data.resolution, channels=cfg.data.channels,
                            batch_size=cfg.data.batch_size, max_samples=cfg.data.val_batches * cfg.data.batch_size,
-                           rank=rank, world_size=world, desc="held-out samples", captions=captions))
+                           rank=rank, world_size=world, desc="held-out samples", **text_reading(task)))
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -189,15 +188,21 @@ def train(cfg: RunConfig) -> dict:
         if main:
             print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
                   f"step {position.optimizer_steps}")
+    text_digest = getattr(task, "text_digest", "")  # "" unless text-conditional
+    if position.text_digest and position.text_digest != text_digest:
+        raise ValueError(f"{resume_from}: the run trained on the features of a text encoder with digest "
+                         f"{position.text_digest}; this config's (ldm.text_encoder={cfg.ldm.text_encoder}) has "
+                         f"{text_digest or 'none'}. Resume with the run's encoder (or its features), or start a new run")
+    position.text_digest = text_digest
 
     stream = ShardStream(
         index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
                               num_classes=task.label_classes, crop=cfg.data.crop,
-                              crop_scale=tuple(cfg.data.crop_scale), captions=task.reads_captions),
+                              crop_scale=tuple(cfg.data.crop_scale), **text_reading(task)),
         shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
     )
-    held_out = load_held_out(cfg, rank, world)  # every rank evaluates its share at each pass end
+    held_out = load_held_out(cfg, task, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
     metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
