@@ -183,6 +183,10 @@ def test_a_run_on_precomputed_features_trains_exports_and_is_evaluated_offline(s
     assert records[-1]["bad_samples"] == 0 and math.isfinite(records[-1]["held_out"]["denoise_mse"])
     with open(os.path.join(stored_run.run_dir, "export", "text_encoder.json")) as f:
         assert json.load(f) == TextEncoder(encoder, max_length=8).identity()  # `sample()` loads it for prompts
+    from pipelines.tasks.diffusion import pixart_pipeline
+
+    with pytest.raises(ValueError, match="scale_model_input"):  # a flow export: sample() samples it
+        pixart_pipeline(os.path.join(stored_run.run_dir, "export"))
     eval_cfg = load_eval_config(overrides=settings(clip, str(tmp_path), f"fid.reference={captioned}/val",
                                                    f"fid.vae={os.path.dirname(stored_run.data.train)}/vae"))
     record = evaluate_checkpoint(stored_run.run_dir, eval_cfg=eval_cfg)
@@ -202,3 +206,28 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
                         f"ldm.text_encoder={other}", "checkpoint.resume=latest")
     with pytest.raises(ValueError, match="text encoder with digest"):
         train(cfg)
+
+
+def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_images(features16, encoder,  # noqa: F811
+                                                                                     tmp_path):
+    from test_text_to_image import PROMPTS
+
+    from pipelines.tasks.diffusion import pixart_pipeline, sample
+
+    cfg = latent_config(features16, tmp_path, "ddpm", *tiny(encoder), PRECOMPUTED, "ldm.objective=ddpm",
+                        "ldm.prediction_type=epsilon", "ldm.timestep_sampling=uniform", "ldm.flow_weighting=uniform")
+    task = build_task(cfg)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # random weights: PixArt's init zeroes the cross-attention outputs
+        for parameter in task.model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    export, vae = str(tmp_path / "export"), f"{features16}/vae"
+    task.export(task.model, None, export)
+    ours = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=False, prompts=PROMPTS, guidance_scale=2.0,
+                  vae=vae)
+    pipe = pixart_pipeline(export, ema=False, vae=vae)
+    start = torch.randn((2, 4, 4, 4), generator=torch.Generator().manual_seed(7))  # what sample() draws first
+    images = pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=2.0, latents=start, height=8, width=8,
+                  output_type="pt", use_resolution_binning=False, clean_caption=False, max_sequence_length=8).images
+    torch.testing.assert_close(images, ours, rtol=0, atol=1e-5)
+    assert not torch.equal(ours[0], ours[1]), "the prompt chooses the image"

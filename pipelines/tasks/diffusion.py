@@ -27,7 +27,7 @@ from pipelines.tasks.flow import FLOW_WEIGHTINGS, HELD_OUT_S, draw_s, interpolat
 from pipelines.tasks.pixart import build_text_dit
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
-from pipelines.tasks.sampler import Condition, denoise, predict, sampling_scheduler
+from pipelines.tasks.sampler import FLOW_SCHEDULER, Condition, denoise, predict, sampling_scheduler
 from pipelines.tasks.text import PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
@@ -656,6 +656,40 @@ def sample(
         shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
         images = autoencoder.decode(x / scale + shift).sample
     return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None, vae_subfolder: str = "",
+                    text_encoder: str | None = None):
+    """diffusers' PixArtAlphaPipeline assembled from a text-conditional DDPM export: its transformer,
+    the text encoder and tokenizer text_encoder.json records (digest checked), the VAE (autoencoder.json's,
+    or `vae` for runs on precomputed latents) and a DDIM scheduler from its scheduler/. Call it with
+    `max_sequence_length=` the run's text length, `use_resolution_binning=False` and `clean_caption=False`
+    (the run saw the captions as written). Flow exports are refused: the pipeline calls the scheduler's
+    scale_model_input, which FlowMatchEulerDiscreteScheduler lacks; `sample()` samples them."""
+    from diffusers import DDIMScheduler, PixArtAlphaPipeline
+
+    if not os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO)):
+        raise ValueError(f"{export_dir}: no {TEXT_ENCODER_INFO}: PixArtAlphaPipeline loads text-conditional runs only")
+    config = DDPMScheduler.load_config(export_dir, subfolder="scheduler")
+    if config.get("_class_name") == FLOW_SCHEDULER:
+        raise ValueError(f"{export_dir}: a flow-matching run; PixArtAlphaPipeline calls scheduler.scale_model_input, "
+                         f"which {FLOW_SCHEDULER} does not have: sample it with prunepipe's sample()")
+    with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
+        info = json.load(f)
+    name = vae or info["autoencoder"]
+    if name in (PIXEL_SPACE, PRECOMPUTED):
+        raise ValueError(f"{export_dir}: PixArtAlphaPipeline decodes latents with a VAE; this run's autoencoder is "
+                         f"{info['autoencoder']!r}: pass vae= the folder that encoded its latents")
+    autoencoder = load_autoencoder(name, info["vae_subfolder"] if vae is None else vae_subfolder,
+                                   info.get("cache_dir", ""))
+    if float(getattr(autoencoder.config, "shift_factor", None) or 0.0) or (
+            info["scaling_factor"] and info["scaling_factor"] != autoencoder.config.scaling_factor):
+        raise ValueError(f"{export_dir}: the pipeline decodes latents / vae.config.scaling_factor; this run's latents "
+                         f"were scaled otherwise (scaling {info['scaling_factor']}, shift {info['shift_factor']})")
+    encoder = load_text_encoder(export_dir, text_encoder)
+    return PixArtAlphaPipeline(tokenizer=encoder.tokenizer, text_encoder=encoder.model, vae=autoencoder,
+                               transformer=_load_model(export_dir, ema),
+                               scheduler=DDIMScheduler.from_config(config))
 
 
 def load_text_encoder(export_dir: str, path: str | None = None) -> TextEncoder:
