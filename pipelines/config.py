@@ -31,7 +31,7 @@ from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, ch
 from pipelines.tasks.dit import DIT_PRESETS
 from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
-from pipelines.tasks.text import PRECOMPUTED_TEXT
+from pipelines.tasks.text import PRECOMPUTED_TEXT, identity_key
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
 TASKS = ("mae", "ldm")
@@ -350,11 +350,11 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
             raise ConfigError(f"config: ldm.text_encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
                               f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                               f"encode ... --text-encoder PATH`")
-        made_by[setting] = info.get("digest")
+        made_by[setting] = f"{identity_key(info)}, width {index.meta.get('text_width')}"
     if len(set(made_by.values())) > 1:
-        listed = ", ".join(f"{setting}: {digest}" for setting, digest in made_by.items())
-        raise ConfigError(f"config: the splits' text features come from different encoders ({listed}); encode "
-                          f"every split with the same --text-encoder")
+        listed = "; ".join(f"{setting}: {made}" for setting, made in made_by.items())
+        raise ConfigError(f"config: the splits' text features come from different encoders or caption lengths "
+                          f"({listed}); encode every split with the same --text-encoder and --text-max-length")
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:

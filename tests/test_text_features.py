@@ -99,7 +99,7 @@ def test_precomputed_features_condition_the_model_as_encoding_in_the_loop_does(f
                                                                                tmp_path):
     in_loop = build_task(latent_config(features32, tmp_path, "loop", *tiny(encoder)))
     stored = build_task(latent_config(features32, tmp_path, "stored", *tiny(encoder), PRECOMPUTED))
-    assert not stored.reads_captions and stored.text_features == (16, 8) and stored.text_digest == in_loop.text_digest
+    assert not stored.reads_captions and stored.text_features == (16, 8) and stored.text_identity == in_loop.text_identity
     stored.model.load_state_dict(in_loop.model.state_dict())
     batches, results = {}, {}
     for name, task in (("loop", in_loop), ("stored", stored)):
@@ -142,6 +142,47 @@ def test_text_features_cross_from_loader_workers_and_padding_holds_none():
     assert real.text_lengths.tolist() == [2, 5, 1] and torch.equal(real.text_tokens, batch.text_tokens)
 
 
+def test_the_training_stream_carries_each_samples_own_features_through_workers_and_a_bad_sample(
+        features16, tmp_path):  # noqa: F811
+    import shutil
+
+    import webdataset as wds
+
+    from pipelines.data.splits import read_text_features
+    from pipelines.data.stream import ShardStream
+
+    folder = tmp_path / "train"
+    shutil.copytree(f"{features16}/train", folder)
+    index = ShardIndex.load(str(folder))
+    first = index.urls[0]
+    samples = [sample for _, sample in read_shard(first)]
+    with wds.TarWriter(first) as sink:  # the sixth sample of the first shard lost its features
+        for position, sample in enumerate(samples):
+            kept = {k: v for k, v in sample.items() if k != "__url__" and not (position == 5 and k == TEXT_FEATURES_FIELD)}
+            sink.write(kept)
+    stored = read_text_features(f"{features16}/train", range(index.num_samples), 16, 8)
+    decoder = SampleDecoder(8, 4, text_width=16, text_max_length=8)
+    seen, padding, bad = [], 0, 0
+    for rank in range(2):
+        stream = ShardStream(index, batch_size=32, seed=1, rank=rank, world_size=2, decoder=decoder,
+                             shuffle_buffer=32, on_bad_sample="skip")
+        for batch in stream.pass_loader(0, num_workers=1):
+            bad += batch.undecodable()
+            ends = np.cumsum(batch.text_lengths.numpy())
+            for i, sample_id in enumerate(batch.ids.tolist()):
+                rows = batch.text_tokens[ends[i] - batch.text_lengths[i]:ends[i]]
+                if sample_id < 0:
+                    assert len(rows) == 0
+                    padding += 1
+                else:
+                    assert torch.equal(rows, torch.from_numpy(stored[sample_id])), sample_id
+                    seen.append(sample_id)
+    # 256 samples a rank in batches of 32: the bad sample (id 5) was skipped, counted and padded for;
+    # the others came each with its own rows
+    assert bad == 1 and padding == 1 and 5 not in seen
+    assert sorted(seen) == sorted(set(range(index.num_samples)) - {5})
+
+
 def test_a_sample_without_features_is_bad_input_named_by_its_field():
     decoder = SampleDecoder(8, 4, text_width=16, text_max_length=8)
     sample = {"__key__": "000000007", "__url__": "shard-000003.tar", "latent.npy": b"", "txt": b"a digit"}
@@ -164,9 +205,12 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
                                     max_length=8)
     encode_shards(f"{captioned}/val", f"{features16}/vae", str(tmp_path / "val_other"), resolution=8,
                   text_encoder=other, text_max_length=8)
-    with pytest.raises(ConfigError, match="different encoders"):
-        load_config(CONFIG, [f"data.train={features16}/train", f"data.val={tmp_path}/val_other",
-                             f"runs_dir={tmp_path}", "ldm.autoencoder=latents", *tiny(encoder), PRECOMPUTED])
+    encode_shards(f"{captioned}/val", f"{features16}/vae", str(tmp_path / "val_shorter"), resolution=8,
+                  text_encoder=encoder, text_max_length=6)
+    for val in ("val_other", "val_shorter"):  # another encoder; the same one, captions cut at another length
+        with pytest.raises(ConfigError, match="different encoders or caption lengths"):
+            load_config(CONFIG, [f"data.train={features16}/train", f"data.val={tmp_path}/{val}",
+                                 f"runs_dir={tmp_path}", "ldm.autoencoder=latents", *tiny(encoder), PRECOMPUTED])
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +248,7 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
                                     max_length=8)
     cfg = latent_config(features16, tmp_path, "resumed", *[o for o in base if o != PRECOMPUTED],
                         f"ldm.text_encoder={other}", "checkpoint.resume=latest")
-    with pytest.raises(ValueError, match="text encoder with digest"):
+    with pytest.raises(ValueError, match="the features of text encoder"):
         train(cfg)
 
 
@@ -226,6 +270,7 @@ def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_ima
     ours = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=False, prompts=PROMPTS, guidance_scale=2.0,
                   vae=vae)
     pipe = pixart_pipeline(export, ema=False, vae=vae)
+    assert pipe._text_preprocessing(" A Photo of Paris ") == ["A Photo of Paris"]  # as written, not lowercased
     start = torch.randn((2, 4, 4, 4), generator=torch.Generator().manual_seed(7))  # what sample() draws first
     images = pipe(prompt=PROMPTS, num_inference_steps=4, guidance_scale=2.0, latents=start, height=8, width=8,
                   output_type="pt", use_resolution_binning=False, clean_caption=False, max_sequence_length=8).images

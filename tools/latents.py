@@ -93,7 +93,8 @@ def encode_shards(
         latents = encode(images)
         latent_shape[:] = list(latents.shape[1:])
         mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
-        texts = real_tokens(encoder.encode([text for _, _, text in pending], device), dtype) \
+        texts = real_tokens(encoder.encode([text for _, _, text in pending], device), dtype,
+                            [fields["__key__"] for fields, _, _ in pending]) \
             if encoder is not None else [None] * len(latents)
         for (fields, _, _), latent, latent_of_mirror, text in zip(pending, latents, mirrored, texts):
             record = {**fields, LATENT_FIELD: npy_bytes(latent)}
@@ -134,7 +135,7 @@ def encode_shards(
         bar.close()
     text_meta = {}
     if encoder is not None:
-        null = real_tokens(encoder.encode([""], device), dtype)[0]
+        null = real_tokens(encoder.encode([""], device), dtype, ["(the empty caption)"])[0]
         np.save(os.path.join(out_folder, TEXT_NULL_FILE), null, allow_pickle=False)
         text_meta = {"text_encoder": encoder.identity(), "text_width": encoder.hidden_size}
     return ShardIndex.write(
@@ -155,9 +156,16 @@ def encode_shards(
     )
 
 
-def real_tokens(condition: TextCondition, dtype: str) -> list[np.ndarray]:
-    """Each caption's features at its real tokens only, [n, D] in `dtype`: the padding is masked out of
-    the cross-attention anyway, and stored it would be most of the bytes (T5's 120 tokens, ~30 real)."""
+def real_tokens(condition: TextCondition, dtype: str, keys: list[str]) -> list[np.ndarray]:
+    """Each caption's features at its real tokens only (where the mask is 1, whichever side the
+    tokenizer pads), [n, D] in `dtype`: the padding is masked out of the cross-attention anyway, and
+    stored it would be most of the bytes (T5's 120 tokens, ~30 real). A value that does not fit
+    `dtype` stops the encoding, naming the sample's key."""
     features = condition.features.float().cpu().numpy()
-    counts = condition.mask.sum(1).cpu().numpy()
-    return [np.ascontiguousarray(f[:int(n)]).astype(dtype) for f, n in zip(features, counts)]
+    masks = condition.mask.bool().cpu().numpy()
+    rows = [np.ascontiguousarray(f[m]).astype(dtype) for f, m in zip(features, masks)]
+    for key, row in zip(keys, rows):
+        if not np.isfinite(row).all():
+            raise ValueError(f"key {key!r}: its caption's text features are not finite in {dtype} (largest "
+                             f"magnitude {np.abs(features).max():.4g}); encode with --dtype float32")
+    return rows

@@ -106,6 +106,10 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
         for position, sample in read_shard(url, lambda p, first=first: first + p in wanted):
             if sample is not None:
                 found[first + position] = text_features(sample, width, max_length)
+    missing = sorted(wanted - found.keys())
+    if missing:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples, but its shards held no sample "
+                         f"{missing[0]} ({len(missing)} of the {len(wanted)} asked for missing)")
     return found
 
 

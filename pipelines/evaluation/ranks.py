@@ -139,6 +139,19 @@ def on_every_rank(action: Callable[[], T]) -> T:
     return value
 
 
+def same_on_every_rank(key: str, shown: str, what: str) -> None:
+    """Every rank holds the same `key`, or every rank raises, listing what each holds (`shown`): for
+    what each rank read from its own node's disk (a table, an encoder), before anything depends on it."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return
+    held: list = [None] * world
+    dist.all_gather_object(held, (key, shown))
+    if len({k for k, _ in held}) > 1:
+        listed = "; ".join(f"rank {r}: {s}" for r, (_, s) in enumerate(held))
+        raise RuntimeError(f"rank {rank}: the ranks hold different {what} ({listed}); every rank must hold the same")
+
+
 def rank0_value(value: T) -> T:
     """Rank 0's `value` on every rank. For numbers every rank computed alike from the same arrays (the
     probe's fit): one record everywhere, even where two nodes' float arithmetic would differ."""

@@ -197,7 +197,8 @@ class Evaluator:
     def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
         """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
         the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
-        found = read_text_features(self._held_out_folder(), range(rank, count, world), *task.text_features)
+        folder = self._held_out_folder()  # a rank that cannot read its share stops every rank, not only itself
+        found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text_features))
         return [found.get(i) for i in range(count)]
 
     def _clip_metric(self):

@@ -28,7 +28,8 @@ from pipelines.tasks.pixart import build_text_dit
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
 from pipelines.tasks.sampler import FLOW_SCHEDULER, Condition, denoise, predict, sampling_scheduler
-from pipelines.tasks.text import PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped
+from pipelines.tasks.text import (PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped,
+                                  identity_key)
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING, LossSecondMomentSampler
 from pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -318,26 +319,30 @@ class DiffusionTask:
         return 0, 0
 
     @property
-    def text_digest(self) -> str:
-        """The digest of the text encoder's files (whoever ran it): a resume checks it is unchanged."""
-        return self.text_encoder.identity()["digest"] if self.text_encoder is not None else ""
+    def text_identity(self) -> str:
+        """The text encoder's files and caption length (whoever ran it), "" without text: every rank
+        must hold the same, and a resume checks it is unchanged."""
+        return identity_key(self.text_encoder.identity()) if self.text_encoder is not None else ""
 
     def condition(self, batch, device) -> Condition:
         """What the model is conditioned on, nothing dropped: the captions' features (text), the class
         labels (class), or None."""
         if self.text_encoder is not None:
-            return self._text_condition(batch, device)
+            return self._text_condition(batch, device, None)
         labels = self.class_labels(batch.labels)
         return None if labels is None else labels.to(device)
 
-    def _text_condition(self, batch, device) -> TextCondition:
-        """The batch's caption features: encoded here, or its precomputed ones padded on `device`
-        (padding samples, which hold no tokens, get the empty caption's, as an empty caption would)."""
+    def _text_condition(self, batch, device, dropped: torch.Tensor | None) -> TextCondition:
+        """The batch's caption features, encoded here or its precomputed ones padded on `device`, with
+        the empty caption's where `dropped` [B] says, and at padding samples (which hold no tokens; an
+        encoded padding caption is the empty one already)."""
         if isinstance(self.text_encoder, TextEncoder):
-            return self.text_encoder.encode(batch.captions, device)
-        lengths = batch.text_lengths.to(device)
-        features = self.text_encoder.of_batch(batch.text_tokens.to(device), lengths)
-        return features.where(lengths == 0, self.text_encoder.null(device))
+            features = self.text_encoder.encode(batch.captions, device)
+        else:
+            features = self.text_encoder.of_batch(batch.text_tokens.to(device), batch.text_lengths.to(device))
+            padding = batch.ids.to(device) < 0
+            dropped = padding if dropped is None else dropped | padding
+        return features if dropped is None else features.where(dropped, self.text_encoder.null(device))
 
     def training_condition(self, batch, draws: SampleDraws, device) -> tuple[Condition, torch.Tensor | None]:
         """(condition with the per-sample drops applied, bool [B] of dropped captions or None). Text:
@@ -346,11 +351,10 @@ class DiffusionTask:
         fix which samples are unconditional for good and make a pruner's scores incomparable)."""
         if self.text_encoder is None:
             return self.training_labels(batch.labels.to(device), draws), None
-        features = self._text_condition(batch, device)
         if self.cfg.caption_dropout <= 0:
-            return features, None
+            return self._text_condition(batch, device, None), None
         dropped = caption_dropped(draws, self.cfg.caption_dropout, device)
-        return features.where(dropped, self.text_encoder.null(device)), dropped
+        return self._text_condition(batch, device, dropped), dropped
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
         """Labels for the model: None when unconditional (a DiT then gets the null label); -1 (no
@@ -668,6 +672,15 @@ def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None
     scale_model_input, which FlowMatchEulerDiscreteScheduler lacks; `sample()` samples them."""
     from diffusers import DDIMScheduler, PixArtAlphaPipeline
 
+    class CaptionsAsWritten(PixArtAlphaPipeline):
+        """PixArtAlphaPipeline lowercases every prompt, clean_caption=False included (diffusers 0.42), and
+        T5's tokenizer is case-sensitive: the run trained on captions as written, stripped only."""
+
+        def _text_preprocessing(self, text, clean_caption=False):
+            if clean_caption:
+                return super()._text_preprocessing(text, clean_caption)
+            return [t.strip() for t in (text if isinstance(text, (tuple, list)) else [text])]
+
     if not os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO)):
         raise ValueError(f"{export_dir}: no {TEXT_ENCODER_INFO}: PixArtAlphaPipeline loads text-conditional runs only")
     config = DDPMScheduler.load_config(export_dir, subfolder="scheduler")
@@ -687,7 +700,7 @@ def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None
         raise ValueError(f"{export_dir}: the pipeline decodes latents / vae.config.scaling_factor; this run's latents "
                          f"were scaled otherwise (scaling {info['scaling_factor']}, shift {info['shift_factor']})")
     encoder = load_text_encoder(export_dir, text_encoder)
-    return PixArtAlphaPipeline(tokenizer=encoder.tokenizer, text_encoder=encoder.model, vae=autoencoder,
+    return CaptionsAsWritten(tokenizer=encoder.tokenizer, text_encoder=encoder.model, vae=autoencoder,
                                transformer=_load_model(export_dir, ema),
                                scheduler=DDIMScheduler.from_config(config))
 

@@ -119,7 +119,7 @@ class TextEncoder:
 
     def null(self, device=None) -> TextCondition:
         """The features of the empty caption, a batch of 1, encoded once and kept on `device`."""
-        device = torch.device(device) if device is not None else self.device
+        device = indexed(device) if device is not None else self.device
         if self._null is None or self._null.features.device != device:
             self._null = self.encode([""], device)
         return self._null
@@ -145,6 +145,21 @@ class TextEncoder:
 
 
 PRECOMPUTED_TEXT = "precomputed"  # ldm.text_encoder: the shards hold the features
+
+
+def indexed(device) -> torch.device:
+    """`device` as tensors report theirs ("cuda" -> "cuda:N", the current one): a cache keyed by it
+    must not miss on every call."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def identity_key(info: dict) -> str:
+    """What makes two sets of features the same, from an identity (TextEncoder.identity): the encoder's
+    files and the caption length, not the folders they were read from."""
+    return f"{info['digest']} ({info['max_length']} tokens)"
 
 
 def padded_condition(tokens: list[np.ndarray] | tuple, max_length: int, device) -> TextCondition:
@@ -199,15 +214,20 @@ class PrecomputedText:
         return padded_condition(tokens, self.max_length, device or "cpu")
 
     def of_batch(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextCondition:
-        """A Batch's flat real tokens [T, D] and counts [B] (on any device) -> the padded condition,
-        without a host round trip: the mask comes from the counts and the tokens fill its ones in order."""
-        mask = (torch.arange(self.max_length, device=lengths.device) < lengths[:, None]).long()
-        features = torch.zeros(len(lengths), self.max_length, self.width, device=tokens.device)
-        features = features.masked_scatter(mask[..., None].bool(), tokens.float())
-        return TextCondition(features, mask)
+        """A Batch's flat real tokens [T, D] and counts [B] (on one device) -> the padded condition,
+        without a host round trip (T is the tensor's shape, known on the host): each token is copied to
+        its row and place by index, never through a [B, L, D] mask."""
+        count, device = len(tokens), tokens.device
+        rows = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=count)
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths, output_size=count)
+        places = rows * self.max_length + torch.arange(count, device=device) - starts
+        features = torch.zeros(len(lengths) * self.max_length, self.width, device=device)
+        features.index_copy_(0, places, tokens.float())
+        mask = (torch.arange(self.max_length, device=device) < lengths[:, None]).long()
+        return TextCondition(features.view(len(lengths), self.max_length, self.width), mask)
 
     def null(self, device=None) -> TextCondition:
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = indexed(device)
         if self._null is None or self._null.features.device != device:
             self._null = padded_condition([self._null_tokens], self.max_length, device)
         return self._null

@@ -10,24 +10,17 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch.distributed as dist
 
 from pipelines.data.group_table import GroupTable, group_table_path, open_group_table
 from pipelines.data.shards import INDEX_NAME, ShardIndex
+from pipelines.evaluation.ranks import same_on_every_rank
 from pipelines.training.node_tables import map_node_files
 from pruning.groups import fill_group_sizes
 
 
-def agree_on_table(table: GroupTable, rank: int) -> None:
+def agree_on_table(table: GroupTable) -> None:
     """Every rank holds a table with the same digest, or every rank raises naming them all."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, (table.path, table.digest))
-    if len({digest for _, digest in held}) > 1:
-        listed = "; ".join(f"rank {r}: {path} (digest {digest})" for r, (path, digest) in enumerate(held))
-        raise RuntimeError(f"rank {rank}: the ranks hold different group tables for pruner.groups ({listed}); "
-                           f"every rank must read the same table")
+    same_on_every_rank(table.digest, f"{table.path} (digest {table.digest})", "group tables for pruner.groups")
 
 
 def group_sizes(table: GroupTable, rank: int, local_rank: int, local_size: int, token: str) -> np.ndarray:
@@ -62,5 +55,5 @@ def use_group_table(pruner, value: str, train: str, index: ShardIndex, *, rank: 
 def give_groups(pruner, table: GroupTable, rank: int = 0, local_rank: int = 0, local_size: int = 1,
                 token: str = "") -> None:
     """`table`, agreed on by every rank, as `pruner`'s group sizes (shared per node when it has several ranks)."""
-    agree_on_table(table, rank)
+    agree_on_table(table)
     pruner.use_groups(group_sizes(table, rank, local_rank, local_size, token), digest=table.digest, source=table.path)

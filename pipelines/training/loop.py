@@ -29,6 +29,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
+from pipelines.evaluation.ranks import same_on_every_rank
 from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task, text_reading
@@ -148,6 +149,9 @@ def train(cfg: RunConfig) -> dict:
 
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
     task = build_task(cfg)
+    if getattr(task, "text_identity", ""):  # each rank loaded the encoder (or its features' record) from its node
+        same_on_every_rank(task.text_identity, f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
+                           "text encoders (files and caption length)")
     index = ShardIndex.load(cfg.data.train)
     pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
     set_backend_flags(cfg, device)
@@ -188,12 +192,12 @@ def train(cfg: RunConfig) -> dict:
         if main:
             print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
                   f"step {position.optimizer_steps}")
-    text_digest = getattr(task, "text_digest", "")  # "" unless text-conditional
-    if position.text_digest and position.text_digest != text_digest:
-        raise ValueError(f"{resume_from}: the run trained on the features of a text encoder with digest "
-                         f"{position.text_digest}; this config's (ldm.text_encoder={cfg.ldm.text_encoder}) has "
-                         f"{text_digest or 'none'}. Resume with the run's encoder (or its features), or start a new run")
-    position.text_digest = text_digest
+    text_identity = getattr(task, "text_identity", "")  # "" unless text-conditional
+    if position.text_identity and position.text_identity != text_identity:  # alike on every rank (agreed above)
+        raise ValueError(f"{resume_from}: the run trained on the features of text encoder {position.text_identity}; "
+                         f"this config's (ldm.text_encoder={cfg.ldm.text_encoder}) is {text_identity or 'none'}. "
+                         f"Resume with the run's encoder (or its features), or start a new run")
+    position.text_identity = text_identity
 
     stream = ShardStream(
         index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
