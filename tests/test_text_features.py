@@ -276,3 +276,15 @@ def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_ima
                   output_type="pt", use_resolution_binning=False, clean_caption=False, max_sequence_length=8).images
     torch.testing.assert_close(images, ours, rtol=0, atol=1e-5)
     assert not torch.equal(ours[0], ours[1]), "the prompt chooses the image"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_steps_on_precomputed_text_never_wait_for_the_device(features16, encoder, tmp_path):  # noqa: F811
+    # the tokens placed by index on the device, the padding and dropped rows picked there: no host sync
+    cfg = latent_config(features16, tmp_path, "strict", *tiny(encoder), PRECOMPUTED, "passes=1", "max_steps=6",
+                        "checkpoint.every_steps=1000", "debug_device_sync=true", "data.num_workers=2", "data.val=")
+    try:
+        summary = train(cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert summary == {} or summary["optimizer_steps"] == 6

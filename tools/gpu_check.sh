@@ -35,6 +35,7 @@ say "python $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_de
 say "1/4 CUDA-only tests"
 set +e
 timeout 180 "$PY" -m pytest -q -m "not slow" -k cuda tests/test_randomness.py tests/test_deferred_updates.py \
+  tests/test_text_features.py \
   > "$OUT_DIR/cuda_tests.log" 2>&1
 TESTS_RC=$?
 set -e
