@@ -645,21 +645,29 @@ def sample(
     x = torch.randn(shape, generator=generator, device=device)
     x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
 
-    name = vae or info["autoencoder"]
-    if name == PIXEL_SPACE:
+    autoencoder = _export_autoencoder(export_dir, info, vae, vae_subfolder)
+    if autoencoder is None:
         images = x / (info["scaling_factor"] or 1.0)
-    elif name == PRECOMPUTED:
-        raise ValueError(
-            f"{export_dir}: this run trained on precomputed latents; pass vae= (the folder or repo id "
-            f"that encoded them, recorded as 'vae' in the latent shards' index.json) to decode samples"
-        )
     else:
-        subfolder = info["vae_subfolder"] if vae is None else vae_subfolder
-        autoencoder = load_autoencoder(name, subfolder, info.get("cache_dir", "")).to(device)
+        autoencoder.to(device)
         scale = info["scaling_factor"] or float(autoencoder.config.scaling_factor)
         shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
         images = autoencoder.decode(x / scale + shift).sample
     return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+def _export_autoencoder(export_dir: str, info: dict, vae: str | None, vae_subfolder: str) -> AutoencoderKL | None:
+    """The VAE that decodes an export's samples: autoencoder.json's (`info`) or `vae` (with
+    `vae_subfolder`); None in pixel space. Runs on precomputed latents must name it."""
+    name = vae or info["autoencoder"]
+    if name == PIXEL_SPACE:
+        return None
+    if name == PRECOMPUTED:
+        raise ValueError(
+            f"{export_dir}: this run trained on precomputed latents; pass vae= (the folder or repo id "
+            f"that encoded them, recorded as 'vae' in the latent shards' index.json) to decode samples"
+        )
+    return load_autoencoder(name, info["vae_subfolder"] if vae is None else vae_subfolder, info.get("cache_dir", ""))
 
 
 def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None, vae_subfolder: str = "",
@@ -689,12 +697,10 @@ def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None
                          f"which {FLOW_SCHEDULER} does not have: sample it with prunepipe's sample()")
     with open(os.path.join(export_dir, AUTOENCODER_INFO)) as f:
         info = json.load(f)
-    name = vae or info["autoencoder"]
-    if name in (PIXEL_SPACE, PRECOMPUTED):
-        raise ValueError(f"{export_dir}: PixArtAlphaPipeline decodes latents with a VAE; this run's autoencoder is "
-                         f"{info['autoencoder']!r}: pass vae= the folder that encoded its latents")
-    autoencoder = load_autoencoder(name, info["vae_subfolder"] if vae is None else vae_subfolder,
-                                   info.get("cache_dir", ""))
+    autoencoder = _export_autoencoder(export_dir, info, vae, vae_subfolder)
+    if autoencoder is None:
+        raise ValueError(f"{export_dir}: PixArtAlphaPipeline decodes latents with a VAE; this run trained in pixel "
+                         f"space")
     if float(getattr(autoencoder.config, "shift_factor", None) or 0.0) or (
             info["scaling_factor"] and info["scaling_factor"] != autoencoder.config.scaling_factor):
         raise ValueError(f"{export_dir}: the pipeline decodes latents / vae.config.scaling_factor; this run's latents "

@@ -162,18 +162,6 @@ def identity_key(info: dict) -> str:
     return f"{info['digest']} ({info['max_length']} tokens)"
 
 
-def padded_condition(tokens: list[np.ndarray] | tuple, max_length: int, device) -> TextCondition:
-    """Samples' real tokens' features ([n_i, D] each) as a TextCondition padded with zeros to
-    max_length: padding is masked out of the cross-attention, so its values never count."""
-    width = tokens[0].shape[1]
-    features = torch.zeros(len(tokens), max_length, width)
-    mask = torch.zeros(len(tokens), max_length, dtype=torch.int64)
-    for i, rows in enumerate(tokens):
-        features[i, :len(rows)] = torch.from_numpy(np.asarray(rows, dtype=np.float32))
-        mask[i, :len(rows)] = 1
-    return TextCondition(features.to(device), mask.to(device))
-
-
 class PrecomputedText:
     """The text features `prunepipe latents encode --text-encoder` stored beside the latents: each
     sample's real tokens (text.npy), the empty caption's (text_null.npy beside index.json), and the
@@ -211,7 +199,9 @@ class PrecomputedText:
     def encode(self, tokens, device=None) -> TextCondition:
         """Samples' stored features ([n, D] arrays) -> the TextCondition TextEncoder.encode gives
         their captions (float32, padded to max_length), up to the storage's precision."""
-        return padded_condition(tokens, self.max_length, device or "cpu")
+        device = indexed(device)
+        lengths = torch.tensor([len(rows) for rows in tokens], device=device)
+        return self.of_batch(torch.from_numpy(np.concatenate(tokens)).to(device), lengths)
 
     def of_batch(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextCondition:
         """A Batch's flat real tokens [T, D] and counts [B] (on one device) -> the padded condition,
@@ -229,7 +219,7 @@ class PrecomputedText:
     def null(self, device=None) -> TextCondition:
         device = indexed(device)
         if self._null is None or self._null.features.device != device:
-            self._null = padded_condition([self._null_tokens], self.max_length, device)
+            self._null = self.encode([self._null_tokens], device)
         return self._null
 
     def identity(self) -> dict:
