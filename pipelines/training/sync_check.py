@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from pipelines.evaluation.ranks import same_on_every_rank
 from pruning.pass_plan import PassPlan
 
 
@@ -47,12 +47,8 @@ class SyncDebug:
             f.write(mine)
         if self.main:  # the frozen plan itself, before any resume segment excludes samples
             np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
-        if dist.is_available() and dist.is_initialized():
-            digests = [None] * self.world
-            dist.all_gather_object(digests, mine)
-            if len(set(digests)) != 1:
-                raise RuntimeError(f"pass {plan.epoch}: ranks disagree on the plan or the pruner's scores "
-                                   f"(digest per rank: {digests}); the pruner state is no longer in sync")
+        # a disagreement means the pruner state is no longer in sync
+        same_on_every_rank(mine, f"digest {mine}", f"pass {plan.epoch} plans or pruner scores")
         self.seen = []
 
     def saw(self, ids: torch.Tensor) -> None:
