@@ -72,7 +72,8 @@ def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
 def captioned_data(work: str, plan: TaskPlan, size: int) -> str:
     """The digits as captioned image-text pairs (train: the first `train_samples`, one shard) and a
     tiny random CLIP text encoder of their words in ROOT/text_encoder, written once."""
-    from pipelines.data.shards import ShardIndex, read_shard
+    from pipelines.data.shards import ShardIndex
+    from pipelines.data.splits import read_captions
     from tools.captioned import CAPTIONED_KEYS
     from tools.shards import write_shards
     from tools.tiny_text_encoder import write_tiny_text_encoder
@@ -83,8 +84,7 @@ def captioned_data(work: str, plan: TaskPlan, size: int) -> str:
         train = os.path.join(root, "train")
         first = os.path.join(train, "shard-000000.tar")
         ShardIndex.write(train, [(first, plan.train_samples)], source="digits", size=size, keys=CAPTIONED_KEYS)
-        captions = [sample["txt"].decode() for _, sample in read_shard(first)]
-        write_tiny_text_encoder(os.path.join(root, "text_encoder"), captions)
+        write_tiny_text_encoder(os.path.join(root, "text_encoder"), read_captions(train))
     return root
 
 
