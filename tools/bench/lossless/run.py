@@ -44,47 +44,35 @@ ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ live
 # ----------------------------------------------------------------------------- data
 def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
     """The plan's shards at `size` px in WORK, written once; returns the folder holding train/ and val/.
-    Digits: train/index.json lists only the first shard, which holds exactly `train_samples` images
-    (ids 0..N-1). Photos and redundant: `crops_per_photo` crops of each bundled photograph."""
+    Digits and captioned (the digits as image-text pairs): train/index.json lists only the first shard,
+    which holds exactly `train_samples` images (ids 0..N-1); captioned also writes a tiny random CLIP
+    text encoder of their words in ROOT/text_encoder. Photos and redundant: `crops_per_photo` crops of
+    each bundled photograph."""
     from pipelines.data.shards import ShardIndex
+    from pipelines.data.splits import read_captions
     from tools.known_groups import KNOWN, write_known_groups
     from tools.shards import write_shards
+    from tools.tiny_text_encoder import write_tiny_text_encoder
 
-    if plan.data == "captioned":
-        return captioned_data(work, plan, size)
-    if plan.data != "digits":
+    if plan.data not in ("digits", "captioned"):
         root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
         if not os.path.exists(os.path.join(root, "val", "index.json")):
             write_shards(plan.data, root, size=size, shard_size=100_000, crops_per_photo=plan.crops_per_photo)
         if plan.data == "redundant" and not os.path.exists(os.path.join(root, "train", "groups", f"{KNOWN}.npy")):
             write_known_groups(os.path.join(root, "train"))  # the dedup arms' group table (pruner.groups=known)
         return root
+    captioned = plan.data == "captioned"
     train_samples = plan.train_samples
-    root = os.path.join(work, f"digits{size}_n{train_samples}")
-    if not os.path.exists(os.path.join(root, "val", "index.json")):
-        write_shards("digits", root, size=size, shard_size=train_samples)
+    root = os.path.join(work, f"{plan.data}{size}_n{train_samples}")
+    last_written = os.path.join(root, *(("text_encoder", "config.json") if captioned else ("val", "index.json")))
+    if not os.path.exists(last_written):
+        write_shards("digits", root, size=size, shard_size=train_samples, captions=captioned)
         train = os.path.join(root, "train")
-        ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)], source="digits",
-                         size=size, keys=["png", "cls"])
-    return root
-
-
-def captioned_data(work: str, plan: TaskPlan, size: int) -> str:
-    """The digits as captioned image-text pairs (train: the first `train_samples`, one shard) and a
-    tiny random CLIP text encoder of their words in ROOT/text_encoder, written once."""
-    from pipelines.data.shards import ShardIndex
-    from pipelines.data.splits import read_captions
-    from tools.captioned import CAPTIONED_KEYS
-    from tools.shards import write_shards
-    from tools.tiny_text_encoder import write_tiny_text_encoder
-
-    root = os.path.join(work, f"captioned{size}_n{plan.train_samples}")
-    if not os.path.exists(os.path.join(root, "text_encoder", "config.json")):
-        write_shards("digits", root, size=size, shard_size=plan.train_samples, captions=True)
-        train = os.path.join(root, "train")
-        first = os.path.join(train, "shard-000000.tar")
-        ShardIndex.write(train, [(first, plan.train_samples)], source="digits", size=size, keys=CAPTIONED_KEYS)
-        write_tiny_text_encoder(os.path.join(root, "text_encoder"), read_captions(train))
+        # the first shard only, with the rest of what write_shards recorded (source, size, keys, ...)
+        ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)],
+                         **ShardIndex.load(train).meta)
+        if captioned:
+            write_tiny_text_encoder(os.path.join(root, "text_encoder"), read_captions(train))
     return root
 
 
