@@ -74,6 +74,14 @@ def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
             yield f"photo_{name}_{i:04d}", photo, label, (left, top, left + side, top + side)
 
 
+def split_by_permutation(items: list, val_fraction: float, seed: int) -> dict[str, list]:
+    """train and val of `items`, each in the items' order: a fixed permutation drawn from `seed` holds
+    out round(val_fraction * N) of them, so val holds every class in proportion."""
+    is_val = np.zeros(len(items), dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
+    return {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in ("train", "val")}
+
+
 def recoloured(image: Image.Image, rng: np.random.Generator) -> Image.Image:
     """`image` with its brightness, contrast and colour changed by up to 10%, in that order."""
     for enhance in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
