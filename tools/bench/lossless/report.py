@@ -9,7 +9,7 @@ import numpy as np
 
 from pipelines.report.frontier import interval_text, percent
 from tools.bench.lossless.plan import TaskPlan
-from tools.bench.lossless.verdicts import fmt
+from tools.bench.lossless.verdicts import fmt, seed_savings
 
 
 def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
@@ -275,8 +275,7 @@ def replication_table(results: list[dict], task: str) -> list[str]:
 
 
 def _seed_savings(saving: dict) -> str:
-    marks = {"at least": "≥", "at most": "≤"}
-    return ", ".join(f"{marks.get(s['kind'], '')}{int(round(100 * s['saving']))}" for s in saving["per_seed"]) + " %"
+    return seed_savings(saving, lambda value: int(round(100 * value))) + " %"
 
 
 def _paired(cell: dict) -> str:
