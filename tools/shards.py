@@ -95,7 +95,7 @@ def write_shards(
                                   copy_counts=redundant_copies, copy_kinds=redundant_kinds)
         meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals,
                 "redundant_copies": redundant_copies,
-                "redundant_kinds": check_copy_kinds({"near": 1.0} if redundant_kinds is None else redundant_kinds),
+                "redundant_kinds": check_copy_kinds(redundant_kinds),
                 "crops_per_photo": crops_per_photo, "seed": seed}
     else:
         items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))

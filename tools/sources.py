@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageEnhance
 
 from pipelines.data.resize import resize_center_crop
-from tools.redundant_options import COPY_COUNTS, COPY_KINDS
+from tools.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
 
 SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
@@ -158,8 +158,11 @@ def copies_by_kind(keys) -> dict[str, int]:
     return counts
 
 
-def check_copy_kinds(shares: Mapping[str, float]) -> dict[str, float]:
-    """`copy_kinds` as a share per kind (every kind named), checked: known kinds, shares >= 0, sum 1."""
+def check_copy_kinds(shares: Mapping[str, float] | None) -> dict[str, float]:
+    """`copy_kinds` as a share per kind (every kind named), checked: known kinds, shares >= 0, sum 1;
+    None: DEFAULT_KINDS."""
+    if shares is None:
+        shares = DEFAULT_KINDS
     unknown = sorted(set(shares) - set(COPY_KINDS))
     if unknown:
         raise ValueError(f"redundant: copy_kinds names {unknown}; accepted kinds: {', '.join(COPY_KINDS)}")
@@ -240,7 +243,7 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
         raise ValueError(f"redundant: need 0 <= fraction < 1 and originals >= 1, got {fraction}, {originals}")
     if copy_counts not in COPY_COUNTS:
         raise ValueError(f"redundant: copy_counts {copy_counts!r}; accepted: {', '.join(COPY_COUNTS)}")
-    shares = check_copy_kinds({"near": 1.0} if copy_kinds is None else copy_kinds)
+    shares = check_copy_kinds(copy_kinds)
     crops = list(photo_crops(size, crops_per_photo=crops_per_photo, seed=seed))
     rng = np.random.default_rng([seed, 1])  # the split, the originals, each copy's pixels, the orders
     plan_rng = np.random.default_rng([seed, 2])  # which copy is of which kind
