@@ -29,7 +29,7 @@ from pipelines.data.side_tables import open_embeddings
 from tools.embed import embed_shards
 from tools.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall
 from tools.perceptual_hash import threshold_for_hamming
-from tools.redundant_options import (COPY_KINDS, DEFAULT_KINDS, SHARE_FLAGS, add_redundant_arguments,
+from tools.redundant_options import (COPY_KINDS, DEFAULT_KINDS, REDUNDANT_FLAGS, add_redundant_arguments,
                                      redundant_options)
 from tools.sources import COPY_KEY, check_copy_kinds, copy_kind
 
@@ -60,9 +60,7 @@ def split_keys(folder: str) -> list[str]:
 
 
 # write_shards' options -> the flag that sets them, for the message when a folder was written otherwise
-OPTION_FLAGS = {"size": "--size", "crops_per_photo": "--crops-per-photo", "redundant_fraction": "--redundant-fraction",
-                "redundant_originals": "--redundant-originals", "redundant_copies": "--redundant-copies",
-                "redundant_kinds": "/".join(SHARE_FLAGS.values())}
+OPTION_FLAGS = {"size": "--size", "crops_per_photo": "--crops-per-photo", **REDUNDANT_FLAGS}
 FIRST_VERSION = {"redundant_copies": "even", "redundant_kinds": DEFAULT_KINDS}  # before index.json recorded them
 
 
