@@ -8,13 +8,12 @@ import json
 import os
 import sys
 
-from tools.redundant_options import add_redundant_arguments
+from tools.redundant_options import add_redundant_arguments, redundant_options
 
 DEFAULT_DATA = "data/digits"
 
 
 def _shards_write(args) -> None:
-    from tools.redundant_options import redundant_options
     from tools.shards import write_shards
 
     paths = write_shards(
