@@ -13,7 +13,7 @@ from typing import Iterator
 
 from PIL import Image
 
-from tools.sources import digits, photo_crop_boxes, split_by_permutation
+from tools.sources import box_crop, digits, photo_crop_boxes, split_by_permutation
 
 CAPTIONED_SOURCES = ("digits", "photos")
 CAPTIONED_KEYS = ["jpg", "json", "txt"]
@@ -48,7 +48,7 @@ def captioned_items(source: str, size: int, *, seed: int = 0, crops_per_photo: i
         raise ValueError(f"--captions writes {', '.join(CAPTIONED_SOURCES)}; got --source {source}")
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
         name = key.rsplit("_", 1)[0].removeprefix("photo_")
-        image = photo.crop(box).resize((size, size), Image.BICUBIC)
+        image = box_crop(photo, box, size)
         yield key, image, crop_caption(name, photo.size, box), {"class": label, "photograph": name,
                                                                   "crop": list(box)}
 

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from pipelines.data.resize import resize_center_crop
+from pipelines.data.resize import resize_center_crop, resize_crop
 from tools.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
 
 SOURCES = ("digits", "photos", "redundant", "folder")
@@ -55,7 +55,13 @@ def photo_files() -> list[str]:
 def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> Iterator[tuple[str, Image.Image, int]]:
     """Deterministic square crops of the bundled photographs, resized to `size`; class = photo."""
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
-        yield key, photo.crop(box).resize((size, size), Image.BICUBIC), label
+        yield key, box_crop(photo, box, size), label
+
+
+def box_crop(photo: Image.Image, box: tuple[int, int, int, int], size: int) -> Image.Image:
+    """The (left, top, right, bottom) `box` of `photo` resized to `size` x `size`, bicubic."""
+    left, top, right, bottom = box
+    return resize_crop(photo, size, (top, left, bottom - top, right - left))
 
 
 def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
