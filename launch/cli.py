@@ -8,13 +8,12 @@ import json
 import os
 import sys
 
-from tools.redundant_options import add_redundant_arguments
+from tools.redundant_options import add_redundant_arguments, redundant_options
 
 DEFAULT_DATA = "data/digits"
 
 
 def _shards_write(args) -> None:
-    from tools.redundant_options import redundant_options
     from tools.shards import write_shards
 
     paths = write_shards(
@@ -35,14 +34,17 @@ def _shards_write(args) -> None:
 
 
 def _text_encoder_tiny(args) -> None:
-    from pipelines.data.shards import ShardIndex, read_shard
+    from pipelines.data.shards import BadInputError
+    from pipelines.data.splits import read_captions
     from tools.tiny_text_encoder import write_tiny_text_encoder
 
-    captions = [sample["txt"].decode() for folder in args.shards for url in ShardIndex.load(folder).urls
-                for _, sample in read_shard(url) if "txt" in sample]
+    hint = "write them with `prunepipe shards write --captions`"
+    try:
+        captions = [text for folder in args.shards for text in read_captions(folder)]
+    except BadInputError as e:  # a sample without a caption
+        raise SystemExit(f"{e}: {hint}") from None
     if not captions:
-        raise SystemExit(f"no captions (txt fields) in {', '.join(args.shards)}: write them with "
-                         f"`prunepipe shards write --captions`")
+        raise SystemExit(f"no captions (txt fields) in {', '.join(args.shards)}: {hint}")
     path = write_tiny_text_encoder(args.out, captions, hidden_size=args.hidden_size, layers=args.layers,
                                    max_length=args.max_length, seed=args.seed)
     print(f"{path}: a tiny CLIP text model (random weights) and the tokenizer of {len(captions)} captions' words; "

@@ -11,10 +11,9 @@ import io
 import json
 from typing import Iterator
 
-import numpy as np
 from PIL import Image
 
-from tools.sources import digits, photo_crop_boxes
+from tools.sources import box_crop, digits, photo_crop_boxes, split_by_permutation
 
 CAPTIONED_SOURCES = ("digits", "photos")
 CAPTIONED_KEYS = ["jpg", "json", "txt"]
@@ -49,7 +48,7 @@ def captioned_items(source: str, size: int, *, seed: int = 0, crops_per_photo: i
         raise ValueError(f"--captions writes {', '.join(CAPTIONED_SOURCES)}; got --source {source}")
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
         name = key.rsplit("_", 1)[0].removeprefix("photo_")
-        image = photo.crop(box).resize((size, size), Image.BICUBIC)
+        image = box_crop(photo, box, size)
         yield key, image, crop_caption(name, photo.size, box), {"class": label, "photograph": name,
                                                                   "crop": list(box)}
 
@@ -72,7 +71,5 @@ def captioned_splits(source: str, size: int, *, val_fraction: float = 0.1, seed:
                      crops_per_photo: int = 250) -> dict[str, list[tuple[str, Image.Image, str, dict]]]:
     """train and val items of `source`, split by the permutation `prunepipe shards write` draws without
     captions, so that the same images are held out."""
-    items = list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo))
-    is_val = np.zeros(len(items), dtype=bool)
-    is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
-    return {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in ("train", "val")}
+    return split_by_permutation(list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo)),
+                                val_fraction, seed)

@@ -9,7 +9,11 @@ import argparse
 
 COPY_COUNTS = ("even", "heavy")  # copies per original: about equal, or heavy-tailed (Zipf's law)
 COPY_KINDS = ("exact", "jpeg", "near", "crop")  # how a copy is made; near takes the shares left over
+DEFAULT_KINDS = {"near": 1.0}  # the shares when none are given: all near, as in the first redundant sets
 SHARE_FLAGS = {"exact": "--redundant-exact", "jpeg": "--redundant-jpeg", "crop": "--redundant-crop"}
+# write_shards' redundant options -> the flags that set them
+REDUNDANT_FLAGS = {"redundant_fraction": "--redundant-fraction", "redundant_originals": "--redundant-originals",
+                   "redundant_copies": "--redundant-copies", "redundant_kinds": "/".join(SHARE_FLAGS.values())}
 
 
 def share(text: str) -> float:
@@ -37,11 +41,11 @@ def positive_int(text: str) -> int:
 def add_redundant_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that shape the redundant set: how much is copied, from how many originals, how often
     each, and how."""
-    parser.add_argument("--redundant-fraction", type=duplicate_fraction, default=0.5,
+    parser.add_argument(REDUNDANT_FLAGS["redundant_fraction"], type=duplicate_fraction, default=0.5,
                         help="for --source redundant: fraction of train that are copies")
-    parser.add_argument("--redundant-originals", type=positive_int, default=64,
+    parser.add_argument(REDUNDANT_FLAGS["redundant_originals"], type=positive_int, default=64,
                         help="for --source redundant: how many train crops the copies copy")
-    parser.add_argument("--redundant-copies", choices=COPY_COUNTS, default="even",
+    parser.add_argument(REDUNDANT_FLAGS["redundant_copies"], choices=COPY_COUNTS, default="even",
                         help="for --source redundant: copies per original, about equal (even) or heavy-tailed "
                              "by Zipf's law of rank, exponent 1, at least one each (heavy: a few originals "
                              "copied very often, most once when the originals are many)")

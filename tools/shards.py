@@ -30,9 +30,8 @@ from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read
 from pipelines.progress import progress, tracked
 from tools.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
 from tools.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
-                           redundant_splits)
+                           redundant_splits, split_by_permutation)
 
-SPLITS = ("train", "val")
 FOLDER_CHUNK = 256  # images of an image folder decoded before they are written: what write holds at once
 STATS_SUFFIX = "_stats.json"  # img2dataset writes NNNNN_stats.json beside NNNNN.tar
 
@@ -96,14 +95,11 @@ def write_shards(
                                   copy_counts=redundant_copies, copy_kinds=redundant_kinds)
         meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals,
                 "redundant_copies": redundant_copies,
-                "redundant_kinds": check_copy_kinds({"near": 1.0} if redundant_kinds is None else redundant_kinds),
+                "redundant_kinds": check_copy_kinds(redundant_kinds),
                 "crops_per_photo": crops_per_photo, "seed": seed}
     else:
         items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
-        # A fixed permutation decides the split, so val holds every class in proportion.
-        is_val = np.zeros(len(items), dtype=bool)
-        is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
-        splits = {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in SPLITS}
+        splits = split_by_permutation(items, val_fraction, seed)
         meta = {}
     return {split: write_split(os.path.join(out, split), ((k, png_bytes(im), label) for k, im, label in chosen),
                                source=source, size=size, shard_size=shard_size, desc=f"{source}/{split}",

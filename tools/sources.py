@@ -14,8 +14,8 @@ from typing import Iterator, Mapping
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from pipelines.data.resize import resize_center_crop
-from tools.redundant_options import COPY_COUNTS, COPY_KINDS
+from pipelines.data.resize import resize_center_crop, resize_crop
+from tools.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
 
 SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
@@ -55,7 +55,13 @@ def photo_files() -> list[str]:
 def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> Iterator[tuple[str, Image.Image, int]]:
     """Deterministic square crops of the bundled photographs, resized to `size`; class = photo."""
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
-        yield key, photo.crop(box).resize((size, size), Image.BICUBIC), label
+        yield key, box_crop(photo, box, size), label
+
+
+def box_crop(photo: Image.Image, box: tuple[int, int, int, int], size: int) -> Image.Image:
+    """The (left, top, right, bottom) `box` of `photo` resized to `size` x `size`, bicubic."""
+    left, top, right, bottom = box
+    return resize_crop(photo, size, (top, left, bottom - top, right - left))
 
 
 def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
@@ -72,6 +78,14 @@ def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
             side = int(rng.integers(min(size, min(w, h)), max(size, min(w, h) // 2) + 1))
             left, top = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
             yield f"photo_{name}_{i:04d}", photo, label, (left, top, left + side, top + side)
+
+
+def split_by_permutation(items: list, val_fraction: float, seed: int) -> dict[str, list]:
+    """train and val of `items`, each in the items' order: a fixed permutation drawn from `seed` holds
+    out round(val_fraction * N) of them, so val holds every class in proportion."""
+    is_val = np.zeros(len(items), dtype=bool)
+    is_val[np.random.default_rng(seed).permutation(len(items))[: int(round(val_fraction * len(items)))]] = True
+    return {split: [item for item, v in zip(items, is_val) if v == (split == "val")] for split in ("train", "val")}
 
 
 def recoloured(image: Image.Image, rng: np.random.Generator) -> Image.Image:
@@ -150,8 +164,11 @@ def copies_by_kind(keys) -> dict[str, int]:
     return counts
 
 
-def check_copy_kinds(shares: Mapping[str, float]) -> dict[str, float]:
-    """`copy_kinds` as a share per kind (every kind named), checked: known kinds, shares >= 0, sum 1."""
+def check_copy_kinds(shares: Mapping[str, float] | None) -> dict[str, float]:
+    """`copy_kinds` as a share per kind (every kind named), checked: known kinds, shares >= 0, sum 1;
+    None: DEFAULT_KINDS."""
+    if shares is None:
+        shares = DEFAULT_KINDS
     unknown = sorted(set(shares) - set(COPY_KINDS))
     if unknown:
         raise ValueError(f"redundant: copy_kinds names {unknown}; accepted kinds: {', '.join(COPY_KINDS)}")
@@ -232,7 +249,7 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
         raise ValueError(f"redundant: need 0 <= fraction < 1 and originals >= 1, got {fraction}, {originals}")
     if copy_counts not in COPY_COUNTS:
         raise ValueError(f"redundant: copy_counts {copy_counts!r}; accepted: {', '.join(COPY_COUNTS)}")
-    shares = check_copy_kinds({"near": 1.0} if copy_kinds is None else copy_kinds)
+    shares = check_copy_kinds(copy_kinds)
     crops = list(photo_crops(size, crops_per_photo=crops_per_photo, seed=seed))
     rng = np.random.default_rng([seed, 1])  # the split, the originals, each copy's pixels, the orders
     plan_rng = np.random.default_rng([seed, 2])  # which copy is of which kind

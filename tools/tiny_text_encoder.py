@@ -47,12 +47,9 @@ def _seeded(build, seed: int):
     the caller's RNG."""
     import torch
 
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         return build()
-    finally:
-        torch.random.set_rng_state(generator_state)
 
 
 def write_tiny_text_encoder(out: str, captions: Iterable[str], *, hidden_size: int = 32, layers: int = 2,

@@ -29,8 +29,9 @@ from pipelines.data.side_tables import open_embeddings
 from tools.embed import embed_shards
 from tools.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall
 from tools.perceptual_hash import threshold_for_hamming
-from tools.redundant_options import COPY_KINDS, SHARE_FLAGS, add_redundant_arguments, redundant_options
-from tools.sources import COPY_KEY, check_copy_kinds, copy_kind
+from tools.redundant_options import (COPY_KINDS, DEFAULT_KINDS, REDUNDANT_FLAGS, add_redundant_arguments,
+                                     redundant_options)
+from tools.sources import COPY_KEY, check_copy_kinds, copies_by_kind, copy_kind
 
 
 EMBEDDINGS = {  # name -> (model spec, thresholds on the inner product)
@@ -59,10 +60,8 @@ def split_keys(folder: str) -> list[str]:
 
 
 # write_shards' options -> the flag that sets them, for the message when a folder was written otherwise
-OPTION_FLAGS = {"size": "--size", "crops_per_photo": "--crops-per-photo", "redundant_fraction": "--redundant-fraction",
-                "redundant_originals": "--redundant-originals", "redundant_copies": "--redundant-copies",
-                "redundant_kinds": "/".join(SHARE_FLAGS.values())}
-FIRST_VERSION = {"redundant_copies": "even", "redundant_kinds": {"near": 1.0}}  # before index.json recorded them
+OPTION_FLAGS = {"size": "--size", "crops_per_photo": "--crops-per-photo", **REDUNDANT_FLAGS}
+FIRST_VERSION = {"redundant_copies": "even", "redundant_kinds": DEFAULT_KINDS}  # before index.json recorded them
 
 
 def same_option(recorded, wanted) -> bool:
@@ -112,14 +111,14 @@ def found_with_original(groups: np.ndarray, family: np.ndarray, kinds: np.ndarra
                      if (kinds == kind).any()}
 
 
-def known_copies(family: np.ndarray, kinds: np.ndarray) -> dict:
+def known_copies(keys: list[str], family: np.ndarray) -> dict:
     """What the split holds: its copies, of how many originals, how many of each kind, and how they
     spread over the originals (the largest and median count, the originals copied once)."""
     is_copy = family != np.arange(len(family))
     copies_each = np.bincount(family[is_copy], minlength=len(family))
     copies_each = copies_each[copies_each > 0]
     return {"samples": len(family), "copies": int(is_copy.sum()), "originals_copied": len(copies_each),
-            "copies_by_kind": {kind: int((kinds == kind).sum()) for kind in COPY_KINDS if (kinds == kind).any()},
+            "copies_by_kind": {kind: n for kind, n in copies_by_kind(keys).items() if n},
             "copies_per_original": {"largest": int(copies_each.max(initial=0)),
                                     "median": float(np.median(copies_each)) if len(copies_each) else 0.0,
                                     "one": int((copies_each == 1).sum())}}
@@ -129,7 +128,7 @@ def measure(train: str, clusters: int | None = None, spill: bool = True, embeddi
     keys = split_keys(train)
     family = known_families(keys)
     kinds = np.array([copy_kind(key) or "" for key in keys])
-    results = {**known_copies(family, kinds), "embeddings": {}}
+    results = {**known_copies(keys, family), "embeddings": {}}
     copies = results["copies"]
     for name in embeddings:
         thresholds = EMBEDDINGS[name][1]

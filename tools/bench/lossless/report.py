@@ -9,7 +9,7 @@ import numpy as np
 
 from pipelines.report.frontier import interval_text, percent
 from tools.bench.lossless.plan import TaskPlan
-from tools.bench.lossless.verdicts import fmt
+from tools.bench.lossless.verdicts import fmt, seed_savings
 
 
 def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
@@ -263,20 +263,24 @@ def replication_table(results: list[dict], task: str) -> list[str]:
              "| setting | seeds | copies | held-out images flagged | closer than the held-out 1% | median ratio |",
              "|---|---|---|---|---|---|"]
     for label, rows in by_label.items():
-        def cell(key: str, percent: bool = True) -> str:
-            values = [row[key] for row in rows if key in row]
-            if not values:
-                return "-"
-            show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.3f}")
-            return f"{show(float(np.mean(values)))} [{show(min(values))}, {show(max(values))}]"
-        lines.append(f"| {label} | {len(rows)} | {cell('replication_rate')} | {cell('replication_rate_held_out')} | "
-                     f"{cell('replication_closer_than_held_out_p99')} | {cell('replication_ratio_q50', False)} |")
+        lines.append(f"| {label} | {len(rows)} | {_seed_spread(rows, 'replication_rate')} | "
+                     f"{_seed_spread(rows, 'replication_rate_held_out')} | "
+                     f"{_seed_spread(rows, 'replication_closer_than_held_out_p99')} | "
+                     f"{_seed_spread(rows, 'replication_ratio_q50', False)} |")
     return lines + [""]
 
 
+def _seed_spread(rows: list[dict], key: str, percent: bool = True) -> str:
+    """'mean [min, max]' of `key` over the rows that hold it (a percentage, or 3 decimals); '-' if none."""
+    values = [row[key] for row in rows if key in row]
+    if not values:
+        return "-"
+    show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.3f}")
+    return f"{show(float(np.mean(values)))} [{show(min(values))}, {show(max(values))}]"
+
+
 def _seed_savings(saving: dict) -> str:
-    marks = {"at least": "≥", "at most": "≤"}
-    return ", ".join(f"{marks.get(s['kind'], '')}{int(round(100 * s['saving']))}" for s in saving["per_seed"]) + " %"
+    return seed_savings(saving, lambda value: int(round(100 * value))) + " %"
 
 
 def _paired(cell: dict) -> str:

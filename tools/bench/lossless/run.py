@@ -44,47 +44,35 @@ ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ live
 # ----------------------------------------------------------------------------- data
 def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
     """The plan's shards at `size` px in WORK, written once; returns the folder holding train/ and val/.
-    Digits: train/index.json lists only the first shard, which holds exactly `train_samples` images
-    (ids 0..N-1). Photos and redundant: `crops_per_photo` crops of each bundled photograph."""
+    Digits and captioned (the digits as image-text pairs): train/index.json lists only the first shard,
+    which holds exactly `train_samples` images (ids 0..N-1); captioned also writes a tiny random CLIP
+    text encoder of their words in ROOT/text_encoder. Photos and redundant: `crops_per_photo` crops of
+    each bundled photograph."""
     from pipelines.data.shards import ShardIndex
+    from pipelines.data.splits import read_captions
     from tools.known_groups import KNOWN, write_known_groups
     from tools.shards import write_shards
+    from tools.tiny_text_encoder import write_tiny_text_encoder
 
-    if plan.data == "captioned":
-        return captioned_data(work, plan, size)
-    if plan.data != "digits":
+    if plan.data not in ("digits", "captioned"):
         root = os.path.join(work, f"{plan.data}{size}_c{plan.crops_per_photo}")
         if not os.path.exists(os.path.join(root, "val", "index.json")):
             write_shards(plan.data, root, size=size, shard_size=100_000, crops_per_photo=plan.crops_per_photo)
         if plan.data == "redundant" and not os.path.exists(os.path.join(root, "train", "groups", f"{KNOWN}.npy")):
             write_known_groups(os.path.join(root, "train"))  # the dedup arms' group table (pruner.groups=known)
         return root
+    captioned = plan.data == "captioned"
     train_samples = plan.train_samples
-    root = os.path.join(work, f"digits{size}_n{train_samples}")
-    if not os.path.exists(os.path.join(root, "val", "index.json")):
-        write_shards("digits", root, size=size, shard_size=train_samples)
+    root = os.path.join(work, f"{plan.data}{size}_n{train_samples}")
+    last_written = os.path.join(root, *(("text_encoder", "config.json") if captioned else ("val", "index.json")))
+    if not os.path.exists(last_written):
+        write_shards("digits", root, size=size, shard_size=train_samples, captions=captioned)
         train = os.path.join(root, "train")
-        ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)], source="digits",
-                         size=size, keys=["png", "cls"])
-    return root
-
-
-def captioned_data(work: str, plan: TaskPlan, size: int) -> str:
-    """The digits as captioned image-text pairs (train: the first `train_samples`, one shard) and a
-    tiny random CLIP text encoder of their words in ROOT/text_encoder, written once."""
-    from pipelines.data.shards import ShardIndex, read_shard
-    from tools.captioned import CAPTIONED_KEYS
-    from tools.shards import write_shards
-    from tools.tiny_text_encoder import write_tiny_text_encoder
-
-    root = os.path.join(work, f"captioned{size}_n{plan.train_samples}")
-    if not os.path.exists(os.path.join(root, "text_encoder", "config.json")):
-        write_shards("digits", root, size=size, shard_size=plan.train_samples, captions=True)
-        train = os.path.join(root, "train")
-        first = os.path.join(train, "shard-000000.tar")
-        ShardIndex.write(train, [(first, plan.train_samples)], source="digits", size=size, keys=CAPTIONED_KEYS)
-        captions = [sample["txt"].decode() for _, sample in read_shard(first)]
-        write_tiny_text_encoder(os.path.join(root, "text_encoder"), captions)
+        # the first shard only, with the rest of what write_shards recorded (source, size, keys, ...)
+        ShardIndex.write(train, [(os.path.join(train, "shard-000000.tar"), train_samples)],
+                         **ShardIndex.load(train).meta)
+        if captioned:
+            write_tiny_text_encoder(os.path.join(root, "text_encoder"), read_captions(train))
     return root
 
 
@@ -184,9 +172,12 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     )
     if not evaluate_runs:
         return result
-    result["metrics"].update(evaluate(cfg, plan, fid_weights, train=f"{data_root}/train", into=result))
+    metrics, replication = evaluate(cfg, plan, fid_weights, train=f"{data_root}/train")
+    result["metrics"].update(metrics)
+    if replication is not None:
+        result["replication"] = replication
     for split in plan.extra_splits:  # e.g. val_mix: the train mix's held-out data beside the clean val
-        extra = evaluate(cfg, plan, fid_weights, val=f"{data_root}/{split}", fid=False)
+        extra, _ = evaluate(cfg, plan, fid_weights, val=f"{data_root}/{split}", fid=False)
         result["metrics"].update({f"{name.removeprefix('eval_')}@{split}": value for name, value in extra.items()})
     if result["metrics"].get("eval_" + plan.main) is not None:
         result["metrics"][plan.main] = result["metrics"].pop("eval_" + plan.main)
@@ -194,11 +185,11 @@ def execute(spec: RunSpec, plan: TaskPlan, data_root: str, runs_dir: str, fid_we
     return result
 
 
-def evaluate(cfg, plan: TaskPlan, fid_weights: str, val: str = "", fid: bool = True, train: str = "",
-             into: dict | None = None) -> dict:
+def evaluate(cfg, plan: TaskPlan, fid_weights: str, val: str = "", fid: bool = True, train: str = ""
+             ) -> tuple[dict, dict | None]:
     """PSNR, linear probe (MAE) and FID (diffusion) of the final raw weights, through the evaluators
-    of pipelines/evaluate*.py. With `plan.replication_samples` (and `fid`), how many samples copy a
-    `train` image goes into `into["replication"]`: a rate, not a quality the frontier reads."""
+    of pipelines/evaluate*.py; and with `plan.replication_samples` (and `fid`), how many samples copy a
+    `train` image (else None): a rate, not a quality the frontier reads."""
     import contextlib
     import io
 
@@ -207,22 +198,23 @@ def evaluate(cfg, plan: TaskPlan, fid_weights: str, val: str = "", fid: bool = T
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
     # features are already ~90% linearly separable with all labels (pipelines/evaluation/config.py).
-    fid = FIDConfig(enabled=fid and plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2), sampler_steps=plan.fid_steps,
-                    feature="classifier", weights=fid_weights, reference="train", reference_samples=0)
+    fid_config = FIDConfig(enabled=fid and plan.fid_samples > 0, num_samples=max(plan.fid_samples, 2),
+                           sampler_steps=plan.fid_steps, feature="classifier", weights=fid_weights,
+                           reference="train", reference_samples=0)
     # every arm's samples searched among the whole train split (the oracle trains on a part of it)
     replication = ReplicationConfig(enabled=fid and plan.replication_samples > 0,
                                     num_samples=max(plan.replication_samples, 1), max_train=0, held_out_samples=0,
                                     train=train, picture_pairs=0)
-    eval_cfg = EvalConfig(weights="raw", seed=0, val=val, val_samples=0, fid=fid, replication=replication,
+    eval_cfg = EvalConfig(weights="raw", seed=0, val=val, val_samples=0, fid=fid_config, replication=replication,
                           probe=ProbeConfig(enabled=plan.task == "mae", pool="avg", per_class=10))
     with contextlib.redirect_stderr(io.StringIO()):  # progress bars
         record = evaluate_checkpoint(cfg.run_dir, "latest", eval_cfg, device="cpu", write=not val)
     details = record["details"]
-    if replication.enabled and into is not None:
-        into["replication"] = {k: v for k, v in details.items()
-                               if k.startswith("replication_") and isinstance(v, (int, float))}
+    copies = ({k: v for k, v in details.items() if k.startswith("replication_") and isinstance(v, (int, float))}
+              if replication.enabled else None)
     keep = {"psnr": "psnr", "probe_accuracy": "probe_accuracy", "fid": "fid", plan.main: "eval_" + plan.main}
-    return {name: float(details[key]) for key, name in keep.items() if isinstance(details.get(key), (int, float))}
+    metrics = {name: float(details[key]) for key, name in keep.items() if isinstance(details.get(key), (int, float))}
+    return metrics, copies
 
 
 # ----------------------------------------------------------------------------- scheduling
