@@ -140,6 +140,18 @@ def _val_labels(count: int) -> list[int]:
     return [int(label) for label in load_digits().target[512:512 + count]]
 
 
+def test_replication_of_a_text_run_is_capped_at_its_held_out_captions(text_run, tmp_path):
+    # sample i is drawn from held-out caption i: val's 64 captions cap replication.num_samples=100 at 64
+    task, model, cfg = trained_task(text_run)
+    overrides = ["fid.enabled=false", "fid.sampler_steps=2", "fid.batch_size=32", "val_samples=8",
+                 "replication.enabled=true", "replication.num_samples=100", "replication.max_train=64",
+                 "replication.held_out_samples=16", "replication.neighbours=5", "replication.picture_pairs=0"]
+    details = Evaluator(cfg, load_eval_config(overrides=overrides), run_dir=text_run).evaluate(
+        task, model, write=False)["details"]
+    assert details["held_out_captions"] == details["replication_samples"] == 64
+    assert details["replication_reused_fid_samples"] is False
+
+
 # ----------------------------------------------------------------------------- ranks
 def _evaluate_on_ranks(rank, world, init_file, run_dir, overrides, out):
     join_group(rank, world, init_file)

@@ -167,7 +167,7 @@ class Evaluator:
                                 "clip_score_guidance_scale": fid_cfg.guidance_scale})
         if rep_cfg.enabled:
             generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_count)])
-            results.update(self._replication_of(generated, rank, world))
+            results.update(self._replication_of(generated, rep_count, rank, world))
             results["replication_reused_fid_samples"] = reuse
         return results
 
@@ -212,8 +212,9 @@ class Evaluator:
         self._clip.reset()
         return self._clip
 
-    def _replication_of(self, generated: torch.Tensor, rank: int, world: int) -> dict:
-        """Replication numbers of this rank's samples (indices rank, rank + world, ...) against train."""
+    def _replication_of(self, generated: torch.Tensor, count: int, rank: int, world: int) -> dict:
+        """Replication numbers of this rank's samples (indices rank, rank + world, ... < count: the
+        replication.num_samples drawn, fewer for a text run with fewer held-out captions) against train."""
         from pipelines.evaluation.replication import measure_replication
 
         rep, data = self.cfg.replication, self.run_cfg.data
@@ -224,7 +225,7 @@ class Evaluator:
                              f"data.val is empty; set data.val=DIR or replication.held_out=DIR")
         feature, feature_name = self._replication_feature(train)
         self._replication = measure_replication(
-            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, rep.num_samples, world),
+            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, count, world),
             max_train=rep.max_train, held_out_samples=rep.held_out_samples, neighbours=rep.neighbours,
             threshold=rep.threshold, pixel_size=rep.pixel_size, batch_size=self.cfg.batch_size,
             picture_pairs=rep.picture_pairs)
