@@ -36,6 +36,9 @@ from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.wrappers import unwrap, weights_module
 
+# why a text-conditional run's evaluation needs the held-out shards
+SAMPLED_FROM_CAPTIONS = "a text-conditional model is sampled from held-out captions for FID, CLIPScore and replication"
+
 
 def eval_config_of(run_cfg) -> EvalConfig:
     """The run config's `eval:` section when it has one, else the defaults."""
@@ -78,10 +81,7 @@ class Evaluator:
     # ------------------------------------------------------------------ per task
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data
-        folder = self.cfg.val or data.val
-        if not folder:
-            raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
-                             f"(or the eval setting val=DIR)")
+        folder = self._held_out_folder("the held-out evaluators need val shards")
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
                           max_samples=max_samples, rank=rank, world_size=world, desc="val", **text_reading(task))
 
@@ -180,24 +180,25 @@ class Evaluator:
                 raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
                                  f"rank generates num_samples / world images); use at least {world}")
 
-    def _held_out_folder(self) -> str:
+    def _held_out_folder(self, why: str) -> str:
+        """The held-out shards (the eval setting val, else data.val); none is an error saying `why` they are needed."""
         folder = self.cfg.val or self.run_cfg.data.val
         if not folder:
-            raise ValueError(f"run {self.run_cfg.name}: a text-conditional model is sampled from held-out captions "
-                             f"for FID, CLIPScore and replication, and data.val is empty; set data.val=DIR or the "
-                             f"eval setting val=DIR")
+            raise ValueError(f"run {self.run_cfg.name}: {why}, and data.val is empty; set data.val=DIR or the eval "
+                             f"setting val=DIR")
         return folder
 
     def _held_out_captions(self, count: int) -> list[str]:
         """The first `count` captions of the held-out shards in index order, read by rank 0 and handed
         to every rank (each rank samples from its share of them)."""
-        folder = self._held_out_folder()
+        folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
         return decided_on_rank0(lambda: read_captions(folder, count))
 
     def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
         """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
         the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
-        folder = self._held_out_folder()  # a rank that cannot read its share stops every rank, not only itself
+        # a rank that cannot read its share stops every rank, not only itself
+        folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
         found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text_features))
         return [found.get(i) for i in range(count)]
 
@@ -219,10 +220,8 @@ class Evaluator:
 
         rep, data = self.cfg.replication, self.run_cfg.data
         train = rep.train or data.train
-        held_out = rep.held_out or self.cfg.val or data.val
-        if not held_out:
-            raise ValueError(f"run {self.run_cfg.name}: replication needs held-out image shards as its baseline and "
-                             f"data.val is empty; set data.val=DIR or replication.held_out=DIR")
+        held_out = rep.held_out or self._held_out_folder(
+            "replication needs held-out image shards as its baseline (or replication.held_out=DIR)")
         feature, feature_name = self._replication_feature(train)
         self._replication = measure_replication(
             generated, train, held_out, feature=feature, sample_ids=np.arange(rank, count, world),
@@ -274,7 +273,7 @@ class Evaluator:
     def _captioned_images(self) -> str:
         """The image shards of the held-out captions: the held-out shards themselves, or where they hold
         latents, fid.reference naming the image shards they were encoded from (in the same order)."""
-        folder, reference = self._held_out_folder(), self.cfg.fid.reference
+        folder, reference = self._held_out_folder(SAMPLED_FROM_CAPTIONS), self.cfg.fid.reference
         if "latent_shape" in index_metadata(folder):
             if reference in ("train", "val"):
                 raise ValueError(f"eval config: the held-out shards {folder} hold latents; FID of a text-conditional "
