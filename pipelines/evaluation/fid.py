@@ -112,6 +112,13 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
     return FeatureNet(module.eval().requires_grad_(False), f"module-{name}-{weights_id}", cfg.weights or None)
 
 
+def load_feature_net(cfg: FIDConfig, folder: str) -> FeatureNet:
+    """`feature_net_from_config` for images of the shards in `folder` (the classifier is looked for
+    beside it), loaded by every rank from its node's disk: a node without the file stops every rank."""
+    shards_root = os.path.dirname(os.path.abspath(folder.rstrip("/")))
+    return on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
+
+
 # ----------------------------------------------------------------------------- reference statistics
 @dataclass
 class ReferenceStats:
@@ -219,9 +226,7 @@ class FIDEvaluator:
     @classmethod
     def from_config(cls, cfg: FIDConfig, reference_folder: str, *, resolution: int, channels: int,
                     device: str | torch.device = "cpu") -> "FIDEvaluator":
-        shards_root = os.path.dirname(os.path.abspath(reference_folder.rstrip("/")))
-        # every rank loads the network from its node's disk: a node without the file stops every rank
-        net = on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
+        net = load_feature_net(cfg, reference_folder)
         return cls(net, reference_folder, resolution=resolution,
                    channels=channels, max_reference=cfg.reference_samples, batch_size=cfg.batch_size,
                    stats_dir=cfg.stats_dir, device=device)

@@ -27,7 +27,7 @@ from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_i
 from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
-from pipelines.evaluation.fid import FIDEvaluator
+from pipelines.evaluation.fid import FIDEvaluator, load_feature_net
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks,
                                        on_every_rank, rank0_value, rank_and_world)
@@ -236,13 +236,8 @@ class Evaluator:
         if not rep.feature:
             return None, "pixels only"
         if self._replication_net is None:
-            from pipelines.evaluation.fid import feature_net_from_config
-
-            shards_root = os.path.dirname(os.path.abspath(train.rstrip("/")))
-            spec = FIDConfig(feature=rep.feature, weights=rep.weights)
             try:
-                # every rank loads it from its node's disk: a node without the file stops every rank
-                net = on_every_rank(lambda: feature_net_from_config(spec, shards_root))
+                net = load_feature_net(FIDConfig(feature=rep.feature, weights=rep.weights), train)
             except (FileNotFoundError, ValueError, TypeError) as e:
                 raise type(e)(f"eval config: replication.feature={rep.feature!r} replication.weights={rep.weights!r} "
                               f"(loaded as fid.feature / fid.weights would be): {e}") from e
