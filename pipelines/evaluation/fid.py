@@ -38,6 +38,13 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.float() * 255).round_().clamp_(0, 255).to(torch.uint8)
 
 
+def uint8_rgb(images: torch.Tensor) -> torch.Tensor:
+    """Float images [N, C, H, W] in [0, 1] -> uint8 RGB [N, 3, H, W] (`to_uint8`, grey repeated), as
+    saved to PNG: what Inception and CLIP's processor are fed."""
+    pixels = to_uint8(images)
+    return pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels
+
+
 def file_digest(path: str) -> str:
     """First 12 hex digits of the file's sha256: feature networks are told apart by their weights."""
     digest = hashlib.sha256()
@@ -70,10 +77,9 @@ class FeatureNet:
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
         """Float images [N, C, H, W] in [0, 1] -> the network's input, quantised to 8 bits for every
         network so generated images are measured as if saved to PNG, like the real ones were."""
-        pixels = to_uint8(images)
         if self.is_inception:
-            return pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels
-        return pixels.float() / 255.0
+            return uint8_rgb(images)
+        return to_uint8(images).float() / 255.0
 
 
 def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet:
