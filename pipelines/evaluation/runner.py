@@ -318,10 +318,11 @@ def _chain(first, rest):
 
 def _keeping(batches, kept: list, count: int):
     """`batches` passed on unchanged, their first `count` images appended to `kept` (on the CPU)."""
+    held = sum(len(x) for x in kept)
     for images in batches:
-        room = count - sum(len(x) for x in kept)
-        if room > 0:
-            kept.append(images[:room].cpu())
+        if held < count:
+            kept.append(images[:count - held].cpu())
+            held += len(kept[-1])
         yield images
 
 
