@@ -64,7 +64,7 @@ def load_clip(path: str) -> tuple[TensorFeatures, object]:
         raise ValueError(f"{SETTING}={path!r} holds a {config.model_type!r} model; CLIPScore needs a CLIPModel "
                          f"(vision and text towers)")
     try:
-        model = transformers.CLIPModel.from_pretrained(folder, local_files_only=True)
+        model = transformers.CLIPModel.from_pretrained(folder, config=config, local_files_only=True)
         processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"{SETTING}={path!r}: cannot load the CLIP and its processor (tokenizer and image "
