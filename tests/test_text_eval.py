@@ -21,8 +21,9 @@ from torchmetrics.multimodal.clip_score import CLIPScore
 
 from pipelines.config import ConfigError, load_config
 from pipelines.data.splits import read_captions
-from pipelines.evaluation.clip_score import clip_pixels, clip_score_metric, load_clip, scoring
+from pipelines.evaluation.clip_score import clip_score_metric, load_clip, scoring
 from pipelines.evaluation.config import load_eval_config
+from pipelines.evaluation.fid import uint8_rgb
 from pipelines.evaluation.runner import Evaluator, evaluate_checkpoint
 from pipelines.evaluation.sampling import generate_images
 from pipelines.training.loop import train
@@ -97,7 +98,7 @@ def test_clip_score_is_torchmetrics_value_of_the_samples_against_their_captions(
     images = torch.cat(list(generate_images(task, model, num_images=SAMPLES, steps=2, seed=0, batch_size=5,
                                             guidance_scale=2.0, captions=captions)))
     direct = CLIPScore(model_name_or_path=lambda: load_clip(clip))
-    direct.update(clip_pixels(images), captions)
+    direct.update(uint8_rgb(images), captions)
     assert evaluated["clip_score"] == pytest.approx(float(direct.compute()), rel=1e-5)
     # the same number from the raw transformers CLIPModel: 100 x the cosine, averaged, floored at 0
     assert evaluated["clip_score"] == pytest.approx(max(float(_cosines(clip, images, captions).mean()), 0), abs=1e-3)
@@ -126,7 +127,7 @@ def _cosines(clip: str, images: torch.Tensor, captions: list[str]) -> torch.Tens
 
     model = CLIPModel.from_pretrained(clip, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(clip, local_files_only=True)
-    pixels = processor(images=list(clip_pixels(images)), return_tensors="pt")["pixel_values"]
+    pixels = processor(images=list(uint8_rgb(images)), return_tensors="pt")["pixel_values"]
     tokens = processor(text=captions, return_tensors="pt", padding=True)
     with torch.no_grad():
         image = model.get_image_features(pixel_values=pixels).pooler_output
@@ -138,6 +139,18 @@ def _val_labels(count: int) -> list[int]:
     from sklearn.datasets import load_digits
 
     return [int(label) for label in load_digits().target[512:512 + count]]
+
+
+def test_replication_of_a_text_run_is_capped_at_its_held_out_captions(text_run, tmp_path):
+    # sample i is drawn from held-out caption i: val's 64 captions cap replication.num_samples=100 at 64
+    task, model, cfg = trained_task(text_run)
+    overrides = ["fid.enabled=false", "fid.sampler_steps=2", "fid.batch_size=32", "val_samples=8",
+                 "replication.enabled=true", "replication.num_samples=100", "replication.max_train=64",
+                 "replication.held_out_samples=16", "replication.neighbours=5", "replication.picture_pairs=0"]
+    details = Evaluator(cfg, load_eval_config(overrides=overrides), run_dir=text_run).evaluate(
+        task, model, write=False)["details"]
+    assert details["held_out_captions"] == details["replication_samples"] == 64
+    assert details["replication_reused_fid_samples"] is False
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torchmetrics.multimodal.clip_score import CLIPScore
 
-from pipelines.evaluation.fid import to_uint8
+from pipelines.evaluation.fid import uint8_rgb
 
 SETTING = "eval.clip_score.model"
 
@@ -64,7 +64,7 @@ def load_clip(path: str) -> tuple[TensorFeatures, object]:
         raise ValueError(f"{SETTING}={path!r} holds a {config.model_type!r} model; CLIPScore needs a CLIPModel "
                          f"(vision and text towers)")
     try:
-        model = transformers.CLIPModel.from_pretrained(folder, local_files_only=True)
+        model = transformers.CLIPModel.from_pretrained(folder, config=config, local_files_only=True)
         processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"{SETTING}={path!r}: cannot load the CLIP and its processor (tokenizer and image "
@@ -78,19 +78,13 @@ def clip_score_metric(path: str, device: str | torch.device = "cpu") -> CLIPScor
     return CLIPScore(model_name_or_path=lambda: (model, processor)).to(device)
 
 
-def clip_pixels(images: torch.Tensor) -> torch.Tensor:
-    """Float images [N, C, H, W] in [0, 1] -> uint8 RGB, as saved to PNG (FID measures them so too);
-    CLIP's processor rescales by 1/255 and resizes to its own side."""
-    pixels = to_uint8(images)
-    return pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels
-
-
 def scoring(batches: Iterable[torch.Tensor], metric: CLIPScore, captions: Sequence[str]) -> Iterator[torch.Tensor]:
     """`batches` passed on unchanged after adding each to `metric` with its captions: the i-th image
-    of the stream against captions[i]."""
+    of the stream against captions[i], as uint8 RGB (as saved to PNG, as FID measures them; CLIP's
+    processor rescales by 1/255 and resizes to its own side)."""
     seen = 0
     for images in batches:
-        metric.update(clip_pixels(images.to(metric.device)), list(captions[seen:seen + len(images)]))
+        metric.update(uint8_rgb(images.to(metric.device)), list(captions[seen:seen + len(images)]))
         seen += len(images)
         yield images
     if seen != len(captions):

@@ -134,6 +134,11 @@ def load_eval_config(base: EvalConfig | None = None, path: str | None = None, ov
     return cfg
 
 
+def _names_a_feature(value: str, accepted: tuple[str, ...]) -> bool:
+    """One of `accepted`, or module:package.module:factory."""
+    return value in accepted or (value.startswith("module:") and value.count(":") == 2)
+
+
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Values the type system cannot check; each message names the field and what it accepts."""
     def choice(name, value, accepted):
@@ -145,11 +150,11 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     choice("fid.inception_dim", cfg.fid.inception_dim, INCEPTION_DIMS)
     choice("fid.resize", cfg.fid.resize, INCEPTION_RESIZE)
     choice("probe.pool", cfg.probe.pool, PROBE_POOLS)
-    if cfg.fid.feature not in FID_FEATURES and not (cfg.fid.feature.startswith("module:") and cfg.fid.feature.count(":") == 2):
+    if not _names_a_feature(cfg.fid.feature, FID_FEATURES):
         raise ValueError(f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
                          f"{', '.join(FID_FEATURES)}, module:package.module:factory")
     rep = cfg.replication
-    if rep.feature not in REPLICATION_FEATURES and not (rep.feature.startswith("module:") and rep.feature.count(":") == 2):
+    if not _names_a_feature(rep.feature, REPLICATION_FEATURES):
         raise ValueError(f"eval config: replication.feature={rep.feature!r} is not accepted; accepted: '' (pixels "
                          f"only), classifier, module:package.module:factory")
     if not 0 < rep.threshold < 1:

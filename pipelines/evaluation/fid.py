@@ -38,6 +38,13 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (images.float() * 255).round_().clamp_(0, 255).to(torch.uint8)
 
 
+def uint8_rgb(images: torch.Tensor) -> torch.Tensor:
+    """Float images [N, C, H, W] in [0, 1] -> uint8 RGB [N, 3, H, W] (`to_uint8`, grey repeated), as
+    saved to PNG: what Inception and CLIP's processor are fed."""
+    pixels = to_uint8(images)
+    return pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels
+
+
 def file_digest(path: str) -> str:
     """First 12 hex digits of the file's sha256: feature networks are told apart by their weights."""
     digest = hashlib.sha256()
@@ -70,10 +77,9 @@ class FeatureNet:
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
         """Float images [N, C, H, W] in [0, 1] -> the network's input, quantised to 8 bits for every
         network so generated images are measured as if saved to PNG, like the real ones were."""
-        pixels = to_uint8(images)
         if self.is_inception:
-            return pixels.expand(-1, 3, -1, -1) if pixels.shape[1] == 1 else pixels
-        return pixels.float() / 255.0
+            return uint8_rgb(images)
+        return to_uint8(images).float() / 255.0
 
 
 def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet:
@@ -110,6 +116,13 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
     weights_id = file_digest(cfg.weights) if cfg.weights else "noweights"
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{module_name}.{factory_name}")
     return FeatureNet(module.eval().requires_grad_(False), f"module-{name}-{weights_id}", cfg.weights or None)
+
+
+def load_feature_net(cfg: FIDConfig, folder: str) -> FeatureNet:
+    """`feature_net_from_config` for images of the shards in `folder` (the classifier is looked for
+    beside it), loaded by every rank from its node's disk: a node without the file stops every rank."""
+    shards_root = os.path.dirname(os.path.abspath(folder.rstrip("/")))
+    return on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
 
 
 # ----------------------------------------------------------------------------- reference statistics
@@ -219,9 +232,7 @@ class FIDEvaluator:
     @classmethod
     def from_config(cls, cfg: FIDConfig, reference_folder: str, *, resolution: int, channels: int,
                     device: str | torch.device = "cpu") -> "FIDEvaluator":
-        shards_root = os.path.dirname(os.path.abspath(reference_folder.rstrip("/")))
-        # every rank loads the network from its node's disk: a node without the file stops every rank
-        net = on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
+        net = load_feature_net(cfg, reference_folder)
         return cls(net, reference_folder, resolution=resolution,
                    channels=channels, max_reference=cfg.reference_samples, batch_size=cfg.batch_size,
                    stats_dir=cfg.stats_dir, device=device)

@@ -104,18 +104,25 @@ def check_images(images: torch.Tensor, what: str) -> None:
                          f"[{low:.3g}, {high:.3g}]; map [-1, 1] images with (x + 1) / 2")
 
 
-def pixel_rows(images: torch.Tensor, side: int) -> np.ndarray:
-    """float32 [N, C * s * s], s = min(side, H): 8-bit pixels (as a saved PNG) in [0, 1], area-downsampled."""
-    x = to_uint8(images.cpu()).float() / 255.0
+def eight_bit(images: torch.Tensor) -> torch.Tensor:
+    """Float images in [0, 1] -> the same on the CPU at 8 bits (as a saved PNG), still float in [0, 1]:
+    what both searches measure, as FID feeds its networks."""
+    return to_uint8(images.cpu()).float() / 255.0
+
+
+def pixel_rows(pixels: torch.Tensor, side: int) -> np.ndarray:
+    """float32 [N, C * s * s], s = min(side, H): `eight_bit` pixels area-downsampled, in memory of their
+    own (the feature function is handed the same pixels next)."""
+    x = pixels
     if x.shape[-1] > side:
         x = F.interpolate(x, size=(side, side), mode="area")
-    return x.reshape(len(x), -1).numpy().astype(np.float32, copy=False)
+    return x.reshape(len(x), -1).numpy().astype(np.float32)
 
 
 def feature_rows(feature: FeatureFunction, images: torch.Tensor) -> np.ndarray:
-    """float32 [N, D] unit rows of `feature` on 8-bit images in [0, 1] (as FID feeds its networks)."""
+    """float32 [N, D] unit rows of `feature` on `eight_bit` images."""
     with torch.no_grad():
-        out = feature(to_uint8(images.cpu()).float() / 255.0)
+        out = feature(images)
     rows = np.asarray(out.detach().cpu().float() if isinstance(out, torch.Tensor) else out, dtype=np.float32)
     if rows.ndim != 2 or len(rows) != len(images):
         raise ValueError(f"replication feature {getattr(feature, '__name__', type(feature).__name__)}: expected "
@@ -129,6 +136,7 @@ def _query_rows(batches: Iterable[tuple[np.ndarray, torch.Tensor]], side: int, f
     ids, pixels, features = [np.zeros(0, dtype=np.int64)], [np.zeros((0, channels * side * side), np.float32)], []
     for batch_ids, images in batches:
         ids.append(np.asarray(batch_ids, dtype=np.int64))
+        images = eight_bit(images)
         pixels.append(pixel_rows(images, side))
         if feature is not None:
             features.append(feature_rows(feature, images))
@@ -305,6 +313,7 @@ def measure_replication(
     train_batches = _split_batches(train, "train", size=size, channels=channels, max_samples=max_train,
                                    batch_size=batch_size)
     for chunk_ids, images in _chunks(train_batches, TRAIN_ROWS_AT_ONCE):
+        images = eight_bit(images)
         search.add(chunk_ids, pixel_rows(images, side), None if feature is None else feature_rows(feature, images))
     search.merge_ranks()
     if search.count < 2:

@@ -27,7 +27,7 @@ from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_i
 from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
-from pipelines.evaluation.fid import FIDEvaluator
+from pipelines.evaluation.fid import FIDEvaluator, load_feature_net
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks,
                                        on_every_rank, rank0_value, rank_and_world)
@@ -35,6 +35,9 @@ from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_r
 from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.wrappers import unwrap, weights_module
+
+# why a text-conditional run's evaluation needs the held-out shards
+SAMPLED_FROM_CAPTIONS = "a text-conditional model is sampled from held-out captions for FID, CLIPScore and replication"
 
 
 def eval_config_of(run_cfg) -> EvalConfig:
@@ -78,10 +81,7 @@ class Evaluator:
     # ------------------------------------------------------------------ per task
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data
-        folder = self.cfg.val or data.val
-        if not folder:
-            raise ValueError(f"run {self.run_cfg.name}: data.val is empty; the held-out evaluators need val shards "
-                             f"(or the eval setting val=DIR)")
+        folder = self._held_out_folder("the held-out evaluators need val shards")
         return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
                           max_samples=max_samples, rank=rank, world_size=world, desc="val", **text_reading(task))
 
@@ -167,7 +167,7 @@ class Evaluator:
                                 "clip_score_guidance_scale": fid_cfg.guidance_scale})
         if rep_cfg.enabled:
             generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_count)])
-            results.update(self._replication_of(generated, rank, world))
+            results.update(self._replication_of(generated, rep_count, rank, world))
             results["replication_reused_fid_samples"] = reuse
         return results
 
@@ -180,24 +180,25 @@ class Evaluator:
                 raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
                                  f"rank generates num_samples / world images); use at least {world}")
 
-    def _held_out_folder(self) -> str:
+    def _held_out_folder(self, why: str) -> str:
+        """The held-out shards (the eval setting val, else data.val); none is an error saying `why` they are needed."""
         folder = self.cfg.val or self.run_cfg.data.val
         if not folder:
-            raise ValueError(f"run {self.run_cfg.name}: a text-conditional model is sampled from held-out captions "
-                             f"for FID, CLIPScore and replication, and data.val is empty; set data.val=DIR or the "
-                             f"eval setting val=DIR")
+            raise ValueError(f"run {self.run_cfg.name}: {why}, and data.val is empty; set data.val=DIR or the eval "
+                             f"setting val=DIR")
         return folder
 
     def _held_out_captions(self, count: int) -> list[str]:
         """The first `count` captions of the held-out shards in index order, read by rank 0 and handed
         to every rank (each rank samples from its share of them)."""
-        folder = self._held_out_folder()
+        folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
         return decided_on_rank0(lambda: read_captions(folder, count))
 
     def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
         """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
         the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
-        folder = self._held_out_folder()  # a rank that cannot read its share stops every rank, not only itself
+        # a rank that cannot read its share stops every rank, not only itself
+        folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
         found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text_features))
         return [found.get(i) for i in range(count)]
 
@@ -212,19 +213,18 @@ class Evaluator:
         self._clip.reset()
         return self._clip
 
-    def _replication_of(self, generated: torch.Tensor, rank: int, world: int) -> dict:
-        """Replication numbers of this rank's samples (indices rank, rank + world, ...) against train."""
+    def _replication_of(self, generated: torch.Tensor, count: int, rank: int, world: int) -> dict:
+        """Replication numbers of this rank's samples (indices rank, rank + world, ... < count: the
+        replication.num_samples drawn, fewer for a text run with fewer held-out captions) against train."""
         from pipelines.evaluation.replication import measure_replication
 
         rep, data = self.cfg.replication, self.run_cfg.data
         train = rep.train or data.train
-        held_out = rep.held_out or self.cfg.val or data.val
-        if not held_out:
-            raise ValueError(f"run {self.run_cfg.name}: replication needs held-out image shards as its baseline and "
-                             f"data.val is empty; set data.val=DIR or replication.held_out=DIR")
+        held_out = rep.held_out or self._held_out_folder(
+            "replication needs held-out image shards as its baseline (or replication.held_out=DIR)")
         feature, feature_name = self._replication_feature(train)
         self._replication = measure_replication(
-            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, rep.num_samples, world),
+            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, count, world),
             max_train=rep.max_train, held_out_samples=rep.held_out_samples, neighbours=rep.neighbours,
             threshold=rep.threshold, pixel_size=rep.pixel_size, batch_size=self.cfg.batch_size,
             picture_pairs=rep.picture_pairs)
@@ -236,13 +236,8 @@ class Evaluator:
         if not rep.feature:
             return None, "pixels only"
         if self._replication_net is None:
-            from pipelines.evaluation.fid import feature_net_from_config
-
-            shards_root = os.path.dirname(os.path.abspath(train.rstrip("/")))
-            spec = FIDConfig(feature=rep.feature, weights=rep.weights)
             try:
-                # every rank loads it from its node's disk: a node without the file stops every rank
-                net = on_every_rank(lambda: feature_net_from_config(spec, shards_root))
+                net = load_feature_net(FIDConfig(feature=rep.feature, weights=rep.weights), train)
             except (FileNotFoundError, ValueError, TypeError) as e:
                 raise type(e)(f"eval config: replication.feature={rep.feature!r} replication.weights={rep.weights!r} "
                               f"(loaded as fid.feature / fid.weights would be): {e}") from e
@@ -273,7 +268,7 @@ class Evaluator:
     def _captioned_images(self) -> str:
         """The image shards of the held-out captions: the held-out shards themselves, or where they hold
         latents, fid.reference naming the image shards they were encoded from (in the same order)."""
-        folder, reference = self._held_out_folder(), self.cfg.fid.reference
+        folder, reference = self._held_out_folder(SAMPLED_FROM_CAPTIONS), self.cfg.fid.reference
         if "latent_shape" in index_metadata(folder):
             if reference in ("train", "val"):
                 raise ValueError(f"eval config: the held-out shards {folder} hold latents; FID of a text-conditional "
@@ -323,10 +318,11 @@ def _chain(first, rest):
 
 def _keeping(batches, kept: list, count: int):
     """`batches` passed on unchanged, their first `count` images appended to `kept` (on the CPU)."""
+    held = sum(len(x) for x in kept)
     for images in batches:
-        room = count - sum(len(x) for x in kept)
-        if room > 0:
-            kept.append(images[:room].cpu())
+        if held < count:
+            kept.append(images[:count - held].cpu())
+            held += len(kept[-1])
         yield images
 
 

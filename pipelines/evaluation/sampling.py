@@ -73,10 +73,13 @@ def generate_images(
                          f"captions, {0 if captions is None else len(captions)} given")
     decode = decode or latent_decoder(task)
     device = next(model.parameters()).device
+    # guidance steers away from the null label, or the empty caption's features
+    null = task.cfg.num_classes if task.cfg.num_classes else None
+    if task.text_conditional:
+        null = task.text_encoder.null(device)
     was_training = model.training
     model.eval()
     scheduler = task.sampler()
-    null = task.cfg.num_classes if task.cfg.num_classes else None
     size = task.sample_size
     shape = (task.in_channels, *((size, size) if isinstance(size, int) else size))
     mine = np.arange(rank, num_images, world_size)
@@ -91,7 +94,6 @@ def generate_images(
                 labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
             if task.text_conditional:  # captions, or their precomputed features
                 labels = task.text_encoder.encode([captions[i] for i in indices], device)
-                null = task.text_encoder.null(device)
             with forward_precision(precision, device):
                 x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
                 images = decode(x)
