@@ -68,7 +68,9 @@ def assert_states_equal(a, b, path=""):
 
 @pytest.mark.parametrize(
     "config, extra",
-    [("mae_tiny_infobatch.yaml", TINY_MAE), ("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"]),
+    [("mae_tiny_infobatch.yaml", TINY_MAE),
+     # slow: the kill and the requeue are mae-infobatch's; TED's state resumes bitwise in-process below
+     pytest.param("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"], marks=pytest.mark.slow),
      pytest.param("ldm_dit_tiny_infobatch.yaml", ["data.val_batches=1"], marks=pytest.mark.slow)],
     ids=["mae-infobatch", "ldm-ted", "dit-flow-infobatch"],
 )
@@ -284,6 +286,15 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores
+
+
+def test_a_ted_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_path):
+    config = os.path.join(ROOT, "configs", "ldm_tiny_ted.yaml")
+    base = [*TINY_LDM, "passes=4", "pruner.ramp=0.5", "checkpoint.every_steps=10"]
+    (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])
 
 
 def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
