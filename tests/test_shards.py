@@ -550,6 +550,36 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
         index_shards([str(shards)], str(shards))
 
 
+def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_opened(tmp_path, monkeypatch):
+    """shards write leaves img2dataset's NNNNN_stats.json beside each tar: a copy of the folder is indexed
+    again from them, reading only the first shard's headers; --verify reads them all and catches a
+    shard changed after it was written."""
+    from tools import shards as shard_tools
+
+    make_image_folder(tmp_path / "images")
+    shard_tools.write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8,
+                             shard_size=25, val_fraction=0.25, seed=0, workers=0)
+    train = tmp_path / "out" / "train"
+    written = ShardIndex.load(str(train))
+    assert sorted(p.name for p in train.glob("*_stats.json")) == [
+        os.path.basename(url)[:-4] + "_stats.json" for url in written.urls]
+
+    moved = tmp_path / "moved"
+    shutil.copytree(train, moved)
+    (moved / "index.json").unlink()
+    opened = []
+    monkeypatch.setattr(shard_tools, "count_samples", lambda url: opened.append(url) or count_samples(url))
+    again = ShardIndex.load(index_shards([str(moved)], str(moved), workers=2))
+    assert again.counts.tolist() == written.counts.tolist() and again.meta["keys"] == ["cls", "png"]
+    assert [os.path.basename(u) for u in opened] == [os.path.basename(written.urls[0])], "only the first is read"
+
+    last = moved / os.path.basename(written.urls[-1])
+    write_tarwriter_shard(str(last), 2)  # rewritten after the stats: believed without --verify, caught with it
+    assert ShardIndex.load(index_shards([str(moved)], str(moved))).counts[-1] == written.counts[-1]
+    with pytest.raises(BadInputError, match=re.escape(last.name) + r": its tar headers hold 2 samples"):
+        index_shards([str(moved)], str(moved), verify=True)
+
+
 def test_cli_index_says_how_it_counted(tmp_path, capsys):
     from launch.cli import main
 

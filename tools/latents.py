@@ -8,13 +8,11 @@ does not decode, or has no caption when features are asked for, stops it.
 
 from __future__ import annotations
 
-import glob
 import io
 import os
 
 import numpy as np
 import torch
-import webdataset as wds
 
 from pipelines.data.decode import (CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, TEXT_FEATURES_FIELD, TEXT_NULL_FILE,
                                    SampleDecoder, caption)
@@ -22,6 +20,7 @@ from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.progress import progress
 from pipelines.tasks.diffusion import load_autoencoder
 from pipelines.tasks.text import TextCondition, TextEncoder
+from tools.shards import counted_shard_writer
 
 LATENT_FIELD = "latent.npy"
 LATENT_DTYPES = ("float16", "float32")
@@ -76,9 +75,6 @@ def encode_shards(
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
     encoder = TextEncoder(text_encoder, tokenizer, text_max_length, setting="text_encoder") if text_encoder else None
 
-    os.makedirs(out_folder, exist_ok=True)
-    for stale in glob.glob(os.path.join(out_folder, "shard-*.tar")):
-        os.remove(stale)
     entries: list[tuple[str, int]] = []
     latent_shape: list[int] = []
     fields_seen: set[str] = set()
@@ -105,10 +101,8 @@ def encode_shards(
             writer.write(record)
         pending.clear()
 
-    pattern = os.path.join(out_folder, "shard-%06d.tar")
     # One output shard per input shard: no size or count limit may split one.
-    with wds.ShardWriter(pattern, maxcount=int(index.counts.max()) + 1, maxsize=float("inf"), verbose=0) as writer:
-        writer.post = lambda fname: entries.append((fname, writer.count))
+    with counted_shard_writer(out_folder, entries, maxcount=int(index.counts.max()) + 1, maxsize=float("inf")) as writer:
         bar = progress(index.num_samples, desc=f"encoding {os.path.basename(out_folder.rstrip('/'))}", unit="img")
         for shard, (url, count, first_id) in enumerate(zip(index.urls, index.counts, index.first_ids)):
             if shard > 0:

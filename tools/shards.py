@@ -9,6 +9,7 @@ indexing reads tar headers only (or img2dataset's per-shard stats), shards in pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import io
@@ -27,6 +28,7 @@ from braceexpand import braceexpand
 from PIL import Image
 
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
+from pipelines.data.side_tables import write_json
 from pipelines.progress import progress, tracked
 from tools.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
 from tools.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
@@ -186,16 +188,37 @@ def write_samples(folder: str, samples: Iterable[dict], *, source: str, size: in
                   desc: str, total: int | None = None, **meta) -> str:
     """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
     `keys`); returns its path."""
-    os.makedirs(folder, exist_ok=True)
-    for stale in glob.glob(os.path.join(folder, "shard-*.tar")):
-        os.remove(stale)
     entries: list[tuple[str, int]] = []
-    pattern = os.path.join(folder, "shard-%06d.tar")
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0) as writer:
-        writer.post = lambda fname: entries.append((fname, writer.count))
+    with counted_shard_writer(folder, entries, maxcount=shard_size) as writer:
         for sample in tracked(samples, total=total, desc=desc, unit="img"):
             writer.write(sample)
     return ShardIndex.write(folder, entries, source=source, size=size, keys=keys, **meta)
+
+
+@contextlib.contextmanager
+def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) -> Iterator[wds.ShardWriter]:
+    """webdataset's ShardWriter over `folder`/shard-NNNNNN.tar (earlier shards there removed). Each
+    shard it closes is appended to `entries` as (path, samples) and gets img2dataset's
+    shard-NNNNNN_stats.json beside it, so `shards index` counts these shards again, anywhere they are
+    copied, without opening them (it reads the first shard's headers to check)."""
+    os.makedirs(folder, exist_ok=True)
+    for stale in glob.glob(os.path.join(folder, "shard-*.tar")) + glob.glob(os.path.join(folder, f"shard-*{STATS_SUFFIX}")):
+        os.remove(stale)
+    with wds.ShardWriter(os.path.join(folder, "shard-%06d.tar"), verbose=0, **limits) as writer:
+        def closed(path: str) -> None:
+            entries.append((path, writer.count))
+            write_shard_stats(path, writer.count)
+
+        writer.post = closed
+        yield writer
+
+
+def write_shard_stats(tar_path: str, samples: int) -> None:
+    """The counts of img2dataset's NNNNN_stats.json (img2dataset/logger.py `write_stats`) for a shard
+    of `samples` samples, none failed."""
+    write_json(tar_path[: -len(".tar")] + STATS_SUFFIX,
+               {"count": samples, "successes": samples, "failed_to_download": 0, "failed_to_resize": 0,
+                "written_by": "prunepipe"})
 
 
 def shard_urls(sources: list[str]) -> list[str]:

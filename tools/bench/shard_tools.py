@@ -2,7 +2,9 @@
 photographs bundled with scikit-image and scikit-learn, with jitter), writes it with `prunepipe
 shards write --source folder` (wall time, peak memory of the process tree), then indexes the written
 shards with this tree's `shards index` and another tree's (today's code: a checkout of main), run
-alternately, warm and with the shards evicted from the page cache; prints the times and the ratio.
+alternately, warm and with the shards evicted from the page cache, as written (shards write leaves
+img2dataset's stats files beside its tars) and without the stats files (every shard's headers read);
+prints the times and the ratio.
 
     python -m tools.bench.shard_tools --folder /tmp/bench_folder --images 100000 --old-tree /tmp/old_main
 
@@ -166,6 +168,23 @@ def large_member_shards(root: str, samples: int, member_bytes: int, shard_size: 
     return plain, stats
 
 
+def tars_only(shards: str) -> str:
+    """`shards`' tars alone, hard-linked into `shards`_tars: indexed there, every shard's headers are
+    read, as for shards another writer made without stats files."""
+    folder = shards.rstrip("/") + "_tars"
+    os.makedirs(folder, exist_ok=True)
+    tars = {os.path.basename(url) for url in glob.glob(os.path.join(shards, "*.tar"))}
+    for gone in set(os.listdir(folder)) - tars:
+        os.remove(os.path.join(folder, gone))
+    for url in glob.glob(os.path.join(shards, "*.tar")):
+        link = os.path.join(folder, os.path.basename(url))
+        if os.path.exists(link) and not os.path.samefile(link, url):
+            os.remove(link)  # a tar written again since
+        if not os.path.exists(link):
+            os.link(url, link)
+    return folder
+
+
 def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats: int,
                   workers: int | None = None) -> None:
     """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold, the new one
@@ -246,8 +265,13 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = [("new", HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
     workers = args.index_workers
-    if not args.skip_write or os.path.isdir(os.path.join(out, "train")):
-        compare_index("the written folder's train shards", os.path.join(out, "train"), sides, args.repeats, workers)
+    train = os.path.join(out, "train")
+    if not args.skip_write or os.path.isdir(train):
+        stated = len(glob.glob(os.path.join(train, "*_stats.json")))
+        compare_index(f"the written folder's train shards, as written ({stated} img2dataset stats files beside "
+                      "them)", train, sides, args.repeats, workers)
+        compare_index("the same tars without their stats files (headers read)", tars_only(train), sides,
+                      args.repeats, workers)
     if args.large_members:
         plain, stats = large_member_shards(out + "_large", args.large_members, args.member_kib * 1024)
         compare_index(f"{args.large_members} samples of {args.member_kib} KiB", plain, sides, args.repeats, workers)
