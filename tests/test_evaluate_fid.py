@@ -118,8 +118,9 @@ def test_fid_split_over_two_ranks_equals_one_process(shards, classifier, real_im
     images = real_images[HALF:HALF + 300]
     single = evaluator(shards, classifier, tmp_path, stats_dir=str(tmp_path / "single")).score(batches(images))
     stats_dir = str(tmp_path / "split")  # an empty cache: the two ranks compute the reference together
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), shards, classifier, stats_dir, images, str(tmp_path)),
-             nprocs=2, join=True)
+    # forked from this process's imports (as test_evaluate_ranks.run_ranks): a spawned rank re-imports torch
+    mp.start_processes(_rank_main, args=(2, str(tmp_path / "init"), shards, classifier, stats_dir, images,
+                                         str(tmp_path)), nprocs=2, join=True, start_method="fork")
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     for result in results:
         assert result["fid"] == pytest.approx(single["fid"], rel=1e-5)
