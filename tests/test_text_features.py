@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -236,6 +237,25 @@ def test_a_run_on_precomputed_features_trains_exports_and_is_evaluated_offline(s
     record = evaluate_checkpoint(stored_run.run_dir, eval_cfg=eval_cfg)
     assert all(math.isfinite(v) for v in record["metrics"].values()) and {"fid", "clip_score"} <= set(record["metrics"])
     assert record["details"]["held_out_captions"] == record["details"]["clip_score_samples"]
+
+
+    # Never evaluated on another encoder's features: held-out shards named by the eval setting val=DIR,
+    # or a run config whose splits were encoded again since (a copy of the run pointed at them).
+    other = write_tiny_text_encoder(str(tmp_path / "other"), ["a different vocabulary"], hidden_size=16, layers=1,
+                                    max_length=8)
+    encode_shards(f"{captioned}/val", os.path.join(os.path.dirname(stored_run.data.train), "vae"),
+                  str(tmp_path / "val_other"), resolution=8, text_encoder=other, text_max_length=8)
+    quick = ["fid.enabled=false"]
+    with pytest.raises(ValueError, match=r"trained with text encoder .*, but the held-out shards .*val_other is"):
+        evaluate_checkpoint(stored_run.run_dir, eval_cfg=load_eval_config(overrides=[f"val={tmp_path}/val_other",
+                                                                                      *quick]), write=False)
+    moved = tmp_path / "moved"
+    shutil.copytree(stored_run.run_dir, moved)
+    config = moved / "config.yaml"
+    config.write_text(config.read_text().replace(stored_run.data.train, f"{tmp_path}/val_other")
+                      .replace(stored_run.data.val, f"{tmp_path}/val_other"))
+    with pytest.raises(ValueError, match=r"trained with text encoder .*, but the task's text encoder is"):
+        evaluate_checkpoint(str(moved), eval_cfg=load_eval_config(overrides=quick), write=False)
 
 
 def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encoder(features16, encoder,  # noqa: F811

@@ -34,6 +34,7 @@ from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather
 from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
 from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task, text_reading
+from pipelines.tasks.text import identity_key
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 # why a text-conditional run's evaluation needs the held-out shards
@@ -326,6 +327,23 @@ def _keeping(batches, kept: list, count: int):
         yield images
 
 
+def check_text_identity(checkpoint: str, trained_on: str, task, held_out: str) -> None:
+    """A text run is evaluated with the encoder it trained with (`trained_on`, its checkpoint's record):
+    the task's, and for precomputed features the held-out shards' too (an eval setting val=DIR may
+    name shards the run config never saw). A model fed another encoder's features scores nothing."""
+    if not trained_on:
+        return
+    found = {"the task's text encoder": task.text_identity}
+    if task.text_features != (0, 0) and held_out:
+        info = index_metadata(held_out).get("text_encoder")
+        found[f"the held-out shards {held_out}"] = identity_key(info) if isinstance(info, dict) else "none"
+    for what, identity in found.items():
+        if identity != trained_on:
+            raise ValueError(f"{checkpoint}: the run trained with text encoder {trained_on}, but {what} is "
+                             f"{identity or 'none'}: evaluate on shards encoded with the run's --text-encoder and "
+                             f"--text-max-length")
+
+
 def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
                         config_path: str | None = None, overrides: list[str] = (), runs_dir: str = "runs",
                         device: str | None = None, write: bool = True) -> dict:
@@ -344,6 +362,8 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     states = load_checkpoint_states(folder)
     with torch.random.fork_rng(devices=[]):  # building the model draws an initialisation we overwrite
         task = build_task(run_cfg)
+    check_text_identity(folder, (states["position"] or {}).get("text_identity", ""), task,
+                        eval_cfg.val or run_cfg.data.val)
     model = task.model
     model.load_state_dict(states["model"], strict=True)
     if eval_cfg.weights == "ema":
