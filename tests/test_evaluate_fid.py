@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import scipy.linalg
 import torch
-import torch.multiprocessing as mp
 from eval_runs import feature_net, one_torch_thread, session_dir
+from test_evaluate_ranks import run_ranks
 
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import FIDConfig
@@ -118,9 +118,7 @@ def test_fid_split_over_two_ranks_equals_one_process(shards, classifier, real_im
     images = real_images[HALF:HALF + 300]
     single = evaluator(shards, classifier, tmp_path, stats_dir=str(tmp_path / "single")).score(batches(images))
     stats_dir = str(tmp_path / "split")  # an empty cache: the two ranks compute the reference together
-    # forked from this process's imports (as test_evaluate_ranks.run_ranks): a spawned rank re-imports torch
-    mp.start_processes(_rank_main, args=(2, str(tmp_path / "init"), shards, classifier, stats_dir, images,
-                                         str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    run_ranks(_rank_main, 2, str(tmp_path / "init"), shards, classifier, stats_dir, images, str(tmp_path))
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     for result in results:
         assert result["fid"] == pytest.approx(single["fid"], rel=1e-5)

@@ -144,7 +144,7 @@ def test_diffusion_evaluation_on_two_ranks_equals_one_process(one_and_two_ranks)
 # train digits as its held-out set: reconstruction of all of them, and the probe's features of them
 # twice (as its train and its val images). 12 s in one process on one core of the 2-core test machine
 # at load average 1 (64 px and depth 4 took 24 s there, 33 to 41 s at load 4 to 7): the timeout below
-# is half of it, so the proportions, not the seconds, make the test.
+# is three quarters of it, so the proportions, not the seconds, make the test.
 SLOW_MAE = ["data.resolution=48", "mae.embed_dim=192", "mae.depth=2", "mae.num_heads=3",
             "mae.decoder_embed_dim=128", "mae.decoder_depth=2", "mae.decoder_num_heads=4", "eval.batch_size=64"]
 
@@ -183,10 +183,11 @@ def test_an_evaluation_longer_than_the_timeout_completes_when_every_rank_does_it
     start = time.perf_counter()
     one = Evaluator(cfg).evaluate(task, task.model, write=False)
     alone_s = time.perf_counter() - start
-    # Half of it: rank 0 evaluating alone would keep the other ranks in their next collective for
-    # all of alone_s, past this timeout. Sharing the work, each rank waits only for the difference
-    # between the two ranks' shares, however long each share takes.
-    timeout_s = alone_s / 2
+    # Three quarters of it: rank 0 evaluating alone would keep the other ranks in their next
+    # collective for all of alone_s, past this timeout. Sharing the work, each rank waits only for the
+    # difference between the two ranks' shares, however long each share takes; the quarter left over
+    # is room for a loaded machine to run one rank's half later than the other's.
+    timeout_s = 0.75 * alone_s
     print(f"one process: {alone_s:.1f} s, the process group's timeout: {timeout_s:.1f} s")
     run_ranks(_evaluate_then_meet, 2, str(tmp_path / "init"), digits_shards, timeout_s, str(tmp_path))
     ranks = results_of(tmp_path, 2)

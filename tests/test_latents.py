@@ -55,6 +55,10 @@ def test_latent_shards_keep_counts_keys_and_labels_in_order(digits_shards, laten
     assert [s["__key__"] for s in after] == [s["__key__"] for s in before]
     assert [s["cls"] for s in after] == [s["cls"] for s in before]
     assert all("png" not in s and LATENT_FIELD in s for s in after)
+    for url, count in zip(latent.urls, latent.counts):  # each shard's stats, as shards write leaves them
+        with open(url[:-len(".tar")] + "_stats.json") as f:
+            stats = json.load(f)
+        assert stats["successes"] == stats["count"] == count and stats["tar_bytes"] == os.path.getsize(url)
 
     with open(latent.path) as f:
         meta = json.load(f)

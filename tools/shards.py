@@ -27,7 +27,7 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
-from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
+from pipelines.data.shards import INDEX_NAME, BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.data.side_tables import write_json
 from pipelines.progress import progress, tracked
 from tools.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
@@ -197,13 +197,16 @@ def write_samples(folder: str, samples: Iterable[dict], *, source: str, size: in
 
 @contextlib.contextmanager
 def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) -> Iterator[wds.ShardWriter]:
-    """webdataset's ShardWriter over `folder`/shard-NNNNNN.tar (earlier shards there removed). Each
-    shard it closes is appended to `entries` as (path, samples) and gets img2dataset's
-    shard-NNNNNN_stats.json beside it, so `shards index` counts these shards again, anywhere they are
-    copied, without opening them (it reads the first shard's headers to check)."""
+    """webdataset's ShardWriter over `folder`/shard-NNNNNN.tar. Each shard it closes is appended to
+    `entries` as (path, samples) and gets img2dataset's shard-NNNNNN_stats.json beside it, so that
+    `shards index` counts these shards again, wherever the folder is copied on local or mounted
+    storage, from a stat and the stats file (it reads the first shard's headers to check)."""
     os.makedirs(folder, exist_ok=True)
-    for stale in glob.glob(os.path.join(folder, "shard-*.tar")) + glob.glob(os.path.join(folder, f"shard-*{STATS_SUFFIX}")):
-        os.remove(stale)
+    # an earlier write's shards, stats and index go first: a write that dies midway leaves no index
+    # over a mix of old and new tars
+    for pattern in (INDEX_NAME, "shard-*.tar", f"shard-*{STATS_SUFFIX}"):
+        for stale in glob.glob(os.path.join(folder, pattern)):
+            os.remove(stale)
     with wds.ShardWriter(os.path.join(folder, "shard-%06d.tar"), verbose=0, **limits) as writer:
         def closed(path: str) -> None:
             entries.append((path, writer.count))
@@ -215,10 +218,11 @@ def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) 
 
 def write_shard_stats(tar_path: str, samples: int) -> None:
     """The counts of img2dataset's NNNNN_stats.json (img2dataset/logger.py `write_stats`) for a shard
-    of `samples` samples, none failed."""
+    of `samples` samples, none failed, and the tar's size (`tar_bytes`, ours): a tar cut short or
+    written again since no longer matches it."""
     write_json(tar_path[: -len(".tar")] + STATS_SUFFIX,
                {"count": samples, "successes": samples, "failed_to_download": 0, "failed_to_resize": 0,
-                "written_by": "prunepipe"})
+                "tar_bytes": os.path.getsize(tar_path), "written_by": "prunepipe"})
 
 
 def shard_urls(sources: list[str]) -> list[str]:
@@ -241,22 +245,44 @@ def img2dataset_stats_path(url: str) -> str | None:
     """img2dataset's NNNNN_stats.json beside a local NNNNN.tar, when there is one."""
     if urlparse(url).scheme not in ("", "file") or not url.endswith(".tar"):
         return None
-    path = url.removeprefix("file://").removeprefix("file:")[: -len(".tar")] + STATS_SUFFIX
+    path = local_path(url)[: -len(".tar")] + STATS_SUFFIX
     return path if os.path.isfile(path) else None
 
 
-def img2dataset_count(stats_path: str) -> int:
-    """The samples img2dataset wrote to a shard: its stats file's `successes` (the others failed to
-    download or resize and are not in the tar)."""
+def local_path(url: str) -> str:
+    return url.removeprefix("file://").removeprefix("file:")
+
+
+def img2dataset_count(stats_path: str) -> tuple[int, int | None]:
+    """The samples img2dataset wrote to a shard, its stats file's `successes` (the others failed to
+    download or resize and are not in the tar), and the tar's size when the file records it
+    (`tar_bytes`, which `shards write` adds)."""
     try:
         with open(stats_path) as f:
-            successes = json.load(f)["successes"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            stats = json.load(f)
+        successes, size = stats["successes"], stats.get("tar_bytes")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{stats_path}: expected img2dataset's stats, a JSON object with an integer "
                          f"'successes': {e!r}") from e
-    if not isinstance(successes, int) or successes < 0:
-        raise ValueError(f"{stats_path}: 'successes' must be a non-negative integer, got {successes!r}")
-    return successes
+    for name, value in (("successes", successes), ("tar_bytes", size)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{stats_path}: '{name}' must be a non-negative integer, got {value!r}")
+    return successes, size
+
+
+def looks_whole(tar_path: str, size: int | None) -> bool:
+    """Whether a local tar is as its stats file describes it, for the price of a stat and a 1 KiB read:
+    the size the file records, or, without one, whole 512-byte blocks ending in the two zero blocks
+    every tar writer closes an archive with. A tar cut short in a copy fails this (its headers are then
+    read, and name the damage)."""
+    actual = os.path.getsize(tar_path)
+    if size is not None:
+        return actual == size
+    if actual < 1024 or actual % 512:
+        return False
+    with open(tar_path, "rb") as f:
+        f.seek(actual - 1024)
+        return not any(f.read(1024))
 
 
 class ShardCount(NamedTuple):
@@ -270,8 +296,8 @@ def count_shard(url: str, read_headers: bool) -> ShardCount:
     """One shard's samples: the count of img2dataset's stats file when one sits beside it, else (or
     also, with `read_headers`, and then the two must agree) from its tar headers."""
     stats_path = img2dataset_stats_path(url)
-    stated = img2dataset_count(stats_path) if stats_path else None
-    if stated is not None and not read_headers:
+    stated, size = img2dataset_count(stats_path) if stats_path else (None, None)
+    if stated is not None and not read_headers and looks_whole(local_path(url), size):
         return ShardCount(stated, [], True, False)
     count, fields = count_samples(url)
     if stated is not None and stated != count:

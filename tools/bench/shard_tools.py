@@ -203,7 +203,7 @@ def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats
         for _ in range(repeats):
             for name, tree in sides:  # alternated, so that changing load falls on both
                 if cache == "cold":
-                    evict(urls)
+                    evict(urls + glob.glob(os.path.join(shards, "*_stats.json")))  # what index reads
                 seconds, read_bytes = index_seconds(tree, shards, index_out, workers if name == "new" else None)
                 times[name].append(seconds)
                 fetched[name].append(read_bytes)
