@@ -173,10 +173,10 @@ def tars_only(shards: str) -> str:
     read, as for shards another writer made without stats files."""
     folder = shards.rstrip("/") + "_tars"
     os.makedirs(folder, exist_ok=True)
-    tars = {os.path.basename(url) for url in glob.glob(os.path.join(shards, "*.tar"))}
-    for gone in set(os.listdir(folder)) - tars:
+    urls = glob.glob(os.path.join(shards, "*.tar"))
+    for gone in set(os.listdir(folder)) - {os.path.basename(url) for url in urls}:
         os.remove(os.path.join(folder, gone))
-    for url in glob.glob(os.path.join(shards, "*.tar")):
+    for url in urls:
         link = os.path.join(folder, os.path.basename(url))
         if os.path.exists(link) and not os.path.samefile(link, url):
             os.remove(link)  # a tar written again since
