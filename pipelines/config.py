@@ -31,7 +31,7 @@ from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, ch
 from pipelines.tasks.dit import DIT_PRESETS
 from pipelines.tasks.flow import FLOW_WEIGHTINGS
 from pipelines.tasks.mae import MAEConfig
-from pipelines.tasks.text import PRECOMPUTED_TEXT, identity_key
+from pipelines.tasks.text import PRECOMPUTED_TEXT, stored_identity
 from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
 TASKS = ("mae", "ldm")
@@ -345,12 +345,12 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
         if not folder or not os.path.exists(os.path.join(folder, "index.json") if os.path.isdir(folder) else folder):
             continue  # a missing split is named where it is read
         index = ShardIndex.load(folder)
-        info = index.meta.get("text_encoder")
-        if not isinstance(info, dict):
+        identity = stored_identity(index.meta)
+        if not identity:
             raise ConfigError(f"config: ldm.text_encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
                               f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                               f"encode ... --text-encoder PATH`")
-        made_by[setting] = f"{identity_key(info)}, width {index.meta.get('text_width')}"
+        made_by[setting] = f"{identity}, width {index.meta.get('text_width')}"
     if len(set(made_by.values())) > 1:
         listed = "; ".join(f"{setting}: {made}" for setting, made in made_by.items())
         raise ConfigError(f"config: the splits' text features come from different encoders or caption lengths "

@@ -34,7 +34,7 @@ from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather
 from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
 from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.tasks.build import build_task, text_reading
-from pipelines.tasks.text import identity_key
+from pipelines.tasks.text import stored_identity
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 # why a text-conditional run's evaluation needs the held-out shards
@@ -335,8 +335,7 @@ def check_text_identity(checkpoint: str, trained_on: str, task, held_out: str) -
         return
     found = {"the task's text encoder": task.text_identity}
     if task.text_features != (0, 0) and held_out:
-        info = index_metadata(held_out).get("text_encoder")
-        found[f"the held-out shards {held_out}"] = identity_key(info) if isinstance(info, dict) else "none"
+        found[f"the held-out shards {held_out}"] = stored_identity(index_metadata(held_out))
     for what, identity in found.items():
         if identity != trained_on:
             raise ValueError(f"{checkpoint}: the run trained with text encoder {trained_on}, but {what} is "

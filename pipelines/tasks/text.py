@@ -162,6 +162,13 @@ def identity_key(info: dict) -> str:
     return f"{info['digest']} ({info['max_length']} tokens)"
 
 
+def stored_identity(meta: dict) -> str:
+    """identity_key of the text features a split's index.json records (`latents encode
+    --text-encoder`), "" where it records none."""
+    info = meta.get("text_encoder")
+    return identity_key(info) if isinstance(info, dict) else ""
+
+
 class PrecomputedText:
     """The text features `prunepipe latents encode --text-encoder` stored beside the latents: each
     sample's real tokens (text.npy), the empty caption's (text_null.npy beside index.json), and the
