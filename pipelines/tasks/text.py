@@ -93,6 +93,7 @@ class TextEncoder:
             raise FileNotFoundError(f"ldm.tokenizer={self.tokenizer_path!r}: no tokenizer there: "
                                     f"{str(e).splitlines()[0]}") from None
         self._null: TextCondition | None = None
+        self._identity: dict | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -108,7 +109,7 @@ class TextEncoder:
     def encode(self, captions: list[str] | tuple[str, ...], device=None) -> TextCondition:
         """Captions -> their features, padded to max_length (a fixed shape: a sample's features do not
         depend on its batch-mates) and truncated beyond it; float32, whatever autocast runs the encoder in."""
-        device = torch.device(device) if device is not None else self.device
+        device = indexed(device) if device is not None else self.device
         if self.device != device:
             self.model.to(device)  # the loop moves only the trained model
         tokens = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
@@ -127,7 +128,13 @@ class TextEncoder:
     def identity(self) -> dict:
         """What an export records to find this encoder again and notice another in its place: the
         folders, the class, max_length, and a SHA-256 of the config and tokenizer files with each
-        weight file's name and size (not its bytes: T5-XXL's are ~9 GB)."""
+        weight file's name and size (not its bytes: T5-XXL's are ~9 GB). Hashed once: the start, a
+        resume and the export ask for it, every rank of a job from a shared file system."""
+        if self._identity is None:
+            self._identity = self._hashed_identity()
+        return dict(self._identity)
+
+    def _hashed_identity(self) -> dict:
         digest = hashlib.sha256()
         for folder in dict.fromkeys((self.path, self.tokenizer_path)):
             for name in sorted(os.listdir(folder)):
@@ -198,10 +205,6 @@ class PrecomputedText:
     @property
     def hidden_size(self) -> int:
         return self.width
-
-    @property
-    def digest(self) -> str:
-        return self.info["digest"]
 
     def encode(self, tokens, device=None) -> TextCondition:
         """Samples' stored features ([n, D] arrays) -> the TextCondition TextEncoder.encode gives
