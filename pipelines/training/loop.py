@@ -29,7 +29,7 @@ from pipelines.data.shards import ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
-from pipelines.evaluation.ranks import same_on_every_rank
+from pipelines.evaluation.ranks import on_every_rank, same_on_every_rank
 from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
 from pipelines.progress import EveryFewSeconds, progress
 from pipelines.tasks.build import build_task, text_reading
@@ -148,7 +148,9 @@ def train(cfg: RunConfig) -> dict:
     cfg = with_peak_learning_rate(cfg, world, announce=main)  # config.yaml keeps optim.blr as given
 
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
-    task = build_task(cfg)
+    # each rank loads its model's parts (a text encoder, the shards' records) from its own node: one
+    # that cannot stops every rank here, not only itself while the others wait in the next collective
+    task = on_every_rank(lambda: build_task(cfg))
     if getattr(task, "text_identity", ""):  # each rank loaded the encoder (or its features' record) from its node
         same_on_every_rank(task.text_identity, f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
                            "text encoders (files and caption length)")
