@@ -77,6 +77,7 @@ class Evaluator:
         self._fid: FIDEvaluator | None = None
         self._clip = None  # torchmetrics' CLIPScore on eval.clip_score.model, loaded once
         self._replication_net = None  # replication.feature's network, loaded once
+        self._captions, self._captions_read = [], None  # the held-out captions, and (folder, count) read
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
 
     # ------------------------------------------------------------------ per task
@@ -191,9 +192,12 @@ class Evaluator:
 
     def _held_out_captions(self, count: int) -> list[str]:
         """The first `count` captions of the held-out shards in index order, read by rank 0 and handed
-        to every rank (each rank samples from its share of them)."""
+        to every rank (each rank samples from its share of them); read once a run, not each evaluation."""
         folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
-        return decided_on_rank0(lambda: read_captions(folder, count))
+        if self._captions_read != (folder, count):
+            self._captions = decided_on_rank0(lambda: read_captions(folder, count))
+            self._captions_read = (folder, count)
+        return self._captions
 
     def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
         """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
