@@ -23,7 +23,7 @@ from omegaconf.errors import (
 from pipelines.data.augment import CROPS
 from pipelines.data.decode import FLIPPED_LATENT_FIELD
 from pipelines.data.group_table import group_table_path
-from pipelines.data.shards import ShardIndex
+from pipelines.data.shards import ShardIndex, index_file
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
@@ -252,7 +252,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
     for name in ("train", "val"):
         folder = getattr(cfg.data, name)
-        if folder and not os.path.exists(os.path.join(folder, "index.json") if os.path.isdir(folder) else folder):
+        if folder and not os.path.exists(index_file(folder)):
             raise ConfigError(
                 f"config: data.{name}={folder!r} holds no index.json; write shards with "
                 f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
@@ -300,7 +300,7 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
         raise ConfigError("config: pruner.name=dedup needs pruner.groups: a near-duplicate group table beside "
                           "data.train (NAME for groups/NAME.npy there, or a path)")
     train = cfg.data.train
-    if groups and train and os.path.exists(os.path.join(train, "index.json") if os.path.isdir(train) else train):
+    if groups and train and os.path.exists(index_file(train)):
         path = group_table_path(str(groups), train)
         if not os.path.exists(path):
             raise ConfigError(f"config: pruner.groups={groups!r}: no group table at {path}")
@@ -342,7 +342,7 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     made_by = {}
     for setting, folder in (("data.train", cfg.data.train), ("data.val", cfg.data.val), ("eval.val", cfg.eval.val)):
-        if not folder or not os.path.exists(os.path.join(folder, "index.json") if os.path.isdir(folder) else folder):
+        if not folder or not os.path.exists(index_file(folder)):
             continue  # a missing split is named where it is read
         index = ShardIndex.load(folder)
         identity = stored_identity(index.meta)
@@ -369,8 +369,7 @@ def _validate_augmentations(cfg: RunConfig) -> None:
         raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
                           f"precomputed latents, which cannot be cropped; use data.crop=center")
     train = cfg.data.train
-    if not (cropped or cfg.data.hflip) or not train or not os.path.exists(
-            os.path.join(train, "index.json") if os.path.isdir(train) else train):
+    if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):
         return
     index = ShardIndex.load(train)
     if "latent_shape" not in index.meta:  # what `prunepipe latents encode` records

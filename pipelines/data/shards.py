@@ -63,7 +63,7 @@ class ShardIndex:
     @classmethod
     def load(cls, location: str) -> "ShardIndex":
         """Read `index.json` from a folder (or the file itself); relative urls resolve beside it."""
-        path = os.path.join(location, INDEX_NAME) if os.path.isdir(location) else location
+        path = index_file(location)
         if not os.path.exists(path):
             raise FileNotFoundError(
                 f"no shard index at {path}: write shards with `prunepipe shards write` or index "
@@ -98,6 +98,11 @@ class ShardIndex:
             json.dump({"shards": shards, **meta}, f, indent=1)
         os.replace(tmp, path)
         return path
+
+
+def index_file(location: str) -> str:
+    """The index.json a split's location names: the file in a folder, or the file itself."""
+    return os.path.join(location, INDEX_NAME) if os.path.isdir(location) else location
 
 
 def _is_local(url: str) -> bool:

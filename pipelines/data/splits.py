@@ -6,7 +6,6 @@ not). Never skips a bad sample silently: it stops, naming shard and key.
 from __future__ import annotations
 
 import json
-import os
 from typing import Iterator
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 
 from pipelines.data.batch import Batch, text_fields
 from pipelines.data.decode import SampleDecoder, caption, text_features
-from pipelines.data.shards import ShardIndex, read_shard
+from pipelines.data.shards import ShardIndex, index_file, read_shard
 from pipelines.progress import progress
 
 
@@ -122,7 +121,7 @@ def _batch(decoder: SampleDecoder, ids, images, labels, texts) -> Batch:
 
 def index_metadata(folder: str) -> dict:
     """The extra keys of a split's index.json (tools/latents.py records vae, latent_shape, ...)."""
-    path = os.path.join(folder, "index.json") if os.path.isdir(folder) else folder
+    path = index_file(folder)
     with open(path) as f:
         raw = json.load(f)
     return {k: v for k, v in raw.items() if k != "shards"}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
+from pipelines.data.shards import index_file
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import FIDConfig
 from pipelines.evaluation.ranks import decided_on_rank0, on_every_rank, rank_and_world
@@ -143,7 +144,7 @@ class ReferenceStats:
 def reference_cache_path(folder: str, net: FeatureNet, resolution: int, count: int, stats_dir: str = "") -> str:
     """`fid_stats/<network>_<resolution>px_<count>_<index digest>.npz` beside the shards (or in
     `stats_dir`): a changed index.json, network, resolution or count is a different file."""
-    index = os.path.join(folder, "index.json") if os.path.isdir(folder) else folder
+    index = index_file(folder)
     name = f"{net.identity}_{resolution}px_{count}_{file_digest(index)}.npz"
     return os.path.join(stats_dir or os.path.join(os.path.dirname(os.path.abspath(index)), "fid_stats"), name)
 
