@@ -81,10 +81,9 @@ class SampleDecoder:
         else:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
             if field is None:
-                present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
                 raise BadInputError(
                     f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS + LATENT_FIELDS)}; "
-                    f"has: {present})"
+                    f"has: {_fields(sample)})"
                 )
             tensor = self._image(sample, field, sample_id, epoch)
         return tensor, self._label(sample)
@@ -141,11 +140,7 @@ class SampleDecoder:
 
     @staticmethod
     def _latent(sample: dict, field: str) -> torch.Tensor:
-        try:
-            array = np.load(io.BytesIO(sample[field]), allow_pickle=False)
-        except Exception as e:  # noqa: BLE001
-            raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as a .npy array: {e}") from e
-        return torch.from_numpy(np.asarray(array, dtype=np.float32))
+        return torch.from_numpy(np.asarray(_npy(sample, field), dtype=np.float32))
 
     def _label(self, sample: dict) -> int:
         field = next((f for f in LABEL_FIELDS if f in sample), None)
@@ -166,8 +161,7 @@ def caption(sample: dict) -> str:
     input, never a silently unconditional sample."""
     raw = sample.get(CAPTION_FIELD)
     if raw is None:
-        present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
-        raise BadInputError(f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}; has: {present})")
+        raise BadInputError(f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}; has: {_fields(sample)})")
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -180,21 +174,29 @@ def caption(sample: dict) -> str:
 def text_features(sample: dict, width: int, max_length: int) -> np.ndarray:
     """The features of the sample's caption's real tokens, [n, width] (1 <= n <= max_length), as stored
     (float16 or float32). Missing or malformed is bad input, never a silently unconditional sample."""
-    raw = sample.get(TEXT_FEATURES_FIELD)
-    if raw is None:
-        present = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
+    if TEXT_FEATURES_FIELD not in sample:
         raise BadInputError(f"{_where(sample)}: no text features (field {TEXT_FEATURES_FIELD!r}, written by "
-                            f"`prunepipe latents encode --text-encoder`; has: {present})")
-    try:
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
-    except Exception as e:  # noqa: BLE001
-        raise BadInputError(f"{_where(sample)}: cannot decode field {TEXT_FEATURES_FIELD!r} as a .npy array: {e}") from e
+                            f"`prunepipe latents encode --text-encoder`; has: {_fields(sample)})")
+    array = _npy(sample, TEXT_FEATURES_FIELD)
     if array.ndim != 2 or array.shape[1] != width or not 1 <= array.shape[0] <= max_length \
             or array.dtype not in (np.float16, np.float32):
         raise BadInputError(f"{_where(sample)}: field {TEXT_FEATURES_FIELD!r} holds {array.dtype} {list(array.shape)}; "
                             f"expected float16 or float32 [tokens, {width}] with 1 to {max_length} tokens, as the "
                             f"shards' index.json records")
     return array
+
+
+def _npy(sample: dict, field: str) -> np.ndarray:
+    """A field's .npy bytes as an array; bytes that are not one are bad input, naming the field."""
+    try:
+        return np.load(io.BytesIO(sample[field]), allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - numpy raises many types for bad bytes
+        raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as a .npy array: {e}") from e
+
+
+def _fields(sample: dict) -> str:
+    """The sample's fields, for a message about one it lacks."""
+    return ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
 
 
 def _where(sample: dict) -> str:
