@@ -23,6 +23,7 @@ from omegaconf.errors import (
 from pipelines.data.augment import CROPS
 from pipelines.data.decode import FLIPPED_LATENT_FIELD
 from pipelines.data.group_table import group_table_path
+from pipelines.data.remote import ReadRetry
 from pipelines.data.shards import ShardIndex, index_file
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
@@ -59,6 +60,10 @@ class DataConfig:
     crop: str = "center"  # center | random_resized: MAE's RandomResizedCrop, on the image before resizing
     crop_scale: List[float] = field(default_factory=lambda: [0.2, 1.0])  # random_resized: share of the area
     on_bad_sample: str = "stop"  # stop | skip
+    # under skip: the run stops once more samples than this were lost to bad input (-1: no limit)
+    max_bad_samples: int = 1000
+    # pipe: and http(s) shards: a failed read reopens the shard at the byte reached (pipelines/data/remote.py)
+    remote: ReadRetry = field(default_factory=ReadRetry)
     val_batches: int = 8  # held-out batches per evaluation
 
 
@@ -230,6 +235,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("ema_warmup", cfg.ema_warmup, EMA_WARMUPS)
     _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
     _validate_augmentations(cfg)
+    _validate_remote(cfg)
     try:
         cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
     except ValueError as e:
@@ -284,6 +290,26 @@ def validate(cfg: RunConfig) -> None:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
     _validate_groups(cfg, name)
+
+
+def _validate_remote(cfg: RunConfig) -> None:
+    """A remote shard's retries end before a collective's timeout: while one loader retries, its rank
+    reaches no collective, and the others would fail on the process group's timeout first, without
+    the read's own message."""
+    try:
+        cfg.data.remote.check()
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if cfg.data.max_bad_samples < -1:
+        raise ConfigError(f"config: data.max_bad_samples must be -1 (no limit) or >= 0, got {cfg.data.max_bad_samples}")
+    worst = cfg.data.remote.worst_case_seconds()
+    if worst >= cfg.dist_timeout_seconds:
+        remote = cfg.data.remote
+        raise ConfigError(f"config: data.remote lets one shard read stall for up to {worst:.0f} s ({remote.retries + 1} "
+                          f"attempts of timeout_seconds={remote.timeout_seconds:g} and their backoffs), not less than "
+                          f"dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their "
+                          f"next collective before the read failed with its own message; lower data.remote.retries or "
+                          f"timeout_seconds, or raise dist_timeout_seconds")
 
 
 def pruner_hparams(pruner: dict) -> dict:

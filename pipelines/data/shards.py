@@ -20,9 +20,11 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
+from pipelines.data.remote import ReadRetry, ShardReadError, is_retried, open_retrying
 from pipelines.data.tar_reader import TarMembers, plain_member_names
 
 INDEX_NAME = "index.json"
+DEFAULT_RETRY = ReadRetry()
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skips these names
 SLASH, DOT, NEWLINE, UNDERSCORE = (ord(c) for c in "/.\n_")
 
@@ -115,21 +117,23 @@ def _resolve(url: str, base: str) -> str:
     return url
 
 
-def read_shard(url: str, wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, dict | None]]:
+def read_shard(url: str, wanted: Callable[[int], bool] | None = None, *,
+               retry: ReadRetry = DEFAULT_RETRY) -> Iterator[tuple[int, dict | None]]:
     """Yield (position, sample) for each sample of one shard, members grouped by key as webdataset
     groups them.
 
     A sample is webdataset's dict: `__key__`, `__url__` and one undecoded `bytes` field per
     extension. With `wanted`, a sample whose position it rejects is yielded as (position, None)
     and its bytes are skipped, not read. Raises BadInputError naming the url (and the last good
-    key) when the shard is missing, corrupt or truncated; samples yielded before that point are valid.
+    key) when the shard is missing, corrupt or truncated, or a `pipe:` or http(s) read still fails
+    after `retry`'s reopens (pipelines/data/remote.py); samples yielded before that point are valid.
     """
     last_key = None
 
     def where() -> str:
         return f"after key {last_key!r}" if last_key is not None else "before its first sample"
 
-    with _reading(url, where) as stream:
+    with _reading(url, where, retry) as stream:
         for position, sample in _samples(TarMembers(stream), url, wanted):
             if sample is not None:
                 last_key = sample["__key__"]
@@ -137,18 +141,22 @@ def read_shard(url: str, wanted: Callable[[int], bool] | None = None) -> Iterato
 
 
 @contextmanager
-def _reading(url: str, where: Callable[[], str]):
-    """The shard's byte stream. A tar or I/O error while it is read becomes a BadInputError naming the
-    shard and `where()` (the last good key); so does a failed close, which is how a `pipe:` or http
-    stream reports a failed command, unless another error is already on its way."""
+def _reading(url: str, where: Callable[[], str], retry: ReadRetry = DEFAULT_RETRY):
+    """The shard's byte stream: `pipe:` and http(s) through the retrying reader, anything else as
+    webdataset opens it. A tar or I/O error while it is read becomes a BadInputError naming the
+    shard and `where()` (the last good key); so does a failed close, which is how webdataset's
+    streams report a failed command, unless another error is already on its way. A remote read
+    that failed after its retries says so, not that the tar is corrupt."""
     try:
-        stream = wds.gopen(url, "rb")
+        stream = open_retrying(url, retry) if is_retried(url) else wds.gopen(url, "rb")
     except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
         raise BadInputError(f"shard {url}: cannot open: {e}") from e
     finished = False
     try:
         yield stream
         finished = True
+    except ShardReadError as e:
+        raise BadInputError(f"shard {url}: {e} ({where()})") from e
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}: {_first_line(e)}") from e
     finally:
@@ -259,7 +267,7 @@ def count_plain_archive(stream: BinaryIO) -> tuple[int, list[str]] | None:
     return int(sample[-1]) + 1, fields
 
 
-def count_samples(url: str) -> tuple[int, list[str]]:
+def count_samples(url: str, retry: ReadRetry = DEFAULT_RETRY) -> tuple[int, list[str]]:
     """Samples in a shard and the sorted field names seen, from its tar headers alone. A plain local
     file of small members is read whole and its headers checked at once (`count_plain_archive`);
     otherwise the headers are walked: member data is seeked past on a local file, which the kernel
@@ -271,7 +279,7 @@ def count_samples(url: str) -> tuple[int, list[str]]:
     def where() -> str:
         return f"in or after key {key!r}" if key is not None else "before its first sample"
 
-    with _reading(url, where) as stream:
+    with _reading(url, where, retry) as stream:
         counted = count_plain_archive(stream)
         if counted is not None:
             return counted
@@ -289,7 +297,7 @@ def count_samples(url: str) -> tuple[int, list[str]]:
     return count, sorted(fields)
 
 
-def read_keys(url: str, field: str | None = None) -> list[tuple[str, bytes | None]]:
+def read_keys(url: str, field: str | None = None, retry: ReadRetry = DEFAULT_RETRY) -> list[tuple[str, bytes | None]]:
     """(key, bytes of `field` or None) of each sample of one shard, in position order, from its tar
     headers and that one member: the other members' data is seeked past. Samples are grouped
     exactly as `read_shard` groups them; errors name the url and key as there. Joins by key
@@ -300,7 +308,7 @@ def read_keys(url: str, field: str | None = None) -> list[tuple[str, bytes | Non
     def where() -> str:
         return f"in or after key {key!r}" if key is not None else "before its first sample"
 
-    with _reading(url, where) as stream:
+    with _reading(url, where, retry) as stream:
         members = TarMembers(stream, headers_only=field is None)
         for name, _ in members.members():
             split = _sample_field(name)

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipelines.data.batch import PADDING_ID, Batch, text_fields
 from pipelines.data.decode import NO_LABEL, SampleDecoder
 from pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
-from pipelines.data.shards import BadInput, BadInputError, ShardIndex, read_shard
+from pipelines.data.remote import ReadRetry
+from pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
 from pruning.pass_plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ShardStream:
         world_size: int = 1,
         shuffle_buffer: int = 1000,
         on_bad_sample: str = "stop",
+        retry: ReadRetry = DEFAULT_RETRY,
     ):
         if on_bad_sample not in BAD_SAMPLE_POLICIES:
             raise ValueError(f"data.on_bad_sample: got {on_bad_sample!r}, accepted: {', '.join(BAD_SAMPLE_POLICIES)}")
@@ -58,7 +60,7 @@ class ShardStream:
         self.rank = rank
         self.world_size = world_size
         self._reader = _PartReader(index, batch_size, decoder or SampleDecoder(), seed, rank, shuffle_buffer,
-                                   on_bad_sample)
+                                   on_bad_sample, retry)
         self._loader: DataLoader | None = None
         self._loader_settings: tuple | None = None
         self._passes_posted = 0
@@ -194,7 +196,7 @@ class _PartReader(IterableDataset):
     """The worker side: reads, prunes before decoding, decodes and batches one part of one pass."""
 
     def __init__(self, index: ShardIndex, batch_size: int, decoder: SampleDecoder, seed: int, rank: int,
-                 shuffle_buffer: int, on_bad_sample: str):
+                 shuffle_buffer: int, on_bad_sample: str, retry: ReadRetry):
         self.index = index
         self.batch_size = batch_size
         self.decoder = decoder
@@ -202,6 +204,7 @@ class _PartReader(IterableDataset):
         self.rank = rank
         self.shuffle_buffer = shuffle_buffer
         self.on_bad_sample = on_bad_sample
+        self.retry = retry  # how a pipe: or http(s) shard's failed read is retried
         self._mailbox: _Mailbox | None = None
         self._in_process: PartOfPass | None = None
 
@@ -252,7 +255,7 @@ class _PartReader(IterableDataset):
                 # Pruned samples and other slots' samples are skipped inside the tar reader: their
                 # bytes are seeked past (read and dropped on a pipe), never decoded. A sample past
                 # the index's count is read so that the error can name it.
-                for position, sample in read_shard(url, lambda p: p >= count or bool(want[p])):
+                for position, sample in read_shard(url, lambda p: p >= count or bool(want[p]), retry=self.retry):
                     seen = position + 1
                     if position >= count:
                         raise BadInputError(

@@ -25,7 +25,7 @@ from pipelines.checkpoint.pruner_state import CheckpointedPruner
 from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
 from pipelines.config import RunConfig, pruner_hparams, to_yaml
 from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import ShardIndex
+from pipelines.data.shards import BadInputError, ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
@@ -206,7 +206,7 @@ def train(cfg: RunConfig) -> dict:
         decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
                               num_classes=task.label_classes, crop=cfg.data.crop,
                               crop_scale=tuple(cfg.data.crop_scale), **text_reading(task)),
-        shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample,
+        shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample, retry=cfg.data.remote,
     )
     held_out = load_held_out(cfg, task, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
@@ -274,6 +274,7 @@ def train(cfg: RunConfig) -> dict:
             if debug is not None:
                 debug.saw(batch.ids)
             lost_here += sum(e.samples_lost for e in batch.bad)
+            check_bad_sample_budget(cfg, position, lost_here, batch.bad)
             undecodable_here[batch.worker] += batch.undecodable()
             step_at = position.optimizer_steps
             batch = batch.to(device, non_blocking=True)
@@ -403,6 +404,19 @@ def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, worke
     if position.batch_in_pass == 0 or table is None or len(table) != world * workers:
         return np.zeros(workers, dtype=np.int64)
     return table[rank * workers:(rank + 1) * workers].astype(np.int64)
+
+
+def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad: tuple) -> None:
+    """Stop once the run has lost more samples to bad input than data.max_bad_samples (the settled
+    count of every rank, plus this rank's since): skipping is for a few bad samples, not for a store
+    that lost a tenth of the data. This rank raises at once; the launcher stops the others."""
+    budget = cfg.data.max_bad_samples
+    if budget < 0 or position.bad_samples + lost_here <= budget:
+        return
+    last = bad[-1].message if bad else "see the warnings above"
+    raise BadInputError(f"{position.bad_samples + lost_here} samples lost to bad input by pass {position.epoch} "
+                        f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
+                        f"data.max_bad_samples={budget}; the latest: {last}")
 
 
 def settle_bad_input(accelerator, position: TrainingPosition, lost_here: int, undecodable_here: np.ndarray) -> None:

@@ -1,0 +1,186 @@
+"""Remote shards as a specification: a `pipe:` command or http(s) url whose read fails is reopened at
+the byte reached, so a run over flaky shards trains to the same weights as one over clean files; a
+read that keeps failing or hangs stops within its budget with the url, offset, exit status and the
+command's stderr; and a run under data.on_bad_sample=skip stops once it has lost more samples than
+data.max_bad_samples."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shlex
+import sys
+import threading
+import time
+
+import pytest
+from eval_runs import digit_shards
+from safetensors.torch import load_file
+
+from pipelines.checkpoint.store import latest_checkpoint
+from pipelines.config import ConfigError, load_config
+from pipelines.data.remote import ReadRetry
+from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
+TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val=", "data.shuffle_buffer=16"]
+QUICK = ReadRetry(retries=2, timeout_seconds=5.0, backoff_seconds=0.0)
+
+# A transfer command that dies half-way through the shard the first time it is run for it (curl's
+# exit 56 and its message, as a connection reset gives them), and streams all of it after that.
+FLAKY = """\
+import os, sys
+tar, marker = sys.argv[1], sys.argv[2]
+data = open(tar, "rb").read()
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.stdout.buffer.write(data[:len(data) // 2])
+    sys.stdout.flush()
+    print("curl: (56) Recv failure: Connection reset by peer", file=sys.stderr)
+    sys.exit(56)
+sys.stdout.buffer.write(data)
+"""
+
+
+@pytest.fixture(scope="module")
+def local_shards(digits_shards, tmp_path_factory) -> str:
+    """Three local shards of 48 digits."""
+    return digit_shards(digits_shards, tmp_path_factory.mktemp("local"), shards=3, per_shard=48)
+
+
+def pipe_index(local: str, folder, command) -> str:
+    """index.json in `folder` naming each shard of `local` as `pipe:` + command(tar path)."""
+    index = ShardIndex.load(local)
+    os.makedirs(folder, exist_ok=True)
+    ShardIndex.write(str(folder), [(f"pipe:{command(url)}", int(count)) for url, count in zip(index.urls, index.counts)])
+    return str(folder)
+
+
+def keys_of(url: str, retry: ReadRetry = QUICK) -> list[str]:
+    return [sample["__key__"] for _, sample in read_shard(url, retry=retry)]
+
+
+def test_a_command_that_dies_mid_stream_once_per_shard_trains_to_the_same_weights(local_shards, tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY)
+    markers = tmp_path / "failed"
+    markers.mkdir()
+    flaky = pipe_index(local_shards, tmp_path / "flaky", lambda url: " ".join(map(shlex.quote, (
+        sys.executable, str(script), url, str(markers / os.path.basename(url))))))
+    common = [f"runs_dir={tmp_path}", "passes=2", "data.batch_size=16", "data.num_workers=1",
+              "data.remote.backoff_seconds=0", "checkpoint.every_steps=1000", *TINY_MAE]
+    from pipelines.training.loop import train
+
+    train(load_config(CONFIG, [*common, "name=clean", f"data.train={local_shards}"]))
+    train(load_config(CONFIG, [*common, "name=flaky", f"data.train={flaky}"]))
+    assert len(os.listdir(markers)) == 3, "every shard's command failed once"
+    clean = load_file(os.path.join(latest_checkpoint(str(tmp_path / "clean")), "model.safetensors"))
+    resumed = load_file(os.path.join(latest_checkpoint(str(tmp_path / "flaky")), "model.safetensors"))
+    assert clean.keys() == resumed.keys()
+    for name in clean:
+        assert clean[name].equal(resumed[name]), f"{name} differs after the reads resumed"
+
+
+def test_a_command_that_always_fails_stops_naming_url_offset_status_and_stderr(local_shards, tmp_path):
+    url = ShardIndex.load(local_shards).urls[0]
+    command = f"pipe:head -c 5000 {shlex.quote(url)}; echo 'curl: (56) Recv failure: Connection reset by peer' >&2; exit 56"
+    with pytest.raises(BadInputError) as caught:
+        keys_of(command)
+    message = str(caught.value)
+    assert command in message
+    assert "exited with status 56" in message and "Connection reset by peer" in message
+    assert len(re.findall(r"attempt \d+ at byte", message)) == 3, "the first read and its 2 retries, each reported"
+    assert "gave up after 3 attempt(s) (data.remote.retries=2)" in message
+    assert "at byte 5000" in message, "the offset the reads reached"
+    assert "corrupt" not in message, "a network fault is not reported as bad data"
+
+
+def test_a_hanging_command_stops_within_its_timeout(local_shards):
+    url = ShardIndex.load(local_shards).urls[0]
+    retry = ReadRetry(retries=1, timeout_seconds=1.0, backoff_seconds=0.5)
+    start = time.monotonic()
+    with pytest.raises(BadInputError, match=r"no byte for 1 s \(data.remote.timeout_seconds\): the command hangs"):
+        keys_of(f"pipe:head -c 5000 {shlex.quote(url)}; sleep 120", retry)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"{elapsed:.1f} s: the timeout did not fire"
+    assert elapsed >= retry.worst_case_seconds() - 0.1, "both attempts waited their timeout"
+
+
+def test_a_reader_that_stops_early_does_not_wait_for_the_command(local_shards):
+    url = ShardIndex.load(local_shards).urls[0]
+    start = time.monotonic()
+    for position, sample in read_shard(f"pipe:cat {shlex.quote(url)}; sleep 120", retry=QUICK):
+        break  # the rest of the shard is another reader's
+    assert time.monotonic() - start < 30, "closing the shard stopped its command"
+
+
+def test_a_command_that_ends_short_of_an_earlier_read_is_not_retried(local_shards, tmp_path):
+    url = ShardIndex.load(local_shards).urls[0]
+    marker = tmp_path / "second"
+    # the first run dies after 8000 bytes, the next ones send a shorter (changed) object
+    command = (f"pipe:if [ -e {marker} ]; then head -c 1000 {shlex.quote(url)}; "
+               f"else touch {marker}; head -c 8000 {shlex.quote(url)}; exit 7; fi")
+    with pytest.raises(BadInputError, match="changed between attempts") as caught:
+        keys_of(command)
+    assert len(re.findall(r"attempt \d+ at byte", str(caught.value))) == 2, "no retry can read a shard that changed"
+
+
+class _FlakyHandler(http.server.BaseHTTPRequestHandler):
+    """Serves files of `root`, honouring `Range: bytes=N-`; the first request of each path sends its
+    full Content-Length but drops the connection half-way through the body."""
+
+    root, dropped = "", set()
+
+    def do_GET(self):
+        path = os.path.join(self.root, self.path.lstrip("/"))
+        data = open(path, "rb").read()
+        start = int(self.headers["Range"].split("=")[1].rstrip("-")) if "Range" in self.headers else 0
+        self.send_response(206 if start else 200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        if self.path not in self.dropped:
+            self.dropped.add(self.path)
+            self.wfile.write(data[start:start + (len(data) - start) // 2])
+            self.close_connection = True
+            return
+        self.wfile.write(data[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_http_shard_whose_connection_drops_resumes_with_a_range_request(local_shards):
+    index = ShardIndex.load(local_shards)
+    _FlakyHandler.root, _FlakyHandler.dropped = os.path.dirname(index.urls[0]), set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for url in index.urls:
+            remote = f"http://127.0.0.1:{server.server_port}/{os.path.basename(url)}"
+            assert keys_of(remote) == keys_of(url)
+        assert len(_FlakyHandler.dropped) == len(index.urls), "every shard's first connection dropped"
+    finally:
+        server.shutdown()
+
+
+def test_skipping_stops_once_more_samples_are_lost_than_the_budget(digits_shards, tmp_path):
+    broken = digit_shards(digits_shards, tmp_path / "broken", shards=2, per_shard=48,
+                          broken=lambda shard, position: position % 8 == 0)  # 6 bad samples a shard
+    from pipelines.training.loop import train
+
+    common = [f"runs_dir={tmp_path}", f"data.train={broken}", "passes=1", "data.batch_size=16",
+              "data.num_workers=0", "data.on_bad_sample=skip", *TINY_MAE]
+    train(load_config(CONFIG, [*common, "name=within", "data.max_bad_samples=12"]))
+    with pytest.raises(BadInputError, match=r"more than data.max_bad_samples=5; the latest: shard .* key .*cannot decode"):
+        train(load_config(CONFIG, [*common, "name=beyond", "data.max_bad_samples=5"]))
+
+
+def test_a_retry_budget_longer_than_the_collective_timeout_is_refused(local_shards):
+    with pytest.raises(ConfigError, match=r"data.remote lets one shard read stall for up to 422 s .* "
+                                          r"dist_timeout_seconds=400"):
+        load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])
+    load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400",
+                         "data.remote.timeout_seconds=30"])
