@@ -443,6 +443,22 @@ def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
             assert [s["png"] for _, s in read_shard(url_one)] == [s["png"] for _, s in read_shard(url_two)]
 
 
+def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path):
+    from tools.shards import write_shards
+    from tools.sources import list_image_folder
+
+    made = make_image_folder(tmp_path / "storage", classes=3, per_class=4)
+    (tmp_path / "images").mkdir()
+    for c in range(3):  # the cluster's way: class folders linked in from shared storage
+        os.symlink(tmp_path / "storage" / f"class_{c}", tmp_path / "images" / f"class_{c}")
+    os.symlink(tmp_path / "images", tmp_path / "storage" / "class_0" / "back_up")  # a link back up the tree
+    paths, labels = list_image_folder(str(tmp_path / "images"))
+    assert [made[os.path.relpath(p, tmp_path / "images")] for p in paths] == labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, val_fraction=0.25,
+                 workers=0)
+    assert sum(len(split) for split in written_samples(tmp_path / "out").values()) == 12
+
+
 def test_an_unreadable_folder_image_names_the_file(tmp_path):
     from tools.shards import write_shards
 

@@ -281,13 +281,21 @@ def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 
 
 def list_image_folder(root: str) -> tuple[list[str], np.ndarray]:
     """The image files under `root` in sorted path order, and their class (int32): the index of the
-    first-level subfolder, or -1 for an image at the top. Paths only: nothing is opened."""
+    first-level subfolder, or -1 for an image at the top. Paths only: nothing is opened. Symlinked
+    folders are followed (clusters link class folders in from shared storage), each real folder once,
+    so a link back up the tree cannot loop."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"image folder {root} does not exist")
     classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
     class_of = {name: label for label, name in enumerate(classes)}
     paths, labels = [], []
-    for dirpath, dirnames, filenames in os.walk(root):
+    visited: set[tuple[int, int]] = set()  # (device, inode) of each folder walked
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        info = os.stat(dirpath)
+        if (info.st_dev, info.st_ino) in visited:
+            dirnames[:] = []
+            continue
+        visited.add((info.st_dev, info.st_ino))
         dirnames.sort()
         found = [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_SUFFIXES)]
         top = os.path.relpath(dirpath, root).split(os.sep)[0]
