@@ -23,7 +23,7 @@ from omegaconf.errors import (
 from pipelines.data.augment import CROPS
 from pipelines.data.decode import FLIPPED_LATENT_FIELD
 from pipelines.data.group_table import group_table_path
-from pipelines.data.remote import ReadRetry
+from pipelines.data.remote import ReadRetry, is_retried
 from pipelines.data.shards import ShardIndex, index_file
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
@@ -303,13 +303,21 @@ def _validate_remote(cfg: RunConfig) -> None:
     if cfg.data.max_bad_samples < -1:
         raise ConfigError(f"config: data.max_bad_samples must be -1 (no limit) or >= 0, got {cfg.data.max_bad_samples}")
     worst = cfg.data.remote.worst_case_seconds()
-    if worst >= cfg.dist_timeout_seconds:
+    if worst >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
         remote = cfg.data.remote
         raise ConfigError(f"config: data.remote lets one shard read stall for up to {worst:.0f} s ({remote.retries + 1} "
                           f"attempts of timeout_seconds={remote.timeout_seconds:g} and their backoffs), not less than "
                           f"dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their "
                           f"next collective before the read failed with its own message; lower data.remote.retries or "
                           f"timeout_seconds, or raise dist_timeout_seconds")
+
+
+def _reads_remote_shards(cfg: RunConfig) -> bool:
+    """Whether data.train's or data.val's index names a pipe: or http(s) shard (the retried ones)."""
+    for folder in (cfg.data.train, cfg.data.val):
+        if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
+            return True
+    return False
 
 
 def pruner_hparams(pruner: dict) -> dict:

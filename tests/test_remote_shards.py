@@ -178,9 +178,11 @@ def test_skipping_stops_once_more_samples_are_lost_than_the_budget(digits_shards
         train(load_config(CONFIG, [*common, "name=beyond", "data.max_bad_samples=5"]))
 
 
-def test_a_retry_budget_longer_than_the_collective_timeout_is_refused(local_shards):
+def test_a_retry_budget_longer_than_the_collective_timeout_is_refused_for_remote_shards(local_shards, tmp_path):
+    remote = pipe_index(local_shards, tmp_path / "remote", lambda url: f"cat {shlex.quote(url)}")
     with pytest.raises(ConfigError, match=r"data.remote lets one shard read stall for up to 422 s .* "
                                           r"dist_timeout_seconds=400"):
-        load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])
-    load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400",
+        load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400"])
+    load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400",
                          "data.remote.timeout_seconds=30"])
+    load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])  # nothing retried
