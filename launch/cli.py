@@ -75,7 +75,10 @@ def _shards_embed(args) -> None:
     from tools.embed import embed_shards
 
     path = embed_shards(args.location, args.model, weights=args.weights, name=args.out, batch_size=args.batch_size,
-                        image_size=args.image_size, device=args.device)
+                        image_size=args.image_size, device=args.device, on_bad_sample=args.on_bad_sample,
+                        rank=args.rank, world=args.world, wait_hours=args.wait_hours)
+    if path is None:
+        return
     table = open_embeddings(args.location, os.path.basename(path)[:-len(".npy")])
     print(f"{path}: {len(table)} x {table.dim} float16 rows by {table.header['model']}; "
           f"{table.header['missing']['count']} sample(s) without an embedding")
@@ -114,9 +117,25 @@ def _train(args) -> None:
 def _latents_encode(args) -> None:
     from tools.latents import encode_shards
 
-    print(encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
-                        subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip,
-                        text_encoder=args.text_encoder, tokenizer=args.tokenizer, text_max_length=args.text_max_length))
+    path = encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
+                         subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip,
+                         text_encoder=args.text_encoder, tokenizer=args.tokenizer,
+                         text_max_length=args.text_max_length, on_bad_sample=args.on_bad_sample, rank=args.rank,
+                         world=args.world, wait_hours=args.wait_hours)
+    if path:
+        print(path)
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, on_bad_sample: str, skip_means: str) -> None:
+    """The options of a preprocessing job split over processes (tools/shard_jobs.py)."""
+    parser.add_argument("--rank", type=int, help="this process's share without torchrun, e.g. a SLURM array's "
+                                                 "$SLURM_ARRAY_TASK_ID (default: torchrun's RANK, then SLURM's)")
+    parser.add_argument("--world", type=int, help="the number of shares, with --rank")
+    parser.add_argument("--on-bad-sample", choices=("stop", "skip"), default=on_bad_sample,
+                        help=f"a sample that does not decode: stop, or skip ({skip_means}) (default: %(default)s)")
+    parser.add_argument("--wait-hours", type=float, default=6.0,
+                        help="under torchrun: how long the ranks wait for the slowest one's shards before the index "
+                             "is written (default: %(default)s)")
 
 
 def _demo(args) -> None:
@@ -275,6 +294,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     embed.add_argument("--image-size", type=int, help="decode side (default: the model's input size)")
     embed.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     embed.add_argument("--out", help="the embeddings' name (default from the model: phash, feature-net, timm-ARCH, ...)")
+    add_job_arguments(embed, "skip", "a zero row, listed as missing; no id moves")
     embed.set_defaults(func=_shards_embed)
     imports = shards_sub.add_parser("import-embeddings", help="embeddings a web dataset ships (clip-retrieval, "
                                                               "DataComp), joined to the samples by key")
@@ -318,19 +338,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     encode.add_argument("shards", help="image shard folder (with index.json)")
     encode.add_argument("--vae", required=True, help="local AutoencoderKL folder or a hub repo id in the cache")
     encode.add_argument("--out", required=True, help="output folder for the latent shards")
-    encode.add_argument("--resolution", type=int, required=True, help="image side fed to the VAE")
+    encode.add_argument("--resolution", type=int, help="image side fed to the VAE (default: the size the image "
+                                                       "shards' index.json records)")
     encode.add_argument("--subfolder", default="", help="e.g. vae, inside a Stable Diffusion repo")
     encode.add_argument("--cache-dir", default="", help="hub cache holding --vae (default: HF_HUB_CACHE)")
-    encode.add_argument("--batch-size", type=int, default=32)
-    encode.add_argument("--dtype", default="float16", choices=("float16", "float32"))
+    encode.add_argument("--batch-size", type=int, default=32, help="images a VAE call (default: %(default)s)")
+    encode.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                        help="of the stored latents and text features (default: %(default)s)")
     encode.add_argument("--flip", action="store_true",
                         help="also store each mirrored image's latent, for data.hflip runs (twice the encoding)")
     encode.add_argument("--text-encoder", default="",
                         help="local CLIP text or T5 encoder folder: also store each caption's features (text.npy, "
                              "real tokens only) for ldm.text_encoder=precomputed")
     encode.add_argument("--tokenizer", default="", help="its tokenizer's folder (default: the encoder's)")
-    encode.add_argument("--text-max-length", type=int, default=77,
-                        help="tokens per caption, as ldm.text_max_length (CLIP 77, PixArt-alpha's T5 120)")
+    encode.add_argument("--text-max-length", type=int,
+                        help="tokens per caption, as ldm.text_max_length (default: the encoder's, CLIP 77; "
+                             "PixArt-alpha's T5 uses 120)")
+    add_job_arguments(encode, "stop", "left out and listed in OUT/skipped.json; every later sample's id moves "
+                                      "down, so embeddings or groups made on the image shards no longer line up")
     encode.set_defaults(func=_latents_encode)
 
     text = sub.add_parser("text-encoder", help="text encoders for ldm.conditioning=text")

@@ -86,23 +86,23 @@ class StopsAfter:
 def test_embed_resumes_after_an_interruption_to_the_same_bytes(tmp_path, tiny_timm_weights):
     from tools.feature_models import load_feature_model
 
-    split = noise_split(tmp_path / "split")
+    split = noise_split(tmp_path / "split")  # shards of 15, 15 and 10: 4, 4 and 3 batches of 4
     spec = "timm:test_resnet"
     model = load_feature_model(spec, weights=tiny_timm_weights, image_size=32, device="cpu")
-    whole = embed_shards(split, spec, name="whole", batch_size=4, chunk=8, model=model)
+    whole = embed_shards(split, spec, name="whole", batch_size=4, model=model)
 
-    cut = StopsAfter(model, calls=5)  # 2 batches a chunk: chunks 0 and 1 are committed, chunk 2 is not
+    cut = StopsAfter(model, calls=6)  # shard 0 is sealed, shard 1 is not
     with pytest.raises(Interrupted):
-        embed_shards(split, spec, name="cut", batch_size=4, chunk=8, model=cut)
-    with open(os.path.join(split, "embeddings", "cut.progress.json")) as f:
-        assert json.load(f)["done"] == 16
+        embed_shards(split, spec, name="cut", batch_size=4, model=cut)
+    parts = os.path.join(split, "embeddings", "cut.parts")
+    assert sorted(f for f in os.listdir(parts) if f.endswith("_stats.json")) == ["shard-000000_stats.json"]
     assert not os.path.exists(os.path.join(split, "embeddings", "cut.json"))  # unreadable until finished
 
     resumed = StopsAfter(model, calls=-1)
-    path = embed_shards(split, spec, name="cut", batch_size=4, chunk=8, model=resumed)
-    assert resumed.made == (40 - 16) // 4  # only the unfinished chunks were embedded again
+    path = embed_shards(split, spec, name="cut", batch_size=4, model=resumed)
+    assert resumed.made == 4 + 3  # only the unsealed shards were embedded again
     assert open(path, "rb").read() == open(whole, "rb").read()
-    assert not os.path.exists(os.path.join(split, "embeddings", "cut.progress.json"))
+    assert not os.path.exists(parts), "the parts go once the table is whole"
 
     table = open_embeddings(split, "cut")
     assert table.rows.dtype == np.float16 and table.rows.shape == (40, 96)
@@ -117,9 +117,9 @@ def test_embed_resumes_after_an_interruption_to_the_same_bytes(tmp_path, tiny_ti
 def test_a_resume_with_other_settings_is_refused(tmp_path):
     split = noise_split(tmp_path / "split")
     with pytest.raises(Interrupted):
-        embed_shards(split, "phash", name="h", batch_size=4, chunk=8, model=StopsAfter(PerceptualHash(), 4))
-    with pytest.raises(ValueError, match="h.progress.json.*other settings"):
-        embed_shards(split, "phash", name="h", batch_size=8, chunk=8)
+        embed_shards(split, "phash", name="h", batch_size=4, model=StopsAfter(PerceptualHash(), 6))
+    with pytest.raises(ValueError, match=r"h.parts/shard-000000_stats.json: sealed .* other settings \(batch_size"):
+        embed_shards(split, "phash", name="h", batch_size=8)
 
 
 def test_timm_folder_and_weights_file_give_the_same_rows(tmp_path, tiny_timm_weights):
@@ -156,7 +156,7 @@ def test_a_sample_that_does_not_decode_is_missing_not_guessed(tmp_path):
     samples = [{"__key__": f"s{i:04d}", "png": png(noise_image(i))} for i in range(10)]
     samples[6] = {"__key__": "s0006", "png": b"not an image"}
     split = write_split(tmp_path / "split", samples, shard_size=4)
-    embed_shards(split, "phash", batch_size=4, chunk=4)
+    embed_shards(split, "phash", batch_size=4)
     table = open_embeddings(split, "phash")
     assert table.missing_ids().tolist() == [6]
     assert not table.rows[6].any() and table.rows[5].any()

@@ -1,29 +1,30 @@
 """`prunepipe shards embed`: one L2-normalised float16 row per sample id, written beside the split's
 index.json (pipelines/data/side_tables.py), by a feature network or the perceptual hash.
 
-Resumable: rows go into `embeddings/NAME.npy.partial` in place, a chunk of ids at a time, and
-`NAME.progress.json` (replaced atomically once the chunk's bytes are flushed) says how far it got. A
-killed embed continues at the first unfinished chunk and ends with the same bytes as one that never
-stopped: batches never cross a chunk boundary, so each batch holds the same images either way. A
-sample that cannot be read or decoded gets a zero row and is listed as missing, never guessed.
+Split over processes as latents encode is (tools/shard_jobs.py): each input shard's rows go into
+`embeddings/NAME.parts/shard-NNNNNN.npy`, sealed by its stats file; a rerun skips sealed shards, and
+the process that writes the table joins the parts into NAME.npy and its header, the same bytes as one
+process writes (batches never cross a shard), then removes them. A sample that cannot be read or
+decoded gets a zero row and is listed as missing, never guessed (`on_bad_sample=skip`, the default:
+no id moves), or stops the embedding (`stop`). No two processes write one file: on NFS or Lustre,
+two nodes writing disjoint rows of one page can lose writes.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Iterator
+import shutil
 
 import numpy as np
 
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.data.side_tables import make_header, table_paths, write_json
-from pipelines.progress import progress
 from tools.feature_models import FeatureModel, load_feature_model
+from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_rank, join_group
 
-CHUNK = 4096  # ids per committed chunk: what a killed embed redoes at most
 MISSING_SHOWN = 20  # missing ids (and keys) named in a header and a message; all are in NAME.missing.npy
+BAD_SAMPLE_POLICIES = ("stop", "skip")
 
 
 def default_name(spec: str) -> str:
@@ -39,55 +40,44 @@ def default_name(spec: str) -> str:
     return f"{kind}-{''.join(c if c.isalnum() or c in '-_.' else '_' for c in base)}"
 
 
-class EmbeddingWriter:
-    """Rows written in place into NAME.npy.partial; `commit` records progress, `finish` seals the table
-    (the .npy renamed into place, then its header: a table is readable only when both are there)."""
+def normalised(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """L2-normalised float16 rows of float32 [n, D], and the mask of rows that could not be normalised
+    (zero or not finite): those are zeros, and the caller's to mark missing."""
+    rows = np.asarray(rows, dtype=np.float32)
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    bad = ~np.isfinite(norms[:, 0]) | (norms[:, 0] == 0)
+    rows = np.where(bad[:, None], 0.0, rows / np.where(bad[:, None], 1.0, norms))
+    return rows.astype(np.float16), bad
 
-    def __init__(self, shards_dir: str, name: str, num_samples: int, dim: int, made_by: dict, *, resume: bool = True):
-        self.shards_dir, self.name, self.made_by = shards_dir, name, made_by
+
+class EmbeddingWriter:
+    """A whole table written in place into NAME.npy.<pid>.partial (a memory map: a billion rows never sit
+    in memory); `finish` seals it (the .npy renamed into place, then its header: a table is readable only
+    when both are there). Any earlier table of the name is removed first, not left half replaced."""
+
+    def __init__(self, shards_dir: str, name: str, num_samples: int, dim: int, made_by: dict):
+        self.shards_dir, self.made_by = shards_dir, made_by
         self.array_path, self.header_path = table_paths(shards_dir, "embeddings", name)
-        self.partial_path = self.array_path + ".partial"
-        self.progress_path = self.array_path[:-len(".npy")] + ".progress.json"
+        self.partial_path = f"{self.array_path}.{os.getpid()}.partial"
         self.missing_path = self.array_path[:-len(".npy")] + ".missing.npy"
-        self.done, self.missing, self.reasons = 0, [], []
+        self.missing: list[int] = []
+        self.reasons: list[str] = []
         os.makedirs(os.path.dirname(self.array_path), exist_ok=True)
-        if resume and os.path.exists(self.progress_path) and os.path.exists(self.partial_path):
-            with open(self.progress_path) as f:
-                state = json.load(f)
-            if state.get("made_by") != made_by:
-                raise ValueError(f"{self.progress_path}: an unfinished embedding {name!r} made by "
-                                 f"{state.get('made_by', {}).get('model')!r} with other settings is there; finish it "
-                                 f"with the same command, remove {self.partial_path}, or choose another --out")
-            self.rows = np.load(self.partial_path, mmap_mode="r+")
-            if self.rows.shape != (num_samples, dim):
-                raise ValueError(f"{self.partial_path}: shape {list(self.rows.shape)}, expected {[num_samples, dim]}")
-            self.done, self.missing, self.reasons = int(state["done"]), list(state["missing"]), list(state["reasons"])
-        else:
-            for stale in (self.header_path, self.array_path, self.missing_path, self.progress_path):
-                if os.path.exists(stale):  # the old table is unreadable from now on, not half replaced
-                    os.remove(stale)
-            self.rows = np.lib.format.open_memmap(self.partial_path, mode="w+", dtype=np.float16,
-                                                  shape=(num_samples, dim))
+        for stale in (self.header_path, self.array_path, self.missing_path):
+            if os.path.exists(stale):
+                os.remove(stale)
+        self.rows = np.lib.format.open_memmap(self.partial_path, mode="w+", dtype=np.float16, shape=(num_samples, dim))
 
     def put(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """L2-normalise `rows` (float32 [n, D]) into the ids' places; returns the ids whose row could not
+        """`rows` (float32 [n, D]) L2-normalised into the ids' places; returns the ids whose row could not
         be normalised (zero or not finite): those stay zero and are the caller's to mark missing."""
-        rows = np.asarray(rows, dtype=np.float32)
-        norms = np.linalg.norm(rows, axis=1, keepdims=True)
-        bad = ~np.isfinite(norms[:, 0]) | (norms[:, 0] == 0)
-        rows = np.where(bad[:, None], 0.0, rows / np.where(bad[:, None], 1.0, norms))
-        self.rows[np.asarray(ids)] = rows.astype(np.float16)
+        made, bad = normalised(rows)
+        self.rows[np.asarray(ids)] = made
         return np.asarray(ids)[bad]
 
-    def commit(self, done: int, missing: list[int], reasons: list[str] = ()) -> None:
-        """Every id below `done` is written (`missing` ones as zeros, for `reasons`): flush the bytes,
-        then record it atomically."""
-        self.rows.flush()
-        self.done = done
-        self.missing += [int(i) for i in missing]
+    def mark_missing(self, ids, reasons=()) -> None:
+        self.missing += [int(i) for i in ids]
         self.reasons = (self.reasons + list(reasons))[:MISSING_SHOWN]
-        write_json(self.progress_path, {"done": done, "missing": self.missing, "reasons": self.reasons,
-                                        "made_by": self.made_by})
 
     def finish(self, missing_keys: list[str] | None = None, **extra) -> str:
         """Seal the table; returns the .npy path."""
@@ -104,93 +94,130 @@ class EmbeddingWriter:
                                       "file": os.path.basename(self.missing_path) if len(missing) else None})
         os.replace(self.partial_path, self.array_path)
         write_json(self.header_path, header)
-        if os.path.exists(self.progress_path):
-            os.remove(self.progress_path)
         return self.array_path
 
 
-def shard_samples(index: ShardIndex, start: int, decoder: SampleDecoder) -> Iterator[tuple[int, object, str | None]]:
-    """(id, uint8 pixels or None, problem or None) for every id from `start` on, in id order: a
-    sample, a shard or the rest of a shard that cannot be read or decoded yields None and the reason."""
-    for shard, (url, count, first) in enumerate(zip(index.urls, index.counts.tolist(), index.first_ids.tolist())):
-        if first + count <= start:
+def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder):
+    """(position, uint8 pixels or None, problem or None) for every position of one shard, in order: a
+    sample, or the rest of a shard, that cannot be read or decoded yields None and the reason."""
+    url, count = index.urls[shard], int(index.counts[shard])
+    first = int(index.first_ids[shard])
+    seen = 0
+    try:
+        for position, sample in read_shard(url):
+            if position >= count:  # the ids of every later shard would be off: nothing after this can be trusted
+                raise ValueError(f"shard {url}: holds more than the {count} samples {index.path} lists; index the "
+                                 f"shards again (`prunepipe shards index`)")
+            seen = position + 1
+            try:
+                pixels, _ = decoder.decode(sample, first + position)
+                yield position, pixels, None
+            except BadInputError as e:
+                yield position, None, str(e)
+        problem = None if seen == count else f"shard {url}: ended after {seen} samples, {index.path} lists {count}"
+    except BadInputError as e:
+        problem = str(e)
+    for position in range(seen, count):  # what the shard did not give
+        yield position, None, problem
+
+
+def embed_shard(index: ShardIndex, shard: int, part: str, model: FeatureModel, decoder: SampleDecoder,
+                batch_size: int, on_bad_sample: str) -> dict:
+    """One shard's rows into `part` (PART.partial, then moved into place); returns its seal record."""
+    import torch
+
+    count, first = int(index.counts[shard]), int(index.first_ids[shard])
+    rows = np.zeros((count, model.dim), dtype=np.float16)
+    missing: list[int] = []
+    reasons: list[str] = []
+    batch: list[tuple[int, object]] = []
+
+    def run_batch() -> None:
+        if batch:
+            made, bad = normalised(model(torch.stack([pixels for _, pixels in batch])))
+            positions = np.array([position for position, _ in batch])
+            rows[positions] = made
+            for position in positions[bad].tolist():
+                missing.append(position)
+                reasons.append(f"id {first + position}: the model gave a zero or non-finite vector")
+            batch.clear()
+
+    for position, pixels, problem in shard_pixels(index, shard, decoder):
+        if pixels is None:
+            if on_bad_sample == "stop":
+                raise BadInputError(f"{problem} (--on-bad-sample stop; skip gives it a zero row, listed as missing)")
+            missing.append(position)
+            if len(reasons) < MISSING_SHOWN:
+                reasons.append(f"id {first + position}: {problem}")
+                print(f"prunepipe: embed: id {first + position} missing: {problem}", flush=True)
             continue
-        seen, longer = max(start - first, 0), False
-        try:
-            for position, sample in read_shard(url, lambda p, skip=seen: p >= skip):
-                if sample is None:
-                    continue
-                if position >= count:
-                    longer = True
-                    break
-                try:
-                    pixels, _ = decoder.decode(sample, first + position)
-                    yield first + position, pixels, None
-                except BadInputError as e:
-                    yield first + position, None, str(e)
-                seen = position + 1
-            problem = None if seen == count else f"shard {url}: ended after {seen} samples, {index.path} lists {count}"
-        except BadInputError as e:
-            problem = str(e)
-        if longer:  # the ids of every later shard would be off: nothing after this can be trusted
-            raise BadInputError(f"shard {url}: holds more than the {count} samples {index.path} lists; index the "
-                                f"shards again (`prunepipe shards index`)")
-        for position in range(seen, count):  # what the shard did not give
-            yield first + position, None, problem
+        batch.append((position, pixels))
+        if len(batch) == batch_size:
+            run_batch()
+    run_batch()
+    tmp = part + ".partial.npy"
+    np.save(tmp, rows)
+    os.replace(tmp, part)
+    return {"count": count, "successes": count - len(missing), "missing": sorted(first + m for m in missing),
+            "reasons": reasons[:MISSING_SHOWN]}
 
 
 def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name: str | None = None,
-                 batch_size: int = 64, chunk: int = CHUNK, image_size: int | None = None,
-                 device: str | None = None, model: FeatureModel | None = None) -> str:
+                 batch_size: int = 64, image_size: int | None = None, device: str | None = None,
+                 model: FeatureModel | None = None, on_bad_sample: str = "skip", rank: int | None = None,
+                 world: int | None = None, wait_hours: float = WAIT_HOURS) -> str | None:
     """Embed every sample of the split in `shards_dir` with the model `spec` names (tools/feature_models.py);
-    writes embeddings/NAME.npy and NAME.json beside its index.json and returns the .npy path. Continues
-    an unfinished run of the same settings."""
-    if batch_size < 1 or chunk < 1:
-        raise ValueError(f"batch size and chunk must be at least 1, got {batch_size}, {chunk}")
+    writes embeddings/NAME.npy and NAME.json beside its index.json and returns the .npy path (None in a
+    process that leaves the table to another). Continues an unfinished run of the same settings."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    if on_bad_sample not in BAD_SAMPLE_POLICIES:
+        raise ValueError(f"--on-bad-sample: got {on_bad_sample!r}, accepted: {', '.join(BAD_SAMPLE_POLICIES)}")
     index = ShardIndex.load(shards_dir)
+    me = job_rank(rank, world)
+    join_group(me, wait_hours)
+    if device is None and model is None:
+        import torch
+
+        device = f"cuda:{me.local_rank}" if torch.cuda.is_available() else "cpu"
     model = model or load_feature_model(spec, weights=weights, image_size=image_size, shards_dir=shards_dir,
                                         device=device)
     name = name or default_name(spec)
-    made_by = {**model.describe(), "chunk": chunk, "batch_size": batch_size}
-    writer = EmbeddingWriter(shards_dir, name, index.num_samples, model.dim, made_by)
+    array_path, header_path = table_paths(shards_dir, "embeddings", name)
+    parts_dir = array_path[:-len(".npy")] + ".parts"
+    made_by = {**model.describe(), "batch_size": batch_size}
+    settings = {**made_by, "index": os.path.abspath(index.path), "counts": index.counts.tolist(),
+                "on_bad_sample": on_bad_sample}
+    job = ShardJob(parts_dir, settings, me, what=f"embed {name}",
+                   command=f"prunepipe shards embed {shards_dir} --model {spec}")
+    parts = [os.path.join(parts_dir, f"shard-{shard:06d}.npy") for shard in range(len(index))]
     decoder = SampleDecoder(resolution=model.image_size, channels=model.channels)
-    total = index.num_samples
-    bar = progress(total, initial=writer.done, desc=f"embed {name}", unit="img")
-    batch_ids: list[int] = []
-    batch_pixels: list = []
-    missing: list[int] = []
-    reasons: list[str] = []
+    mine = me.mine(len(index))
+    todo = [shard for shard in mine if job.sealed(parts[shard]) is None]
+    if todo:
+        for stale in (header_path, array_path):
+            if os.path.exists(stale):  # the old table is unreadable from now on, not half replaced
+                os.remove(stale)
+    progress = Progress(me, f"embed {name}", len(mine), len(mine) - len(todo))
+    for shard in todo:
+        record = embed_shard(index, shard, parts[shard], model, decoder, batch_size, on_bad_sample)
+        job.seal(parts[shard], record)
+        progress.shard_done(os.path.basename(parts[shard]), record["successes"], len(record["missing"]))
 
-    def run_batch() -> None:
-        import torch
+    def write_table() -> str:
+        return join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, model.dim)
 
-        if batch_ids:
-            unusable = writer.put(np.array(batch_ids), model(torch.stack(batch_pixels))).tolist()
-            missing.extend(unusable)
-            reasons.extend(f"id {i}: the model gave a zero or non-finite vector" for i in unusable)
-            batch_ids.clear()
-            batch_pixels.clear()
+    return job.finish(parts, write_table)
 
-    try:
-        for sample_id, pixels, problem in shard_samples(index, writer.done, decoder):
-            if pixels is None:
-                missing.append(sample_id)
-                if len(writer.reasons) + len(reasons) < MISSING_SHOWN:
-                    reasons.append(f"id {sample_id}: {problem}")
-                    print(f"prunepipe: embed {name}: id {sample_id} missing: {problem}", flush=True)
-            else:
-                batch_ids.append(sample_id)
-                batch_pixels.append(pixels)
-                if len(batch_ids) == batch_size:
-                    run_batch()
-            bar.update(1)
-            if (sample_id + 1) % chunk == 0 or sample_id + 1 == total:
-                run_batch()  # a batch never crosses a chunk boundary: a resumed run batches alike
-                writer.commit(sample_id + 1, missing, reasons)
-                missing.clear()
-                reasons.clear()
-    finally:
-        bar.close()
-    if writer.done != total:
-        raise BadInputError(f"{index.path}: embedded {writer.done} of {total} samples")
-    return writer.finish()
+
+def join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, dim) -> str:
+    """NAME.npy and its header from the sealed parts, then the parts go."""
+    seals = [job.sealed(part) for part in parts]
+    writer = EmbeddingWriter(shards_dir, name, index.num_samples, dim, made_by)
+    for part, first, count in zip(parts, index.first_ids.tolist(), index.counts.tolist()):
+        writer.rows[first:first + count] = np.load(part)
+    for seal in seals:
+        writer.mark_missing(seal["missing"], seal["reasons"])
+    path = writer.finish()
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    return path

@@ -141,7 +141,7 @@ def import_embeddings(shards_dir: str, source: str, *, format: str, name: str | 
                        "weights_sha256": None, "dim": int(rows.shape[1]), "source": os.path.abspath(source),
                        "sample_key": sample_key, "join_column": column,
                        "preprocessing": "as shipped, L2-normalised again and stored as float16"}
-            writer = EmbeddingWriter(shards_dir, name or format, len(keys), int(rows.shape[1]), made_by, resume=False)
+            writer = EmbeddingWriter(shards_dir, name or format, len(keys), int(rows.shape[1]), made_by)
         if rows.shape[1] != writer.rows.shape[1]:
             raise ValueError(f"{array_path}: rows of {rows.shape[1]} dims, earlier parts had {writer.rows.shape[1]}")
         ids = np.array([id_of.get(k.lower() if format == "datacomp" and k else k, -1) for k in part_keys], np.int64)
@@ -161,7 +161,7 @@ def import_embeddings(shards_dir: str, source: str, *, format: str, name: str | 
         filled_by[unusable] = -1
     missing = np.flatnonzero(filled_by < 0)
     missing_keys = [keys[i] if keys[i] is not None else f"<sample {i}: no {sample_key}>" for i in missing[:MISSING_SHOWN]]
-    writer.commit(len(keys), missing.tolist(), [f"id {i} (key {k!r}): no row in {source}" for i, k in
+    writer.mark_missing(missing.tolist(), [f"id {i} (key {k!r}): no row in {source}" for i, k in
                                                 zip(missing[:MISSING_SHOWN].tolist(), missing_keys)])
     path = writer.finish(missing_keys=missing_keys, rows_matching_no_sample=unused)
     return {"path": path, "samples": len(keys), "matched": len(keys) - len(missing), "missing": len(missing),

@@ -9,6 +9,7 @@ runs and any worker layout see the same crops and flips.
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ LATENT_FIELDS = ("latent.npy", "npy")
 FLIPPED_LATENT_FIELD = "latent_flip.npy"  # the latent of the mirrored image (`prunepipe latents encode --flip`)
 LABEL_FIELDS = ("cls", "label", "class")
 CAPTION_FIELD = "txt"  # img2dataset's caption (LAION, DataComp, CC12M, COYO shards alike)
+METADATA_FIELD = "json"  # img2dataset's metadata, which holds the caption too
 TEXT_FEATURES_FIELD = "text.npy"  # the caption's real tokens' features [n, D] (`latents encode --text-encoder`)
 TEXT_NULL_FILE = "text_null.npy"  # beside index.json: the empty caption's features, the null condition
 NO_LABEL = -1
@@ -157,11 +159,12 @@ class SampleDecoder:
 
 
 def caption(sample: dict) -> str:
-    """The sample's caption (the `txt` field, UTF-8, stripped). Missing, empty or undecodable is bad
-    input, never a silently unconditional sample."""
+    """The sample's caption: the `txt` field (UTF-8, stripped), else the `caption` of its `json` metadata,
+    where img2dataset writes it too. Missing, empty or undecodable is bad input, never a silently
+    unconditional sample."""
     raw = sample.get(CAPTION_FIELD)
     if raw is None:
-        raise BadInputError(f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}; has: {_fields(sample)})")
+        return _json_caption(sample)
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -169,6 +172,22 @@ def caption(sample: dict) -> str:
     if not text:
         raise BadInputError(f"{_where(sample)}: empty caption (field {CAPTION_FIELD!r})")
     return text
+
+
+def _json_caption(sample: dict) -> str:
+    """img2dataset's `json` metadata's `caption`, for a sample without a `txt` field."""
+    missing = (f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}, or a 'caption' in field {METADATA_FIELD!r}; "
+               f"has: {_fields(sample)})")
+    raw = sample.get(METADATA_FIELD)
+    if raw is None:
+        raise BadInputError(missing)
+    try:
+        text = json.loads(raw).get("caption")
+    except (ValueError, AttributeError) as e:
+        raise BadInputError(f"{_where(sample)}: field {METADATA_FIELD!r} is not a JSON object: {e}") from e
+    if not isinstance(text, str) or not text.strip():
+        raise BadInputError(missing)
+    return text.strip()
 
 
 def text_features(sample: dict, width: int, max_length: int) -> np.ndarray:

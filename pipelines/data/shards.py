@@ -95,7 +95,7 @@ class ShardIndex:
                 url = os.path.basename(url)
             shards.append({"url": url, "num_samples": int(count)})
         path = os.path.join(folder, INDEX_NAME)
-        tmp = path + ".tmp"
+        tmp = f"{path}.{os.getpid()}.tmp"  # two processes that seal a job's last shards at once may both write it
         with open(tmp, "w") as f:
             json.dump({"shards": shards, **meta}, f, indent=1)
         os.replace(tmp, path)

@@ -58,7 +58,7 @@ def table_paths(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
 def write_json(path: str, data: dict) -> None:
     """`data` as JSON at `path`, atomically (a reader sees the old file or the new one)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # a writer of its own: another process may write the same file
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
         f.flush()
