@@ -223,6 +223,8 @@ BENCHES = {
                                    "layout time for a simulated world, pruner state save/load"),
     "dedup-quality": ("tools.bench.dedup_quality", "precision and recall of shards dedup's duplicate pairs on the "
                                                    "bundled redundant set, whose copies are known"),
+    "encode": ("tools.bench.encode_ranks", "latents encode on one process and on two torchrun ranks, side by "
+                                           "side; a SIGKILLed encode's rerun"),
     "remote": ("tools.bench.remote_reads", "pipe: shards through the retrying reader against webdataset's "
                                            "gopen; a command failing once per shard; a hanging one"),
     "dedup-scale": ("tools.bench.dedup_scale", "shards dedup at 1e6 planted embeddings of 512 dims: wall time, "

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -199,6 +200,10 @@ def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(image
     whole = embed_shards(images, "phash", name="whole", batch_size=16)
     assert embed_shards(images, "phash", name="split", batch_size=16, rank=1, world=2) is None, \
         "shard 0 and 2 are rank 0's and unsealed: the table waits"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with open(os.path.join(images, "embeddings", "split.parts", ".index.lock"), "w") as f:
+        f.write(f"{socket.gethostname()} {gone.pid} {time.time()}")  # a writer killed while it held the lock
     path = embed_shards(images, "phash", name="split", batch_size=16, rank=0, world=2)
     assert open(path, "rb").read() == open(whole, "rb").read()
     table = open_embeddings(images, "split")

@@ -186,7 +186,7 @@ def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name
     array_path, header_path = table_paths(shards_dir, "embeddings", name)
     parts_dir = array_path[:-len(".npy")] + ".parts"
     made_by = {**model.describe(), "batch_size": batch_size}
-    settings = {**made_by, "index": os.path.abspath(index.path), "counts": index.counts.tolist(),
+    settings = {**made_by, "shards": [os.path.basename(url) for url in index.urls], "counts": index.counts.tolist(),
                 "on_bad_sample": on_bad_sample}
     job = ShardJob(parts_dir, settings, me, what=f"embed {name}",
                    command=f"prunepipe shards embed {shards_dir} --model {spec}")

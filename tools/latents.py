@@ -122,7 +122,9 @@ def encode_shards(
     if text_encoder:
         encoder = TextEncoder(text_encoder, tokenizer, text_max_length or 1, setting="text_encoder")
         encoder.max_length = text_max_length or encoder_max_length(encoder)
-    settings = {"source": os.path.abspath(index.path), "source_counts": index.counts.tolist(),
+    # what the outputs depend on; the source by its shards' names and counts, not its path: a requeue may
+    # see the same folder under another mount
+    settings = {"source_shards": [os.path.basename(url) for url in index.urls], "source_counts": index.counts.tolist(),
                 "vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder,
                 "resolution": resolution, "dtype": dtype, "flip": flip, "batch_size": batch_size,
                 "on_bad_sample": on_bad_sample, "text_encoder": encoder.identity() if encoder else None}

@@ -147,21 +147,34 @@ class ShardJob:
             print(f"prunepipe: {self.rank}: {message}", flush=True)
             return None
         lock = os.path.join(self.folder, ".index.lock")
+        if not _take(lock):
+            print(f"prunepipe: {self.rank}: another process is writing the index ({lock})", flush=True)
+            return None
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if not _stale(lock):
-                print(f"prunepipe: {self.rank}: another process is writing the index ({lock})", flush=True)
-                return None
-            os.remove(lock)
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()} {time.time()}".encode())
-            os.close(fd)
             return write()
         finally:
             if os.path.exists(lock):  # a writer may remove the folder it worked in (embed's parts)
                 os.remove(lock)
+
+
+def _take(lock: str) -> bool:
+    """Create `lock` holding this host, pid and time, at once (a hard link of a file already written:
+    no reader ever sees it empty); a lock left by a writer that is gone is taken over."""
+    mine = f"{lock}.{socket.gethostname()}.{os.getpid()}"
+    with open(mine, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()} {time.time()}")
+    try:
+        for _ in range(2):
+            try:
+                os.link(mine, lock)
+                return True
+            except FileExistsError:
+                if not _stale(lock):
+                    return False
+                os.remove(lock)
+        return False
+    finally:
+        os.remove(mine)
 
 
 def _stale(lock: str) -> bool:
