@@ -22,27 +22,13 @@ from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import ConfigError, load_config
 from pipelines.data.remote import ReadRetry
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from tools.bench.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
 TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
             "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val=", "data.shuffle_buffer=16"]
 QUICK = ReadRetry(retries=2, timeout_seconds=5.0, backoff_seconds=0.0)
-
-# A transfer command that dies half-way through the shard the first time it is run for it (curl's
-# exit 56 and its message, as a connection reset gives them), and streams all of it after that.
-FLAKY = """\
-import os, sys
-tar, marker = sys.argv[1], sys.argv[2]
-data = open(tar, "rb").read()
-if not os.path.exists(marker):
-    open(marker, "w").close()
-    sys.stdout.buffer.write(data[:len(data) // 2])
-    sys.stdout.flush()
-    print("curl: (56) Recv failure: Connection reset by peer", file=sys.stderr)
-    sys.exit(56)
-sys.stdout.buffer.write(data)
-"""
 
 
 @pytest.fixture(scope="module")

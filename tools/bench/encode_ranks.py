@@ -118,12 +118,3 @@ def run_from_args(args) -> int:
               f"{rerun['rerun_seconds']:.1f} s and wrote the index: {rerun['index']}")
     return 0
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

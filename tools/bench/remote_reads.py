@@ -25,6 +25,8 @@ from pipelines.data.remote import ReadRetry, open_retrying
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.data.tar_reader import TarMembers
 
+# A transfer command that dies half-way through its shard the first time it runs for it (curl's exit
+# 56 and its message, as a connection reset gives them), and streams all of it after that.
 FLAKY = """\
 import os, sys
 tar, marker = sys.argv[1], sys.argv[2]
@@ -122,12 +124,3 @@ def run_from_args(args) -> int:
               f"(bound {hang['bound']:.1f} s): {hang['message']}")
     return 0
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_from_args(parser.parse_args())
-
-
-if __name__ == "__main__":
-    sys.exit(main())
