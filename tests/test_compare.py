@@ -204,3 +204,24 @@ def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_fr
                      "--out", str(out), "--no-plots"]) == 0
     recorded = json.load(open(out / "report.json"))
     assert recorded["equal_quality"]["settings"][0]["metrics"]["masked_mse"]["mean"] == pytest.approx(summary["mean"])
+
+
+def test_compare_says_first_when_training_longer_hurts_and_claims_no_saving_that_training_less_beats(tmp_path):
+    """Full at 2, 3, 4 and 5 passes (50% to 125% of the 4-pass baseline) gets worse on every seed, as on
+    redundant data judged on a clean held-out set; the pruned runs at 77% of the baseline's compute are
+    a touch worse than Full at 2 passes: training less reaches their quality for less compute."""
+    offsets = {0: -0.002, 1: 0.0, 2: 0.002}
+    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+                for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))] for s, off in offsets.items()}
+    pruned = [fake_run(tmp_path, f"ib_s{s}", "infobatch", s, {"masked_mse": 0.207 + offsets[s]}, [0.5] * 4,
+                       samples_per_pass=770, kept=0.77) for s in offsets]
+    baselines = [runs[2] for runs in full.values()]
+    frontier = [run for runs in full.values() for i, run in enumerate(runs) if i != 2]
+    report = compare_runs(baselines, pruned, frontier=frontier, out=str(tmp_path / "out"), plots=False)
+    [setting] = report["equal_quality"]["settings"]
+    summary = setting["metrics"]["masked_mse"]
+    assert summary["hurts"] == "training longer hurts here: Full at 50% is best measured"
+    assert summary["verdict"].startswith("not a saving") and "[" not in summary["verdict"]
+    section = report["markdown"][report["markdown"].index("## Compute saved at equal quality"):]
+    assert section.splitlines()[2].startswith("**masked_mse: training longer hurts here: Full at 50% is best measured**")
+    assert "saves at least" not in report["markdown"]

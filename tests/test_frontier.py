@@ -45,11 +45,29 @@ def test_beyond_the_ends_the_saving_is_a_bound_never_extrapolated():
     assert (better.kind, better.iso_compute, better.saving) == (AT_LEAST, 1.0, pytest.approx(0.30))
     worse = iso_quality(FRONTIER, 0.7, 0.35, lower_is_better=True)  # worse than the cheapest Full
     assert (worse.kind, worse.iso_compute, worse.saving) == (AT_MOST, 0.5, pytest.approx(1 - 0.7 / 0.5))
-    summary = summarise_savings([better, iso_quality(FRONTIER, 0.7, 0.21, True), better])
+    summary = summarise_savings([better, iso_quality(FRONTIER, 0.7, 0.19, True), better])
     assert summary["bound"] == AT_LEAST and summary["bounded"] == 3
-    assert summary["verdict"].startswith("saves at least 30%")
+    assert summary["verdict"].startswith("saves at least 30%") and "extend the frontier up" in summary["verdict"]
     mixed = summarise_savings([better, worse])
     assert mixed["bound"] == "mixed" and mixed["verdict"].startswith("not resolved")
+    # a bound beside measured seeds is listed beside their interval, never averaged into it
+    measured = [iso_quality(FRONTIER, 0.7, value, True) for value in (0.225, 0.22, 0.23)]
+    beside = summarise_savings([*measured, better])
+    assert beside["n"] == 3 and beside["bounded"] == 1
+    assert beside["mean"] == pytest.approx(np.mean([m.saving for m in measured]))
+    assert "; >=30% (bounds)" in beside["verdict"]
+
+
+def test_when_every_seed_is_a_bound_no_interval_is_printed():
+    # the case that read "saves at least 38% [38%, 38%]": three identical lower bounds
+    bounds = [iso_quality(FRONTIER, 0.62, 0.20 - 0.001 * seed, True) for seed in range(3)]
+    assert {b.kind for b in bounds} == {AT_LEAST}
+    summary = summarise_savings(bounds)
+    assert summary["n"] == 0 and math.isnan(summary["low"]) and math.isnan(summary["high"])
+    assert "[" not in summary["verdict"] and "no interval" in summary["verdict"]
+    assert summary["verdict"].startswith("saves at least 38%")
+    upper = summarise_savings([iso_quality(FRONTIER, 0.7, 0.31, True) for _ in range(3)])
+    assert "[" not in upper["verdict"] and "extend the frontier down" in upper["verdict"]
 
 
 def test_a_frontier_that_gets_worse_is_read_through_the_best_full_at_or_below_each_compute():
@@ -75,7 +93,7 @@ def test_verdict_words_follow_the_interval():
     assert summarise_savings(seeds(0.1, -0.1, 0.05, -0.02))["verdict"].startswith("no saving detected (CI includes 0)")
     assert summarise_savings(seeds(-0.2, -0.25, -0.22))["verdict"].startswith("costs more than training less")
     one = summarise_savings(seeds(0.3))
-    assert math.isnan(one["low"]) and "1 seed, no interval" in one["verdict"]
+    assert math.isnan(one["low"]) and "1 measured seed, no interval" in one["verdict"]
 
 
 def test_paired_differences_use_only_the_seeds_both_runs_have():
@@ -122,16 +140,46 @@ def test_the_frontier_is_one_shape_plus_a_level_per_seed():
     assert alone.own == {9: [(0.6, 0.5), (0.9, 0.4)]} and alone.curve(9) == [(0.6, 0.5), (0.9, 0.4)]
 
 
-def test_a_shape_that_gets_worse_is_made_monotone_by_isotonic_regression_not_by_the_luckiest_run():
-    # the seeds' mean at 90% is better than at 100%: pooled to their average, not kept at the best
+def test_a_shape_that_gets_worse_is_read_through_its_running_best_not_averaged_flat():
+    # the seeds' mean at 90% is better than at 100%: Full reaches its best at 90%, and a run is read
+    # against the best Full at or below its compute; the fitted shape, not the luckiest single run
     frontiers = {s: [(0.5, 0.30 + u), (0.9, 0.20 + u), (1.0, 0.22 + u)] for s, u in ((0, 0.0), (1, 0.01))}
     model = fit_frontier(frontiers, lower_is_better=True)
-    assert not model.monotone and model.shape == pytest.approx([0.305, 0.215, 0.215])  # the seeds' average
-    assert [v for _, v in model.curve(0)] == pytest.approx([0.30, 0.21, 0.21])
-    [answer] = savings_over_seeds(frontiers, {0: (0.7, 0.21 - 0.005)}, True).values()
-    assert answer.kind == AT_LEAST and not answer.monotone  # better than the pooled 90-100%: a bound
+    assert not model.monotone and model.shape == pytest.approx([0.305, 0.205, 0.225])
+    assert model.best_compute == 0.9
+    [answer] = savings_over_seeds(frontiers, {0: (0.7, 0.205)}, True).values()
+    assert answer.kind == EXACT and not answer.monotone  # Full at 90% is better than 0.205: it is reached
+    assert answer.iso_compute == pytest.approx(0.5 + 0.4 * (0.30 - 0.205) / (0.30 - 0.20))
     psnr = fit_frontier({s: [(c, -v) for c, v in p] for s, p in frontiers.items()}, lower_is_better=False)
-    assert psnr.shape == pytest.approx([-0.305, -0.215, -0.215])
+    assert psnr.shape == pytest.approx([-0.305, -0.205, -0.225]) and psnr.best_compute == 0.9
+
+
+def longer_hurts_frontiers() -> dict[int, list[tuple[float, float]]]:
+    """Full at 50, 75, 100 and 125% of the passes on redundant data judged on a clean held-out set:
+    masked MSE rising with compute on every seed (means 0.206, 0.213, 0.223, 0.230 over 3 seeds)."""
+    means = {0.5: 0.206, 0.75: 0.213, 1.0: 0.223, 1.25: 0.230}
+    levels = {0: -0.002, 1: 0.0, 2: 0.002}
+    noise = {(0, 0.75): 0.0005, (1, 1.0): -0.0004, (2, 0.5): 0.0003}
+    return {seed: [(c, m + u + noise.get((seed, c), 0.0)) for c, m in means.items()] for seed, u in levels.items()}
+
+
+def test_a_pruned_run_equal_to_the_cheapest_full_is_not_a_saving_when_longer_training_hurts():
+    frontiers = longer_hurts_frontiers()
+    model = fit_frontier(frontiers, True)
+    cheapest = {seed: (0.77, model.curve(seed)[0][1]) for seed in frontiers}  # the fitted Full at 50%
+    summary = saving_summary(frontiers, cheapest, lower_is_better=True)
+    assert summary["hurts"] == "training longer hurts here: Full at 50% is best measured"
+    assert all(s["kind"] == AT_MOST for s in summary["per_seed"]) and summary["n"] == 0
+    assert summary["verdict"].startswith("not a saving") and "[" not in summary["verdict"]
+    assert all(s["saving"] == pytest.approx(1 - 0.77 / 0.5) for s in summary["per_seed"])
+    assert "extend the frontier down" in summary["note"] and "trained longer" not in summary["note"]
+    # a touch worse than Full at 50%, as measured (0.207 against 0.206): not a saving either
+    near = {seed: (0.77, model.curve(seed)[0][1] + 0.001) for seed in frontiers}
+    assert saving_summary(frontiers, near, True)["verdict"].startswith("not a saving")
+    # better than the best Full measured: every Full is beaten, and a longer Full would be worse still
+    better = {seed: (0.77, model.curve(seed)[0][1] - 0.01) for seed in frontiers}
+    beaten = saving_summary(frontiers, better, True)
+    assert beaten["verdict"].startswith("better than every Full measured") and "[" not in beaten["verdict"]
 
 
 def test_reading_one_shape_over_the_seeds_is_less_noisy_than_each_seeds_own_points():

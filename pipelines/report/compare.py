@@ -265,7 +265,8 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
         "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
         "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
         "cost": {r.name: cost(base, r) for r in base + runs},
-        "equal_quality": equal_quality(base + same + curve, runs),
+        "equal_quality": equal_quality(base + same + curve, runs,
+                                       unit=float(np.mean([b.samples_forwarded for b in base])) or 1.0),
         "notes": notes_on(base, runs, given, k),
     }
     report["notes"] += equal_quality_notes(report["equal_quality"], runs)

@@ -28,9 +28,10 @@ def setting_name(runs: list[RunSummary]) -> str:
     return stems.pop() if len(stems) == 1 else " + ".join(r.name for r in runs)
 
 
-def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary]) -> dict:
+def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float = 1.0) -> dict:
     """{"runs": {name: {metric: per-seed answer}}, "settings": [one per setting with its seeds' summary
-    per metric], "missing": seeds of pruned runs without any Full run}."""
+    per metric], "missing": seeds of pruned runs without any Full run}. `unit`: the samples forwarded
+    that read as 100% (the baseline's)."""
     full_runs = [r for r in fulls if r.pruner == "full"]
     per_run: dict[str, dict] = {r.name: {} for r in pruned}
     missing = sorted({r.seed for r in pruned} - {r.seed for r in full_runs})
@@ -61,7 +62,7 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary]) -> dict:
                         if metric in per_run[r.name]}
             if measured and not entry["repeated_seeds"]:
                 entry["metrics"][metric] = saving_summary(full_points(full_runs, metric), measured,
-                                                          not PRIMARY_METRICS[metric])
+                                                          not PRIMARY_METRICS[metric], unit=unit)
             elif measured:  # seeds repeated: no jackknife over seeds, the plain t interval (noted)
                 fields = IsoQuality.__dataclass_fields__
                 answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]

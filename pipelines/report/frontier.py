@@ -9,18 +9,21 @@ The frontier (docs/evaluation.md, "Compute saved at equal quality"):
   as a few passes of training; read one noisy point at a time, a seed's own frontier would move
   its saving by that much, so every run of every seed informs the shape and every run of a seed
   its level. A seed whose runs share no length with the others keeps its own points;
-- where training longer got worse somewhere, the shape is made monotone by isotonic regression
-  (least squares under "more compute is never worse"), not by the running best, which among noisy
-  runs would pick the luckiest one and bias every saving down; the report says it happened;
+- the frontier is what Full can reach at or below each compute: the running best of the fitted
+  curve along compute. Where training longer makes Full worse (redundant data, a clean held-out
+  set), Full trained less is the better buy, and a pruned run must beat the best Full at or below
+  its compute; averaging the worsening curve flat would let a run look better than every Full. The
+  running best is of the fitted shape, not of single runs, so it is not the luckiest run's;
 - the iso-quality compute is where the seed's curve reaches the run's quality, linear between
   lengths; beyond the ends it is a bound, never extrapolated: a run better than every Full saves
   *at least* what the longest Full gives, a run no better than the cheapest *at most* what it gives;
 - saving = 1 - compute(run) / iso-quality compute. A run on the frontier saves 0.
 
-Across seeds: the mean and a 95% t interval (the headline; the t interval holds its level for
-normal savings at any number of seeds), a percentile bootstrap beside it (no normality assumed,
-but it covers less than its level at few seeds: tools/bench/interval_coverage.py measures both),
-and the seeds a paired t test would need to detect an effect of the measured size.
+Across seeds: the mean and a 95% t interval over the seeds whose saving is measured (a bound is
+reported as a bound, never averaged into an interval: bounds piled at one end make it narrow and
+wrong), a percentile bootstrap beside it (no normality assumed, but it covers less than its level
+at few seeds: tools/bench/interval_coverage.py measures both), and the seeds a paired t test would
+need to detect an effect of the measured size.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class IsoQuality:
     iso_compute: float  # where the frontier reaches the run's quality (the bound when `kind` is not EXACT)
     saving: float  # 1 - compute / iso_compute
     kind: str  # EXACT, AT_LEAST (better than every Full) or AT_MOST (no better than the cheapest Full)
-    monotone: bool  # False: the frontier got worse somewhere, the envelope of the best Full was used
+    monotone: bool  # False: Full got worse with compute somewhere; the best Full at or below each compute was read
     points: int  # frontier points
 
     def as_dict(self) -> dict:
@@ -91,14 +94,15 @@ def iso_quality(points: list[tuple[float, float]], compute: float, value: float,
 
 @dataclass
 class FrontierModel:
-    """Full's quality as shape(length) + level(seed): `computes` ascending, `shape` there (monotone),
-    `levels` per seed, and whether the fitted shape was monotone before isotonic regression."""
+    """Full's quality as shape(length) + level(seed): `computes` ascending, the fitted `shape` there,
+    `levels` per seed, and whether the shape never gets worse with compute (`monotone`)."""
 
     computes: np.ndarray
     shape: np.ndarray
     levels: dict[int, float]
     monotone: bool
     own: dict[int, list[tuple[float, float]]]  # seeds left with their own points (no length shared)
+    lower_is_better: bool = True
 
     def curve(self, seed: int) -> list[tuple[float, float]]:
         """The seed's frontier as (compute, quality) points."""
@@ -106,16 +110,11 @@ class FrontierModel:
             return self.own[seed]
         return [(float(x), float(y + self.levels[seed])) for x, y in zip(self.computes, self.shape)]
 
-
-def _isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Non-increasing least-squares fit (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for value, weight in zip(values, weights):
-        blocks.append([float(value), float(weight), 1])
-        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:  # a rise: pool the two blocks
-            (m2, w2, n2), (m1, w1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return np.concatenate([np.full(n, m) for m, _, n in blocks])
+    @property
+    def best_compute(self) -> float:
+        """The compute at which the fitted shape is best (the cheapest of equals)."""
+        signed = self.shape if self.lower_is_better else -self.shape
+        return float(self.computes[int(np.argmin(signed))])
 
 
 def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
@@ -163,12 +162,11 @@ def fit_frontier(frontiers: dict[int, list[tuple[float, float]]], lower_is_bette
     design[-1, len(computes):] = 1.0  # levels sum to 0: the shape is the seeds' average
     solution = np.linalg.lstsq(design, np.append(values, 0.0), rcond=None)[0]
     shape, levels = solution[:len(computes)], solution[len(computes):]
-    counts = np.bincount([column[x] for _, x, _ in rows], minlength=len(computes)).astype(float)
     signed = shape if lower_is_better else -shape  # lower = better from here on
-    fitted = _isotonic(signed, counts)
-    monotone = bool(np.allclose(fitted, signed, rtol=0, atol=1e-12 * max(1.0, float(np.abs(signed).max()))))
-    shape = fitted if lower_is_better else -fitted
-    return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own)
+    tolerance = 1e-12 * max(1.0, float(np.abs(signed).max()))
+    monotone = bool(np.all(np.diff(signed) <= tolerance))
+    return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own,
+                         lower_is_better)
 
 
 def savings_over_seeds(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
@@ -245,6 +243,10 @@ def seeds_needed(mean: float, std: float, power: float = POWER, level: float = L
 
 def interval_summary(values: list[float], level: float = LEVEL) -> dict:
     """Mean, sample std, the t and the bootstrap intervals and the seeds needed, of per-seed numbers."""
+    if not values:
+        nan = float("nan")
+        return {"n": 0, "mean": nan, "std": nan, "low": nan, "high": nan, "bootstrap_low": nan,
+                "bootstrap_high": nan, "seeds_needed": None}
     mean, low, high = t_interval(values, level)
     boot = bootstrap_interval(values, level)
     std = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
@@ -270,26 +272,34 @@ def jackknife_standard_error(frontiers: dict[int, list[tuple[float, float]]], ru
 
 
 def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
-                   lower_is_better: bool) -> dict | None:
+                   lower_is_better: bool, unit: float = 1.0) -> dict | None:
     """The savings of one setting's seeds (`runs`: seed -> (compute, quality)) against the Full runs
-    (`frontiers`: seed -> points), summed up with a jackknife t interval; None without a Full run of
-    any of its seeds."""
+    (`frontiers`: seed -> points), summed up with a jackknife t interval over the seeds whose saving
+    is measured; None without a Full run of any of its seeds. `unit` is the compute that reads as
+    100% (Full's full schedule) in the words."""
     answers = savings_over_seeds(frontiers, runs, lower_is_better) if frontiers else {}
     if not answers:
         return None
-    summary = summarise_savings(list(answers.values()), jackknife_standard_error(frontiers, runs, lower_is_better))
+    model = fit_frontier(frontiers, lower_is_better)
+    measured = {seed: runs[seed] for seed, answer in answers.items() if answer.kind == EXACT}
+    error = jackknife_standard_error(frontiers, measured, lower_is_better) if len(measured) > 1 else None
+    summary = summarise_savings(list(answers.values()), error,
+                                best_full=None if model.monotone else model.best_compute / unit)
     summary["seeds"] = list(answers)
     return summary
 
 
-def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None = None) -> dict:
-    """The seeds' savings as one answer: interval_summary of the per-seed savings (with
+def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None = None,
+                      best_full: float | None = None) -> dict:
+    """The seeds' savings as one answer: interval_summary of the measured (EXACT) savings only (with
     `standard_error`, the t interval is mean +- t x it: the jackknife's, when the frontier was
-    fitted over the seeds), which of them are bounds (`bound`: EXACT when none, else AT_LEAST /
-    AT_MOST, or "mixed"), whether any frontier was non-monotone, and the verdict words."""
+    fitted over the seeds); the bounds beside it (`bounded`, `bound`: EXACT when none, else AT_LEAST
+    / AT_MOST, or "mixed", and their values); whether Full got worse with compute (`best_full`: the
+    compute, as a fraction of Full's, at which the fitted Full is best, when it did) and the words."""
     from scipy import stats
 
-    values = [s.saving for s in per_seed]
+    values = [s.saving for s in per_seed if s.kind == EXACT]
+    bounds = [s for s in per_seed if s.kind != EXACT]
     summary = interval_summary(values)
     if standard_error is not None and math.isfinite(standard_error) and len(values) > 1:
         half = float(stats.t.ppf(0.5 + LEVEL / 2, len(values) - 1) * standard_error)
@@ -298,10 +308,13 @@ def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None =
                        interval="jackknife t", seeds_needed=seeds_needed(summary["mean"], effective_std))
     else:
         summary["interval"] = "t"
-    kinds = {s.kind for s in per_seed} - {EXACT}
-    summary.update(per_seed=[s.as_dict() for s in per_seed], bounded=sum(s.kind != EXACT for s in per_seed),
+    kinds = {s.kind for s in bounds}
+    monotone = all(s.monotone for s in per_seed)
+    summary.update(per_seed=[s.as_dict() for s in per_seed], seeds_total=len(per_seed), bounded=len(bounds),
                    bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",
-                   monotone=all(s.monotone for s in per_seed))
+                   bound_values=[s.saving for s in bounds], monotone=monotone,
+                   best_full=best_full if not monotone else None)
+    summary["hurts"] = longer_hurts_text(summary)
     summary["verdict"], summary["note"] = saving_verdict(summary), bound_note(summary)
     return summary
 
@@ -310,44 +323,78 @@ def percent(value: float) -> str:
     return "n/a" if not math.isfinite(value) else f"{100 * value:.0f}%" if abs(value) >= 0.095 else f"{100 * value:.1f}%"
 
 
+def longer_hurts_text(summary: dict) -> str:
+    """What a reader must see first when Full got worse with compute ('' when it did not)."""
+    if summary["monotone"]:
+        return ""
+    where = f"Full at {percent(summary['best_full'])} is best measured" if summary.get("best_full") is not None \
+        else "a shorter Full is better than a longer one somewhere"
+    return f"training longer hurts here: {where}"
+
+
 def interval_text(summary: dict) -> str:
-    """'12% [3%, 21%]' (t interval), or '12% (1 seed)'."""
-    if summary["n"] < 2:
-        return f"{percent(summary['mean'])} (1 seed, no interval)"
-    return f"{percent(summary['mean'])} [{percent(summary['low'])}, {percent(summary['high'])}]"
+    """'12% [3%, 21%]' (t interval over the measured seeds), '12% (1 measured seed, no interval)', or
+    for bounds alone 'at most -54% (3 of 3 seeds are bounds, no interval)'; bounds beside measured
+    seeds are added ('; 1 seed >= 40%')."""
+    n, bounded = summary["n"], summary.get("bounded", 0)
+    marks = {AT_LEAST: ">=", AT_MOST: "<="}
+    beside = "; " + ", ".join(f"{marks[s['kind']]}{percent(s['saving'])}" for s in summary.get("per_seed", [])
+                              if s["kind"] != EXACT) + " (bounds)" if bounded else ""
+    if n >= 2:
+        return f"{percent(summary['mean'])} [{percent(summary['low'])}, {percent(summary['high'])}]" + beside
+    if n == 1:
+        return f"{percent(summary['mean'])} (1 measured seed, no interval)" + beside
+    total = summary.get("seeds_total", bounded)
+    bound, values = summary["bound"], summary.get("bound_values", [])
+    if bound == AT_LEAST:
+        return f"at least {percent(min(values))} ({bounded} of {total} seeds are bounds, no interval)"
+    if bound == AT_MOST:
+        return f"at most {percent(max(values))} ({bounded} of {total} seeds are bounds, no interval)"
+    return f"bounds on both sides ({bounded} of {total} seeds), no interval"
 
 
 def saving_verdict(summary: dict) -> str:
-    """Words that follow the numbers: what the interval says about the saving at equal quality.
-    Short enough for a last line; `bound_note` says what the bounds mean."""
-    text, bound = interval_text(summary), summary["bound"]
-    if bound == "mixed":
-        return "not resolved: some seeds beat every Full of their seed and some no Full"
-    if bound == AT_MOST and not summary["high"] < 0:  # upper bounds: only "costs more" can be shown
-        return f"no saving shown: at most {percent(summary['mean'])}"
-    least = "at least " if bound == AT_LEAST else "at most " if bound == AT_MOST else ""
-    if summary["n"] < 2:
-        return f"saves {least}{text} at equal quality"
-    if summary["low"] > 0:
-        return f"saves {least}{text} at equal quality"
-    if summary["high"] < 0:
+    """Words that follow the numbers: what the measured seeds' interval says about the saving at
+    equal quality, or, with bounds alone, which way the frontier must be extended. Short enough
+    for a last line; `bound_note` says what the bounds mean."""
+    text, bound, n = interval_text(summary), summary["bound"], summary["n"]
+    if n == 0:
+        if bound == AT_MOST:
+            most = max(summary["bound_values"])
+            if most < 0:
+                return (f"not a saving: Full trained for less compute is as good ({text}); extend the frontier "
+                        f"down to measure by how much")
+            return f"no saving shown: {text}; extend the frontier down (Full trained for less compute)"
         if bound == AT_LEAST:
-            return f"not resolved: lower bounds {text}"
-        return f"costs more than training less: {least}{text} at equal quality"
-    return f"no saving detected (CI includes 0): {least}{text}"
+            if not summary["monotone"]:
+                return f"better than every Full measured: {text}; a longer Full gets worse here, not better"
+            return f"saves {text}; extend the frontier up (Full trained longer) to measure it"
+        return f"not resolved: {text}; extend the frontier down and up"
+    if n < 2:
+        return f"saves {text} at equal quality"
+    if summary["low"] > 0:
+        return f"saves {text} at equal quality"
+    if summary["high"] < 0:
+        return f"costs more than training less: {text} at equal quality"
+    return f"no saving detected (CI includes 0): {text}"
 
 
 def bound_note(summary: dict) -> str:
     """What the seeds beyond the frontier's ends mean for the verdict ('' when there are none)."""
     if not summary["bounded"]:
         return ""
-    head = f"{summary['bounded']} of {summary['n']} seeds beyond the frontier's ends"
+    head = (f"{summary['bounded']} of {summary['seeds_total']} seeds beyond the frontier's ends, kept out of "
+            f"the interval")
     if summary["bound"] == AT_LEAST:
-        return (f"{head}: better than the longest Full of their seed, so their savings are lower bounds and the "
-                f"interval is narrower than the truth's; Full trained longer would measure them")
+        if not summary["monotone"]:
+            return (f"{head}: better than every Full of their seed, and Full gets worse with compute here, so a "
+                    f"longer Full would not reach them; their savings are lower bounds over the compute measured")
+        return (f"{head}: better than the longest Full of their seed, so their savings are lower bounds; extend "
+                f"the frontier up (Full trained longer) to measure them")
     if summary["bound"] == AT_MOST:
-        return (f"{head}: no better than the cheapest Full of their seed, so their savings are upper bounds; "
-                f"Full trained for less compute would measure them")
+        return (f"{head}: no better than the cheapest Full of their seed, so their savings are upper bounds; extend "
+                f"the frontier down (Full trained for less compute) to measure them: training less may reach the "
+                f"same quality")
     return f"{head}, on both sides: a frontier reaching lower and higher compute would place them"
 
 

@@ -35,8 +35,12 @@ def equal_quality_section(found: dict | None) -> list[str]:
              "Each pruned run against the Full curve of its own seed (baseline, same-compute and --frontier runs: "
              "Full at several schedule lengths, fitted as one shape plus a level per seed): saving = 1 - its "
              "samples forwarded / those at which that curve reaches its quality (linear between lengths; beyond "
-             "their ends a bound, >= or <=). Interval: 95% t over seeds, standard error by jackknife over seeds "
-             "(docs/evaluation.md).", ""]
+             "their ends a bound, >= or <=, kept out of the interval). The curve is read through its running best: "
+             "the best Full at or below each compute. Interval: 95% t over the measured seeds, standard error by "
+             "jackknife over seeds (docs/evaluation.md).", ""]
+    hurts = {f"**{metric}: {s['hurts']}**; each setting is read against the best Full at or below its compute"
+             for setting in found["settings"] for metric, s in setting["metrics"].items() if s.get("hurts")}
+    lines[2:2] = [*sorted(hurts), ""] if hurts else []  # what a reader must see first
     rows = []
     marks = {"at least": ">=", "at most": "<="}
     for setting in found["settings"]:
