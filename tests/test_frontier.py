@@ -179,7 +179,20 @@ def test_a_pruned_run_equal_to_the_cheapest_full_is_not_a_saving_when_longer_tra
     # better than the best Full measured: every Full is beaten, and a longer Full would be worse still
     better = {seed: (0.77, model.curve(seed)[0][1] - 0.01) for seed in frontiers}
     beaten = saving_summary(frontiers, better, True)
-    assert beaten["verdict"].startswith("better than every Full measured") and "[" not in beaten["verdict"]
+    assert beaten["verdict"].startswith("not resolved: better than every Full measured") and "[" not in beaten["verdict"]
+    assert "extend the frontier down" in beaten["verdict"] and "extend the frontier down" in beaten["note"]
+
+
+def test_a_dip_that_the_longest_full_recovers_from_is_not_training_longer_hurting():
+    # Full worse at 75% than at 50% on every seed, then best at 100%: the frontier is not monotone,
+    # but training longer pays over the measured range, so no headline and the usual reading
+    frontiers = {s: [(0.5, 0.30 + u), (0.75, 0.31 + u), (1.0, 0.20 + u)] for s, u in ((0, 0.0), (1, 0.01), (2, -0.01))}
+    model = fit_frontier(frontiers, True)
+    assert not model.monotone and not model.hurts and model.best_compute == 1.0
+    better = {seed: (0.7, 0.19 + u) for seed, u in ((0, 0.0), (1, 0.01), (2, -0.01))}
+    summary = saving_summary(frontiers, better, True)
+    assert summary["hurts"] == "" and summary["best_full"] is None
+    assert "extend the frontier up" in summary["verdict"] and "gets worse" not in summary["verdict"]
 
 
 def test_reading_one_shape_over_the_seeds_is_less_noisy_than_each_seeds_own_points():

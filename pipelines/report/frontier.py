@@ -116,6 +116,12 @@ class FrontierModel:
         signed = self.shape if self.lower_is_better else -self.shape
         return float(self.computes[int(np.argmin(signed))])
 
+    @property
+    def hurts(self) -> bool:
+        """Whether training longer hurts over the measured range: the fitted Full is best short of the
+        longest compute. A dip between two lengths that the longest Full recovers from is not that."""
+        return self.best_compute < float(self.computes[-1])
+
 
 def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
     """The largest set of seeds joined through lengths they share (their levels are comparable)."""
@@ -284,18 +290,20 @@ def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[i
     measured = {seed: runs[seed] for seed, answer in answers.items() if answer.kind == EXACT}
     error = jackknife_standard_error(frontiers, measured, lower_is_better) if len(measured) > 1 else None
     summary = summarise_savings(list(answers.values()), error,
-                                best_full=None if model.monotone else model.best_compute / unit)
+                                best_full=model.best_compute / unit if model.hurts else None,
+                                best_is_cheapest=model.hurts and model.best_compute == float(model.computes[0]))
     summary["seeds"] = list(answers)
     return summary
 
 
 def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None = None,
-                      best_full: float | None = None) -> dict:
+                      best_full: float | None = None, best_is_cheapest: bool = False) -> dict:
     """The seeds' savings as one answer: interval_summary of the measured (EXACT) savings only (with
     `standard_error`, the t interval is mean +- t x it: the jackknife's, when the frontier was
     fitted over the seeds); the bounds beside it (`bounded`, `bound`: EXACT when none, else AT_LEAST
     / AT_MOST, or "mixed", and their values); whether Full got worse with compute (`best_full`: the
-    compute, as a fraction of Full's, at which the fitted Full is best, when it did) and the words."""
+    compute, as a fraction of Full's, at which the fitted Full is best, when that is short of the longest;
+    `best_is_cheapest`: it is the cheapest measured) and the words."""
     from scipy import stats
 
     values = [s.saving for s in per_seed if s.kind == EXACT]
@@ -313,7 +321,7 @@ def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None =
     summary.update(per_seed=[s.as_dict() for s in per_seed], seeds_total=len(per_seed), bounded=len(bounds),
                    bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",
                    bound_values=[s.saving for s in bounds], monotone=monotone,
-                   best_full=best_full if not monotone else None)
+                   best_full=best_full, best_is_cheapest=bool(best_full is not None and best_is_cheapest))
     summary["hurts"] = longer_hurts_text(summary)
     summary["verdict"], summary["note"] = saving_verdict(summary), bound_note(summary)
     return summary
@@ -325,11 +333,9 @@ def percent(value: float) -> str:
 
 def longer_hurts_text(summary: dict) -> str:
     """What a reader must see first when Full got worse with compute ('' when it did not)."""
-    if summary["monotone"]:
+    if summary.get("best_full") is None:
         return ""
-    where = f"Full at {percent(summary['best_full'])} is best measured" if summary.get("best_full") is not None \
-        else "a shorter Full is better than a longer one somewhere"
-    return f"training longer hurts here: {where}"
+    return f"training longer hurts here: Full at {percent(summary['best_full'])} is best measured"
 
 
 def interval_text(summary: dict) -> str:
@@ -366,7 +372,10 @@ def saving_verdict(summary: dict) -> str:
                         f"down to measure by how much")
             return f"no saving shown: {text}; extend the frontier down (Full trained for less compute)"
         if bound == AT_LEAST:
-            if not summary["monotone"]:
+            if summary.get("best_is_cheapest"):
+                return (f"not resolved: better than every Full measured, the cheapest best ({text}); extend the "
+                        f"frontier down (Full trained for less compute): training less may reach it")
+            if summary.get("best_full") is not None:
                 return f"better than every Full measured: {text}; a longer Full gets worse here, not better"
             return f"saves {text}; extend the frontier up (Full trained longer) to measure it"
         return f"not resolved: {text}; extend the frontier down and up"
@@ -386,7 +395,11 @@ def bound_note(summary: dict) -> str:
     head = (f"{summary['bounded']} of {summary['seeds_total']} seeds beyond the frontier's ends, kept out of "
             f"the interval")
     if summary["bound"] == AT_LEAST:
-        if not summary["monotone"]:
+        if summary.get("best_is_cheapest"):
+            return (f"{head}: better than every Full of their seed, and the cheapest Full measured is the best, so "
+                    f"a shorter Full may reach them for less compute; extend the frontier down (Full trained for "
+                    f"less compute) to measure them")
+        if summary.get("best_full") is not None:
             return (f"{head}: better than every Full of their seed, and Full gets worse with compute here, so a "
                     f"longer Full would not reach them; their savings are lower bounds over the compute measured")
         return (f"{head}: better than the longest Full of their seed, so their savings are lower bounds; extend "
