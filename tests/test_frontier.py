@@ -94,6 +94,10 @@ def test_verdict_words_follow_the_interval():
     assert summarise_savings(seeds(-0.2, -0.25, -0.22))["verdict"].startswith("costs more than training less")
     one = summarise_savings(seeds(0.3))
     assert math.isnan(one["low"]) and "1 measured seed, no interval" in one["verdict"]
+    # one measured seed that costs compute, or sits beside a bound the other way, shows no saving
+    assert summarise_savings(seeds(-0.007))["verdict"].startswith("no saving shown: -0.7% (1 measured seed")
+    upper = iso_quality(FRONTIER, 0.7, 0.35, lower_is_better=True)
+    assert summarise_savings([*seeds(0.05), upper])["verdict"].startswith("no saving shown: 5.0%")
 
 
 def test_paired_differences_use_only_the_seeds_both_runs_have():

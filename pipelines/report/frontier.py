@@ -379,8 +379,10 @@ def saving_verdict(summary: dict) -> str:
                 return f"better than every Full measured: {text}; a longer Full gets worse here, not better"
             return f"saves {text}; extend the frontier up (Full trained longer) to measure it"
         return f"not resolved: {text}; extend the frontier down and up"
-    if n < 2:
-        return f"saves {text} at equal quality"
+    if n < 2:  # one seed: no interval, so a saving that is not positive or sits beside mixed bounds is not shown
+        if summary["mean"] > 0 and bound in (EXACT, AT_LEAST):
+            return f"saves {text} at equal quality"
+        return f"no saving shown: {text}"
     if summary["low"] > 0:
         return f"saves {text} at equal quality"
     if summary["high"] < 0:
