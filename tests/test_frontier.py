@@ -217,3 +217,16 @@ def test_reading_one_shape_over_the_seeds_is_less_noisy_than_each_seeds_own_poin
     assert np.mean(model_spread) < 0.6 * np.mean(own_spread)
     summary = saving_summary(frontiers, runs, True)
     assert summary["interval"] == "jackknife t" and summary["standard_error"] > 0
+
+
+def test_a_longest_full_that_ties_the_best_is_not_training_longer_hurting():
+    # held-out probe accuracy counts correct answers out of 270: Full at 75% and 100% tie on every
+    # seed, and the least-squares fit leaves them 1e-16 apart; training longer did not hurt
+    offsets = {0: 0, 1: 3, 2: -2}
+    frontiers = {s: [(0.5, (160 + d) / 270), (0.75, (189 + d) / 270), (1.0, (189 + d) / 270)]
+                 for s, d in offsets.items()}
+    model = fit_frontier(frontiers, lower_is_better=False)
+    assert model.monotone and not model.hurts
+    better = saving_summary(frontiers, {s: (0.7, (192 + d) / 270) for s, d in offsets.items()}, False)
+    assert better["hurts"] == "" and better["best_full"] is None
+    assert "extend the frontier up" in better["verdict"] and "gets worse" not in better["verdict"]

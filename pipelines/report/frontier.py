@@ -119,8 +119,11 @@ class FrontierModel:
     @property
     def hurts(self) -> bool:
         """Whether training longer hurts over the measured range: the fitted Full is best short of the
-        longest compute. A dip between two lengths that the longest Full recovers from is not that."""
-        return self.best_compute < float(self.computes[-1])
+        longest compute. A dip between two lengths that the longest Full recovers from is not that, nor
+        a tie with the longest (a count-valued metric such as probe accuracy ties often, and the fit
+        leaves rounding of 1e-16 between equal lengths)."""
+        signed = self.shape if self.lower_is_better else -self.shape
+        return bool(signed[-1] > signed.min() + 1e-12 * max(1.0, float(np.abs(signed).max())))
 
 
 def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
