@@ -230,3 +230,19 @@ def test_a_longest_full_that_ties_the_best_is_not_training_longer_hurting():
     better = saving_summary(frontiers, {s: (0.7, (192 + d) / 270) for s, d in offsets.items()}, False)
     assert better["hurts"] == "" and better["best_full"] is None
     assert "extend the frontier up" in better["verdict"] and "gets worse" not in better["verdict"]
+
+
+def test_a_longest_full_worse_only_within_seed_noise_is_not_training_longer_hurting():
+    # the fitted Full is best at 73%, but one seed falls at 100%, one rises and one holds: the seeds'
+    # paired differences do not show a worse longest Full, so nothing is claimed and the reading is the usual
+    frontiers = {0: [(0.7, 0.689), (0.733, 0.689), (1.0, 0.656)], 1: [(0.7, 0.711), (0.733, 0.722), (1.0, 0.733)],
+                 2: [(0.7, 0.656), (0.733, 0.667), (1.0, 0.667)]}
+    model = fit_frontier(frontiers, lower_is_better=False)
+    assert model.best_compute == 0.733 and model.rise["reading"] == "no difference detected"
+    assert not model.hurts
+    summary = saving_summary(frontiers, {s: (0.7, 0.80) for s in frontiers}, lower_is_better=False)
+    assert summary["hurts"] == "" and "extend the frontier up" in summary["verdict"]
+    # the same shape with every seed worse at 100% by the same amount is shown
+    shown = {s: [(x, y - (0.04 if x == 1.0 else 0.0) + 0.01 * s) for x, y in ((0.7, 0.68), (0.733, 0.69), (1.0, 0.69))]
+             for s in range(3)}
+    assert fit_frontier(shown, lower_is_better=False).hurts

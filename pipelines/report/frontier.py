@@ -103,6 +103,7 @@ class FrontierModel:
     monotone: bool
     own: dict[int, list[tuple[float, float]]]  # seeds left with their own points (no length shared)
     lower_is_better: bool = True
+    rise: dict | None = None  # paired_difference of each seed's longest Full against its Full at best_compute
 
     def curve(self, seed: int) -> list[tuple[float, float]]:
         """The seed's frontier as (compute, quality) points."""
@@ -116,14 +117,24 @@ class FrontierModel:
         signed = self.shape if self.lower_is_better else -self.shape
         return float(self.computes[int(np.argmin(signed))])
 
+    def where_best(self, unit: float = 1.0) -> dict:
+        """summarise_savings' `best_full` (the compute, over `unit`, at which the fitted Full is best,
+        when training longer hurts) and `best_is_cheapest` (that compute is the cheapest measured)."""
+        if not self.hurts:
+            return {"best_full": None, "best_is_cheapest": False}
+        return {"best_full": self.best_compute / unit, "best_is_cheapest": self.best_compute == float(self.computes[0])}
+
     @property
     def hurts(self) -> bool:
         """Whether training longer hurts over the measured range: the fitted Full is best short of the
         longest compute. A dip between two lengths that the longest Full recovers from is not that, nor
         a tie with the longest (a count-valued metric such as probe accuracy ties often, and the fit
-        leaves rounding of 1e-16 between equal lengths)."""
+        leaves rounding of 1e-16 between equal lengths). The seeds must show it: their paired differences
+        (longest Full minus Full at best_compute, same seed) have a t interval on the worse side of 0, so a
+        worse longest Full within seed noise is read as the usual frontier, never as a finding."""
         signed = self.shape if self.lower_is_better else -self.shape
-        return bool(signed[-1] > signed.min() + 1e-12 * max(1.0, float(np.abs(signed).max())))
+        worse = bool(signed[-1] > signed.min() + 1e-12 * max(1.0, float(np.abs(signed).max())))
+        return worse and self.rise is not None and self.rise["reading"] == "worse"
 
 
 def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
@@ -174,8 +185,12 @@ def fit_frontier(frontiers: dict[int, list[tuple[float, float]]], lower_is_bette
     signed = shape if lower_is_better else -shape  # lower = better from here on
     tolerance = 1e-12 * max(1.0, float(np.abs(signed).max()))
     monotone = bool(np.all(np.diff(signed) <= tolerance))
+    best, longest = computes[int(np.argmin(signed))], computes[-1]
+    at = {seed: y for seed, x, y in rows if x == longest}
+    rise = paired_difference(at, {seed: y for seed, x, y in rows if x == best}, lower_is_better) \
+        if best != longest else None
     return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own,
-                         lower_is_better)
+                         lower_is_better, rise)
 
 
 def savings_over_seeds(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
@@ -292,9 +307,7 @@ def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[i
     model = fit_frontier(frontiers, lower_is_better)
     measured = {seed: runs[seed] for seed, answer in answers.items() if answer.kind == EXACT}
     error = jackknife_standard_error(frontiers, measured, lower_is_better) if len(measured) > 1 else None
-    summary = summarise_savings(list(answers.values()), error,
-                                best_full=model.best_compute / unit if model.hurts else None,
-                                best_is_cheapest=model.hurts and model.best_compute == float(model.computes[0]))
+    summary = summarise_savings(list(answers.values()), error, **model.where_best(unit))
     summary["seeds"] = list(answers)
     return summary
 
