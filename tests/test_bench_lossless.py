@@ -14,27 +14,43 @@ import pytest
 from pruning import build_pruner
 from tools.bench.lossless.report import write_markdown
 from tools.bench.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
+from pipelines.report.lossless import LOSSLESS_K
 from tools.bench.lossless.verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
 
 
 def test_verdicts_lower_is_better_both_ways():
-    # Full: mean 1.00, seed std 0.10; masked MSE, lower is better
-    assert lossless(1.09, 1.00, 0.10, lower_is_better=True)
-    assert lossless(0.80, 1.00, 0.10, lower_is_better=True)  # better than Full is lossless too
-    assert not lossless(1.11, 1.00, 0.10, lower_is_better=True)
-    assert beats_equal_compute(0.88, 1.00, 0.10, lower_is_better=True)
-    assert not beats_equal_compute(0.92, 1.00, 0.10, lower_is_better=True)
-    assert not beats_equal_compute(1.20, 1.00, 0.10, lower_is_better=True)
+    # Full: mean 1.00, seed std 0.10; masked MSE, lower is better; lossless within 2 std, compare's rule
+    assert LOSSLESS_K == 2.0
+    assert lossless(1.19, 1.00, 0.10, lower=True)
+    assert lossless(0.80, 1.00, 0.10, lower=True)  # better than Full is lossless too
+    assert not lossless(1.21, 1.00, 0.10, lower=True)
+    assert beats_equal_compute(0.78, 1.00, 0.10, lower=True)
+    assert not beats_equal_compute(0.82, 1.00, 0.10, lower=True)
+    assert not beats_equal_compute(1.20, 1.00, 0.10, lower=True)
 
 
 def test_verdicts_higher_is_better_both_ways():
     # probe accuracy: higher is better; Full 0.90 +- 0.01
-    assert lossless(0.895, 0.90, 0.01, lower_is_better=False)
-    assert not lossless(0.885, 0.90, 0.01, lower_is_better=False)
-    assert beats_equal_compute(0.92, 0.90, 0.01, lower_is_better=False)
-    assert not beats_equal_compute(0.905, 0.90, 0.01, lower_is_better=False)
-    assert delta_in_std(0.88, 0.90, 0.01, lower_is_better=False) == pytest.approx(2.0)
-    assert math.isnan(delta_in_std(0.88, 0.90, 0.0, lower_is_better=False))  # no noise measured: no verdict
+    assert lossless(0.885, 0.90, 0.01, lower=False)
+    assert not lossless(0.875, 0.90, 0.01, lower=False)
+    assert beats_equal_compute(0.925, 0.90, 0.01, lower=False)
+    assert not beats_equal_compute(0.915, 0.90, 0.01, lower=False)
+    assert delta_in_std(0.88, 0.90, 0.01, lower=False) == pytest.approx(2.0)
+    assert math.isnan(delta_in_std(0.88, 0.90, 0.0, lower=False))  # no noise measured: no verdict
+
+
+def test_compare_and_the_bench_share_one_lossless_rule_and_one_direction_table():
+    from pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
+    from pipelines.report.compare import DEFAULT_K, judge
+
+    assert DEFAULT_K == LOSSLESS_K
+    for metric, higher in PRIMARY_METRICS.items():
+        assert lower_is_better(metric) is (not higher) and lower_is_better(f"{metric}@x") is (not higher)
+        worse = 1.0 + (-1 if higher else 1) * 0.19  # 1.9 std worse at std 0.1
+        assert lossless(worse, 1.0, 0.1, lower_is_better(metric))
+        assert judge(metric, 1.0, worse, LOSSLESS_K * 0.1)[1] == "lossless"
+    with pytest.raises(ValueError, match="accepted"):
+        lower_is_better("accuracy")
 
 
 def _result(label, role, metric, samples, seed=0, passes=10, compute_of=""):
@@ -55,7 +71,7 @@ def test_summarise_gives_both_verdicts_from_constructed_runs():
                                                       compute_of="Good"),
         _result("Bad", "pruned", 1.25, 700), _result("Full @ Bad", "equal_compute", 1.30, 700, passes=7,
                                                      compute_of="Bad"),
-        _result("Tried", "ablation", 1.02, 850),  # no run of its own: interpolated between Full runs
+        _result("Tried", "ablation", 0.92, 850),  # no run of its own: interpolated between Full runs
     ]
     rows = {r["label"]: r for r in summarise(results, [plan])}
     assert rows["Good"]["lossless"] and rows["Good"]["beats_equal_compute"]
@@ -156,8 +172,10 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
     pays = rows["Pays"]["saving"]
     assert [s["kind"] for s in pays["per_seed"]] == ["at least", "at least", "interpolated"]
     assert pays["per_seed"][2]["saving"] == pytest.approx(1 - 0.7 / (0.7 + 0.3 * (1.40 - 1.00) / (1.40 - 0.95)))
-    assert pays["interval"] == "jackknife t" and pays["low"] < pays["mean"] < pays["high"]
-    assert pays["bound"] == "at least" and pays["verdict"].startswith("saves at least")
+    # two lower bounds and one measured saving: no interval is formed from the bounds
+    assert pays["n"] == 1 and pays["bounded"] == 2 and math.isnan(pays["low"]) and math.isnan(pays["high"])
+    assert pays["mean"] == pytest.approx(pays["per_seed"][2]["saving"])
+    assert pays["bound"] == "at least" and "[" not in pays["verdict"] and ">=30%, >=30% (bounds)" in pays["verdict"]
     less = rows["Less"]["saving"]  # a little better than its seed's Full at 70%: a few percent
     # (seed 2 is exactly its curve at 70%, the cheapest Full: at most 0% saved)
     assert [s["kind"] for s in less["per_seed"]] == ["interpolated", "interpolated", "at most"]
@@ -167,7 +185,7 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
     assert rows["Pays"]["paired_compute"]["reading"] == "better"
     [target] = saving_targets(arms(results, [plan]))
     assert "best: Pays" in target["measured"] and "compute at equal quality" in target["target"]
-    # 29% mean with the interval above 0, but two seeds are lower bounds piled at the frontier's end
+    # two seeds are lower bounds of 30% piled at the frontier's end: they would reach 25%, but unmeasured
     assert not target["met"] and target["measured"].startswith("reached on lower bounds only")
 
 
@@ -313,7 +331,8 @@ def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interv
     from tools.bench.lossless.verdicts import saving_targets
 
     def row(label, pruner, mean, low, high, static=False):
-        saving = {"mean": mean, "low": low, "high": high, "bound": "", "bounded": 0, "n": 5, "note": "",
+        saving = {"mean": mean, "low": low, "high": high, "bound": "", "bounded": 0, "n": 5, "seeds_total": 5,
+                  "bound_values": [], "note": "",
                   "seeds_needed": 3, "verdict": f"saves {mean:.0%}",
                   "per_seed": [{"kind": "interpolated", "saving": mean}] * 5}
         return {"task": "mae", "data": "redundant", "label": label, "pruner": pruner, "static": static,

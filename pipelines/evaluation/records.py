@@ -14,6 +14,15 @@ PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accur
                    "denoise_mse": False, "fid": False, "clip_score": True}
 
 
+def lower_is_better(metric: str) -> bool:
+    """Whether a lower value of `metric` is better, from the one table (PRIMARY_METRICS: True where
+    higher is better); `fid@...`, a metric read at a setting, is its metric's."""
+    name = metric.split("@")[0]
+    if name not in PRIMARY_METRICS:
+        raise ValueError(f"metric {metric!r}: accepted: {', '.join(PRIMARY_METRICS)}")
+    return not PRIMARY_METRICS[name]
+
+
 def record_path(run_dir: str, record: dict, ending: str = ".json") -> str:
     """RUN/eval/step_XXXXXX[_raw]`ending`: the record's file, or a file that goes with it."""
     suffix = "" if record.get("weights", "ema") == "ema" else f"_{record['weights']}"

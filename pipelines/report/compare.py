@@ -14,13 +14,14 @@ import numpy as np
 
 from pipelines.evaluation.records import PRIMARY_METRICS
 from pipelines.report.equal_quality import equal_quality
+from pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
 from pipelines.report.runs import UNRECORDED, RunSummary, held_out_metrics, load_run, trajectory_value
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
 DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
                       "psnr": (0.1, False), "ssim": (0.005, False), "probe_accuracy": (0.01, False),
                       "clip_score": (0.01, True)}
-DEFAULT_K = 2.0  # tolerance = k x the baseline seeds' standard deviation when there are >= 2 of them
+DEFAULT_K = LOSSLESS_K  # tolerance = k x the baseline seeds' standard deviation when there are >= 2 of them
 
 
 # ----------------------------------------------------------------------------- verdicts
@@ -72,14 +73,14 @@ def judge(metric: str, reference: float, value: float, tolerance: float) -> tupl
     (better is always fine)."""
     delta = value - reference
     worse_by = -delta if PRIMARY_METRICS[metric] else delta
-    return delta, ("lossless" if worse_by <= tolerance else "not lossless")
+    return delta, ("lossless" if is_lossless(worse_by, tolerance, k=1.0) else "not lossless")
 
 
 def judge_equal_compute(metric: str, reference: float, value: float, tolerance: float) -> tuple[float, str]:
     """Against a full run of the same compute: did the pruner's selection beat training less?"""
     delta = value - reference
     better_by = delta if PRIMARY_METRICS[metric] else -delta
-    if better_by > tolerance:
+    if beats(better_by, tolerance, k=1.0):
         return delta, "beats equal compute"
     return delta, ("ties equal compute" if better_by >= -tolerance else "worse than equal compute")
 

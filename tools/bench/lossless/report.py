@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from pipelines.report.frontier import interval_text, percent
+from pipelines.report.lossless import LOSSLESS_K
 from tools.bench.lossless.plan import TaskPlan
 from tools.bench.lossless.verdicts import fmt, seed_savings
 
@@ -74,7 +75,8 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
     import matplotlib.pyplot as plt
 
     from pipelines.report.frontier import interval_text, t_interval
-    from tools.bench.lossless.verdicts import FULL_ROLES, LOWER_IS_BETTER
+    from pipelines.evaluation.records import lower_is_better
+    from tools.bench.lossless.verdicts import FULL_ROLES
 
     metrics = [plan.main] + [f"{plan.main}@{split}" for split in plan.extra_splits]
     runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"]
@@ -112,7 +114,7 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
             text = f"{label}: saves {interval_text(saving)}" if saving else f"{label} ({len(values)} seeds)"
             ax.errorbar([np.mean([r["samples_forwarded"] for r in mine]) / full_compute], [mean], yerr=error,
                         color=f"C{i}", marker="s", ms=6, capsize=3, ls="none", label=text)
-        better = "below" if LOWER_IS_BETTER[metric.split("@")[0]] else "above"
+        better = "below" if lower_is_better(metric) else "above"
         ax.set_title(f"{plan.task}: final {metric}\n{better} the black line = better than training less")
         ax.set_xlabel("compute (samples forwarded, fraction of Full's full schedule)")
         ax.set_ylabel(f"{metric} (bars: 95% t interval of the seed mean, unpaired)")
@@ -143,7 +145,7 @@ def plot_savings(ax, savings: list[tuple[str, dict]], plan: TaskPlan) -> None:
     ax.axvline(100 * TARGET_ISO_SAVING, color="tab:green", lw=1, ls="--", label=f"target {TARGET_ISO_SAVING:.0%}")
     ax.set_yticks(range(len(savings)), [label for label, _ in savings], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("compute saved, % (dots: seeds, open: bounds; diamond: mean, 95% t CI)")
+    ax.set_xlabel("compute saved, % (dots: seeds, open: bounds; diamond: mean of the measured seeds, 95% t CI)")
     ax.set_title(f"{plan.task}: compute saved at equal {plan.main}\neach seed against its own Full frontier")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8)
@@ -296,7 +298,10 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
     if not mine:
         return []
     main = mine[0]["main"]
+    hurts = sorted({f"**{r['metrics'][main]['saving']['hurts']}**; each setting is read against the best Full at or "
+                    f"below its compute" for r in mine if ((r["metrics"].get(main) or {}).get("saving") or {}).get("hurts")})
     lines = [f"#### {task}: compute saved at equal quality ({main}), seeds paired with their own Full", "",
+             *([*hurts, ""] if hurts else []),
              "| setting | compute | seeds | Full points per seed | saving at equal quality [95% t CI] | bootstrap CI "
              "| per seed | verdict | seeds needed | paired Δ vs Full, equal passes [CI] | paired Δ vs Full, equal compute "
              "[CI] | pooled Δ std: passes / compute |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -340,8 +345,9 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
                          f"{fmt(c['full_mean'])} | {fmt(c['delta_passes'], 2)} | {yes[c['lossless']]} | "
                          f"{fmt(c['equal_compute_mean'])} ({', '.join(map(str, r['equal_compute_passes']))}) | "
                          f"{fmt(c['delta_compute'], 2)} | {yes[c['pays']]} |")
-    return lines + ["", "Lossless: within 1 pooled std of Full at equal passes. Pays: better than Full trained for "
-                        "the same samples forwarded by more than 2 pooled std (unpaired seed means).", ""]
+    return lines + ["", f"Lossless: within {LOSSLESS_K:g} pooled std of Full at equal passes. Pays: better than Full "
+                        f"trained for the same samples forwarded by more than {LOSSLESS_K:g} pooled std (unpaired seed "
+                        f"means; pipelines/report/lossless.py).", ""]
 
 
 def write_markdown(path: str, mode: str, body: str) -> None:
