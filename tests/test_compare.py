@@ -225,3 +225,23 @@ def test_compare_says_first_when_training_longer_hurts_and_claims_no_saving_that
     section = report["markdown"][report["markdown"].index("## Compute saved at equal quality"):]
     assert section.splitlines()[2].startswith("**masked_mse: training longer hurts here: Full at 50% is best measured**")
     assert "saves at least" not in report["markdown"]
+
+
+def test_runs_that_share_a_seed_are_still_told_first_when_training_longer_hurts(tmp_path):
+    """Two runs of one setting at seed 0 (not independent seeds: the plain t interval, noted) against
+    Full at 2 to 5 passes getting worse on every seed: the headline and the verdict are those of
+    independent seeds, not a saving that training less beats."""
+    offsets = {0: -0.002, 1: 0.0, 2: 0.002}
+    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+                for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))] for s, off in offsets.items()}
+    pruned = [fake_run(tmp_path, f"ib_{tag}", "infobatch", 0, {"masked_mse": 0.207 + offsets[0] + extra}, [0.5] * 4,
+                       samples_per_pass=770, kept=0.77) for tag, extra in (("a", 0.0), ("b", 0.0005))]
+    baselines = [runs[2] for runs in full.values()]
+    frontier = [run for runs in full.values() for i, run in enumerate(runs) if i != 2]
+    report = compare_runs(baselines, pruned, frontier=frontier, out=str(tmp_path / "out"), plots=False)
+    [setting] = report["equal_quality"]["settings"]
+    assert setting["repeated_seeds"]
+    summary = setting["metrics"]["masked_mse"]
+    assert summary["hurts"] == "training longer hurts here: Full at 50% is best measured"
+    assert summary["verdict"].startswith("not a saving") and "[" not in summary["verdict"]
+    assert "**masked_mse: training longer hurts here: Full at 50% is best measured**" in report["markdown"]

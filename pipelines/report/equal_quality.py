@@ -66,8 +66,9 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float
             elif measured:  # seeds repeated: no jackknife over seeds, the plain t interval (noted)
                 fields = IsoQuality.__dataclass_fields__
                 answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
+                where = fit_frontier(full_points(full_runs, metric), not PRIMARY_METRICS[metric]).where_best(unit)
                 entry["metrics"][metric] = {**summarise_savings([IsoQuality(**{k: a[k] for k in fields})
-                                                                for a in answers]),
+                                                                for a in answers], **where),
                                             "seeds": [a["seed"] for a in answers]}
         settings.append(entry)
     return {"runs": per_run, "settings": settings, "missing": missing}
