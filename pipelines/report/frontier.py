@@ -103,6 +103,7 @@ class FrontierModel:
     monotone: bool
     own: dict[int, list[tuple[float, float]]]  # seeds left with their own points (no length shared)
     lower_is_better: bool = True
+    rise: dict | None = None  # paired_difference of each seed's longest Full against its Full at best_compute
 
     def curve(self, seed: int) -> list[tuple[float, float]]:
         """The seed's frontier as (compute, quality) points."""
@@ -128,9 +129,12 @@ class FrontierModel:
         """Whether training longer hurts over the measured range: the fitted Full is best short of the
         longest compute. A dip between two lengths that the longest Full recovers from is not that, nor
         a tie with the longest (a count-valued metric such as probe accuracy ties often, and the fit
-        leaves rounding of 1e-16 between equal lengths)."""
+        leaves rounding of 1e-16 between equal lengths). The seeds must show it: their paired differences
+        (longest Full minus Full at best_compute, same seed) have a t interval on the worse side of 0, so a
+        worse longest Full within seed noise is read as the usual frontier, never as a finding."""
         signed = self.shape if self.lower_is_better else -self.shape
-        return bool(signed[-1] > signed.min() + 1e-12 * max(1.0, float(np.abs(signed).max())))
+        worse = bool(signed[-1] > signed.min() + 1e-12 * max(1.0, float(np.abs(signed).max())))
+        return worse and self.rise is not None and self.rise["reading"] == "worse"
 
 
 def _linked(frontiers: dict[int, list[tuple[float, float]]]) -> set[int]:
@@ -181,8 +185,12 @@ def fit_frontier(frontiers: dict[int, list[tuple[float, float]]], lower_is_bette
     signed = shape if lower_is_better else -shape  # lower = better from here on
     tolerance = 1e-12 * max(1.0, float(np.abs(signed).max()))
     monotone = bool(np.all(np.diff(signed) <= tolerance))
+    best, longest = computes[int(np.argmin(signed))], computes[-1]
+    at = {seed: y for seed, x, y in rows if x == longest}
+    rise = paired_difference(at, {seed: y for seed, x, y in rows if x == best}, lower_is_better) \
+        if best != longest else None
     return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own,
-                         lower_is_better)
+                         lower_is_better, rise)
 
 
 def savings_over_seeds(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
