@@ -56,6 +56,12 @@ def test_beyond_the_ends_the_saving_is_a_bound_never_extrapolated():
     assert beside["n"] == 3 and beside["bounded"] == 1
     assert beside["mean"] == pytest.approx(np.mean([m.saving for m in measured]))
     assert "; >=30% (bounds)" in beside["verdict"]
+    # measured seeds that save, beside seeds no better than the cheapest Full: the interval leaves the
+    # latter out, so it cannot carry the verdict alone
+    saving = [iso_quality(FRONTIER, 0.7, value, True) for value in (0.23, 0.228, 0.232)]
+    against = summarise_savings([*saving, worse, worse])
+    assert against["low"] > 0 and against["verdict"].startswith("not resolved: the measured seeds save")
+    assert "extend the frontier down" in against["verdict"]
 
 
 def test_when_every_seed_is_a_bound_no_interval_is_printed():

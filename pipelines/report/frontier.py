@@ -399,9 +399,18 @@ def saving_verdict(summary: dict) -> str:
         if summary["mean"] > 0 and bound in (EXACT, AT_LEAST):
             return f"saves {text} at equal quality"
         return f"no saving shown: {text}"
+    # the interval is over the measured seeds only: bounds on its far side are seeds it leaves out, so
+    # a verdict that they contradict is not resolved (the measured seeds alone would be a selection)
+    against = {s["kind"] for s in summary.get("per_seed", []) if s["kind"] != EXACT}
     if summary["low"] > 0:
+        if AT_MOST in against:
+            return (f"not resolved: the measured seeds save {text}, but some seeds are no better than the cheapest "
+                    f"Full; extend the frontier down")
         return f"saves {text} at equal quality"
     if summary["high"] < 0:
+        if AT_LEAST in against:
+            return (f"not resolved: the measured seeds cost {text}, but some seeds beat every Full; extend the "
+                    f"frontier up")
         return f"costs more than training less: {text} at equal quality"
     return f"no saving detected (CI includes 0): {text}"
 
