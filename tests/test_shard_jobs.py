@@ -209,6 +209,27 @@ def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(image
     table = open_embeddings(images, "split")
     assert table.header["missing"]["count"] == 0 and len(table) == 180
     assert not os.path.exists(os.path.join(images, "embeddings", "split.parts"))
+    # a requeue of either task after the join finds the table whole: it neither redoes nor removes it
+    assert embed_shards(images, "phash", name="split", batch_size=16, rank=1, world=2) == path
+    assert open(path, "rb").read() == open(whole, "rb").read()
+
+
+def test_an_array_element_running_several_srun_tasks_gives_each_a_share(monkeypatch):
+    from tools.shard_jobs import job_rank
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "13")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    ranks = set()
+    for task in range(8):
+        monkeypatch.setenv("SLURM_PROCID", str(task))
+        found = job_rank()
+        assert found.world == 32
+        ranks.add(found.rank)
+    assert ranks == set(range(24, 32)), "element 3 of 4, its 8 tasks: ranks 24..31, none shared"
 
 
 def test_embed_stops_on_a_bad_sample_when_asked(tmp_path):

@@ -12,16 +12,18 @@ two nodes writing disjoint rows of one page can lose writes.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import numpy as np
 
 from pipelines.data.decode import SampleDecoder
+from pipelines.data.remote import ShardReadError
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from pipelines.data.side_tables import make_header, table_paths, write_json
+from pipelines.data.side_tables import index_fingerprint, make_header, table_paths, write_json
 from tools.feature_models import FeatureModel, load_feature_model
-from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_rank, join_group
+from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_device, job_rank, join_group, partial_path
 
 MISSING_SHOWN = 20  # missing ids (and keys) named in a header and a message; all are in NAME.missing.npy
 BAD_SAMPLE_POLICIES = ("stop", "skip")
@@ -116,6 +118,8 @@ def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder):
                 yield position, None, str(e)
         problem = None if seen == count else f"shard {url}: ended after {seen} samples, {index.path} lists {count}"
     except BadInputError as e:
+        if isinstance(e.__cause__, ShardReadError):  # the store failed, not the data: the shard stays unsealed
+            raise
         problem = str(e)
     for position in range(seen, count):  # what the shard did not give
         yield position, None, problem
@@ -155,8 +159,9 @@ def embed_shard(index: ShardIndex, shard: int, part: str, model: FeatureModel, d
         if len(batch) == batch_size:
             run_batch()
     run_batch()
-    tmp = part + ".partial.npy"
-    np.save(tmp, rows)
+    tmp = partial_path(part)
+    with open(tmp, "wb") as f:  # a file, not a name: np.save would add `.npy` to the name
+        np.save(f, rows)
     os.replace(tmp, part)
     return {"count": count, "successes": count - len(missing), "missing": sorted(first + m for m in missing),
             "reasons": reasons[:MISSING_SHOWN]}
@@ -175,17 +180,18 @@ def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name
         raise ValueError(f"--on-bad-sample: got {on_bad_sample!r}, accepted: {', '.join(BAD_SAMPLE_POLICIES)}")
     index = ShardIndex.load(shards_dir)
     me = job_rank(rank, world)
-    join_group(me, wait_hours)
     if device is None and model is None:
-        import torch
-
-        device = f"cuda:{me.local_rank}" if torch.cuda.is_available() else "cpu"
+        device = job_device(me)
     model = model or load_feature_model(spec, weights=weights, image_size=image_size, shards_dir=shards_dir,
                                         device=device)
     name = name or default_name(spec)
     array_path, header_path = table_paths(shards_dir, "embeddings", name)
     parts_dir = array_path[:-len(".npy")] + ".parts"
     made_by = {**model.describe(), "batch_size": batch_size}
+    if finished_table(shards_dir, header_path, made_by):  # a requeue after the join: nothing to redo or remove
+        print(f"prunepipe: embed {name}: {array_path} is complete, made with these settings", flush=True)
+        return array_path
+    join_group(me)
     settings = {**made_by, "shards": [os.path.basename(url) for url in index.urls], "counts": index.counts.tolist(),
                 "on_bad_sample": on_bad_sample}
     job = ShardJob(parts_dir, settings, me, what=f"embed {name}",
@@ -207,7 +213,20 @@ def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name
     def write_table() -> str:
         return join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, model.dim)
 
-    return job.finish(parts, write_table)
+    return job.finish(parts, write_table, wait_hours)
+
+
+def finished_table(shards_dir: str, header_path: str, made_by: dict) -> bool:
+    """A table of this name, made with these settings for this index, is already whole."""
+    try:
+        with open(header_path) as f:
+            header = json.load(f)
+    except (OSError, ValueError):
+        return False
+    wanted = json.loads(json.dumps(made_by))  # as the header holds them (tuples as lists)
+    return (all(header.get(key) == value for key, value in wanted.items())
+            and header.get("index") == index_fingerprint(shards_dir)
+            and os.path.exists(header_path[:-len(".json")] + ".npy"))
 
 
 def join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, dim) -> str:

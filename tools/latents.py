@@ -22,11 +22,12 @@ import webdataset as wds
 
 from pipelines.data.decode import (CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, METADATA_FIELD,
                                    TEXT_FEATURES_FIELD, TEXT_NULL_FILE, SampleDecoder, caption)
+from pipelines.data.remote import ShardReadError
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.data.side_tables import write_json
 from pipelines.tasks.diffusion import load_autoencoder
 from pipelines.tasks.text import TextCondition, TextEncoder
-from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_rank, join_group
+from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_device, job_rank, join_group, partial_path
 
 LATENT_FIELD = "latent.npy"
 LATENT_DTYPES = ("float16", "float32")
@@ -112,8 +113,7 @@ def encode_shards(
         raise ValueError(f"out_folder {out_folder!r} is the image shard folder: choose another, not to overwrite it")
     resolution = resolution or index_resolution(index)
     me = job_rank(rank, world)
-    join_group(me, wait_hours)
-    device = device or (f"cuda:{me.local_rank}" if torch.cuda.is_available() else "cpu")
+    device = device or job_device(me)
     autoencoder = load_autoencoder(vae, subfolder, cache_dir, setting="vae").to(device)
     scaling = float(autoencoder.config.scaling_factor)
     shift = float(getattr(autoencoder.config, "shift_factor", None) or 0.0)
@@ -128,6 +128,7 @@ def encode_shards(
                 "vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder,
                 "resolution": resolution, "dtype": dtype, "flip": flip, "batch_size": batch_size,
                 "on_bad_sample": on_bad_sample, "text_encoder": encoder.identity() if encoder else None}
+    join_group(me)  # every rank has its models: nobody encodes for hours beside a rank that could not start
     job = ShardJob(out_folder, settings, me, what="latents encode",
                    command=f"prunepipe latents encode {image_shards_folder} --out {out_folder}")
     outputs = [output_shard(out_folder, shard) for shard in range(len(index))]
@@ -151,7 +152,7 @@ def encode_shards(
         return _write_index(index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings,
                             scaling, shift)
 
-    return job.finish(outputs, write_index)
+    return job.finish(outputs, write_index, wait_hours)
 
 
 def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDecoder, encode, encoder, dtype: str,
@@ -163,7 +164,7 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
     fields_seen: set[str] = set()
     latent_shape: list[int] = []
     written = 0
-    partial = output + ".partial"
+    partial = partial_path(output)
 
     def bad(key, reason: str, samples: int = 1) -> None:
         if on_bad_sample == "stop":
@@ -215,7 +216,8 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
                 if len(pending) == batch_size:
                     write_batch()
         except BadInputError as e:
-            if "holds more than" in str(e) or on_bad_sample == "stop":
+            # a read that failed after its retries is the store's fault, not the data's: never sealed as skipped
+            if "holds more than" in str(e) or on_bad_sample == "stop" or isinstance(e.__cause__, ShardReadError):
                 raise
             bad(None, str(e), count - seen)
             seen = count

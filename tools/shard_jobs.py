@@ -53,13 +53,16 @@ def job_rank(rank: int | None = None, world: int | None = None) -> JobRank:
     if rank is not None or world is not None:
         if rank is None or world is None:
             raise ValueError("--rank and --world go together (e.g. --rank $SLURM_ARRAY_TASK_ID --world 64)")
-        found = JobRank(int(rank), int(world), launcher="flags")
+        local = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+        found = JobRank(int(rank), int(world), local, launcher="flags")
     elif "RANK" in env and "WORLD_SIZE" in env:
         found = JobRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     elif "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        # an array element may run several srun tasks: each is a share of its own
         first = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
-        found = JobRank(int(env["SLURM_ARRAY_TASK_ID"]) - first, int(env["SLURM_ARRAY_TASK_COUNT"]),
-                        launcher="slurm-array")
+        tasks, task = int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_PROCID", 0))
+        found = JobRank((int(env["SLURM_ARRAY_TASK_ID"]) - first) * tasks + task,
+                        int(env["SLURM_ARRAY_TASK_COUNT"]) * tasks, int(env.get("SLURM_LOCALID", 0)), "slurm-array")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         found = JobRank(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun")
     else:
@@ -67,6 +70,42 @@ def job_rank(rank: int | None = None, world: int | None = None) -> JobRank:
     if found.world < 1 or not 0 <= found.rank < found.world:
         raise ValueError(f"need 0 <= rank < world, got rank {found.rank} of world {found.world} ({found.launcher})")
     return found
+
+
+def job_device(rank: JobRank) -> str:
+    """This rank's device: its node-local GPU, or the one GPU a per-task binding left it, or the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    device = rank.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    return f"cuda:{device}"
+
+
+def partial_path(output: str) -> str:
+    """Where `output` is written before it is moved into place: unique to this writer, so that two
+    processes given the same share by mistake never write one file, and ending in `.partial`, so that
+    a killed writer's leftover never passes for a shard (`*.tar`) or a table (`*.npy`). Leftovers of
+    this output's writers on this host that are gone are removed first."""
+    folder, name = os.path.split(output)
+    host = socket.gethostname()
+    for leftover in os.listdir(folder or "."):
+        writer = leftover[len(name) + 1:-len(".partial")].rsplit(".", 1) if (
+            leftover.startswith(name + ".") and leftover.endswith(".partial")) else None
+        if writer and len(writer) == 2 and writer[0] == host and writer[1].isdigit() and not _alive(int(writer[1])):
+            os.remove(os.path.join(folder, leftover))
+    return f"{output}.{host}.{os.getpid()}.partial"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def settings_digest(settings: dict) -> str:
@@ -85,6 +124,14 @@ class ShardJob:
         self.folder, self.settings, self.rank, self.what, self.command = folder, settings, rank, what, command
         self.digest = settings_digest(settings)
         os.makedirs(folder, exist_ok=True)
+        # the settings in full, once per digest (a seal holds the digest: at 1e5 shards the list of
+        # shards in every seal would be gigabytes); a mismatch's message reads the seal's file
+        if not os.path.exists(self.settings_file(self.digest)):
+            write_json(self.settings_file(self.digest), {"settings_digest": self.digest, "settings": settings,
+                                                         "command": command})
+
+    def settings_file(self, digest: str) -> str:
+        return os.path.join(self.folder, f"job-{digest}.json")
 
     def sealed(self, output: str) -> dict | None:
         """The seal of a finished output, or None when it must be made (again). A seal of other settings
@@ -98,7 +145,12 @@ class ShardJob:
         except ValueError:
             return None  # a seal cut off mid-write: the shard is redone
         if seal.get("settings_digest") != self.digest:
-            theirs, ours = seal.get("settings", {}), self.settings
+            try:
+                with open(self.settings_file(str(seal.get("settings_digest")))) as f:
+                    theirs = json.load(f).get("settings", {})
+            except (OSError, ValueError):
+                theirs = {}
+            ours = self.settings
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             raise ValueError(f"{path}: sealed by `{self.command}` with other settings ({', '.join(differ) or 'unknown'}"
                              f" differ); rerun with the same settings to finish that job, or write to another --out")
@@ -109,7 +161,7 @@ class ShardJob:
     def seal(self, output: str, record: dict) -> dict:
         """Seal a finished output (already in place): the seal is what says done, so it is written last."""
         seal = {**record, "output_bytes": os.path.getsize(output), "settings_digest": self.digest,
-                "settings": self.settings, "rank": self.rank.rank, "world": self.rank.world,
+                "rank": self.rank.rank, "world": self.rank.world,
                 "host": socket.gethostname(), "written_by": "prunepipe"}
         write_json(seal_path(output), seal)
         return seal
@@ -125,18 +177,18 @@ class ShardJob:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                raise RuntimeError("ShardJob.finish under torchrun needs join_group() at the start")
-            dist.barrier()  # every rank's part is sealed, or that rank failed and torchrun stops the job
-            try:
-                if self.rank.rank != 0:
-                    return None
-                return self._write_if_sealed(outputs, write, raise_unsealed=True)
-            finally:
-                dist.barrier()  # nobody leaves before the index is there
-                dist.destroy_process_group()
+                raise RuntimeError("ShardJob.finish under torchrun needs join_group() first")
+            # every rank's part is sealed; a rank that is gone is named, after wait_hours at most
+            dist.monitored_barrier(timeout=timedelta(hours=wait_hours), wait_all_ranks=True)
+            written = None
+            if self.rank.rank == 0:  # the one writer by construction: no lock
+                written = self._write_if_sealed(outputs, write, raise_unsealed=True, lock=False)
+            dist.monitored_barrier(timeout=timedelta(hours=wait_hours), wait_all_ranks=True)  # the index is there
+            dist.destroy_process_group()
+            return written
         return self._write_if_sealed(outputs, write, raise_unsealed=False)
 
-    def _write_if_sealed(self, outputs, write, raise_unsealed: bool) -> str | None:
+    def _write_if_sealed(self, outputs, write, raise_unsealed: bool, lock: bool = True) -> str | None:
         missing = self.unsealed(outputs)
         if missing:
             names = ", ".join(os.path.basename(m) for m in missing[:5]) + (", ..." if len(missing) > 5 else "")
@@ -146,15 +198,17 @@ class ShardJob:
                 raise RuntimeError(message)
             print(f"prunepipe: {self.rank}: {message}", flush=True)
             return None
-        lock = os.path.join(self.folder, ".index.lock")
-        if not _take(lock):
-            print(f"prunepipe: {self.rank}: another process is writing the index ({lock})", flush=True)
+        if not lock:
+            return write()
+        lock_file = os.path.join(os.path.dirname(os.path.abspath(self.folder)),
+                                 f".{os.path.basename(os.path.normpath(self.folder))}.lock")
+        if not _take(lock_file):
+            print(f"prunepipe: {self.rank}: another process is writing the index ({lock_file})", flush=True)
             return None
         try:
             return write()
         finally:
-            if os.path.exists(lock):  # a writer may remove the folder it worked in (embed's parts)
-                os.remove(lock)
+            os.remove(lock_file)
 
 
 def _take(lock: str) -> bool:
@@ -196,17 +250,20 @@ def _stale(lock: str) -> bool:
         return False
 
 
-def join_group(rank: JobRank, wait_hours: float = WAIT_HOURS) -> None:
+START_MINUTES = 30.0  # how long the ranks wait for each other to start and load their models
+
+
+def join_group(rank: JobRank) -> None:
     """Under torchrun with peers: the gloo group of the job (CPU only, whatever the encoding device),
-    with a timeout long enough for the slowest rank's part; a barrier now, so a rank that cannot start
-    fails the job before anyone encodes."""
+    and a barrier once this rank has loaded its models, so a rank that cannot start (a missing VAE
+    on one node) fails the job before the others encode for hours. Call it after loading."""
     if not rank.grouped:
         return
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(hours=wait_hours))
-    dist.barrier()
+        dist.init_process_group("gloo", timeout=timedelta(minutes=START_MINUTES))
+    dist.monitored_barrier(timeout=timedelta(minutes=START_MINUTES), wait_all_ranks=True)
 
 
 class Progress:
