@@ -196,16 +196,22 @@ def test_skipped_samples_are_recorded_and_counted_and_stop_names_shard_and_key(m
     assert [s["failed_to_decode"] for s in seals(out).values()] == [2, 0]
 
 
-def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(images, tmp_path):
+def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(images, tmp_path, capsys):
     whole = embed_shards(images, "phash", name="whole", batch_size=16)
+    capsys.readouterr()
     assert embed_shards(images, "phash", name="split", batch_size=16, rank=1, world=2) is None, \
         "shard 0 and 2 are rank 0's and unsealed: the table waits"
+    said = capsys.readouterr().out
+    assert "2 of 3 shard(s) not sealed yet (shard-000000.npy, shard-000002.npy)" in said, said
+    assert "written by the task that seals the last one" in said
     gone = subprocess.Popen(["true"])
     gone.wait()
-    with open(os.path.join(images, "embeddings", "split.parts", ".index.lock"), "w") as f:
+    lock = os.path.join(images, "embeddings", ".split.parts.lock")
+    with open(lock, "w") as f:
         f.write(f"{socket.gethostname()} {gone.pid} {time.time()}")  # a writer killed while it held the lock
     path = embed_shards(images, "phash", name="split", batch_size=16, rank=0, world=2)
     assert open(path, "rb").read() == open(whole, "rb").read()
+    assert not os.path.exists(lock), "the gone writer's lock taken over, then released"
     table = open_embeddings(images, "split")
     assert table.header["missing"]["count"] == 0 and len(table) == 180
     assert not os.path.exists(os.path.join(images, "embeddings", "split.parts"))
