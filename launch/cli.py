@@ -126,13 +126,14 @@ def _latents_encode(args) -> None:
         print(path)
 
 
-def add_job_arguments(parser: argparse.ArgumentParser, on_bad_sample: str, skip_means: str) -> None:
+def add_job_arguments(parser: argparse.ArgumentParser, on_bad_sample: str, skip_means: str, bad: str) -> None:
     """The options of a preprocessing job split over processes (tools/shard_jobs.py)."""
     parser.add_argument("--rank", type=int, help="this process's share without torchrun, e.g. a SLURM array's "
                                                  "$SLURM_ARRAY_TASK_ID (default: torchrun's RANK, then SLURM's)")
     parser.add_argument("--world", type=int, help="the number of shares, with --rank")
     parser.add_argument("--on-bad-sample", choices=("stop", "skip"), default=on_bad_sample,
-                        help=f"a sample that does not decode: stop, or skip ({skip_means}) (default: %(default)s)")
+                        help=f"a sample that {bad}: stop naming shard and key, "
+                             f"or skip ({skip_means}) (default: %(default)s)")
     parser.add_argument("--wait-hours", type=float, default=6.0,
                         help="under torchrun: how long the ranks wait for the slowest one's shards before the index "
                              "is written (default: %(default)s)")
@@ -296,7 +297,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     embed.add_argument("--image-size", type=int, help="decode side (default: the model's input size)")
     embed.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     embed.add_argument("--out", help="the embeddings' name (default from the model: phash, feature-net, timm-ARCH, ...)")
-    add_job_arguments(embed, "skip", "a zero row, listed as missing; no id moves")
+    add_job_arguments(embed, "skip", "a zero row, listed as missing; no id moves", "cannot be read or decoded")
     embed.set_defaults(func=_shards_embed)
     imports = shards_sub.add_parser("import-embeddings", help="embeddings a web dataset ships (clip-retrieval, "
                                                               "DataComp), joined to the samples by key")
@@ -357,7 +358,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         help="tokens per caption, as ldm.text_max_length (default: the encoder's, CLIP 77; "
                              "PixArt-alpha's T5 uses 120)")
     add_job_arguments(encode, "stop", "left out and listed in OUT/skipped.json; every later sample's id moves "
-                                      "down, so embeddings or groups made on the image shards no longer line up")
+                                      "down, so embeddings or groups made on the image shards no longer line up",
+                      "cannot be read or decoded, or has no caption (txt, or json's 'caption') where one is needed")
     encode.set_defaults(func=_latents_encode)
 
     text = sub.add_parser("text-encoder", help="text encoders for ldm.conditioning=text")
