@@ -246,3 +246,20 @@ def test_embed_stops_on_a_bad_sample_when_asked(tmp_path):
     split = write_split(tmp_path / "split", samples, shard_size=4)
     with pytest.raises(BadInputError, match=r"shard-000001\.tar key 's0005'.*--on-bad-sample stop"):
         embed_shards(split, "phash", batch_size=4, on_bad_sample="stop")
+
+
+def test_a_rerun_removes_the_partials_of_writers_that_are_gone_and_only_those(tmp_path):
+    from tools.shard_jobs import JobRank, ShardJob
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    left = {"gone": f"shard-000001.tar.{host}.{gone.pid}.partial",
+            "alive": f"shard-000002.tar.{host}.{os.getpid()}.partial",
+            "elsewhere": f"shard-000003.tar.other.host.{gone.pid}.partial"}
+    for name in left.values():
+        (tmp_path / name).write_bytes(b"half a tar")
+    ShardJob(str(tmp_path), {"vae": "v"}, JobRank(0, 1), what="latents encode", command="prunepipe latents encode")
+    assert not (tmp_path / left["gone"]).exists(), "a killed writer's leftover on this host is removed"
+    assert (tmp_path / left["alive"]).exists() and (tmp_path / left["elsewhere"]).exists(), \
+        "a live writer's, and another host's (whose writers this host cannot see), are left"

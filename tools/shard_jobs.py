@@ -86,16 +86,20 @@ def job_device(rank: JobRank) -> str:
 def partial_path(output: str) -> str:
     """Where `output` is written before it is moved into place: unique to this writer, so that two
     processes given the same share by mistake never write one file, and ending in `.partial`, so that
-    a killed writer's leftover never passes for a shard (`*.tar`) or a table (`*.npy`). Leftovers of
-    this output's writers on this host that are gone are removed first."""
-    folder, name = os.path.split(output)
+    a killed writer's leftover never passes for a shard (`*.tar`) or a table (`*.npy`)."""
+    return f"{output}.{socket.gethostname()}.{os.getpid()}.partial"
+
+
+def remove_gone_partials(folder: str) -> None:
+    """Remove the partial outputs of this host's writers that are gone (a killed encode's); one listing
+    per process, not per shard: a folder of 1e5 shards is listed once."""
     host = socket.gethostname()
-    for leftover in os.listdir(folder or "."):
-        writer = leftover[len(name) + 1:-len(".partial")].rsplit(".", 1) if (
-            leftover.startswith(name + ".") and leftover.endswith(".partial")) else None
-        if writer and len(writer) == 2 and writer[0] == host and writer[1].isdigit() and not _alive(int(writer[1])):
-            os.remove(os.path.join(folder, leftover))
-    return f"{output}.{host}.{os.getpid()}.partial"
+    for name in os.listdir(folder):
+        if not name.endswith(".partial"):
+            continue
+        written_as, _, pid = name[:-len(".partial")].rpartition(".")  # OUTPUT.HOST . PID (a host may hold dots)
+        if pid.isdigit() and written_as.endswith(f".{host}") and not _alive(int(pid)):
+            os.remove(os.path.join(folder, name))
 
 
 def _alive(pid: int) -> bool:
@@ -124,6 +128,7 @@ class ShardJob:
         self.folder, self.settings, self.rank, self.what, self.command = folder, settings, rank, what, command
         self.digest = settings_digest(settings)
         os.makedirs(folder, exist_ok=True)
+        remove_gone_partials(folder)
         # the settings in full, once per digest (a seal holds the digest: at 1e5 shards the list of
         # shards in every seal would be gigabytes); a mismatch's message reads the seal's file
         if not os.path.exists(self.settings_file(self.digest)):
