@@ -79,7 +79,7 @@ def test_a_command_that_always_fails_stops_naming_url_offset_status_and_stderr(l
     assert command in message
     assert "exited with status 56" in message and "Connection reset by peer" in message
     assert len(re.findall(r"attempt \d+ at byte", message)) == 3, "the first read and its 2 retries, each reported"
-    assert "gave up after 3 attempt(s) (data.remote.retries=2)" in message
+    assert "gave up after 3 attempt(s) at this byte (data.remote.retries=2)" in message
     assert "at byte 5000" in message, "the offset the reads reached"
     assert "corrupt" not in message, "a network fault is not reported as bad data"
 
@@ -93,6 +93,26 @@ def test_a_hanging_command_stops_within_its_timeout(local_shards):
     elapsed = time.monotonic() - start
     assert elapsed < 30, f"{elapsed:.1f} s: the timeout did not fire"
     assert elapsed >= retry.worst_case_seconds() - 0.1, "both attempts waited their timeout"
+
+
+def test_a_reader_with_descriptors_past_select_s_limit_still_reads(local_shards):
+    # a rank of a large gloo or NCCL job holds more than 1024 descriptors; select() cannot watch them
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard descriptor limit {hard} leaves no room past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        url = ShardIndex.load(local_shards).urls[0]
+        assert keys_of(f"pipe:cat {shlex.quote(url)}") == keys_of(url)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_reader_that_stops_early_does_not_wait_for_the_command(local_shards):

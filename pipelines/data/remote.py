@@ -39,7 +39,7 @@ TRANSIENT_HTTP = (408, 429)
 class ReadRetry:
     """How a remote shard's failed read is retried (`data.remote` in the run config)."""
 
-    retries: int = 5  # reopens after a failed read, per shard read; 0 = fail at the first
+    retries: int = 5  # reopens after failed reads at one byte offset (progress starts the count again); 0 = none
     timeout_seconds: float = 60.0  # no byte for this long is a failed read
     backoff_seconds: float = 2.0  # the wait before the first reopen, doubled before each next one
     max_backoff_seconds: float = 60.0
@@ -106,11 +106,13 @@ class RetryingStream(io.RawIOBase):
             except _Failed as failure:
                 self._drop_source()
                 self.failures.append((self.offset, failure))
-                if failure.final or len(self.failures) > self.retry.retries:
-                    raise ShardReadError(self._story()) from None
-                wait = self.retry.backoff(len(self.failures))
+                # the budget is per stretch without progress: a multi-GB shard may meet several resets
+                stalled = sum(offset == self.offset for offset, _ in self.failures)
+                if failure.final or stalled > self.retry.retries:
+                    raise ShardReadError(self._story(stalled)) from None
+                wait = self.retry.backoff(stalled)
                 log.warning("shard %s: read failed at byte %d (%s); reopening in %.1f s (retry %d of %d)",
-                            self.url, self.offset, failure.describe(), wait, len(self.failures), self.retry.retries)
+                            self.url, self.offset, failure.describe(), wait, stalled, self.retry.retries)
                 time.sleep(wait)
         if not data:
             self._ended = True
@@ -120,13 +122,12 @@ class RetryingStream(io.RawIOBase):
         self.offset += len(data)
         return len(data)
 
-    def _story(self) -> str:
-        attempts = len(self.failures)
+    def _story(self, stalled: int) -> str:
         lines = [f"attempt {k + 1} at byte {offset}: {failure.describe()}"
                  for k, (offset, failure) in enumerate(self.failures)]
         final = self.failures[-1][1]
-        why = "not retried: another try cannot help" if final.final and attempts <= self.retry.retries else \
-            f"gave up after {attempts} attempt(s) (data.remote.retries={self.retry.retries})"
+        why = "not retried: another try cannot help" if final.final and stalled <= self.retry.retries else \
+            f"gave up after {stalled} attempt(s) at this byte (data.remote.retries={self.retry.retries})"
         return f"reading failed at byte {self.offset}, {why}: " + "; ".join(lines)
 
     def _drop_source(self) -> None:
@@ -156,9 +157,15 @@ class _Command:
         self.timeout = timeout
         self.stderr = tempfile.TemporaryFile()
         # its own process group: a hung `aws s3 cp ... -` under `sh -c` is stopped with its shell
-        self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0,
-                                        start_new_session=True)
+        try:
+            self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0,
+                                            start_new_session=True)
+        except OSError as e:  # out of processes or descriptors for a moment: worth another try
+            self.stderr.close()
+            raise _Failed(f"cannot start the command: {e}") from None
         self.fd = self.process.stdout.fileno()
+        self.poller = select.poll()
+        self.poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         self.skipped = 0
 
     def skip_to(self, offset: int) -> None:
@@ -171,8 +178,8 @@ class _Command:
             self.skipped += len(data)
 
     def read(self, size: int) -> bytes:
-        ready, _, _ = select.select([self.fd], [], [], self.timeout)
-        if not ready:
+        # poll, not select: a rank of a large gloo or NCCL job holds descriptors past select's 1024
+        if not self.poller.poll(self.timeout * 1000):
             raise _Failed(f"no byte for {self.timeout:g} s (data.remote.timeout_seconds): the command hangs",
                           self._stderr_tail())
         data = os.read(self.fd, size)
@@ -203,7 +210,10 @@ class _Command:
             except (ProcessLookupError, PermissionError):
                 pass
         self.process.stdout.close()
-        self.process.wait()
+        try:
+            self.process.wait(self.timeout)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a dead mount): leave it, do not hang the reader
+            log.warning("shard command %d did not exit after SIGKILL", self.process.pid)
         self.stderr.close()
 
 
