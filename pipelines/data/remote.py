@@ -143,7 +143,11 @@ class RetryingStream(io.RawIOBase):
 def _open(url: str, offset: int, timeout: float) -> "_Command | _Http":
     source = _Command(url[len("pipe:"):], timeout) if url.startswith("pipe:") else _Http(url, offset, timeout)
     try:
-        source.skip_to(offset)
+        # a pipe cannot seek, and a server may ignore the Range header: drop what an earlier attempt read
+        while source.position < offset:
+            if not source.read(min(offset - source.position, BUFFER)):
+                raise _Failed(f"the shard ended at byte {source.position}, short of the {offset} bytes an earlier "
+                              f"attempt read: it changed between attempts", final=True)
     except BaseException:
         source.close()
         raise
@@ -166,16 +170,7 @@ class _Command:
         self.fd = self.process.stdout.fileno()
         self.poller = select.poll()
         self.poller.register(self.fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        self.skipped = 0
-
-    def skip_to(self, offset: int) -> None:
-        """A pipe cannot seek: read and drop the bytes an earlier attempt already handed out."""
-        while self.skipped < offset:
-            data = self.read(min(offset - self.skipped, BUFFER))
-            if not data:
-                raise _Failed(f"the command's output ended at byte {self.skipped}, short of the {offset} bytes an "
-                              f"earlier attempt read: the shard changed between attempts", final=True)
-            self.skipped += len(data)
+        self.position = 0  # bytes of the shard read from this command
 
     def read(self, size: int) -> bytes:
         # poll, not select: a rank of a large gloo or NCCL job holds descriptors past select's 1024
@@ -184,6 +179,7 @@ class _Command:
                           self._stderr_tail())
         data = os.read(self.fd, size)
         if data:
+            self.position += len(data)
             return data
         try:  # the output ended: only a zero exit status says it is the shard's end
             status = self.process.wait(self.timeout)
@@ -240,12 +236,6 @@ class _Http:
         self.position = offset if offset and self.response.status == 206 else 0
         length = self.response.headers.get("Content-Length")
         self.end = self.position + int(length) if length is not None else None
-
-    def skip_to(self, offset: int) -> None:
-        while self.position < offset:
-            if not self.read(min(offset - self.position, BUFFER)):
-                raise _Failed(f"the body ended at byte {self.position}, short of the {offset} bytes an earlier "
-                              f"attempt read: the object changed between attempts", final=True)
 
     def read(self, size: int) -> bytes:
         try:
