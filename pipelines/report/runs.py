@@ -1,5 +1,6 @@
-"""Run folders as a comparison reads them: config.yaml, the per-pass records of metrics.jsonl, and
-eval records (eval/step_*.json or `kind: eval` lines). Read-only; evaluates and judges nothing.
+"""Run folders as a comparison reads them: config.yaml, the per-pass records of metrics.jsonl (each
+step once after a resume, `read_metrics`), and eval records (eval/step_*.json or `kind: eval` lines).
+Read-only; evaluates and judges nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 
 UNRECORDED = "not recorded"
+RESUME = "resume"  # a resume marker's kind in metrics.jsonl (pipelines/training/metrics.py)
 # config keys that name a run or say how it is operated, not what it trains: runs differing only in
 # these are seeds of one setting
 IDENTITY_KEYS = ("name", "runs_dir", "run_dir", "seed", "log_every", "checkpoint", "debug_sync", "debug_device_sync",
@@ -58,10 +60,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
                      int(config.get("passes", 0)))
     run.setting = json.dumps({k: v for k, v in config.items() if k not in IDENTITY_KEYS}, sort_keys=True, default=str)
     log_path = os.path.join(path, "metrics.jsonl")
-    records = []
-    if os.path.isfile(log_path):
-        with open(log_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+    records = read_metrics(log_path) if os.path.isfile(log_path) else []
     run.trajectory = [r for r in records if r.get("kind") == "pass"]
     evals = [r for r in records if r.get("kind") == "eval"]
     for eval_path in glob.glob(os.path.join(path, EVAL_DIR, "step_*.json")):
@@ -84,6 +83,38 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
         run.metrics = held_out_metrics(run.trajectory[-1])
         run.metrics_source = "metrics.jsonl, last pass held-out (not evaluated: run `prunepipe eval`)"
     return run
+
+
+def read_metrics(log_path: str) -> list[dict]:
+    """The records of a metrics.jsonl as the run's history stands, in file order. A resumed run logs
+    again the steps after its checkpoint: at each resume marker (pipelines/training/metrics.py) the
+    earlier records past its `from_step` are dropped, and of records of one kind at one step (and
+    pass, and weights) the latest is kept, so a plot or a comparison counts each step once. A line a
+    kill cut short is skipped."""
+    records: list[dict] = []
+    with open(log_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a process killed mid-write
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("kind") == RESUME:
+                at = int(record.get("from_step", 0))
+                records = [r for r in records if r.get("kind") == RESUME or int(r.get("optimizer_steps", 0)) <= at]
+            records.append(record)
+    latest = {_step_key(r): i for i, r in enumerate(records)}
+    return [r for i, r in enumerate(records) if latest[_step_key(r)] == i]
+
+
+def _step_key(record: dict) -> tuple:
+    """What makes two records the same record written twice (a resume marker is never one)."""
+    if record.get("kind") == RESUME:
+        return (RESUME, id(record))
+    return (record.get("kind"), record.get("optimizer_steps"), record.get("epoch"), record.get("weights"))
 
 
 def held_out_metrics(record: dict) -> dict:

@@ -211,7 +211,11 @@ def train(cfg: RunConfig) -> dict:
     held_out = load_held_out(cfg, task, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
     evaluator = Evaluator(cfg, cfg.eval, run_dir=run_dir, device=device) if cfg.eval.every_passes else None
-    metrics = MetricsLog(run_dir, main)  # every pass; the printed pass lines are thinned in a log file
+    # every pass; the printed pass lines are thinned in a log file
+    metrics = MetricsLog(run_dir, main, resumed_from_step=position.optimizer_steps if resume_from else None)
+    if resume_from is not None:  # the steps after the checkpoint are logged again: say from where
+        metrics.resumed(resume_from, optimizer_steps=position.optimizer_steps, epoch=position.epoch,
+                        batch_in_pass=position.batch_in_pass)
     pass_lines = EveryFewSeconds()
     accumulation = GradientAccumulation(accelerator, model, cfg.optim.grad_accum)
     # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout

@@ -1,17 +1,30 @@
 """The run's metric log: one JSON line per record in RUN/metrics.jsonl on rank 0, mirrored to
-TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records.
+TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records,
+and a resume marker each time a run resumes from a checkpoint.
+
+A resumed run trains again, and logs again, the steps between its checkpoint and the point the
+earlier process was stopped at, so those steps appear twice in the file. The marker
+{"kind": "resume", "event": "resume", "from_step": S, ...} says where: every record before it with
+optimizer_steps > S belongs to the stopped process and is superseded by the records after it (a
+record at exactly S may be written again, as when S closed a pass; the later one wins).
+`pipelines/report/runs.py:read_metrics` reads the file that way.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+
+RESUME = "resume"  # the `kind` (and `event`) of a resume marker
 
 
 class MetricsLog:
-    """metrics.jsonl on rank 0 (and TensorBoard when it is installed)."""
+    """metrics.jsonl on rank 0 (and TensorBoard when it is installed). `resumed_from_step`: the
+    checkpoint's step when this process resumed, so that TensorBoard drops the stopped process's
+    later points instead of drawing them twice."""
 
-    def __init__(self, run_dir: str, enabled: bool):
+    def __init__(self, run_dir: str, enabled: bool, resumed_from_step: int | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tensorboard = None
@@ -19,17 +32,37 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+                purge = None if resumed_from_step is None else resumed_from_step + 1
+                self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
             except ImportError:
                 pass
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         if self.tensorboard is not None:
             step = record.get("optimizer_steps", 0)
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "optimizer_steps":
                     self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+
+    def resumed(self, checkpoint: str, *, optimizer_steps: int, epoch: int, batch_in_pass: int) -> None:
+        """The resume marker: this process continues from `checkpoint`, at step `optimizer_steps`,
+        `batch_in_pass` batches into pass `epoch` (0-based, as in every record)."""
+        if not self.enabled:
+            return
+        self._append({"kind": RESUME, "event": RESUME, "from_step": int(optimizer_steps),
+                      "optimizer_steps": int(optimizer_steps), "epoch": int(epoch),
+                      "batch_in_pass": int(batch_in_pass), "checkpoint": os.path.abspath(checkpoint),
+                      "time": time.time()})
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "ab+") as f:  # appends always go to the end, wherever a read left off
+            # a process killed mid-write leaves a line without its newline: end it, so that this
+            # record starts a line of its own and only the cut one fails to parse
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(record) + "\n").encode())
