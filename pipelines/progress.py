@@ -1,6 +1,10 @@
 """Progress of long work, readable where it is written: a redrawn tqdm bar on a terminal; in a file
 (every rank-0 log of a cluster job) a plain line at most every `every_seconds`, because a bar's
 carriage-return frames would fill the log. Imports nothing of the project.
+
+Passes are named one way wherever a user reads them, on screen and in logs: 1-based, "pass k/N"
+(`pass_label`, `position_label`). Records (metrics.jsonl, eval records, checkpoints) store the
+0-based index `epoch`, which is data.
 """
 
 from __future__ import annotations
@@ -52,6 +56,21 @@ class PlainProgress:
 
     def close(self) -> None:
         pass
+
+
+def pass_label(epoch: int, passes: int) -> str:
+    """The pass of 0-based index `epoch` as a user reads it: "pass k/N", k from 1."""
+    return f"pass {epoch + 1}/{passes}"
+
+
+def position_label(epoch: int, batch_in_pass: int, passes: int) -> str:
+    """A run's position (a checkpoint's `epoch` and `batch_in_pass`: batches done in the pass) as a
+    user reads it: "pass k/N, batch b" inside a pass, "after pass k/N" between passes."""
+    if batch_in_pass > 0:
+        return f"{pass_label(epoch, passes)}, batch {batch_in_pass}"
+    if epoch == 0:
+        return f"before {pass_label(0, passes)}"
+    return f"after {pass_label(epoch - 1, passes)}"
 
 
 class EveryFewSeconds:

@@ -114,7 +114,7 @@ def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
         f"data.train={shards}", "data.val=", f"runs_dir={tmp_path}", "name=nan", "passes=1", "data.batch_size=8",
         "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]", "data.num_workers=0", "data.shuffle_buffer=1"])
-    with pytest.raises(loop.NonFiniteLossError, match=r"at step 5 \(pass 0, batch 5\) for sample ids \[45\]"):
+    with pytest.raises(loop.NonFiniteLossError, match=r"at step 5 \(pass 1/1, batch 5\) for sample ids \[45\]"):
         loop.train(cfg)
     assert not complete_checkpoints(str(tmp_path / "nan")), "nothing after the NaN was saved"
 

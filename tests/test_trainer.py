@@ -189,7 +189,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
         f"on_nonfinite_loss={policy}",
     ])
     if policy == "stop":
-        with pytest.raises(NonFiniteLossError, match=r"step \d+ \(pass 0, batch \d+\).*sample ids \[37\]"):
+        with pytest.raises(NonFiniteLossError, match=r"step \d+ \(pass 1/2, batch \d+\).*sample ids \[37\]"):
             train(cfg)
         return
     summary = train(cfg)

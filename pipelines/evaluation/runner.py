@@ -33,6 +33,7 @@ from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather
                                        on_every_rank, rank0_value, rank_and_world)
 from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
 from pipelines.evaluation.replication import save_pairs_picture
+from pipelines.progress import position_label
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.text import stored_identity
 from pipelines.tasks.wrappers import unwrap, weights_module
@@ -380,6 +381,12 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     position = states["position"] or {}
     at = {key: position[key] for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
           if key in position}
+    if "epoch" in position:
+        # between passes a checkpoint's epoch counts the passes done; the record names the pass its
+        # weights finished (0-based), as the training loop's own eval record of the same step does
+        inside = position.get("batch_in_pass", 0) > 0 or position["epoch"] == 0
+        at["epoch"] = position["epoch"] if inside else position["epoch"] - 1
+        at["pass"] = position_label(position["epoch"], position.get("batch_in_pass", 0), run_cfg.passes)
     at["checkpoint"] = os.path.abspath(folder)
     return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)
 

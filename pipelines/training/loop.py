@@ -31,7 +31,7 @@ from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
 from pipelines.evaluation.ranks import on_every_rank, same_on_every_rank
 from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
-from pipelines.progress import EveryFewSeconds, progress
+from pipelines.progress import EveryFewSeconds, pass_label, position_label, progress
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
@@ -192,7 +192,7 @@ def train(cfg: RunConfig) -> dict:
         load_resume(accelerator, resume_from)
         checkpointed.finish_load(resume_from)
         if main:
-            print(f"resumed from {resume_from}: pass {position.epoch}, batch {position.batch_in_pass}, "
+            print(f"resumed from {resume_from}: {position_label(position.epoch, position.batch_in_pass, cfg.passes)}, "
                   f"step {position.optimizer_steps}")
     text_identity = getattr(task, "text_identity", "")  # "" unless text-conditional
     if position.text_identity and position.text_identity != text_identity:  # alike on every rank (agreed above)
@@ -243,7 +243,7 @@ def train(cfg: RunConfig) -> dict:
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = loader.layout.kept / index.num_samples
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
-        bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=f"pass {epoch + 1}/{cfg.passes}",
+        bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=pass_label(epoch, cfg.passes),
                        unit="sample", unit_scale=cfg.data.batch_size * world)
 
         def consume(record: StepRecord) -> None:
@@ -349,6 +349,7 @@ def train(cfg: RunConfig) -> dict:
             print(format_pass(summary, cfg.passes), flush=True)
         if evaluator is not None and (epoch + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
             at = {k: summary[k] for k in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")}
+            at["pass"] = f"after {pass_label(epoch, cfg.passes)}"
             metrics.write(evaluator.evaluate(task, weights_for_eval(model, ema, cfg.eval.weights), at=at))
         position.epoch += 1
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
@@ -394,7 +395,7 @@ def report_nonfinite(cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.nd
                      micro: int) -> None:
     """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
     bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
-    where = f"step {step} (pass {epoch}, batch {micro})"
+    where = f"step {step} ({pass_label(epoch, cfg.passes)}, batch {micro})"
     if cfg.on_nonfinite_loss == "stop":
         raise NonFiniteLossError(f"non-finite loss at {where} for sample ids {bad_ids}; "
                                  f"set on_nonfinite_loss=skip to skip such batches")
@@ -418,7 +419,8 @@ def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad
     if budget < 0 or position.bad_samples + lost_here <= budget:
         return
     last = bad[-1].message if bad else "see the warnings above"
-    raise BadInputError(f"{position.bad_samples + lost_here} samples lost to bad input by pass {position.epoch} "
+    raise BadInputError(f"{position.bad_samples + lost_here} samples lost to bad input by "
+                        f"{pass_label(position.epoch, cfg.passes)} "
                         f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
                         f"data.max_bad_samples={budget}; the latest: {last}")
 
@@ -469,6 +471,6 @@ GRID_POINT = re.compile(r"_(s\d{3}|t\d{4})$")  # flow_mse_s005, denoise_mse_t099
 def format_pass(summary: dict, passes: int) -> str:
     held = " ".join(f"{k} {v:.4f}" for k, v in summary.get("held_out", {}).items()
                     if isinstance(v, float) and not GRID_POINT.search(k))  # denoise_mse is the grid's mean
-    return (f"pass {summary['epoch'] + 1}/{passes}: kept {summary['kept_fraction']:.1%}, "
+    return (f"{pass_label(summary['epoch'], passes)}: kept {summary['kept_fraction']:.1%}, "
             f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
             f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total")

@@ -2,6 +2,11 @@
 TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records,
 and a resume marker each time a run resumes from a checkpoint.
 
+Every record has `kind` (train | pass | eval | resume) and `optimizer_steps` (the steps done when it
+was written). `epoch` is the 0-based index of the pass: data, as in checkpoints and eval records,
+while every line a user reads names that pass 1-based, "pass epoch+1/N" (pipelines/progress.py).
+An eval record's `pass` is that line's words ("after pass 5/40").
+
 A resumed run trains again, and logs again, the steps between its checkpoint and the point the
 earlier process was stopped at, so those steps appear twice in the file. The marker
 {"kind": "resume", "event": "resume", "from_step": S, ...} says where: every record before it with
