@@ -15,6 +15,7 @@ works alone while the others wait in a collective. The model is evaluated at `ev
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -348,12 +349,37 @@ def check_text_identity(checkpoint: str, trained_on: str, task, held_out: str) -
                              f"--text-max-length")
 
 
+class EvalRecordExistsError(FileExistsError, ValueError):
+    """An eval record is already there and was not to be replaced (a ValueError too: the CLI prints
+    such errors as one line)."""
+
+
+def refuse_to_overwrite(run_dir: str, optimizer_steps: int, weights: str) -> None:
+    """EvalRecordExistsError naming the eval record of `weights` at `optimizer_steps` when one is there
+    already, with what it measured and how to replace it."""
+    path = record_path(run_dir, {"optimizer_steps": optimizer_steps, "weights": weights})
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        what = (f" (the {earlier.get('weights', weights)} weights at {earlier.get('precision', '?')}: "
+                f"{', '.join(f'{k} {v:.4g}' for k, v in earlier.get('metrics', {}).items())})")
+    except (OSError, ValueError, TypeError):
+        what = ""
+    raise EvalRecordExistsError(f"{path} already holds an evaluation of this checkpoint{what}; `prunepipe eval` does "
+                          f"not replace it: add --overwrite to replace it, or move the file away to keep it")
+
+
 def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
                         config_path: str | None = None, overrides: list[str] = (), runs_dir: str = "runs",
-                        device: str | None = None, write: bool = True) -> dict:
+                        device: str | None = None, write: bool = True, overwrite: bool = True) -> dict:
     """Evaluate one checkpoint of a run (a folder, or a name under `runs_dir`; `latest` = its newest
     intact checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
-    the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`."""
+    the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`.
+    `overwrite=False` (what `prunepipe eval` does without --overwrite) refuses, before evaluating, to
+    replace a record already written for these weights at this step: the run's own evaluation, or an
+    earlier one at other settings, is what `prunepipe compare` reads."""
     run_dir = resolve_run_dir(run, runs_dir)
     run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
@@ -364,6 +390,8 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     if checkpoint != "latest":
         checked(folder, "--checkpoint")
     states = load_checkpoint_states(folder)
+    if write and not overwrite:
+        refuse_to_overwrite(run_dir, (states["position"] or {}).get("optimizer_steps", 0), eval_cfg.weights)
     with torch.random.fork_rng(devices=[]):  # building the model draws an initialisation we overwrite
         task = build_task(run_cfg)
     check_text_identity(folder, (states["position"] or {}).get("text_identity", ""), task,

@@ -1,0 +1,49 @@
+"""`prunepipe eval` never replaces an earlier evaluation silently: with overwrite=False (the CLI
+without --overwrite) an existing eval record of the same weights at the same step stops it before
+anything is evaluated, naming the file and the flag; overwrite=True replaces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from pipelines.config import load_config
+from pipelines.evaluation.config import load_eval_config
+from pipelines.evaluation.runner import EvalRecordExistsError, evaluate_checkpoint
+from pipelines.training.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
+            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
+QUICK = ["probe.enabled=false", "val_samples=64"]
+
+
+def test_an_earlier_eval_record_is_kept_unless_overwrite_is_asked_for(digits_shards, tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"), [
+        f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}", "name=run",
+        "passes=1", *TINY_MAE])
+    train(cfg)
+    first = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=QUICK), overwrite=False)
+    path = first["path"]
+    assert os.path.basename(path) == f"step_{first['optimizer_steps']:06d}.json"
+    with open(path) as f:
+        kept = f.read()
+
+    # refused before evaluating: this setting would fail the evaluation itself (no such shards)
+    later = load_eval_config(overrides=[*QUICK, f"val={tmp_path}/no_such_shards"])
+    with pytest.raises(EvalRecordExistsError, match=re.escape(path) + r".*masked_mse.*--overwrite") as error:
+        evaluate_checkpoint(cfg.run_dir, eval_cfg=later, overwrite=False)
+    assert isinstance(error.value, ValueError) and "\n" not in str(error.value)  # the CLI's one-line errors
+    with open(path) as f:
+        assert f.read() == kept
+
+    raw = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "weights=raw"]),
+                              overwrite=False)  # another file: the raw weights' record
+    assert raw["path"].endswith("_raw.json") and os.path.exists(path)
+    replaced = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "val_samples=32"]),
+                                   overwrite=True)
+    with open(path) as f:
+        assert replaced["path"] == path and json.load(f)["eval_config"]["val_samples"] == 32
