@@ -28,12 +28,9 @@ from pipelines.data.shards import ShardIndex, index_file
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion import BACKBONES, OBJECTIVES, DiffusionConfig, check_conditioning
-from pipelines.tasks.dit import DIT_PRESETS
-from pipelines.tasks.flow import FLOW_WEIGHTINGS
+from pipelines.tasks.diffusion.config import DiffusionConfig, check_config
 from pipelines.tasks.mae import MAEConfig
 from pipelines.tasks.text import PRECOMPUTED_TEXT, stored_identity
-from pipelines.tasks.timesteps import TIMESTEP_SAMPLING
 
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
@@ -265,11 +262,6 @@ def validate(cfg: RunConfig) -> None:
                 f"`prunepipe shards index`"
             )
     _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
-    _choice("ldm.timestep_sampling", cfg.ldm.timestep_sampling, TIMESTEP_SAMPLING)
-    _choice("ldm.backbone", cfg.ldm.backbone, BACKBONES)
-    _choice("ldm.objective", cfg.ldm.objective, OBJECTIVES)
-    _choice("ldm.flow_weighting", cfg.ldm.flow_weighting, FLOW_WEIGHTINGS)
-    _choice("ldm.dit", cfg.ldm.dit, DIT_PRESETS)
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
@@ -345,7 +337,7 @@ def _validate_conditioning(cfg: RunConfig) -> None:
     for the evaluators that sample a text-conditional model, and CLIPScore only where there are captions,
     refused here, not after the first pass."""
     try:
-        conditioning = check_conditioning(cfg.ldm)
+        conditioning = check_config(cfg.ldm)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":

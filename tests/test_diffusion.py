@@ -13,7 +13,9 @@ from diffusers import AutoencoderKL, DDPMPipeline, UNet2DModel
 from eval_runs import tiny_vae as tiny_vae_of
 
 from pipelines.data.batch import Batch
-from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, load_pipeline, sample
+from pipelines.tasks.diffusion.config import DiffusionConfig
+from pipelines.tasks.diffusion.task import DiffusionTask
+from pipelines.tasks.diffusion.from_export import load_pipeline, sample
 
 IMAGE, CHANNELS, T = 32, 3, 1000
 
@@ -170,15 +172,18 @@ def test_export_loads_with_diffusers_and_samples_with_ddpm_pipeline(tmp_path):
         ema.step(task.model.parameters())
 
     written = task.export(task.model, ema, str(tmp_path))
-    assert {os.path.basename(p) for p in written} == {"unet", "unet_ema", "scheduler", "autoencoder.json"}
-    unet = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet")
-    unet_ema = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet_ema")
-    for (name, live), loaded in zip(task.model.named_parameters(), unet.parameters()):
-        assert torch.equal(live, loaded), name
-    for loaded, shadow in zip(unet_ema.parameters(), ema.shadow_params):
+    assert {os.path.basename(p) for p in written} == {"unet", "scheduler", "autoencoder.json", "model_index.json",
+                                                      "README.md"}
+    unet = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet")  # what a pipeline samples: the EMA
+    live = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet", variant="non_ema")
+    for (name, weights), loaded in zip(task.model.named_parameters(), live.parameters()):
+        assert torch.equal(weights, loaded), name
+    for loaded, shadow in zip(unet.parameters(), ema.shadow_params):
         assert torch.equal(loaded, shadow)
-    assert not torch.equal(unet_ema.conv_in.weight, unet.conv_in.weight)  # the EMA is not the live model
+    assert not torch.equal(unet.conv_in.weight, live.conv_in.weight)  # the EMA is not the live model
 
+    loaded = DDPMPipeline.from_pretrained(str(tmp_path))  # the export is a pipeline folder
+    assert all(torch.equal(a, b) for a, b in zip(loaded.unet.parameters(), ema.shadow_params))
     pipe = load_pipeline(str(tmp_path))
     assert isinstance(pipe, DDPMPipeline)
     generator = torch.Generator().manual_seed(0)
@@ -206,7 +211,7 @@ def test_vae_from_a_local_folder_sets_the_latent_space_and_encodes_in_the_loss(v
     torch.testing.assert_close(losses.mean(), reference, rtol=1e-5, atol=1e-6)
 
     task.export(task.model, None, str(tmp_path))
-    assert not os.path.exists(tmp_path / "unet_ema")
+    assert not any("non_ema" in name for name in os.listdir(tmp_path / "unet"))
     with pytest.raises(ValueError, match="use sample"):
         load_pipeline(str(tmp_path), ema=False)
     images = sample(str(tmp_path), 2, 2, torch.Generator().manual_seed(0), ema=False)

@@ -16,9 +16,11 @@ from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from pipelines.data.batch import Batch
 from pipelines.evaluation.sampling import generate_images
-from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, sample
-from pipelines.tasks.dit import DIT_SIZES, build_dit, dit_shape
-from pipelines.tasks.flow import HELD_OUT_S, draw_s
+from pipelines.tasks.diffusion.config import DiffusionConfig
+from pipelines.tasks.diffusion.task import DiffusionTask
+from pipelines.tasks.diffusion.from_export import sample
+from pipelines.tasks.diffusion.dit import DIT_SIZES, build_dit, dit_shape
+from pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s
 from pipelines.tasks.randomness import GeneratorDraws, SampleRandomness
 
 SIZE, CHANNELS = 8, 4
@@ -193,7 +195,7 @@ def test_fid_sampler_draws_from_the_dit_with_and_without_guidance(objective):
 
 
 @pytest.mark.parametrize("objective, scheduler", [("flow", "FlowMatchEulerDiscreteScheduler"),
-                                                  ("ddpm", "DDPMScheduler")])
+                                                  ("ddpm", "DDIMScheduler")])
 def test_export_reloads_in_diffusers_and_samples_the_same_images(objective, scheduler, tmp_path):
     task = make_task(objective=objective, num_classes=10, scaling_factor=1.0)
     perturb(task.model)
@@ -210,7 +212,7 @@ def test_export_reloads_in_diffusers_and_samples_the_same_images(objective, sche
                       guidance_scale=2.0)
     # the same start noise through the in-memory model and the task's sampler
     noise = torch.randn((3, CHANNELS, SIZE, SIZE), generator=torch.Generator().manual_seed(5))
-    from pipelines.tasks.sampler import denoise
+    from pipelines.tasks.diffusion.sampler import denoise
 
     x = denoise(task.model.eval(), noise, task.sampler(), 4, task.class_labels(labels), null_label=10,
                 guidance_scale=2.0)

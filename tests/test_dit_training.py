@@ -17,7 +17,7 @@ from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import load_config
 from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.tasks.diffusion import sample
+from pipelines.tasks.diffusion.from_export import sample
 
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_dit_tiny_infobatch.yaml")

@@ -19,7 +19,9 @@ from pipelines.data.augment import flip_coin
 from pipelines.data.decode import FLIPPED_LATENT_FIELD, SampleDecoder
 from pipelines.data.shards import ShardIndex, read_shard
 from pipelines.data.stream import ShardStream
-from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask, sample
+from pipelines.tasks.diffusion.config import DiffusionConfig
+from pipelines.tasks.diffusion.task import DiffusionTask
+from pipelines.tasks.diffusion.from_export import sample
 from tools.latents import LATENT_FIELD, encode_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -226,9 +226,14 @@ def test_a_run_on_precomputed_features_trains_exports_and_is_evaluated_offline(s
                                                                                encoder, tmp_path):
     records = passes_of(stored_run.run_dir)
     assert records[-1]["bad_samples"] == 0 and math.isfinite(records[-1]["held_out"]["denoise_mse"])
-    with open(os.path.join(stored_run.run_dir, "export", "text_encoder.json")) as f:
-        assert json.load(f) == TextEncoder(encoder, max_length=8).identity()  # `sample()` loads it for prompts
-    from pipelines.tasks.diffusion import pixart_pipeline
+    export = os.path.join(stored_run.run_dir, "export")
+    with open(os.path.join(export, "text_encoder.json")) as f:
+        recorded, identity = json.load(f), TextEncoder(encoder, max_length=8).identity()
+    folders = ("text_encoder", "tokenizer")  # relative to the export: it moves with its encoder
+    assert {k: v for k, v in recorded.items() if k not in folders} == {k: v for k, v in identity.items()
+                                                                       if k not in folders}
+    assert all(os.path.realpath(os.path.join(export, recorded[k])) == os.path.realpath(encoder) for k in folders)
+    from pipelines.tasks.diffusion.from_export import pixart_pipeline
 
     with pytest.raises(ValueError, match="scale_model_input"):  # a flow export: sample() samples it
         pixart_pipeline(os.path.join(stored_run.run_dir, "export"))
@@ -276,7 +281,7 @@ def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_ima
                                                                                      tmp_path):
     from test_text_to_image import PROMPTS
 
-    from pipelines.tasks.diffusion import pixart_pipeline, sample
+    from pipelines.tasks.diffusion.from_export import pixart_pipeline, sample
 
     cfg = latent_config(features16, tmp_path, "ddpm", *tiny(encoder), PRECOMPUTED, "ldm.objective=ddpm",
                         "ldm.prediction_type=epsilon", "ldm.timestep_sampling=uniform", "ldm.flow_weighting=uniform")

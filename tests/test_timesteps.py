@@ -10,8 +10,9 @@ import pytest
 import scipy.stats
 import torch
 
-from pipelines.tasks.diffusion import DiffusionConfig, DiffusionTask
-from pipelines.tasks.timesteps import LossSecondMomentSampler
+from pipelines.tasks.diffusion.config import DiffusionConfig
+from pipelines.tasks.diffusion.task import DiffusionTask
+from pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
 
 T = 50
 

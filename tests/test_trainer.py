@@ -22,7 +22,7 @@ from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from pipelines.config import load_config
 from pipelines.data.shards import ShardIndex
 from pipelines.tasks.build import build_task
-from pipelines.tasks.diffusion import load_pipeline, sample
+from pipelines.tasks.diffusion.from_export import load_pipeline, sample
 from pipelines.tasks.mae import load_exported_encoder
 from pipelines.training.loop import NonFiniteLossError, learning_rate, train
 

@@ -25,7 +25,7 @@ from pipelines.data.decode import (CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FI
 from pipelines.data.remote import ShardReadError
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.data.side_tables import write_json
-from pipelines.tasks.diffusion import load_autoencoder
+from pipelines.tasks.diffusion.autoencoder import load_autoencoder
 from pipelines.tasks.text import TextCondition, TextEncoder
 from tools.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_device, job_rank, join_group, partial_path
 

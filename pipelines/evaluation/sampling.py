@@ -14,9 +14,11 @@ import torch
 import torch.nn as nn
 from pipelines.evaluation.precision import forward_precision
 from pipelines.progress import progress
-from pipelines.tasks.diffusion import PIXEL_SPACE, PRECOMPUTED, DiffusionTask, load_autoencoder
+from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from pipelines.tasks.diffusion.task import DiffusionTask
+from pipelines.tasks.diffusion.autoencoder import load_autoencoder
 from pipelines.tasks.randomness import per_sample_seeded
-from pipelines.tasks.sampler import denoise
+from pipelines.tasks.diffusion.sampler import denoise
 
 
 def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None

@@ -16,14 +16,15 @@ def build_task(cfg, *, strata: bool | None = None):
 
         wanted = cfg.score.normalise != "none" if strata is None else strata
         return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels, strata=wanted)
-    from pipelines.tasks.diffusion import PRECOMPUTED, DiffusionTask
+    from pipelines.tasks.diffusion.config import PRECOMPUTED
+    from pipelines.tasks.diffusion.task import DiffusionTask
 
     size, channels = cfg.data.resolution, cfg.data.channels
     if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
         shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
         if shape:
             channels, size = int(shape[0]), int(shape[-1])
-    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, text_shards=cfg.data.train)
+    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, shards=cfg.data.train)
 
 
 def text_reading(task) -> dict:

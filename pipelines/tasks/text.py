@@ -136,7 +136,8 @@ class TextEncoder:
 
     def _hashed_identity(self) -> dict:
         digest = hashlib.sha256()
-        for folder in dict.fromkeys((self.path, self.tokenizer_path)):
+        # by real folder: an export's tokenizer/ may be a link to its text_encoder/, one folder as the run's was
+        for folder in dict.fromkeys(os.path.realpath(f) for f in (self.path, self.tokenizer_path)):
             for name in sorted(os.listdir(folder)):
                 full = os.path.join(folder, name)
                 if not os.path.isfile(full):

@@ -10,7 +10,7 @@ import torch
 from diffusers import DiTTransformer2DModel
 
 from pipelines.config import RunConfig
-from pipelines.tasks.dit import compile_blocks
+from pipelines.tasks.diffusion.dit import compile_blocks
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

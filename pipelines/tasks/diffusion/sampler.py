@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from diffusers import DDIMScheduler, DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
 
-from pipelines.tasks.dit import dit_inputs
-from pipelines.tasks.pixart import text_dit_inputs
+from pipelines.tasks.diffusion.dit import dit_inputs
+from pipelines.tasks.diffusion.pixart import text_dit_inputs
 from pipelines.tasks.text import TextCondition
 from pipelines.tasks.wrappers import unwrap
 

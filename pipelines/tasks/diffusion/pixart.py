@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from diffusers import PixArtTransformer2DModel
 
-from pipelines.tasks.dit import transformer_shape
+from pipelines.tasks.diffusion.dit import transformer_shape
 
 
 def build_text_dit(preset: str, *, sample_size: int, in_channels: int, caption_channels: int, depth: int = 0,

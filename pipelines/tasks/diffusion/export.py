@@ -1,0 +1,247 @@
+"""A diffusion run's export as a diffusers pipeline folder. `model_index.json` names the pipeline that
+samples it where one does (DDPMPipeline: an unconditional pixel-space UNet; DiTPipeline: a class-
+conditional latent DiT; PixArtAlphaPipeline: a text-conditional latent DiT; flow-matching runs have none,
+see `pipeline_for`), so `Pipeline.from_pretrained(export)` needs nothing else. Beside it:
+
+  unet/ or transformer/   the weights to sample: the EMA when the run kept one, the live weights then
+                          as the `non_ema` variant (Stable Diffusion's repositories' layout)
+  scheduler/              the sampler FID measured: DDIM (eta 0) from the training schedule, or Euler for flow
+  vae/ text_encoder/ tokenizer/   the run's frozen parts, as relative links to their folders (`copy`: copies)
+  autoencoder.json        the latent scaling, for prunepipe's own sampler
+  text_encoder.json       the text encoder's identity (folders relative to the export, digest)
+  README.md               what loads it and how to call it
+
+Writes files only; never downloads, never trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import diffusers
+from diffusers import DDIMScheduler
+
+from pipelines.data.shards import ShardIndex
+from pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
+from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from pipelines.tasks.text import TextEncoder
+from pipelines.tasks.wrappers import unwrap, weights_module
+
+MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # as diffusers pipelines name them
+RAW_VARIANT = "non_ema"  # the live weights beside the EMA: diffusion_pytorch_model.non_ema.safetensors
+AUTOENCODER_INFO = "autoencoder.json"
+TEXT_ENCODER_INFO = "text_encoder.json"
+PIPELINE_INDEX = "model_index.json"
+
+
+def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False) -> list[str]:
+    """Write `task`'s export into `out_dir` (its entries replaced, anything else there kept); returns
+    the paths written. `model` holds the live weights, `ema_model` the EMA (or None)."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = [_write_model(task, model, ema_model, out_dir), _write_scheduler(task, out_dir)]
+    scale, shift, vae_folder, vae_note = _place_vae(task, out_dir, copy)
+    written.append(_write_json(out_dir, AUTOENCODER_INFO, {
+        "autoencoder": task.cfg.autoencoder, "vae_subfolder": task.cfg.vae_subfolder, "cache_dir": task.cfg.cache_dir,
+        "scaling_factor": scale, "shift_factor": shift,
+    }))
+    if vae_folder:
+        written.append(vae_folder)
+    text, text_note = (None, "")
+    if task.text_encoder is not None:
+        text, text_note = _place_text_encoder(task, out_dir, copy)
+        written += text["written"] if text else []
+        written.append(_write_json(out_dir, TEXT_ENCODER_INFO, _relative_identity(task.text_encoder.identity(),
+                                                                                  out_dir)))
+    pipeline, reason = pipeline_for(task, vae=bool(vae_folder), shift=shift, vae_note=vae_note, text=text,
+                                    text_note=text_note)
+    index_path = os.path.join(out_dir, PIPELINE_INDEX)
+    _remove(index_path)  # an earlier export's pipeline may not fit this one
+    if pipeline is not None:
+        components = {"scheduler": ["diffusers", "DDIMScheduler"],
+                      MODEL_FOLDERS[task.cfg.backbone]: ["diffusers", type(unwrap(model)).__name__]}
+        if vae_folder:
+            components["vae"] = ["diffusers", "AutoencoderKL"]
+        if text:
+            components.update(text["components"])
+        written.append(_write_json(out_dir, PIPELINE_INDEX, {"_class_name": pipeline,
+                                                             "_diffusers_version": diffusers.__version__,
+                                                             **components}))
+    readme = os.path.join(out_dir, "README.md")
+    with open(readme, "w") as f:
+        f.write(export_readme(task, pipeline, reason, ema=ema_model is not None))
+    written.append(readme)
+    return written
+
+
+def pipeline_for(task, *, vae: bool, shift: float, vae_note: str, text: dict | None, text_note: str
+                 ) -> tuple[str | None, str]:
+    """(the diffusers pipeline class that samples this export, "") or (None, why none does)."""
+    cfg = task.cfg
+    if cfg.objective == "flow":
+        return None, ("a flow-matching run: diffusers' DDPMPipeline, DiTPipeline and PixArtAlphaPipeline call "
+                      "scheduler.scale_model_input, which FlowMatchEulerDiscreteScheduler has not")
+    latent = cfg.autoencoder != PIXEL_SPACE
+    if latent and not vae:
+        return None, f"no VAE to decode its latents with: {vae_note}"
+    if latent and shift:
+        return None, (f"its latents are shifted by {shift} before scaling (the VAE's shift_factor); diffusers' "
+                      f"pipelines decode latents / scaling_factor only")
+    if task.text_encoder is not None:
+        if text is None:
+            return None, text_note
+        return ("PixArtAlphaPipeline", "") if latent else (None, "PixArtAlphaPipeline decodes latents with a "
+                                                                 "VAE; this run trained in pixel space")
+    if cfg.backbone == "dit":
+        if not latent:
+            return None, "DiTPipeline decodes latents with a VAE; this run trained in pixel space"
+        if not cfg.num_classes:
+            return None, "DiTPipeline samples class-conditional DiTs; this one is unconditional"
+        return "DiTPipeline", ""
+    if latent or cfg.num_classes:
+        return None, "diffusers' DDPMPipeline samples unconditional pixel-space UNets only"
+    return "DDPMPipeline", ""
+
+
+# -------------------------------------------------------------------- the parts
+def _write_model(task, model, ema_model, out_dir: str) -> str:
+    folder = os.path.join(out_dir, MODEL_FOLDERS[task.cfg.backbone])
+    _remove(folder)
+    if ema_model is None:
+        unwrap(model).save_pretrained(folder)
+    else:
+        weights_module(ema_model, model).save_pretrained(folder)
+        unwrap(model).save_pretrained(folder, variant=RAW_VARIANT)
+    return folder
+
+
+def _write_scheduler(task, out_dir: str) -> str:
+    """The sampling scheduler, not the training one: what `sample()` and FID step with, so a pipeline's
+    default call draws what FID measured. Its config carries the training schedule (betas, T, prediction)."""
+    folder = os.path.join(out_dir, "scheduler")
+    _remove(folder)
+    scheduler = task.sampler() if task.cfg.objective == "flow" else DDIMScheduler.from_config(task.scheduler.config)
+    scheduler.save_pretrained(folder)
+    return folder
+
+
+def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
+    """(scaling factor, shift, the vae/ written or "", why none was). A run on precomputed latents finds
+    its VAE in the latent shards' index.json. A VAE whose config scales otherwise than the run did is
+    copied with the run's factor in its config, which is what pipelines divide by."""
+    cfg, target = task.cfg, os.path.join(out_dir, "vae")
+    _remove(target)
+    if cfg.autoencoder == PIXEL_SPACE:
+        return task.scaling_factor, 0.0, "", "pixel space"
+    if cfg.autoencoder == PRECOMPUTED:
+        meta = ShardIndex.load(task.shards).meta if task.shards else {}
+        name, subfolder = meta.get("vae", ""), meta.get("subfolder", "")
+        if not name:
+            return task.scaling_factor or 0.0, 0.0, "", ("the latent shards' index.json names no VAE (pass vae= "
+                                                        "to sample())")
+        try:
+            vae = load_autoencoder(name, subfolder, cfg.cache_dir, setting="the latent shards' vae")
+        except FileNotFoundError as e:
+            return task.scaling_factor or 0.0, 0.0, "", str(e).split(": ", 1)[-1].split(". ")[0]
+        scale = task.scaling_factor or float(meta.get("scaling_factor") or vae.config.scaling_factor)
+        shift = float(meta.get("shift_factor") or getattr(vae.config, "shift_factor", None) or 0.0)
+    else:
+        name, subfolder, vae = cfg.autoencoder, cfg.vae_subfolder, task.autoencoder
+        scale, shift = task.scaling_factor, task.shift_factor
+    if scale != float(vae.config.scaling_factor):
+        vae.register_to_config(scaling_factor=scale)
+        vae.save_pretrained(target)
+    else:
+        _link_or_copy(autoencoder_folder(name, subfolder, cfg.cache_dir), target, copy)
+    return scale, shift, target, ""
+
+
+def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, str]:
+    """text_encoder/ and tokenizer/ from the folders the run's encoder was read from (for precomputed
+    features: the folders `latents encode` recorded); ({"components", "written"}, "") or (None, why not)."""
+    info = task.text_encoder.identity()
+    folders = {"text_encoder": info["text_encoder"], "tokenizer": info["tokenizer"]}
+    missing = [f"{name} {path!r}" for name, path in folders.items() if not os.path.isdir(path)]
+    if missing:
+        return None, (f"the text encoder that made its features is not on this machine ({', '.join(missing)}, as "
+                      f"`latents encode` recorded them)")
+    encoder = task.text_encoder if isinstance(task.text_encoder, TextEncoder) else \
+        TextEncoder(info["text_encoder"], info["tokenizer"], info["max_length"], setting="text encoder")
+    written = []
+    for name, folder in folders.items():
+        target = os.path.join(out_dir, name)
+        _remove(target)
+        if name == "tokenizer" and os.path.realpath(folder) == os.path.realpath(info["text_encoder"]):
+            os.symlink("text_encoder", target)  # one folder holds both, as most hub repositories' do
+        else:
+            _link_or_copy(folder, target, copy)
+        written.append(target)
+    components = {"text_encoder": ["transformers", encoder.class_name],
+                  "tokenizer": ["transformers", type(encoder.tokenizer).__name__]}
+    return {"components": components, "written": written}, ""
+
+
+def _relative_identity(identity: dict, out_dir: str) -> dict:
+    """The encoder's identity with its folders relative to the export: it is sampled from anywhere the
+    export and the encoder move together."""
+    relative = dict(identity)
+    for key in ("text_encoder", "tokenizer"):
+        relative[key] = os.path.relpath(identity[key], os.path.abspath(out_dir))
+    return relative
+
+
+# -------------------------------------------------------------------- files
+def _link_or_copy(source: str, target: str, copy: bool) -> None:
+    """A relative symlink to `source` (the export and the model move together), or a copy of its files."""
+    if copy:
+        shutil.copytree(source, target, symlinks=False)  # a hub snapshot's files are links into its blobs
+    else:
+        os.symlink(os.path.relpath(os.path.realpath(source), os.path.dirname(os.path.abspath(target))), target)
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _write_json(out_dir: str, name: str, content: dict) -> str:
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(content, f, indent=1)
+    return path
+
+
+def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
+    """The export's README: what loads it and the call that reproduces prunepipe's samples."""
+    cfg = task.cfg
+    weights = ("the EMA weights (the live ones as the `non_ema` variant)" if ema else "the run's weights (it kept "
+               "no EMA)")
+    kind = "text-conditional" if task.text_encoder is not None else "class-conditional" if cfg.num_classes \
+        else "unconditional"
+    lines = [f"# A prunepipe export: {kind} {type(unwrap(task.model)).__name__}, {cfg.objective}",
+             "", f"`{MODEL_FOLDERS[cfg.backbone]}/` holds {weights}.", ""]
+    if pipeline is None:
+        lines += [f"No diffusers pipeline samples it: {reason}.", "",
+                  "Sample it with `prunepipe sample EXPORT` (or `sample()` in pipelines/tasks/diffusion/from_export.py).",
+                  ""]
+        return "\n".join(lines)
+    call = {"DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
+            "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
+            "PixArtAlphaPipeline": (f"pipe(prompt, num_inference_steps=50, max_sequence_length="
+                                    f"{getattr(task.text_encoder, 'max_length', cfg.text_max_length)}, "
+                                    f"use_resolution_binning=False, clean_caption=False)")}[pipeline]
+    lines += ["```python", f"from diffusers import {pipeline}", "",
+              f'pipe = {pipeline}.from_pretrained("EXPORT")  # variant="non_ema" for the live weights' if ema
+              else f'pipe = {pipeline}.from_pretrained("EXPORT")', f"images = {call}.images", "```", ""]
+    if pipeline == "PixArtAlphaPipeline":
+        lines += ["`max_sequence_length` is the caption length the run trained with; resolution binning knows "
+                  "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
+                  "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).", ""]
+    if pipeline == "DiTPipeline":
+        lines += [f"DiTPipeline takes the null class as label 1000: guidance (guidance_scale > 1) is right only for "
+                  f"a 1000-class run (this one has {cfg.num_classes}); `prunepipe sample --guidance-scale` guides "
+                  f"any.", ""]
+    return "\n".join(lines)
