@@ -81,6 +81,7 @@ class Evaluator:
         self._replication_net = None  # replication.feature's network, loaded once
         self._captions, self._captions_read = [], None  # the held-out captions, and (folder, count) read
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
+        self._said_capped: set[str] = set()  # settings told they were capped at the held-out captions
 
     # ------------------------------------------------------------------ per task
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
@@ -132,6 +133,10 @@ class Evaluator:
         if task.text_conditional:  # sample i is drawn from held-out caption i; a short val set caps the counts
             captions = prompts = self._held_out_captions(max(fid_count if fid_cfg.enabled or clip_on else 0,
                                                              rep_count if rep_cfg.enabled else 0))
+            self._say_capped(len(captions), {"fid.num_samples": fid_count if fid_cfg.enabled or clip_on else 0,
+                                             "replication.num_samples": rep_count if rep_cfg.enabled else 0})
+            if fid_cfg.enabled or clip_on:
+                results["fid_samples_requested"] = fid_count
             fid_count, rep_count = min(fid_count, len(captions)), min(rep_count, len(captions))
             self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
             results["held_out_captions"] = len(captions)
@@ -174,6 +179,21 @@ class Evaluator:
             results.update(self._replication_of(generated, rep_count, rank, world))
             results["replication_reused_fid_samples"] = reuse
         return results
+
+    def _say_capped(self, captions: int, asked: dict) -> None:
+        """Once per run and setting, on rank 0: a text-conditional model draws one sample per held-out
+        caption, so a setting asking for more samples than there are captions gets that many."""
+        capped = {name: count for name, count in asked.items() if count > captions and name not in self._said_capped}
+        self._said_capped.update(capped)
+        if not capped or rank_and_world()[0] != 0:
+            return
+        folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
+        asks = " and ".join(f"{name}={count}" for name, count in capped.items())
+        print(f"prunepipe: eval: {asks} asked for more samples than the {captions} held-out captions of {folder}: a "
+              f"text-conditional model draws sample i from caption i, so {captions} samples are drawn and scored (FID "
+              f"against those captions' own images). For more, point data.val (or the eval setting val=DIR) at "
+              f"captioned held-out shards with at least {max(capped.values())} samples; set "
+              f"{' and '.join(f'{name}={captions}' for name in capped)} to ask for what there is", flush=True)
 
     @staticmethod
     def _check_counts(fid_on: bool, fid_count: int, rep_on: bool, rep_count: int, world: int) -> None:
