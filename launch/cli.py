@@ -13,6 +13,31 @@ from tools.redundant_options import add_redundant_arguments, redundant_options
 DEFAULT_DATA = "data/digits"
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """--help names each option's default where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] \
+            or action.default is argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every (sub)command: argparse's, with the defaults shown (subparsers take their parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get("help") is None and kwargs.get("default") not in (None, False):
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints no help line for an option without help
+        return super().add_argument(*args, **kwargs)
+
+
 def _shards_write(args) -> None:
     from tools.shards import write_shards
 
@@ -190,6 +215,55 @@ def _eval(args) -> None:
     print(f"written: {record.get('path')}")
 
 
+def _export(args) -> None:
+    """A run's export from a checkpoint: a diffusers pipeline folder (diffusion) or the timm encoder (MAE)."""
+    from pipelines.trained import export_run
+
+    out, written = export_run(args.run, args.checkpoint, out=args.out or "", runs_dir=args.runs_dir, copy=args.copy)
+    for path in written:
+        print(f"written: {path}")
+    readme = os.path.join(out, "README.md")
+    if os.path.exists(readme):
+        with open(readme) as f:
+            print(f.read().rstrip())
+
+
+def _sample(args) -> None:
+    """Images from a run's export (or an export folder), as PNG files."""
+    import torch
+    from PIL import Image
+
+    from pipelines.tasks.diffusion.from_export import sample
+
+    export = args.run
+    if not os.path.exists(os.path.join(export, "autoencoder.json")):
+        from pipelines.evaluation.records import resolve_run_dir
+
+        export = os.path.join(resolve_run_dir(args.run, args.runs_dir), "export")
+        if not os.path.isdir(export):
+            raise FileNotFoundError(f"run {args.run}: no export/ yet (a run writes it when it finishes): write one from "
+                                    f"its newest checkpoint with `prunepipe export {args.run}`")
+    prompts = list(args.prompt or [])
+    count = args.num_images or len(prompts) or len(args.class_label or []) or 4
+    if prompts:
+        prompts = [prompts[i % len(prompts)] for i in range(count)]
+    labels = None
+    if args.class_label:
+        labels = torch.tensor([args.class_label[i % len(args.class_label)] for i in range(count)])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    images = sample(export, count, args.steps, torch.Generator(device).manual_seed(args.seed), ema=not args.raw,
+                    class_labels=labels, vae=args.vae, guidance_scale=args.guidance_scale, prompts=prompts or None,
+                    text_encoder=args.text_encoder)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(export)), "samples")
+    os.makedirs(out, exist_ok=True)
+    pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype("uint8")
+    for i, image in enumerate(pixels):
+        path = os.path.join(out, f"sample_{args.seed:04d}_{i:03d}.png")
+        Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
+        caption = f"  {prompts[i]!r}" if prompts else f"  class {int(labels[i])}" if labels is not None else ""
+        print(f"written: {path}{caption}")
+
+
 def _compare(args) -> None:
     """Losslessness report of pruned runs against a baseline (one or several seed runs)."""
     import glob
@@ -242,7 +316,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line; a benchmark's own options are imported only when `argv` names it (some
     import torch and diffusers, seconds that every other command would pay)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="prunepipe", description=__doc__)
+    parser = Parser(prog="prunepipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     shards = sub.add_parser("shards", help="write, index and inspect WebDataset shards; embed them and find "
@@ -408,6 +482,38 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*",
                           help="key=value evaluation settings right after RUN, e.g. fid.reference=val probe.pool=avg")
     evaluate.set_defaults(func=_eval)
+
+    export = sub.add_parser("export", help="write a run's export from a checkpoint: a diffusers pipeline folder "
+                                           "(model_index.json) or MAE's timm encoder")
+    export.add_argument("run", help="run folder (holding config.yaml) or run name under --runs-dir")
+    export.add_argument("--checkpoint", default="latest", help="latest or a checkpoint folder")
+    export.add_argument("--out", help="the export folder (default: RUN/export, what the run writes when it ends)")
+    export.add_argument("--copy", action="store_true",
+                        help="copy the VAE and text encoder into the export instead of linking them (relative links)")
+    export.add_argument("--runs-dir", default="runs")
+    export.set_defaults(func=_export)
+
+    sample = sub.add_parser("sample", help="draw images from a diffusion run's export with the sampler FID uses")
+    sample.add_argument("run", help="run folder or name (its export/), or an export folder")
+    sample.add_argument("--prompt", action="append", help="a caption (text-conditional runs; repeat for several)")
+    sample.add_argument("--class-label", type=int, action="append",
+                        help="a class (class-conditional runs; repeat for several; -1 = the null class)")
+    sample.add_argument("--num-images", type=int,
+                        help="images to draw (default: one per prompt or class label, else 4); prompts and labels "
+                             "repeat to fill it")
+    sample.add_argument("--steps", type=int, default=50, help="DDIM steps (Euler for flow runs)")
+    sample.add_argument("--guidance-scale", type=float, default=1.0,
+                        help="classifier-free guidance against the null class or the empty caption (1 = none)")
+    sample.add_argument("--seed", type=int, default=0, help="the starting noise")
+    sample.add_argument("--raw", action="store_true", help="the live weights instead of the EMA")
+    sample.add_argument("--vae", help="decode with this VAE (folder or hub repo id in the cache) instead of the "
+                                      "export's")
+    sample.add_argument("--text-encoder", help="encode prompts with this folder instead of the export's (its digest "
+                                               "must match the run's)")
+    sample.add_argument("--out", help="folder for the PNGs (default: samples/ beside the export)")
+    sample.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    sample.add_argument("--runs-dir", default="runs")
+    sample.set_defaults(func=_sample)
 
     compare = sub.add_parser("compare", help="was a pruned run lossless, and how much compute did it save at equal "
                                              "quality? tables, verdicts, cost, PNG plots")

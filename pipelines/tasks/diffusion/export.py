@@ -233,9 +233,12 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
             "PixArtAlphaPipeline": (f"pipe(prompt, num_inference_steps=50, max_sequence_length="
                                     f"{getattr(task.text_encoder, 'max_length', cfg.text_max_length)}, "
                                     f"use_resolution_binning=False, clean_caption=False)")}[pipeline]
-    lines += ["```python", f"from diffusers import {pipeline}", "",
-              f'pipe = {pipeline}.from_pretrained("EXPORT")  # variant="non_ema" for the live weights' if ema
-              else f'pipe = {pipeline}.from_pretrained("EXPORT")', f"images = {call}.images", "```", ""]
+    model, folder = type(unwrap(task.model)).__name__, MODEL_FOLDERS[cfg.backbone]
+    lines += ["```python", f"from diffusers import {pipeline}", "", f'pipe = {pipeline}.from_pretrained("EXPORT")']
+    if ema:
+        lines += [f"# the live weights instead: pipe.{folder} = {model}.from_pretrained(\"EXPORT\", "
+                  f"subfolder=\"{folder}\", variant=\"{RAW_VARIANT}\")"]
+    lines += [f"images = {call}.images", "```", ""]
     if pipeline == "PixArtAlphaPipeline":
         lines += ["`max_sequence_length` is the caption length the run trained with; resolution binning knows "
                   "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
