@@ -9,8 +9,10 @@ parameter of the model instead). It never trains, and it never draws random numb
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +55,38 @@ class TextCondition:
         return TextCondition(torch.cat([p.features for p in parts]), torch.cat([p.mask for p in parts]))
 
 
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own noise off while a model loads from a local folder, restored after: its
+    "Loading weights" bar and its logged warnings, chiefly the LOAD REPORT table of every tensor the
+    class does not use when an encoder alone loads from a larger checkpoint (a T5 folder's decoder, a
+    full CLIP's vision tower). Errors still show; the project's own progress bars are not
+    transformers', and a missing tensor is said by `said_missing`."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def said_missing(setting: str, path: str, class_name: str, info: dict) -> None:
+    """One line where a checkpoint lacks tensors of the model loaded from it (transformers starts
+    them random): the only part of the LOAD REPORT `quiet_transformers` hides that changes results."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        print(f"prunepipe: warning: {setting}={path!r}: {len(missing)} tensor(s) of {class_name} are not in its "
+              f"weights and start random ({listed}): its outputs are not the trained model's", flush=True)
+
+
 def caption_dropped(draws, rate: float, device) -> torch.Tensor:
     """bool [B]: which samples train on the null caption this pass, one uniform of the sample's own
     draws each (keyed by (seed, pass, id): the same whatever the batch, the rank or a resume)."""
@@ -65,7 +99,6 @@ class TextEncoder:
     def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text_encoder"):
         import transformers
 
-        transformers.utils.logging.disable_progress_bar()  # a bar per load: noise in a training log
         # absolute: an export records them, and is sampled from anywhere
         self.path = os.path.abspath(os.path.expanduser(path))
         self.tokenizer_path = os.path.abspath(os.path.expanduser(tokenizer or path))
@@ -76,22 +109,25 @@ class TextEncoder:
                                         f"CLIP text model or T5 encoder (config.json + weights) and its tokenizer; "
                                         f"this machine never downloads (on a connected machine `hf download REPO` "
                                         f"and copy the folder)")
-        try:
-            config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"{setting}={self.path!r}: no transformers config.json there: "
-                                    f"{str(e).splitlines()[0]}") from None
-        if config.model_type not in ENCODER_CLASSES:
-            raise ValueError(f"{setting}={self.path!r} holds a {config.model_type!r} model; accepted: "
-                             f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)")
-        self.class_name = ENCODER_CLASSES[config.model_type]
-        self.model = getattr(transformers, self.class_name).from_pretrained(self.path, local_files_only=True)
-        self.model.eval().requires_grad_(False)
-        try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"ldm.tokenizer={self.tokenizer_path!r}: no tokenizer there: "
-                                    f"{str(e).splitlines()[0]}") from None
+        with quiet_transformers():
+            try:
+                config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise FileNotFoundError(f"{setting}={self.path!r}: no transformers config.json there: "
+                                        f"{str(e).splitlines()[0]}") from None
+            if config.model_type not in ENCODER_CLASSES:
+                raise ValueError(f"{setting}={self.path!r} holds a {config.model_type!r} model; accepted: "
+                                 f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)")
+            self.class_name = ENCODER_CLASSES[config.model_type]
+            self.model, info = getattr(transformers, self.class_name).from_pretrained(
+                self.path, local_files_only=True, output_loading_info=True)
+            self.model.eval().requires_grad_(False)
+            try:
+                self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise FileNotFoundError(f"ldm.tokenizer={self.tokenizer_path!r}: no tokenizer there: "
+                                        f"{str(e).splitlines()[0]}") from None
+        said_missing(setting, self.path, self.class_name, info)
         self._null: TextCondition | None = None
         self._identity: dict | None = None
 
