@@ -22,7 +22,7 @@ from PIL import Image
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.data.stream import ShardStream
-from tools.shards import index_shards, inspect_shards
+from tools.shards import describe_counting, index_shards, inspect_shards
 
 
 def jpeg_bytes(seed: int, size: int = 16) -> bytes:
@@ -552,7 +552,9 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
     write_tarwriter_shard(str(shards / "00003.tar"), 3)  # no stats beside it: its headers are read
     index = ShardIndex.load(index_shards([str(shards)], str(shards), workers=2))
     assert index.counts.tolist() == [5, 4, 6, 3]
-    assert index.meta["counted"] == {"shards": 4, "img2dataset_stats": 3, "tar_headers_read": 2}
+    # the first shard's count is its headers' (checked against its stats), the last has no stats
+    assert index.meta["counted"] == {"shards": 4, "img2dataset_stats": 2, "tar_headers_read": 2,
+                                     "checked_against_stats": 1}
     assert index.meta["keys"] == ["cls", "jpg", "json", "txt"]
 
     # A stats file that disagrees is believed without --verify (only the first shard is checked) ...
@@ -609,9 +611,21 @@ def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_o
 def test_cli_index_says_how_it_counted(tmp_path, capsys):
     from launch.cli import main
 
-    write_img2dataset_shard(tmp_path, 0, 4)
-    write_img2dataset_shard(tmp_path, 1, 2)
+    for shard_id, n in enumerate((4, 2, 3)):
+        write_img2dataset_shard(tmp_path, shard_id, n)
     assert main(["shards", "index", str(tmp_path), "--out", str(tmp_path), "--workers", "1"]) == 0
     said = capsys.readouterr().out
-    assert "2 shards, 6 samples" in said and "2 shard(s) counted from img2dataset's *_stats.json" in said
-    assert "--verify" in said
+    # each shard counted once, by one source: the first by its headers (which name the fields)
+    assert "3 shards, 9 samples" in said and "2 shard(s) counted from img2dataset's *_stats.json" in said
+    assert ", 1 from their tar headers" in said and "--verify" in said
+    counted = ShardIndex.load(str(tmp_path)).meta["counted"]
+    assert counted["img2dataset_stats"] + counted["tar_headers_read"] == counted["shards"] == 3
+    assert describe_counting(counted) == ("of 3 shard(s), 2 counted from img2dataset's *_stats.json (--verify reads "
+                                          "their tar headers too), 1 from their tar headers (1 of them checked "
+                                          "against their *_stats.json)")
+
+    assert main(["shards", "index", str(tmp_path), "--out", str(tmp_path), "--workers", "1", "--verify"]) == 0
+    counted = ShardIndex.load(str(tmp_path)).meta["counted"]
+    assert (counted["img2dataset_stats"], counted["tar_headers_read"], counted["checked_against_stats"]) == (0, 3, 3)
+    assert describe_counting(counted, verify=True) == (
+        "of 3 shard(s), 3 from their tar headers (3 of them checked against their *_stats.json)")

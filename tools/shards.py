@@ -312,8 +312,10 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
     A shard with img2dataset's NNNNN_stats.json beside it is counted from the stats' `successes`; the
     first shard, and every shard with `verify`, from its tar headers too (they must agree). Headers
     are read without the member data where it can be seeked past (a local file of large members),
-    `workers` shards at a time in threads (default: the usable cores). index.json's `counted` says
-    how many shards had stats and how many had their headers read.
+    `workers` shards at a time in threads (default: the usable cores). index.json's `counted` splits
+    the shards by where their count came from, so the two add up to `shards`: `img2dataset_stats`
+    (the stats file alone) and `tar_headers_read` (the headers, of which `checked_against_stats` had
+    a stats file that agreed); `describe_counting` says it in a sentence.
     """
     urls = shard_urls(sources)
     workers = usable_cores() if workers is None else workers
@@ -339,11 +341,26 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
     finally:
         bar.close()
     keys = sorted({field for shard in counted for field in shard.fields})
-    how = {"shards": len(urls), "img2dataset_stats": sum(shard.had_stats for shard in counted),
-           "tar_headers_read": sum(shard.headers_read for shard in counted)}
+    how = {"shards": len(urls), "img2dataset_stats": sum(not shard.headers_read for shard in counted),
+           "tar_headers_read": sum(shard.headers_read for shard in counted),
+           "checked_against_stats": sum(shard.headers_read and shard.had_stats for shard in counted)}
     os.makedirs(out, exist_ok=True)
     return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys,
                             counted=how)
+
+
+def describe_counting(counted: dict, verify: bool = False) -> str:
+    """index.json's `counted` (`index_shards`) as a sentence whose numbers add up to the shards."""
+    stats, headers = counted["img2dataset_stats"], counted["tar_headers_read"]
+    checked = counted.get("checked_against_stats", 0)
+    parts = []
+    if stats:
+        parts.append(f"{stats} counted from img2dataset's *_stats.json"
+                     + ("" if verify else " (--verify reads their tar headers too)"))
+    if headers:
+        parts.append(f"{headers} from their tar headers"
+                     + (f" ({checked} of them checked against their *_stats.json)" if checked else ""))
+    return f"of {counted['shards']} shard(s), " + ", ".join(parts) if parts else "no shards"
 
 
 def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
