@@ -221,3 +221,33 @@ def test_no_module_is_named_with_its_folder_prefix():
     offenders = [p for p in project_modules().values()
                  if "/" in p and not p.endswith("__init__.py") and named_with_its_folder_prefix(p)]
     assert not offenders, offenders
+
+
+def test_the_loop_asks_of_a_task_only_what_the_task_protocol_declares_and_both_tasks_provide_it():
+    """pipelines/tasks/protocol.py is the whole interface: every `task.NAME` in pipelines/training/ is one of
+    its members, and MAETask and DiffusionTask have them all."""
+    import typing
+
+    from pipelines.tasks.protocol import Task
+
+    declared = set(typing.get_type_hints(Task)) | {n for n in vars(Task) if not n.startswith("_")}
+    used = {}
+    training = os.path.join(ROOT, "pipelines", "training")
+    for path in sorted(os.path.join(training, name) for name in os.listdir(training) if name.endswith(".py")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "task":
+                used.setdefault(node.attr, os.path.basename(path))
+    undeclared = {name: where for name, where in used.items() if name not in declared}
+    assert used and not undeclared, f"the loop uses task members the Task protocol does not declare: {undeclared}"
+
+    from pipelines.tasks.diffusion.config import DiffusionConfig
+    from pipelines.tasks.diffusion.task import DiffusionTask
+    from pipelines.tasks.mae import MAEConfig, MAETask
+
+    tasks = [MAETask(MAEConfig(embed_dim=16, depth=1, num_heads=2, decoder_embed_dim=16, decoder_depth=1,
+                               decoder_num_heads=2, patch_size=4), image_size=8, channels=1),
+             DiffusionTask(DiffusionConfig(), image_size=8, channels=1)]
+    for task in tasks:
+        assert isinstance(task, Task), type(task).__name__

@@ -29,5 +29,5 @@ def build_task(cfg, *, strata: bool | None = None):
 
 def text_reading(task) -> dict:
     """read_split's keywords for the text a task's batches carry: captions, precomputed features, or none."""
-    width, max_length = getattr(task, "text_features", (0, 0))
+    width, max_length = task.text_features
     return {"captions": task.reads_captions, "text_width": width, "text_max_length": max_length}

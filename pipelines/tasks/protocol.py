@@ -1,0 +1,40 @@
+"""The Task: what the training loop (pipelines/training/) asks of a task, and all it asks. MAETask and
+DiffusionTask provide it; a new task provides it and registers in build.py. The evaluators may read a
+task's own fields as well (a diffusion task's autoencoder, say); the loop never does
+(tests/test_layout.py checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from pipelines.tasks.randomness import SampleDraws
+from pipelines.tasks.sample_losses import SampleLosses
+
+
+@runtime_checkable
+class Task(Protocol):
+    model: nn.Module  # the module trained; the loop wraps it (DDP, compile) and passes the wrapper back
+    num_strata: int  # per-sample strata its scores are comparable within (0: none)
+    label_classes: int  # labels a batch must hold fewer than (0: labels unused), checked by the decoder
+    reads_captions: bool  # batches carry captions (txt) for an encoder the task runs
+    text_features: tuple[int, int]  # (width, max tokens) of the precomputed text features batches carry, or (0, 0)
+    text_identity: str  # the text encoder's files and caption length ("" without text): equal on every rank
+    text_encoder: object | None  # its encoder (or precomputed features' record); identity() names the folders
+    timestep_sampler: object | None  # state the checkpoint keeps beside the model (a stateful sampler), or None
+
+    def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
+        """The batch's per-sample losses [B] (and strata) from the draws of `generator`, through `model`."""
+
+    def observe(self, ids: np.ndarray, strata: np.ndarray | None, scores: np.ndarray) -> None:
+        """Every rank's gathered batch after each step, one step late (a sampler that learns from losses)."""
+
+    def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:
+        """The held-out loss of `model` on `batches`, with each sample's draws fixed by (seed, id)."""
+
+    def export(self, model: nn.Module, ema_model, out_dir: str) -> list[str]:
+        """What a user loads after training (the EMA weights when given) into `out_dir`; the paths written."""
