@@ -120,7 +120,8 @@ def encode_shards(
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
     encoder = None
     if text_encoder:
-        encoder = TextEncoder(text_encoder, tokenizer, text_max_length or 1, setting="text_encoder")
+        encoder = TextEncoder(text_encoder, tokenizer, text_max_length or 1, setting="--text-encoder",
+                              tokenizer_setting="--tokenizer")
         encoder.max_length = text_max_length or encoder_max_length(encoder)
     # what the outputs depend on; the source by its shards' names and counts, not its path: a requeue may
     # see the same folder under another mount

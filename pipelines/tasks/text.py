@@ -55,6 +55,17 @@ class TextCondition:
         return TextCondition(torch.cat([p.features for p in parts]), torch.cat([p.mask for p in parts]))
 
 
+def named(setting: str, value: str) -> str:
+    """`value` as the user gave it: `--flag 'value'` for a command-line flag, `key='value'` for a config key."""
+    return f"{setting} {value!r}" if setting.startswith("--") else f"{setting}={value!r}"
+
+
+def whole(error: Exception) -> str:
+    """An exception's message on one line, all of it: transformers' messages run over several lines,
+    and their first alone can stop mid-sentence."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
 @contextlib.contextmanager
 def quiet_transformers():
     """transformers' own noise off while a model loads from a local folder, restored after: its
@@ -96,16 +107,21 @@ def caption_dropped(draws, rate: float, device) -> torch.Tensor:
 class TextEncoder:
     """A frozen encoder in eval mode and its tokenizer, both read from local folders only."""
 
-    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text_encoder"):
+    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text_encoder",
+                 tokenizer_setting: str = "ldm.tokenizer"):
+        """`setting` and `tokenizer_setting` name where `path` and `tokenizer` came from (a config key,
+        or the flags of `prunepipe latents encode`), for the messages."""
         import transformers
 
         # absolute: an export records them, and is sampled from anywhere
         self.path = os.path.abspath(os.path.expanduser(path))
         self.tokenizer_path = os.path.abspath(os.path.expanduser(tokenizer or path))
         self.max_length = int(max_length)
-        for name, folder in ((setting, self.path), ("ldm.tokenizer", self.tokenizer_path)):
+        encoder_at = named(setting, path)
+        tokenizer_at = named(tokenizer_setting, tokenizer) if tokenizer else encoder_at
+        for where, folder in ((encoder_at, self.path), (tokenizer_at, self.tokenizer_path)):
             if not os.path.isdir(folder):
-                raise FileNotFoundError(f"{name}={folder!r}: no such folder. Give the local folder of a transformers "
+                raise FileNotFoundError(f"{where}: no such folder. Give the local folder of a transformers "
                                         f"CLIP text model or T5 encoder (config.json + weights) and its tokenizer; "
                                         f"this machine never downloads (on a connected machine `hf download REPO` "
                                         f"and copy the folder)")
@@ -113,20 +129,28 @@ class TextEncoder:
             try:
                 config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
             except (OSError, ValueError) as e:
-                raise FileNotFoundError(f"{setting}={self.path!r}: no transformers config.json there: "
-                                        f"{str(e).splitlines()[0]}") from None
+                raise FileNotFoundError(f"{encoder_at}: no transformers config.json there: {whole(e)}") from None
             if config.model_type not in ENCODER_CLASSES:
-                raise ValueError(f"{setting}={self.path!r} holds a {config.model_type!r} model; accepted: "
+                raise ValueError(f"{encoder_at} holds a {config.model_type!r} model; accepted: "
                                  f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)")
             self.class_name = ENCODER_CLASSES[config.model_type]
-            self.model, info = getattr(transformers, self.class_name).from_pretrained(
-                self.path, local_files_only=True, output_loading_info=True)
+            try:
+                self.model, info = getattr(transformers, self.class_name).from_pretrained(
+                    self.path, local_files_only=True, output_loading_info=True)
+            except (OSError, ValueError) as e:
+                raise FileNotFoundError(f"{encoder_at}: cannot load its {self.class_name} weights: "
+                                        f"{whole(e)}") from None
             self.model.eval().requires_grad_(False)
             try:
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
             except (OSError, ValueError) as e:
-                raise FileNotFoundError(f"ldm.tokenizer={self.tokenizer_path!r}: no tokenizer there: "
-                                        f"{str(e).splitlines()[0]}") from None
+                if tokenizer:
+                    raise FileNotFoundError(f"{tokenizer_at}: no tokenizer there ({', '.join(TOKENIZER_FILES)}): "
+                                            f"{whole(e)}") from None
+                raise FileNotFoundError(f"{encoder_at}: no tokenizer beside the encoder "
+                                        f"({', '.join(TOKENIZER_FILES)}); give its folder with {tokenizer_setting} "
+                                        f"(Stable Diffusion and PixArt repos keep it in tokenizer/ beside "
+                                        f"text_encoder/). transformers said: {whole(e)}") from None
         said_missing(setting, self.path, self.class_name, info)
         self._null: TextCondition | None = None
         self._identity: dict | None = None
