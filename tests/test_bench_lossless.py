@@ -126,9 +126,10 @@ def test_bench_micro_runs_and_reports_both_verdicts(tmp_path):
         assert abs(by_label[f"Full @ {label}"]["samples_forwarded"] - by_label[label]["samples_forwarded"]) <= 96
     fulls = [r for r in report["rows"] if r["role"] == "full"]
     assert len(fulls) == 3 and all(r["optimizer_steps"] > 0 for r in fulls)
-    text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    text = (tmp_path / "docs" / "benchmarks" / "lossless_micro.md").read_text()
     assert "lossless (equal passes)" in text and "beats equal compute" in text and "<!-- bench:micro:end -->" in text
     assert "| target | status | measured |" in text and "one run at a time" in text
+    assert not (tmp_path / "docs" / "BENCHMARKS.md").exists()  # the hand-written summary is not the bench's
     timing = {r["label"]: r for r in report["timing_rows"]}
     assert set(timing) == {"Full", "Random", "InfoBatch", "TED"} and timing["Full"]["skipped"] == 0.0
     assert os.path.exists(tmp_path / "docs" / "benchmarks" / "lossless_micro_mae_curves.png")
@@ -211,7 +212,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         assert abs(arm["mean_kept_fraction"] - 0.7) < 0.1 and arm["pruner"]["groups"] == "known"
     static = next(r for r in report["results"] if r["label"] == "Static dedup known" and r["seed"] == 0)
     assert abs(static["mean_kept_fraction"] - 0.7) < 0.1  # every pass pruned: no full passes at the end
-    text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    text = (tmp_path / "docs" / "benchmarks" / "lossless_pays_micro_redundant.md").read_text()
     assert "settings at 3 seeds, deltas in pooled std" in text and "<!-- bench:pays_micro_redundant:end -->" in text
     assert "a pruner saves >= 25% compute at equal quality with the 95% CI above 0" in text
     assert "compute saved at equal quality (masked_mse), seeds paired with their own Full" in text
@@ -245,6 +246,14 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     # per task: the best pruner's target and, with the dedup arms run, the redundancy-aware pruner's
     assert sorted("redundancy-aware" in t["target"] for t in both["targets"]) == [False, False, True, True]
     assert (tmp_path / "docs" / "benchmarks" / "lossless_pays_micro_redundant.json").exists()
+    # the merged record re-renders its page byte for byte; the page names the command that does
+    record = os.path.join(str(tmp_path / "docs"), "benchmarks", "lossless_pays_micro_redundant.json")
+    page = tmp_path / "docs" / "benchmarks" / "lossless_pays_micro_redundant.md"
+    first = page.read_text()
+    assert first.startswith("<!-- bench:pays_micro_redundant:begin -->\n")
+    assert f"`prunepipe bench lossless --from-json {record} --out {tmp_path / 'docs'}`" in first
+    rerender(record, str(tmp_path / "docs"))
+    assert page.read_text() == first
     with pytest.raises(ValueError, match="a task appears in more than one report"):
         rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
 
@@ -324,7 +333,7 @@ def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path)
 
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "dit_long_infobatch", "config.yaml"))
     assert (cfg.ldm.backbone, cfg.ldm.objective) == ("dit", "flow")
-    assert "<!-- bench:dit_micro:end -->" in (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:dit_micro:end -->" in (tmp_path / "docs" / "benchmarks" / "lossless_dit_micro.md").read_text()
 
 
 def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interval():
@@ -362,4 +371,4 @@ def test_bench_t2i_micro_runs_the_text_task_infobatch_against_full(tmp_path):
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "t2i_long_infobatch", "config.yaml"))
     assert (cfg.ldm.conditioning, cfg.ldm.backbone, cfg.pruner["name"]) == ("text", "dit", "infobatch")
     assert cfg.ldm.text_encoder == str(tmp_path / "work" / "captioned16_n96" / "text_encoder")
-    assert "<!-- bench:t2i_micro:end -->" in (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:t2i_micro:end -->" in (tmp_path / "docs" / "benchmarks" / "lossless_t2i_micro.md").read_text()

@@ -1,5 +1,7 @@
 """The lossless benchmark's report: curves as PNGs and the markdown tables, rendered from the
-report dict that tools/bench/lossless/run.py writes (and re-renders with --from-json)."""
+report dict that tools/bench/lossless/run.py writes (and re-renders with --from-json). Each suite's
+tables are a page of their own, OUT/benchmarks/lossless_{mode}.md, beside its plots and its record
+(lossless_{mode}.json); docs/BENCHMARKS.md summarises them by hand and links to them."""
 
 from __future__ import annotations
 
@@ -227,7 +229,8 @@ def render(report: dict) -> str:
                 lines += [f"#### {task}, {schedule} schedule ({passes} passes)", ""] + table + [""]
         lines += arms_table(report.get("arms") or [], task)
         lines += replication_table(report["results"], task)
-        lines += [f"![{task} curves](benchmarks/{os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
+        # the page lies beside its plots, in OUT/benchmarks/
+        lines += [f"![{task} curves]({os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
     if report.get("timing_rows"):
         lines += ["### Wall-clock, one run at a time", "",
                   "The long schedule again without held-out evaluation, one run at a time, interleaved "
@@ -350,15 +353,30 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
                         f"means; pipelines/report/lossless.py).", ""]
 
 
+def markdown_path(out: str, mode: str) -> str:
+    """Where a suite's generated tables go: OUT/benchmarks/lossless_{mode}.md, beside its plots."""
+    return os.path.join(out, "benchmarks", f"lossless_{mode}.md")
+
+
+def page(mode: str, body: str, json_path: str, out: str) -> str:
+    """The generated page of one suite: its title, a line saying which command writes it, the tables."""
+    return (f"# `prunepipe bench lossless`, {mode}: generated tables\n\n"
+            f"Written by `prunepipe bench lossless`; `prunepipe bench lossless --from-json {json_path} --out {out}` "
+            f"rewrites it from the recorded runs, replacing everything between the markers.\n\n{body}")
+
+
 def write_markdown(path: str, mode: str, body: str) -> None:
-    """Replace the block between `<!-- bench:{mode}:begin -->` and `...:end -->` in `path`, keeping the rest."""
+    """Replace the block between `<!-- bench:{mode}:begin -->` and `...:end -->` in `path`, keeping the rest;
+    a new file is the block alone."""
     begin, end = f"<!-- bench:{mode}:begin -->", f"<!-- bench:{mode}:end -->"
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
     block = f"{begin}\n{body}{end}"
+    text = open(path).read() if os.path.exists(path) else ""
     if begin in text and end in text:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+    elif text:
+        text = text.rstrip("\n") + f"\n\n{block}\n"
     else:
-        text = text.rstrip("\n") + f"\n\n## Lossless benchmark ({mode})\n\n{block}\n"
+        text = block + "\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
-

@@ -11,8 +11,9 @@ run's pruner is wrapped only to time its calls; its decisions are untouched).
 
     python -m tools.bench.lossless [--task mae|ldm|both|dit] [--quick] [--out docs] [--work /tmp/bench_lossless]
 
-Writes OUT/BENCHMARKS.md (the generated part between the `bench:` markers; text outside them is kept),
-OUT/benchmarks/*.png, and WORK/lossless_{mode}.json with every number (`--from-json` re-renders from it).
+Writes OUT/benchmarks/lossless_{mode}.md (the mode's tables between `bench:` markers; text outside them is
+kept), its plots OUT/benchmarks/lossless_{mode}_*.png, and WORK/lossless_{mode}.json with every number
+(`--from-json` re-renders the page and plots from it). docs/BENCHMARKS.md summarises the recorded suites.
 The verdicts are in tools/bench/lossless/verdicts.py, the plots and tables in tools/bench/lossless/report.py.
 """
 
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from tools.bench.lossless.plan import RunSpec, TaskPlan, equal_compute_spec, first_specs, slug, task_plans
-from tools.bench.lossless.report import plot_curves, plot_frontier, render, write_markdown
+from tools.bench.lossless.report import markdown_path, page, plot_curves, plot_frontier, render, write_markdown
 from tools.bench.lossless.verdicts import arms, flattening, saving_targets, summarise, targets
 
 ROOT = str(Path(__file__).resolve().parents[3])  # the repository: configs/ lives there
@@ -358,7 +359,7 @@ def running_keys(futures: dict) -> set[str]:
 def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str = "docs",
           work: str = "/tmp/bench_lossless", workers: int = 2, command: str = "", log=None,
           arms: tuple[str, ...] = (), frontier: tuple[float, ...] = (), reuse: dict | None = None) -> dict:
-    """Run the benchmark and write OUT/BENCHMARKS.md, OUT/benchmarks/; returns the report dict.
+    """Run the benchmark and write OUT/benchmarks/lossless_{mode}.md and its plots; returns the report dict.
     `reuse`: recorded results by run key (`recorded_runs`), taken instead of training them again."""
     plans = task_plans(mode, list(tasks), arms, frontier)
     os.makedirs(work, exist_ok=True)
@@ -378,8 +379,8 @@ def bench(mode: str = "full", tasks: tuple[str, ...] = ("mae", "ldm"), out: str 
 
 
 def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: str, json_path: str) -> dict:
-    """Tables, verdicts, targets, plots and OUT/BENCHMARKS.md from the runs' results; every number
-    (and each run's per-pass curve) goes to `json_path`, from which `rerender` rewrites the report."""
+    """Tables, verdicts, targets, plots and OUT/benchmarks/lossless_{mode}.md from the runs' results; every
+    number (and each run's per-pass curve) goes to `json_path`, from which `rerender` rewrites the report."""
     mode = meta["mode"]
     rows = summarise(results, plans)
     flat = {p.task: flattening(results, p) for p in plans}
@@ -395,7 +396,7 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
     report["markdown"] = render(report)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1, default=float)
-    write_markdown(os.path.join(out, "BENCHMARKS.md"), mode, report["markdown"])
+    write_markdown(markdown_path(out, mode), mode, page(mode, report["markdown"], json_path, out))
     return report
 
 
@@ -451,7 +452,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dit: the DiT + flow latent-diffusion task (without --suite pays: InfoBatch vs Full at "
                              "3 seeds, its own block); t2i: the text-conditional DiT on captioned digits, the same")
     parser.add_argument("--quick", action="store_true", help="a few minutes: same runs, few passes")
-    parser.add_argument("--out", default="docs", help="writes OUT/BENCHMARKS.md and OUT/benchmarks/")
+    parser.add_argument("--out", default="docs", help="writes OUT/benchmarks/lossless_MODE.md and its plots")
     parser.add_argument("--work", default="/tmp/bench_lossless", help="shards and run folders")
     parser.add_argument("--workers", type=int, default=2, help="runs side by side (one torch thread each)")
     parser.add_argument("--from-json", nargs="+",
