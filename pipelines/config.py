@@ -7,6 +7,7 @@ one `ConfigError` line naming the field and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
@@ -28,7 +29,7 @@ from pipelines.data.shards import ShardIndex, index_file
 from pipelines.data.stream import BAD_SAMPLE_POLICIES
 from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion.config import DiffusionConfig, check_config
+from pipelines.tasks.diffusion.config import PRECOMPUTED, DiffusionConfig, check_config
 from pipelines.tasks.mae import MAEConfig
 from pipelines.tasks.text import PRECOMPUTED_TEXT, stored_identity
 
@@ -407,6 +408,61 @@ def _validate_augmentations(cfg: RunConfig) -> None:
         raise ConfigError(f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
                           f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
                           f"`prunepipe latents encode --flip`, or set data.hflip=false")
+
+
+def latent_shard_notes(cfg: RunConfig) -> list[str]:
+    """What to tell a run on precomputed latents (ldm.autoencoder=latents) at its start: there the run
+    trains at the latent_shape of data.train's index.json, and data.resolution and data.channels go
+    unused. Each may name the latents (their side, their channels) or the images they were encoded
+    from (index.json's resolution, the VAE's in_channels); a value that names neither is a recipe
+    meant for other latents (a 256 px recipe on latents of 512 px images), said plainly, once."""
+    train = cfg.data.train
+    if cfg.task != "ldm" or cfg.ldm.autoencoder != PRECOMPUTED or not train or not os.path.exists(index_file(train)):
+        return []
+    index = ShardIndex.load(train)
+    shape = index.meta.get("latent_shape")
+    if not isinstance(shape, list) or len(shape) != 3:
+        return []
+    channels, height, width = (int(n) for n in shape)
+    latents = f"data.train={train!r} holds {channels}x{height}x{width} latents"
+    vae = _vae_config(index.meta)
+    source = index.meta.get("resolution")
+    if not isinstance(source, int) and vae and height == width:  # shards encoded before index.json said
+        source = height * 2 ** (len(vae.get("block_out_channels", [0])) - 1)
+    by = f" by {index.meta['vae']!r}" if index.meta.get("vae") else ""
+    notes = []
+    resolution = cfg.data.resolution
+    # the sides data.resolution may name: the images' the latents were encoded from, the latents' own
+    sides = list(dict.fromkeys(side for side in (source if isinstance(source, int) else None,
+                                                 height if height == width else None) if side))
+    if resolution not in sides:
+        encoded = (f"encoded from {source} px images{by}" if isinstance(source, int)
+                   else f"encoded{by} from images of a side it does not record")
+        said = " or ".join(f"data.resolution={side}" for side in sides)
+        notes.append(f"data.resolution={resolution} is not what this run trains on: {latents}, {encoded} "
+                     f"({index.path}); on precomputed latents (ldm.autoencoder={PRECOMPUTED}) a run trains at the "
+                     f"latents' size and data.resolution is unused. To train at {resolution} px, encode the images at "
+                     f"that side (`prunepipe latents encode IMAGES --vae VAE --resolution {resolution} --out DIR`)"
+                     + (f"; to say what it trains on, set {said}" if said else ""))
+    image_channels = vae.get("in_channels") if vae else None
+    if isinstance(image_channels, int) and cfg.data.channels not in (channels, image_channels):
+        notes.append(f"data.channels={cfg.data.channels} is unused on precomputed latents: {latents}, encoded from "
+                     f"{image_channels}-channel images{by}; set data.channels={image_channels} (the images') or "
+                     f"{channels} (the latents')")
+    return notes
+
+
+def _vae_config(meta: dict) -> dict:
+    """The config.json of the VAE a latent index names, where it is a local folder ({} elsewhere)."""
+    vae = meta.get("vae")
+    if not isinstance(vae, str) or not os.path.isdir(vae):
+        return {}
+    try:
+        with open(os.path.join(vae, meta.get("subfolder") or "", "config.json")) as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -23,7 +23,7 @@ from accelerate.utils import InitProcessGroupKwargs
 from pipelines.checkpoint.position import TrainingPosition
 from pipelines.checkpoint.pruner_state import CheckpointedPruner
 from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
-from pipelines.config import RunConfig, pruner_hparams, to_yaml
+from pipelines.config import RunConfig, latent_shard_notes, pruner_hparams, to_yaml
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex
 from pipelines.data.splits import read_split
@@ -145,6 +145,8 @@ def train(cfg: RunConfig) -> dict:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+        for note in latent_shard_notes(cfg):  # settings the latents make unused, once at the start
+            print(f"prunepipe: note: {note}", flush=True)
     cfg = with_peak_learning_rate(cfg, world, announce=main)  # config.yaml keeps optim.blr as given
 
     torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
