@@ -289,7 +289,7 @@ def _compare(args) -> None:
 # `prunepipe bench NAME`: the module in tools/bench/ (its add_arguments and run_from_args) and the help line
 BENCHES = {
     "lossless": ("tools.bench.lossless.run", "is pruning lossless, and better than training less? writes "
-                                             "docs/BENCHMARKS.md"),
+                                             "docs/benchmarks/lossless_MODE.md"),
     "scores": ("tools.bench.score_noise", "how much of a run's per-sample scores is the sample, and how much the "
                                           "mask or timestep drawn; what its pruner skips"),
     "throughput": ("tools.bench.throughput", "samples/s of the project loop against a bare loop, same model and "
@@ -329,9 +329,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                             "in-distribution val_mix")
     write.add_argument("--out", required=True, help="output folder (gets train/ and val/)")
     write.add_argument("--folder", help="image folder, for --source folder")
-    write.add_argument("--resolution", "--size", dest="resolution", type=int, default=32,
-                       help="image side in pixels, as in `latents encode --resolution` and data.resolution "
-                            "(--size: its old name)")
+    write.add_argument("--resolution", type=int, default=32,
+                       help="image side in pixels, as in `latents encode --resolution` and data.resolution")
     write.add_argument("--shard-size", type=int, default=500, help="samples per shard")
     write.add_argument("--val-fraction", type=float, default=0.1)
     write.add_argument("--crops-per-photo", type=int, default=250, help="for --source photos and redundant")
