@@ -1,8 +1,9 @@
-"""How the evaluators share one evaluation over ranks (issue 21): each rank evaluates its share of the
-held-out samples, and these collectives combine the shares so every rank ends with the same numbers.
-No rank works alone while the others wait in a collective, so an evaluation longer than the
-process-group timeout (NCCL's default is 10 minutes) no longer kills the job. torch.distributed only:
-never the training loop.
+"""The ranks of a job: who this process is among them, and the few collectives that make every rank
+end with the same value or the same failure. The training loop uses them to agree on what each rank
+read from its own node (a group table, an encoder, a plan); the evaluators to combine each rank's
+share of the held-out samples, so no rank works alone while the others wait in a collective and an
+evaluation longer than the process-group timeout (NCCL's default is 10 minutes) does not kill the
+job. torch.distributed only: nothing else of the project.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from pipelines.data.shards import index_file
 from pipelines.data.splits import read_split
 from pipelines.evaluation.config import FIDConfig
-from pipelines.evaluation.ranks import decided_on_rank0, on_every_rank, rank_and_world
+from pipelines.ranks import decided_on_rank0, on_every_rank, rank_and_world
 
 # torch-fidelity's Inception-v3 (the TF FID graph of 2015-12-05, converted); torchmetrics loads it.
 INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"

@@ -1,7 +1,7 @@
 """Linear probe of an MAE encoder: frozen features of unmasked images (mean of the patch tokens, or
 the class token), standardised, a scikit-learn LogisticRegression with a fixed seed fitted on
 labelled train images and scored on val. Never fine-tunes the encoder; reads no files itself. The
-features may come from several ranks (pipelines/evaluation/ranks.py gathers them in index order);
+features may come from several ranks (pipelines/ranks.py gathers them in index order);
 the fit itself is deterministic, so every rank can run it on the same arrays.
 """
 

@@ -50,7 +50,7 @@ def reconstruction_metrics(task: MAETask, model, batches: Iterable, seed: int = 
     """Held-out masked-patch MSE (MAETask.held_out: the number the training log shows) and the mean
     over images of per-image PSNR and SSIM of the reconstruction, both in [0, 1] pixels (data range
     1). Per-image means do not depend on how the images were batched, so ranks may each take a share
-    (pipelines/evaluation/ranks.py combines them). Padding (id < 0) is ignored. `precision` is that
+    (pipelines/ranks.py combines them). Padding (id < 0) is ignored. `precision` is that
     of the model's forwards (pipelines/evaluation/precision.py); the metrics are computed in fp32."""
     bare = unwrap(model)
     device = next(bare.parameters()).device

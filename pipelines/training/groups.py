@@ -13,7 +13,7 @@ import numpy as np
 
 from pipelines.data.group_table import GroupTable, group_table_path, open_group_table
 from pipelines.data.shards import INDEX_NAME, ShardIndex
-from pipelines.evaluation.ranks import same_on_every_rank
+from pipelines.ranks import same_on_every_rank
 from pipelines.training.node_tables import map_node_files
 from pruning.groups import fill_group_sizes
 

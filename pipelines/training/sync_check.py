@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from pipelines.evaluation.ranks import same_on_every_rank
+from pipelines.ranks import same_on_every_rank
 from pruning.pass_plan import PassPlan
 
 
