@@ -140,7 +140,7 @@ _COUNT_CHUNK = 1 << 20
 @dataclass(frozen=True)
 class FrozenPlan:
     """The decisions of one pass, frozen at its start: a candidate bitmap, one keep probability and
-    the coin; nothing dense per sample (issue 15).
+    the coin; nothing dense per sample.
 
     Samples outside `candidates` are kept with weight 1. A candidate is kept with probability
     `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
@@ -243,7 +243,7 @@ class FrozenPlan:
         bits = None if self.candidates is None else torch.from_numpy(self.candidates.packed.copy())
         keep_probs = None if self.keep_probs is None else torch.from_numpy(np.array(self.keep_probs))
         group_probs = None if self.group_probs is None else torch.from_numpy(np.array(self.group_probs))
-        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidates": None, "candidate_bits": bits,
+        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidate_bits": bits,
                 "rescale": self.rescale, "keep_probs": keep_probs, "group_probs": group_probs,
                 "group_rescale": self.group_rescale, "rotate": self.rotate}
 
@@ -252,28 +252,22 @@ class FrozenPlan:
         keep_probs = _per_sample_probs(state, "keep_probs", num_samples, (np.float32, np.float16))
         group_probs = _per_sample_probs(state, "group_probs", num_samples, (np.float16,))
         candidates = None
-        if state.get("candidate_bits") is not None:
+        if state["candidate_bits"] is not None:
             packed = np.array(state["candidate_bits"].numpy(), dtype=np.uint8, copy=True)
             if packed.shape != ((num_samples + 7) // 8,):
                 raise ValueError(f"plan candidate_bits have shape {tuple(packed.shape)}, "
                                  f"expected ({(num_samples + 7) // 8},) for {num_samples} samples")
             candidates = Bitmap(packed, num_samples)
-        elif state.get("candidates") is not None:  # saved before plans were packed: a bool per sample
-            flags = state["candidates"].numpy()
-            if flags.shape != (num_samples,):
-                raise ValueError(f"plan candidates have shape {tuple(flags.shape)}, expected ({num_samples},)")
-            candidates = Bitmap.from_bools(flags)
-        if candidates is not None:
             candidates.packed.flags.writeable = False
         return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates,
-                   bool(state.get("rescale", True)), keep_probs, group_probs, bool(state.get("group_rescale", True)),
-                   bool(state.get("rotate", True)))
+                   bool(state["rescale"]), keep_probs, group_probs, bool(state["group_rescale"]),
+                   bool(state["rotate"]))
 
 
 def _per_sample_probs(state: dict, name: str, num_samples: int, dtypes: tuple) -> np.ndarray | None:
-    """A plan's per-sample probabilities from its state (absent from plans saved before they existed),
-    a read-only copy in the dtype they were saved in."""
-    saved = state.get(name)
+    """A plan's per-sample probabilities from its state (None for a plan without them), a read-only
+    copy in the dtype they were saved in."""
+    saved = state[name]
     if saved is None:
         return None
     probs = saved.numpy()
@@ -384,7 +378,7 @@ class Pruner(abc.ABC):
             return
         ids, losses = unique_last(ids[keep], losses[keep])
         self._recorded_losses += len(ids)
-        if self._writes_tables:  # a node's shared tables are written by one rank (issue 15)
+        if self._writes_tables:  # a node's shared tables are written by one rank
             self._record(ids, losses)
 
     def tables(self) -> dict[str, np.ndarray]:
@@ -460,10 +454,8 @@ class Pruner(abc.ABC):
         """Restore a state saved by the same pruner with the same config (a mismatch raises)."""
         mine = {"pruner": self.name, "num_samples": self.num_samples, "num_epochs": self.num_epochs,
                 "seed": self.seed, "hparams": self.hparams}
-        # a hyper-parameter added since the state was saved reads as its default there
-        saved = {**state, "hparams": {**self.hparam_defaults(), **state.get("hparams", {})}}
-        differing = [f"{key}: saved {saved.get(key)!r}, configured {value!r}"
-                     for key, value in mine.items() if saved.get(key) != value]
+        differing = [f"{key}: saved {state.get(key)!r}, configured {value!r}"
+                     for key, value in mine.items() if state.get(key) != value]
         if differing:
             raise ValueError("pruner state does not match this pruner's config (" + "; ".join(differing) + ")")
         tables = self._tables()

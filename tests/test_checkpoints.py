@@ -2,8 +2,8 @@
 checkpoint truncated, deleted or with a flipped bit is found by its manifest; `resume=latest` then
 names the file and the reason, resumes from the checkpoint before and ends bitwise equal to an
 uninterrupted run; `resume=PATH` on a damaged checkpoint fails naming the file; a save that the file
-system refuses midway raises naming the path and leaves the previous checkpoint loadable; checkpoints
-written before manifests load with a one-line warning."""
+system refuses midway raises naming the path and leaves the previous checkpoint loadable; a checkpoint
+whose manifest is gone counts as damaged."""
 
 from __future__ import annotations
 
@@ -104,11 +104,10 @@ def test_the_manifest_finds_every_damage_and_names_the_file(runs, kind, how, tmp
     size = os.path.getsize(os.path.join(folder, kind))
     damage(os.path.join(folder, kind), how)
     verdict = verify(folder)
-    if kind == MANIFEST and how == "delete":
-        assert not verdict.has_manifest and verdict.problem is None  # reads as written before manifests
-        return
     assert not verdict.intact
-    if kind == MANIFEST:
+    if kind == MANIFEST and how == "delete":
+        assert verdict.problem == f"{MANIFEST} is missing"
+    elif kind == MANIFEST:
         assert verdict.problem.startswith(f"{MANIFEST} is unreadable")
     elif how == "truncate":
         assert verdict.problem == f"{kind} is 100 bytes, manifest says {size}"
@@ -128,15 +127,11 @@ def test_resume_latest_skips_a_damaged_checkpoint_and_ends_bitwise_equal(runs, k
     capsys.readouterr()
     train(run_config(runs["shards"], runs["dir"], os.path.basename(run_dir), "checkpoint.resume=latest"))
     out = capsys.readouterr().out
-    if kind == MANIFEST and how == "delete":  # its files are intact: it loads, with a one-line warning
-        assert f"warning: step_{STOP:06d}: no {MANIFEST} (written before checkpoints had manifests)" in out
-        assert f"resumed from {newest}:" in out
+    if how == "truncate" and kind != MANIFEST:
+        assert f"step_{STOP:06d}: {kind} is 100 bytes, manifest says {size}; resuming from step_000040" in out
     else:
-        if how == "truncate" and kind != MANIFEST:
-            assert f"step_{STOP:06d}: {kind} is 100 bytes, manifest says {size}; resuming from step_000040" in out
-        else:
-            assert f"step_{STOP:06d}: " in out and "; resuming from step_000040" in out
-        assert f"resumed from {os.path.join(checkpoints_dir(run_dir), 'step_000040')}:" in out
+        assert f"step_{STOP:06d}: " in out and "; resuming from step_000040" in out
+    assert f"resumed from {os.path.join(checkpoints_dir(run_dir), 'step_000040')}:" in out
     straight, resumed = final_weights(runs["straight"]), final_weights(run_dir)
     assert straight.keys() == resumed.keys()
     assert all((straight[k] == resumed[k]).all() for k in straight), "the resumed run ended elsewhere"
@@ -162,20 +157,6 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(runs):
         damage(os.path.join(folder, "model.safetensors"), "flip")
     with pytest.raises(CheckpointError, match=r"no intact checkpoint \(step_000042: model.safetensors has CRC-32"):
         resolve_resume("latest", run_dir)
-
-
-def test_a_checkpoint_from_before_manifests_resumes_with_one_warning(runs, capsys):
-    run_dir = copy_of_stopped(runs, "legacy")
-    for folder in complete_checkpoints(run_dir):
-        os.remove(os.path.join(folder, MANIFEST))
-    newest = latest_checkpoint(run_dir)
-    assert resolve_resume(newest, run_dir) == newest
-    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: step_{STOP:06d}: no {MANIFEST} (written before checkpoints had manifests); "
-                        f"not verified"]
-    train(run_config(runs["shards"], runs["dir"], "legacy", "checkpoint.resume=latest"))
-    straight, resumed = final_weights(runs["straight"]), final_weights(run_dir)
-    assert all((straight[k] == resumed[k]).all() for k in straight)
 
 
 def test_checkpoints_verify_lists_each_checkpoint(runs, capsys):

@@ -87,7 +87,7 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
                                 "held_out": {"masked_mse": value, "num_samples": 100}}) + "\n")
     steps = 10 * len(curve)
     (path / "eval" / f"step_{steps:06d}.json").write_text(json.dumps(
-        {"kind": "eval", "weights": "ema", "optimizer_steps": steps, "metrics": final}))
+        {"kind": "eval", "weights": "ema", "precision": "fp32", "optimizer_steps": steps, "metrics": final}))
     return str(path)
 
 

@@ -110,7 +110,7 @@ def test_a_bf16_run_logs_the_numbers_prunepipe_eval_gives(digits_shards, tmp_pat
 
 # ----------------------------------------------------------------------------- compare
 def eval_run(root, name, pruner, precision, masked_mse):
-    """A run folder with one pass record and one eval record of `precision` (None: not stated)."""
+    """A run folder with one pass record and one eval record of `precision`."""
     import yaml
 
     path = root / name
@@ -120,9 +120,8 @@ def eval_run(root, name, pruner, precision, masked_mse):
     (path / "metrics.jsonl").write_text(json.dumps(
         {"kind": "pass", "epoch": 0, "optimizer_steps": 10, "samples_forwarded": 1000, "kept_fraction": 1.0,
          "wall_seconds": 10.0, "held_out": {"masked_mse": masked_mse, "num_samples": 100}}) + "\n")
-    record = {"kind": "eval", "weights": "ema", "optimizer_steps": 10, "metrics": {"masked_mse": masked_mse}}
-    if precision is not None:
-        record["precision"] = precision
+    record = {"kind": "eval", "weights": "ema", "precision": precision, "optimizer_steps": 10,
+              "metrics": {"masked_mse": masked_mse}}
     (path / "eval" / "step_000010.json").write_text(json.dumps(record))
     return str(path)
 
@@ -140,15 +139,3 @@ def test_compare_refuses_records_of_different_precisions_naming_the_runs(tmp_pat
     same = eval_run(tmp_path, "ib_fp32", "infobatch", "fp32", 0.101)
     assert compare_runs([full], [same], out=str(tmp_path / "ok"), plots=False)["equal_passes"]["ib_fp32"]["verdict"] \
         == "lossless"
-
-
-def test_compare_asks_to_re_evaluate_records_that_do_not_state_their_precision(tmp_path):
-    full = eval_run(tmp_path, "full", "full", "fp32", 0.100)
-    old = eval_run(tmp_path, "old", "infobatch", None, 0.101)
-    with pytest.raises(ValueError, match=rf"{old} \(eval/step_000010.json\): not recorded.*"
-                                         rf"Re-evaluate `prunepipe eval {old} precision=fp32`"):
-        compare_runs([full], [old], out=str(tmp_path / "out"), plots=False)
-    # records that all predate the field cannot be told apart: compared, with a note saying so
-    older = eval_run(tmp_path, "older", "full", None, 0.100)
-    report = compare_runs([older], [old], out=str(tmp_path / "both_old"), plots=False)
-    assert any("do not state their precision" in note and "older, old" in note for note in report["notes"])

@@ -1,6 +1,7 @@
-"""Plans without dense weights (issue 15): the packed plan gives exactly the weights, kept counts and
-step counts of the dense float32-per-sample plan it replaced, old states load, and spawn-started
-workers map the plan's bitmaps instead of receiving a copy."""
+"""Plans without dense weights: the packed plan gives exactly the weights, kept counts and step
+counts of a dense float32-per-sample plan (the reference built here), a position's packed bits load
+as bitmaps, a plan of another sample count is refused, and spawn-started workers map the plan's
+bitmaps instead of receiving a copy."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ N = 5003  # not a multiple of 8: the last byte of every bitmap is partly padding
 
 
 def dense_candidates(pruner) -> np.ndarray | None:
-    """The candidate mask as the dense implementation computed it (one bool per sample)."""
+    """The candidate mask computed densely (one bool per sample): the reference."""
     if pruner.name == "infobatch" and pruner._threshold is not None:
         return (pruner._score < float32_strictly_below(pruner._threshold)) & pruner._seen.view(bool)
     if pruner.name == "ted" and pruner._pruned_set:
@@ -43,7 +44,7 @@ def dense_candidates(pruner) -> np.ndarray | None:
 
 
 def dense_weights(plan: FrozenPlan, candidates: np.ndarray | None) -> np.ndarray:
-    """float32 [N] as the dense PassPlan held them."""
+    """float32 [N], a weight per sample: the dense reference of the packed plan."""
     ids = np.arange(plan.num_samples)
     coin = uniform_coin(plan.seed, plan.epoch, ids)
     if plan.keep_probs is not None:
@@ -98,18 +99,13 @@ def test_ted_ties_at_the_threshold_are_broken_as_before():
     assert 0 < (reference != 1).sum() < N
 
 
-def test_a_plan_saved_with_a_bool_per_sample_loads_to_the_same_weights():
+def test_a_plan_of_another_sample_count_is_refused():
     pruner = build_pruner("infobatch", N, 12, seed=2)
     pruner.update(np.arange(N), np.random.default_rng(1).exponential(1.0, N).astype(np.float32))
     pruner.plan(1)
     state = pruner.state_dict()
-    bits = state["plan"].pop("candidate_bits")
-    state["plan"]["candidates"] = torch.from_numpy(np.unpackbits(bits.numpy(), count=N).astype(bool))  # old format
-    restored = build_pruner("infobatch", N, 12, seed=2)
-    restored.load_state_dict(state)
-    np.testing.assert_array_equal(restored.weights(np.arange(N)), pruner.weights(np.arange(N)))
-    state["plan"]["candidates"] = torch.zeros(N - 1, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"plan candidates have shape \(5002,\), expected \(5003,\)"):
+    state["plan"]["candidate_bits"] = torch.zeros((N + 7) // 8 - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"plan candidate_bits have shape \(625,\), expected \(626,\) for 5003 samples"):
         build_pruner("infobatch", N, 12, seed=2).load_state_dict(state)
 
 
@@ -130,7 +126,7 @@ def test_bitmap_agrees_with_a_bool_array():
 
 def test_consumed_flags_are_bits_in_memory_and_load_from_checkpoints_of_before():
     flags = np.random.default_rng(4).random(N) < 0.5
-    old_state = {"epoch": 2, "consumed": torch.from_numpy(np.packbits(flags)), "consumed_len": N}  # as written before
+    old_state = {"epoch": 2, "consumed": torch.from_numpy(np.packbits(flags)), "consumed_len": N}  # as a checkpoint holds it
     position = TrainingPosition()
     position.load_state_dict(old_state)
     assert isinstance(position.consumed, Bitmap) and position.consumed.packed.nbytes == (N + 7) // 8

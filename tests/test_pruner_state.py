@@ -1,5 +1,5 @@
-"""The pruner's tables in a checkpoint (issue 15): files of their own written from the tables' memory,
-read back into the tables with no second copy, and checkpoints that held them in the .pkl still load."""
+"""The pruner's tables in a checkpoint: files of their own written from the tables' memory, read back
+into the tables with no second copy."""
 
 from __future__ import annotations
 
@@ -42,15 +42,6 @@ def test_tables_round_trip_through_their_files_without_a_second_copy(tmp_path):
     np.testing.assert_array_equal(restored.weights(ids), original.weights(ids))
     np.testing.assert_array_equal(restored.score_of(ids)[0], original.score_of(ids)[0])
     assert restored.stats() == original.stats()
-
-
-def test_a_state_with_its_tables_inside_loads_as_before():
-    original = scored_infobatch(5000)
-    restored = build_pruner("infobatch", 5000, 8, seed=2)
-    loader = CheckpointedPruner(restored)
-    loader.load_state_dict(original.state_dict())  # tensors in the state: what checkpoints held before
-    loader.finish_load("/nonexistent")  # nothing left to read
-    np.testing.assert_array_equal(restored.weights(np.arange(5000)), original.weights(np.arange(5000)))
 
 
 def test_a_table_file_of_another_size_is_named(tmp_path):

@@ -468,17 +468,6 @@ def test_without_rescaling_the_same_samples_are_kept_at_weight_one(name, hparams
     assert plain.stats()["kept_fraction"] == rescaled.stats()["kept_fraction"]
 
 
-def test_a_state_saved_before_rescale_and_keep_probs_existed_loads():
-    original = trained("infobatch")
-    state = original.state_dict()
-    del state["hparams"]["rescale"], state["plan"]["rescale"], state["plan"]["keep_probs"]
-    restored = build_pruner("infobatch", 5000, 40, seed=3)
-    restored.load_state_dict(state)
-    np.testing.assert_array_equal(restored.weights(np.arange(5000)), original.weights(np.arange(5000)))
-    with pytest.raises(ValueError, match=r"hparams: saved .*'rescale': True.*configured .*'rescale': False"):
-        build_pruner("infobatch", 5000, 40, seed=3, rescale=False).load_state_dict(state)
-
-
 # ----------------------------------------------------------------------------------------------
 # importance
 # ----------------------------------------------------------------------------------------------

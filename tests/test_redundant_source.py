@@ -41,8 +41,8 @@ def web_splits() -> dict:
 
 
 def test_default_set_is_the_first_versions_bit_for_bit():
-    # sha256 of every split's keys, labels and pixels as the first version wrote them (before copy_counts and
-    # copy_kinds existed); a Pillow or numpy release that changes resampling or the generators would move it too
+    # sha256 of every split's keys, labels and pixels at the default copy counts and kinds (even, all
+    # near); a Pillow or numpy release that changes resampling or the generators would move it too
     digest = hashlib.sha256()
     for split, items in sorted(redundant_splits(size=16, crops_per_photo=8, originals=16).items()):
         digest.update(split.encode())
@@ -113,11 +113,11 @@ def test_val_mix_and_train_dedup_follow_the_same_rules(web_splits):
 
 @pytest.fixture(scope="module")
 def web_shards(tmp_path_factory) -> str:
-    """`prunepipe shards write --source redundant` at --size 32 with heavy counts and mixed kinds."""
+    """`prunepipe shards write --source redundant` at --resolution 32 with heavy counts and mixed kinds."""
     out = str(tmp_path_factory.mktemp("redundant_web"))
-    assert main(["shards", "write", "--source", "redundant", "--out", out, "--size", "32", "--crops-per-photo", "8",
-                 "--redundant-originals", "40", "--redundant-copies", "heavy", "--redundant-exact", "0.2",
-                 "--redundant-jpeg", "0.3", "--redundant-crop", "0.25"]) == 0
+    assert main(["shards", "write", "--source", "redundant", "--out", out, "--resolution", "32",
+                 "--crops-per-photo", "8", "--redundant-originals", "40", "--redundant-copies", "heavy",
+                 "--redundant-exact", "0.2", "--redundant-jpeg", "0.3", "--redundant-crop", "0.25"]) == 0
     return out
 
 

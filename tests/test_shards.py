@@ -468,19 +468,18 @@ def test_an_unreadable_folder_image_names_the_file(tmp_path):
         write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, workers=0)
 
 
-def test_shards_write_takes_resolution_and_its_old_name_size(tmp_path):
+def test_shards_write_and_latents_encode_take_resolution(tmp_path):
     from launch.cli import build_parser
 
-    for option in ("--resolution", "--size"):
-        args = build_parser().parse_args(["shards", "write", "--out", str(tmp_path), option, "24"])
-        assert args.resolution == 24
+    args = build_parser().parse_args(["shards", "write", "--out", str(tmp_path), "--resolution", "24"])
+    assert args.resolution == 24
     encode = build_parser().parse_args(["latents", "encode", "shards", "--vae", "v", "--out", "o", "--resolution", "24"])
     assert encode.resolution == 24
 
 
 # ---------------------------------------------------------------------------- indexing from headers
 def full_read_index(urls: list[str]) -> list[tuple[int, list[str]]]:
-    """What indexing found before it read headers only: every sample read whole."""
+    """The reference for indexing from headers: every sample read whole."""
     counted = []
     for url in urls:
         samples = [s for _, s in read_shard(url)]

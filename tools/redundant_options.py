@@ -9,7 +9,7 @@ import argparse
 
 COPY_COUNTS = ("even", "heavy")  # copies per original: about equal, or heavy-tailed (Zipf's law)
 COPY_KINDS = ("exact", "jpeg", "near", "crop")  # how a copy is made; near takes the shares left over
-DEFAULT_KINDS = {"near": 1.0}  # the shares when none are given: all near, as in the first redundant sets
+DEFAULT_KINDS = {"near": 1.0}  # the shares when none are given: all near
 SHARE_FLAGS = {"exact": "--redundant-exact", "jpeg": "--redundant-jpeg", "crop": "--redundant-crop"}
 # write_shards' redundant options -> the flags that set them
 REDUNDANT_FLAGS = {"redundant_fraction": "--redundant-fraction", "redundant_originals": "--redundant-originals",

@@ -49,20 +49,17 @@ def write_manifest(folder: str, step: int) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What `verify` found: intact, damaged (with the first problem), or written before manifests."""
+    """What `verify` found: intact, or damaged (with the first problem)."""
 
     folder: str
-    problem: str | None = None  # None: intact, or no manifest to check against
-    has_manifest: bool = True
+    problem: str | None = None  # None: intact
 
     @property
     def intact(self) -> bool:
-        return self.problem is None and self.has_manifest
+        return self.problem is None
 
     def describe(self) -> str:
         name = os.path.basename(self.folder.rstrip("/"))
-        if not self.has_manifest:
-            return f"{name}: no {MANIFEST} (written before checkpoints had manifests); not verified"
         return f"{name}: {self.problem or 'ok'}"
 
 
@@ -73,7 +70,7 @@ def verify(folder: str, only: Callable[[str], bool] | None = None) -> Verdict:
     if not os.path.isdir(folder):
         return Verdict(folder, "is not a folder")
     if not os.path.exists(path):
-        return Verdict(folder, None, has_manifest=False)
+        return Verdict(folder, f"{MANIFEST} is missing")
     try:
         with open(path) as f:
             manifest = json.load(f)

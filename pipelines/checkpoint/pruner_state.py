@@ -1,9 +1,8 @@
-"""The pruner in a checkpoint at any scale (issue 15): its small state goes where accelerate puts
-registered objects (custom_checkpoint_0.pkl, as before), each per-sample table to
-`pruner_tables/NAME.npy`, written once per run by the main process straight from the table's memory
-(process or node-shared) a chunk at a time, and read back the same way into the table, so no second
-copy of a table exists while saving or loading. Checkpoints that hold the tables inside the .pkl
-(written before) load as they did. Opens only files of the checkpoint folder it is given.
+"""The pruner in a checkpoint at any scale: its small state goes where accelerate puts registered
+objects (custom_checkpoint_0.pkl), each per-sample table to `pruner_tables/NAME.npy`, written once per
+run by the main process straight from the table's memory (process or node-shared) a chunk at a time,
+and read back the same way into the table, so no second copy of a table exists while saving or
+loading. Opens only files of the checkpoint folder it is given.
 """
 
 from __future__ import annotations
@@ -32,11 +31,7 @@ class CheckpointedPruner:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if all(isinstance(table, torch.Tensor) for table in state["tables"].values()):
-            self.pruner.load_state_dict(state)  # written before the tables had files of their own
-            self._pending = None
-        else:
-            self._pending = state  # the tables follow in finish_load, from the folder
+        self._pending = state  # the tables follow in finish_load, from the folder
 
     def write_tables(self, folder: str) -> None:
         """Every table to `folder/pruner_tables/` (call on the main process only)."""
@@ -74,8 +69,6 @@ def read_npy_into(path: str, out: np.ndarray) -> None:
 def resolve_tables(state: dict, folder: str) -> dict:
     """A loaded pruner state with its table files read into tensors (for readers of a checkpoint)."""
     tables = {}
-    for name, table in state["tables"].items():
-        if not isinstance(table, torch.Tensor):  # a file of the checkpoint, named relative to it
-            table = torch.from_numpy(np.load(os.path.join(folder, table)))
-        tables[name] = table
+    for name, relative in state["tables"].items():  # files of the checkpoint, named relative to it
+        tables[name] = torch.from_numpy(np.load(os.path.join(folder, relative)))
     return {**state, "tables": tables}

@@ -48,8 +48,8 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 
 def newest_intact(run_dir: str, say: Callable[[str], None] = print, doing: str = "resuming from") -> str | None:
-    """The newest checkpoint whose manifest verifies (or that predates manifests, with a warning);
-    each newer damaged one is reported. None when the run has no checkpoint; an error when none is intact."""
+    """The newest checkpoint whose manifest verifies; each newer damaged one is reported. None when the
+    run has no checkpoint; an error when none is intact."""
     found = complete_checkpoints(run_dir)
     skipped = []
     for folder in reversed(found):
@@ -58,8 +58,6 @@ def newest_intact(run_dir: str, say: Callable[[str], None] = print, doing: str =
             for i, problem in enumerate(skipped):
                 last = i == len(skipped) - 1
                 say(f"{problem}; {doing + ' ' + os.path.basename(folder) if last else 'skipped'}")
-            if not verdict.has_manifest:
-                say(f"warning: {verdict.describe()}")
             return folder
         skipped.append(verdict.describe())
     if found:
@@ -68,13 +66,11 @@ def newest_intact(run_dir: str, say: Callable[[str], None] = print, doing: str =
     return None
 
 
-def checked(folder: str, what: str, say: Callable[[str], None] = print) -> str:
-    """`folder` if its manifest verifies (a warning if it predates manifests), else an error naming the file."""
+def checked(folder: str, what: str) -> str:
+    """`folder` if its manifest verifies, else an error naming the file."""
     verdict = verify(folder)
     if verdict.problem is not None:
         raise CheckpointError(f"{what}={folder}: {verdict.problem}")
-    if not verdict.has_manifest:
-        say(f"warning: {verdict.describe()}")
     return folder
 
 
@@ -87,7 +83,7 @@ def resolve_resume(resume: str, run_dir: str, say: Callable[[str], None] = print
         return newest_intact(run_dir, say)
     if not os.path.isdir(resume):
         raise FileNotFoundError(f"checkpoint.resume={resume!r}: no such checkpoint folder")
-    return checked(resume, "checkpoint.resume", say)
+    return checked(resume, "checkpoint.resume")
 
 
 def choose_resume(accelerator, resume: str, run_dir: str) -> str | None:
@@ -109,8 +105,8 @@ def choose_resume(accelerator, resume: str, run_dir: str) -> str | None:
 
 
 def load_resume(accelerator, folder: str) -> None:
-    """accelerate's load_state, its failure named by the folder (a checkpoint without a manifest can
-    still be damaged)."""
+    """accelerate's load_state, its failure named by the folder (a checkpoint that verifies can still
+    fail to load, e.g. one of another model)."""
     try:
         accelerator.load_state(folder)
     except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise their own types

@@ -15,7 +15,7 @@ import numpy as np
 from pipelines.evaluation.records import PRIMARY_METRICS
 from pipelines.report.equal_quality import equal_quality
 from pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
-from pipelines.report.runs import UNRECORDED, RunSummary, held_out_metrics, load_run, trajectory_value
+from pipelines.report.runs import RunSummary, held_out_metrics, load_run, trajectory_value
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
 DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
@@ -166,11 +166,6 @@ def notes_on(baselines: list[RunSummary], pruned: list[RunSummary], given: dict,
     if len(baselines) < 2:
         notes.append("The baseline is one run: the tolerances are defaults, not measured run-to-run noise. Train the "
                       "full config with 2+ seeds and pass them as BASELINE (comma-separated) for k x seed-std tolerances.")
-    unrecorded = [r.name for r in baselines + pruned if r.precision == UNRECORDED]
-    if unrecorded:
-        notes.append(f"The eval records of {', '.join(unrecorded)} do not state their precision (written before "
-                     f"eval.precision; in-loop records of bf16 runs were bf16, `prunepipe eval` fp32): re-evaluate "
-                     f"them with `prunepipe eval RUN` to be sure every run is measured alike.")
     for run in pruned:
         if baselines and run.passes_done != baselines[0].passes_done:
             notes.append(f"{run.name} trained {run.passes_done} passes, the baseline {baselines[0].passes_done}: "
@@ -208,14 +203,12 @@ def equal_quality_notes(found: dict, pruned: list[RunSummary]) -> list[str]:
 def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     """Refuse to judge eval records of different `eval.precision` against each other: a precision
     shifts every number it measures the same way, a bias that the tolerances (seed noise) do not
-    allow for. A record that does not state its precision (written before records did; in-loop ones
-    of bf16 runs were bf16, `prunepipe eval` fp32) matches none."""
+    allow for."""
     evaluated = [r for r in runs if r.precision is not None]
     if len({r.precision for r in evaluated}) <= 1:
         return
     listing = "; ".join(f"{r.path} ({r.metrics_source}): {r.precision}" for r in evaluated)
-    known = sorted({r.precision for r in evaluated} - {UNRECORDED})
-    target = known[0] if len(known) == 1 else "fp32"
+    target = "fp32"  # an evaluation's default
     redo = [r for r in evaluated if r.precision != target]
     raise ValueError(f"compare: the runs' eval records were measured at different precisions, which cannot be "
                      f"judged against each other: {listing}. Re-evaluate "

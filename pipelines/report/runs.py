@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 
-UNRECORDED = "not recorded"
 RESUME = "resume"  # a resume marker's kind in metrics.jsonl (pipelines/training/metrics.py)
 # config keys that name a run or say how it is operated, not what it trains: runs differing only in
 # these are seeds of one setting
@@ -39,8 +38,8 @@ class RunSummary:
     wall_seconds: float = 0.0
     metrics: dict = field(default_factory=dict)  # final quality: the latest eval record, else last held-out
     metrics_source: str = ""
-    # eval.precision of the eval record `metrics` come from ("fp32", "bf16"; UNRECORDED for a record
-    # written before records stated it); None when they come from the training log
+    # eval.precision of the eval record `metrics` come from ("fp32", "bf16"); None when they come from
+    # the training log
     precision: str | None = None
     trajectory: list = field(default_factory=list)  # per-pass records of metrics.jsonl
     evals: list = field(default_factory=list)  # eval records of the compared weights, by optimizer step
@@ -78,7 +77,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     if run.evals and run.evals[-1].get("optimizer_steps", 0) >= run.optimizer_steps:
         run.metrics = dict(run.evals[-1]["metrics"])
         run.metrics_source = os.path.relpath(run.evals[-1].get("path", log_path), path)
-        run.precision = run.evals[-1].get("precision", UNRECORDED)
+        run.precision = run.evals[-1]["precision"]
     elif run.trajectory:
         run.metrics = held_out_metrics(run.trajectory[-1])
         run.metrics_source = "metrics.jsonl, last pass held-out (not evaluated: run `prunepipe eval`)"

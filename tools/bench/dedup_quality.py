@@ -29,8 +29,7 @@ from pipelines.data.side_tables import open_embeddings
 from tools.embed import embed_shards
 from tools.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall
 from tools.perceptual_hash import threshold_for_hamming
-from tools.redundant_options import (COPY_KINDS, DEFAULT_KINDS, REDUNDANT_FLAGS, add_redundant_arguments,
-                                     redundant_options)
+from tools.redundant_options import COPY_KINDS, REDUNDANT_FLAGS, add_redundant_arguments, redundant_options
 from tools.sources import COPY_KEY, check_copy_kinds, copies_by_kind, copy_kind
 
 
@@ -60,8 +59,7 @@ def split_keys(folder: str) -> list[str]:
 
 
 # write_shards' options -> the flag that sets them, for the message when a folder was written otherwise
-OPTION_FLAGS = {"size": "--size", "crops_per_photo": "--crops-per-photo", **REDUNDANT_FLAGS}
-FIRST_VERSION = {"redundant_copies": "even", "redundant_kinds": DEFAULT_KINDS}  # before index.json recorded them
+OPTION_FLAGS = {"size": "--resolution", "crops_per_photo": "--crops-per-photo", **REDUNDANT_FLAGS}
 
 
 def same_option(recorded, wanted) -> bool:
@@ -72,10 +70,10 @@ def same_option(recorded, wanted) -> bool:
 
 
 def check_written_as_asked(train: str, options: dict) -> None:
-    """A folder written before must hold the set the flags ask for: measuring another would mislead."""
+    """A folder already written must hold the set the flags ask for: measuring another would mislead."""
     meta = ShardIndex.load(train).meta
     for option, wanted in options.items():
-        recorded = meta.get(option, FIRST_VERSION.get(option))
+        recorded = meta.get(option)
         if recorded is not None and not same_option(recorded, wanted):
             raise ValueError(f"{train}: written with {option} {recorded}, but {OPTION_FLAGS[option]} asks for "
                              f"{wanted}; give another --data folder, or the flags it was written with")
@@ -181,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clusters", type=int, help="k-means clusters (default: sqrt of the samples)")
     parser.add_argument("--no-spill", action="store_true")
     parser.add_argument("--out", help="also write the results as JSON here")
-    parser.add_argument("--size", "--resolution", dest="size", type=int, default=32, help="image side of the set")
+    parser.add_argument("--resolution", dest="size", type=int, default=32, help="image side of the set")
     parser.add_argument("--crops-per-photo", type=int, default=250)
     add_redundant_arguments(parser)
 
