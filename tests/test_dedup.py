@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from launch.cli import main
-from pipelines.data.side_tables import open_groups
+from pipelines.data.group_table import open_groups
 from tools.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall, size_buckets
 from tools.sources import near_duplicate, photo_crops
 

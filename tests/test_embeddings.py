@@ -15,8 +15,9 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from pipelines.data.group_table import open_groups
 from pipelines.data.shards import ShardIndex
-from pipelines.data.side_tables import open_embeddings, open_groups
+from pipelines.data.side_tables import open_embeddings
 from tools.embed import embed_shards
 from tools.embedding_import import import_embeddings
 from tools.perceptual_hash import PerceptualHash, bits_to_rows, phash_bits

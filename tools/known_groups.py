@@ -11,12 +11,11 @@ it holds every key of the split in memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import numpy as np
 
-from pipelines.data.group_table import GROUPS_FOLDER, write_group_table
+from pipelines.data.group_table import GROUPS_FOLDER, open_group_table, write_group_table
 from pipelines.data.side_tables import make_header
 from pipelines.data.shards import ShardIndex, read_shard
 from tools.sources import COPY_KEY
@@ -62,8 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default=KNOWN)
     args = parser.parse_args(argv)
     path = write_known_groups(args.split, args.name)
-    with open(os.path.splitext(path)[0] + ".json") as f:
-        header = json.load(f)
+    header = open_group_table(path, shards_dir=args.split).header
     print(f"{path}: {header['grouped_samples']} of {header['shape'][0]} samples in {header['groups_with_copies']} "
           f"groups of 2 or more (largest {header['largest_group']})")
 

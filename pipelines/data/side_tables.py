@@ -8,7 +8,8 @@ groups, one row per sample id, stored beside `index.json` with a JSON header say
 
 Every header records the index it was made for (its sample count and the sha256 of its shard list),
 and opening a table checks both, so a table never meets shards it does not describe. Nothing here
-computes an embedding or a group; tools/ writes them, pruners and the loop read them.
+computes an embedding or a group; tools/ writes them, pruners and the loop read them. Groups are
+opened by pipelines/data/group_table.py, the one reader of group tables, with these headers' checks.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def make_header(shards_dir: str, kind: str, shape: tuple[int, ...], **made_by) -
 class SideTable:
     """One opened side table: the array (memory-mapped, read-only) and its header."""
 
-    rows: np.ndarray  # embeddings: float16 [N, D]; groups: int32 [N]
+    rows: np.ndarray  # embeddings: float16 [N, D]
     header: dict
     path: str  # the .npy, for messages
 
@@ -101,21 +102,9 @@ class Embeddings(SideTable):
         return np.load(path).astype(np.int64)
 
 
-@dataclass(frozen=True)
-class Groups(SideTable):
-    def is_first(self) -> np.ndarray:
-        """bool [N]: the sample is its group's first (smallest id): what a deduplication keeps."""
-        return self.rows == np.arange(len(self.rows), dtype=np.int32)
-
-
 def open_embeddings(shards_dir: str, name: str) -> Embeddings:
     """The embeddings `name` beside `shards_dir`'s index, checked against it."""
     return Embeddings(*_open(shards_dir, "embeddings", name))
-
-
-def open_groups(shards_dir: str, name: str) -> Groups:
-    """The near-duplicate groups `name` beside `shards_dir`'s index, checked against it."""
-    return Groups(*_open(shards_dir, "groups", name))
 
 
 def available(shards_dir: str, kind: str) -> list[str]:
@@ -127,13 +116,20 @@ def available(shards_dir: str, kind: str) -> list[str]:
                   if f.endswith(".json") and os.path.exists(os.path.join(folder, f[:-5] + ".npy")))
 
 
-def _open(shards_dir: str, kind: str, name: str) -> tuple[np.ndarray, dict, str]:
+def existing_table(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
+    """(array .npy, header .json) of side table `name` of `kind`, both there; else the error names the
+    missing file and lists the names that are there."""
     array_path, header_path = table_paths(shards_dir, kind, name)
     for path in (header_path, array_path):
         if not os.path.exists(path):
             others = available(shards_dir, kind)
             raise FileNotFoundError(f"{path}: no {kind} named {name!r} beside {shards_dir}/{INDEX_NAME} (make them "
                                     f"with {HOW_TO_MAKE[kind]}; there: {', '.join(others) or 'none'})")
+    return array_path, header_path
+
+
+def _open(shards_dir: str, kind: str, name: str) -> tuple[np.ndarray, dict, str]:
+    array_path, header_path = existing_table(shards_dir, kind, name)
     with open(header_path) as f:
         header = json.load(f)
     if header.get("format") != FORMAT or header.get("kind") != kind:

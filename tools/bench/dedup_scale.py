@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from pipelines.data.group_table import open_groups
 from pipelines.data.shards import ShardIndex
 from pipelines.data.side_tables import make_header, table_paths, write_json
 from tools.near_duplicates import pair_precision_recall
@@ -114,7 +115,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         truth = write_planted(folder, samples, args.dim, centres=args.centres, copied=args.copied)
         written = time.perf_counter() - start
         result = run_dedup(folder, args.threshold, args.clusters, [0.85, 0.95])
-        groups = np.load(table_paths(folder, "groups", f"{NAME}_{args.threshold:g}")[0])
+        groups = open_groups(folder, f"{NAME}_{args.threshold:g}").rows
         with open(table_paths(folder, "groups", f"{NAME}_{args.threshold:g}")[0][:-4] + ".report.json") as f:
             report = json.load(f)
         quality = pair_precision_recall(groups, truth)
