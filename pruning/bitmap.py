@@ -1,6 +1,6 @@
 """Per-sample flags packed eight to a byte, in `np.packbits` order (bit 7 of byte 0 is id 0): a frozen
 plan's candidates, the samples a pass has consumed. One bit per sample where a numpy bool costs eight
-(issue 15: 2e9 samples are 250 MB of bits, 2 GB of bools). Pure numpy; opens nothing.
+(2e9 samples are 250 MB of bits, 2 GB of bools). Pure numpy; opens nothing.
 """
 
 from __future__ import annotations

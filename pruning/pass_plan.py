@@ -2,7 +2,7 @@
 
 `PassPlan` is the pruner's `FrozenPlan` of the pass (a candidate bitmap, a keep probability, the
 coin) plus, for a pass resumed as a segment, a bitmap of the samples consumed before it: about
-0.25 bit per sample, never a dense weight per sample (issue 15). Weights and kept counts are drawn
+0.25 bit per sample, never a dense weight per sample. Weights and kept counts are drawn
 from it a chunk at a time. A new loader iterator is created for every pass, so its workers start
 with the plan of that pass; the bitmaps travel to spawn-started workers as shared-memory tensors
 (`share`), not as a copy per worker. It holds no pruner state that training changes.

@@ -59,7 +59,7 @@ class ScoreNormaliser:
         else:
             std = np.sqrt(np.maximum(self.mean_square[buckets] - mean**2, 0.0))
             scores = (losses - mean) / np.maximum(std, _EPS)
-        # non-finite losses stay non-finite, so the pruner refuses and counts them as before
+        # non-finite losses stay non-finite, so the pruner refuses and counts them as it does raw ones
         return np.where(np.isfinite(losses), scores, losses).astype(np.float32)
 
     def _update(self, buckets: np.ndarray, losses: np.ndarray) -> None:

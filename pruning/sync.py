@@ -44,8 +44,8 @@ def gather_batch(ids: Any, losses: Any, strata: Any = None) -> tuple[np.ndarray,
 
 def gather_tensors(ids: torch.Tensor, losses: torch.Tensor, strata: torch.Tensor | None = None):
     """`gather_batch` without leaving the device: (ids int64, losses float32, strata int64 | None)
-    tensors [world * B] on the collective's device, for a loop that must not wait on a host copy
-    (issue 13). On one process they are the inputs, detached, flattened and typed."""
+    tensors [world * B] on the collective's device, for a loop that must not wait on a host copy.
+    On one process they are the inputs, detached, flattened and typed."""
     ids_tensor = ids.detach().reshape(-1).to(torch.int64)
     losses_tensor = losses.detach().reshape(-1).to(torch.float32)
     strata_tensor = None if strata is None else strata.detach().reshape(-1).to(torch.int64)

@@ -1,6 +1,6 @@
 """Gradient accumulation on real DDP replicas (2 gloo ranks): one all-reduce per optimizer step, a
 short last group weighted like a full one, and replicas that stay bitwise equal when the micro-batch
-that ends a step is skipped for a non-finite loss (issue 21)."""
+that ends a step is skipped for a non-finite loss."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Augmentations as a specification: the flip is a coin of its own, independent of every pruner's
-keep coin, so that an up-weighted kept sample is flipped as often as any other (issue 21); MAE's
+keep coin, so that an up-weighted kept sample is flipped as often as any other; MAE's
 random resized crop is torchvision's, drawn per (seed, pass, id), and never touches held-out data
 or latents.
 

@@ -31,7 +31,7 @@ def encoded(mode: str, fmt: str, size=(24, 24), seed=0) -> bytes:
 
 
 def pil_reference(data: bytes, resolution: int, mode: str = "RGB") -> torch.Tensor:
-    """What decoding meant before the fast path: PIL's convert, resize and crop, in [-1, 1]."""
+    """The reference decode the fast path must equal: PIL's convert, resize and crop, in [-1, 1]."""
     with Image.open(io.BytesIO(data)) as image:
         array = np.asarray(resize_center_crop(image.convert(mode), resolution), dtype=np.uint8)
     array = array[:, :, None] if array.ndim == 2 else array

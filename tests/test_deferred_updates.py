@@ -1,4 +1,4 @@
-"""Scores reach the pruner one step late so that the step never waits for the device (issue 13), and
+"""Scores reach the pruner one step late so that the step never waits for the device, and
 nothing else changes: every checkpoint holds the pruner state immediate updates would have left, the
 pruner gets step k's scores only after step k+1's forward began, and a NaN still stops the run
 naming its step and sample ids. On CUDA, a few steps run with any device-to-host wait an error."""

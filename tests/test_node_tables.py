@@ -1,4 +1,4 @@
-"""One score table per node (issue 15), with 2 real gloo processes on this one node: local rank 0
+"""One score table per node, with 2 real gloo processes on this one node: local rank 0
 writes the gathered updates into tables in /dev/shm, the other rank reads the same pages, and both
 plan exactly what a pruner with tables of its own plans."""
 

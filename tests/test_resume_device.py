@@ -1,6 +1,7 @@
-"""What a checkpoint brings back lands on the model's device (issue 21: accelerate loads registered
-objects with map_location="cpu", so a resume on a GPU put the EMA on the host and its first step
-raised). Without a GPU, the `meta` device stands in for it: any tensor left on the CPU shows."""
+"""What a checkpoint brings back lands on the model's device (accelerate loads registered objects
+with map_location="cpu": left there, after a resume on a GPU the EMA would sit on the host and its
+first step would raise). Without a GPU, the `meta` device stands in for it: any tensor left on the
+CPU shows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Evaluation of text-conditional runs (issue 24) as a specification, offline from local weights: a tiny
+"""Evaluation of text-conditional runs as a specification, offline from local weights: a tiny
 text DiT trained from img2dataset shards is sampled from the held-out captions; FID compares the
 samples with those captions' own images, and CLIPScore (torchmetrics' own metric, with a tiny random
 CLIPModel saved with save_pretrained and loaded by path) with the captions; the numbers do not

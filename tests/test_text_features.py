@@ -1,4 +1,4 @@
-"""Precomputed text features (issue 24) as a specification: `prunepipe latents encode --text-encoder`
+"""Precomputed text features as a specification: `prunepipe latents encode --text-encoder`
 stores each caption's real tokens' features beside its latent (and the empty caption's beside the
 index), and a run with ldm.text_encoder=precomputed, which loads no encoder, conditions, samples,
 resumes and exports as a run that encodes the captions in the loop does."""

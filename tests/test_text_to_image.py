@@ -1,4 +1,4 @@
-"""Text-to-image latent diffusion (issue 24) as a specification: a tiny PixArt-style DiT conditioned on a
+"""Text-to-image latent diffusion as a specification: a tiny PixArt-style DiT conditioned on a
 tiny random CLIP text model (saved and loaded by path, as a real encoder is) trains from img2dataset-
 format shards (jpg + txt + json, written here with webdataset): its held-out flow loss falls, a run
 stopped at a checkpoint resumes bitwise, 2 ranks of batch B train what 1 rank of 2B does, captions are
@@ -189,7 +189,7 @@ def test_a_dropped_caption_trains_on_the_empty_captions_features_and_its_stratum
     assert torch.equal(a.loss[dropped], b.loss[dropped])
     assert bool((a.loss[~dropped] != b.loss[~dropped]).all())
     assert abs(float(dropped.float().mean()) - 0.25) < 3 * (0.25 * 0.75 / count) ** 0.5
-    # no dropout: one stratum per timestep bucket, as before
+    # no dropout: one stratum per timestep bucket, no null-caption half
     assert text_task(captioned, encoder, tmp_path, "ldm.caption_dropout=0").num_strata == T
 
 

@@ -1,5 +1,5 @@
-"""One loader-worker count for the whole job (issue 21): it shapes every rank's pass layout, so ranks
-that computed `auto` alone (uneven nodes, per-task CPU binding) took different steps per pass and hung."""
+"""One loader-worker count for the whole job: it shapes every rank's pass layout, so ranks that
+computed `auto` alone (uneven nodes, per-task CPU binding) would take different steps per pass and hang."""
 
 from __future__ import annotations
 

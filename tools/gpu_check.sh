@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 13), for one CUDA GPU in under 8 minutes, run blind in one shot:
+# The one prepared GPU check, for one CUDA GPU in under 8 minutes, run blind in one shot:
 #   1. the CUDA-only tests (draws equal CPU's; steps never wait for the device),
 #   2. `prunepipe bench throughput` at a realistic size in bf16 (MAE ViT-B/16 at 224 px, the base
 #      latent-diffusion UNet on 4x32x32 latents), project loop against a bare loop,

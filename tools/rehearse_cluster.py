@@ -1,4 +1,4 @@
-"""A cluster rehearsal on one machine (issue 21): two emulated nodes of two ranks each (two torchrun
+"""A cluster rehearsal on one machine: two emulated nodes of two ranks each (two torchrun
 launches sharing one c10d rendezvous on localhost, gloo), a node that dies (its agent, ranks and
 loader workers SIGKILLed at once) and a SLURM requeue (`checkpoint.resume=latest`), checked against
 a run never interrupted: the final weights, EMA and pruner state bit for bit, and every pass summary.

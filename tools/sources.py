@@ -126,8 +126,9 @@ def slightly_cropped(image: Image.Image, rng: np.random.Generator) -> Image.Imag
     return recoloured(image.crop((left, top, left + side, top + side)).resize((size, size), Image.BICUBIC), rng)
 
 
-# The kinds of copy, each with its key's tag after `_dup` and how it is made. A near copy keeps the
-# bare `_dup` of the first redundant sets, so that their keys, and the sets themselves, stay as they were.
+# The kinds of copy, each with its key's tag after `_dup` and how it is made. A near copy's tag is the
+# bare `_dup`, so that the default set (all near copies) keeps the keys and images the recorded
+# measurements were made on (tests/test_redundant_source.py checks its digest).
 COPY_TAGS = {"exact": "exact", "jpeg": "jpeg", "near": "", "crop": "crop"}
 MAKE_COPY = {
     "exact": lambda image, rng: image.copy(),

@@ -54,7 +54,7 @@ class TrainingPosition:
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
             if f.name in ("excluded", "consumed"):
-                packed = state.get(f.name)  # np.packbits order, as every version wrote it
+                packed = state.get(f.name)  # np.packbits order, as state_dict writes it
                 if isinstance(packed, torch.Tensor):
                     packed = packed.numpy()
                 value = None if packed is None else Bitmap(np.array(packed, dtype=np.uint8),

@@ -4,7 +4,7 @@ coin and MAE's random resized crop (torchvision's RandomResizedCrop, bicubic).
 Every draw is a pure function of (seed, epoch, id), so any worker layout and a resumed run augment
 alike, and each purpose salts the seed, so that no draw is the pruners' keep coin
 (`uniform_coin(seed, epoch, id)`, pruning/base.py): with the same number, every kept InfoBatch
-sample of weight > 1 was flipped (issue 21). Runs in the loader workers, on the host.
+sample of weight > 1 would be flipped. Runs in the loader workers, on the host.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A sample's numbers do not depend on its rank, its batch-mates, the world size or
 run on 2 ranks x B equals one on 1 rank x 2B, and a resumed run draws what the uninterrupted one
 drew. The draws are a counter-based hash (SplitMix64) of (seed, pass, draw, id, element) evaluated
 with int64 tensor ops on the batch's device: one handful of kernels per draw, no host generator, no
-host-to-device copy (issue 13). The integer math is exact on every device, so CPU and CUDA give the
+host-to-device copy. The integer math is exact on every device, so CPU and CUDA give the
 same bits; the uniform and normal transforms agree to float tolerance.
 """
 

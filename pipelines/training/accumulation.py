@@ -1,19 +1,19 @@
 """Gradient accumulation under DDP: one gradient all-reduce per optimizer step, not per micro-batch.
 
 DDP decides at the forward whether the backward all-reduces, so a micro-batch that does not end an
-optimizer step runs its forward *and* backward under `no_sync` (issue 21: wrapping the backward alone
-all-reduced every micro-batch). When the policy `on_nonfinite_loss=skip` drops the backward of the
+optimizer step runs its forward *and* backward under `no_sync` (wrapping the backward alone would still
+all-reduce every micro-batch). When the policy `on_nonfinite_loss=skip` drops the backward of the
 micro-batch that ends a step (every rank agrees: the decision reads the all-gathered losses), DDP was
 told at that forward to expect a synchronised backward, and the gradients the group accumulated are
 not averaged yet: a backward of zero through every parameter completes that reduction, so every
 replica applies the same update and DDP expects nothing more (else the next `no_sync` backward
-all-reduced, and a run resumed after the skip summed in another order).
+would all-reduce, and a run resumed after the skip would sum in another order).
 
 DDP also regroups its gradient buckets after a process's first synchronised backward (in the order
 the gradients became ready), and beyond two ranks a reduction's sums depend on that layout: a
-resumed process summed the step after a resume in another order than the uninterrupted run, and its
-weights drifted in the last bits (found by the cluster rehearsal, docs/multinode.md). `settle_buckets`
-makes every process regroup before its first real step.
+resumed process would sum the step after a resume in another order than the uninterrupted run, and
+its weights would drift in the last bits (the cluster rehearsal checks it, docs/multinode.md).
+`settle_buckets` makes every process regroup before its first real step.
 """
 
 from __future__ import annotations

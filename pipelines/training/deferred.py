@@ -1,5 +1,5 @@
 """Step k's gathered (ids, scores, strata), handed to the host one step late, so the step never waits
-for the device (issue 13).
+for the device.
 
 The loop gathers on the device and starts a non-blocking copy into pinned host memory; the record
 is consumed `lag` steps later, when that copy has long finished behind the next step's work. The

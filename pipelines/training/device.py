@@ -1,7 +1,7 @@
 """The model, its optimizer and torch's backend flags set up for the device a run trains on: TF32,
 fused AdamW, channels_last for the UNet and torch.compile (per block for DiT), as the `cuda:` config
 asks (docs/gpu.md).
-On a CPU every switch is ignored, so CPU runs and tests train exactly as before.
+On a CPU every switch is ignored, so CPU runs and tests train exactly as they would without them.
 """
 
 from __future__ import annotations

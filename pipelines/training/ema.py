@@ -1,12 +1,12 @@
 """The moving average of the trained weights: diffusers' EMAModel with its warmup counted in pass
 progress, or none, never in the run's own optimizer steps, and kept on the weights' device when a
-checkpoint is loaded (issue 21). Holds no model.
+checkpoint is loaded. Holds no model.
 
-- A pruned run takes fewer steps per pass; with a step-counted warmup its EMA at pass p averaged
+- A pruned run takes fewer steps per pass; with a step-counted warmup its EMA at pass p would average
   over a shorter horizon than the full run's at pass p, a confound in every EMA comparison of the two.
 - accelerate loads registered objects with map_location="cpu" and EMAModel.load_state_dict adopts
-  the loaded tensors as they are, so after a resume on a GPU the shadow weights sat on the host and
-  the first `step` mixed devices.
+  the loaded tensors as they are, so, left there, after a resume on a GPU the shadow weights would
+  sit on the host and the first `step` would mix devices.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class PassProgressEMA(EMAModel):
     warmup="passes": diffusers' warmup 1 - (1 + n)^(-2/3), capped at `decay`, where n is not this
     run's step count but `progress x full_steps_per_pass`, the optimizer steps a full-data run has
     taken at the same progress: pruned and full runs share the decay pass for pass, and a full run
-    keeps the step-counted decay it had (0.999 after about 31,600 steps, 0.9999 after 1M).
+    gets diffusers' step-counted decay (0.999 after about 31,600 steps, 0.9999 after 1M).
     warmup="none": `decay` from the first step, DiT's constant 0.9999 (its train.py)."""
 
     def __init__(self, parameters, *, decay: float, warmup: str, full_steps_per_pass: float):

@@ -1,4 +1,4 @@
-"""How many gradient all-reduces DDP runs per optimizer step under gradient accumulation (issue 21).
+"""How many gradient all-reduces DDP runs per optimizer step under gradient accumulation.
 
 The tiny MAE behind torch's DDP, its micro-batches driven by the loop's GradientAccumulation
 (pipelines/training/accumulation.py: forward and backward under `no_sync` unless the micro-batch ends

@@ -1,4 +1,4 @@
-"""Pruning at scale (issue 15): bytes per sample per node and per rank, plan + layout time per pass
+"""Pruning at scale: bytes per sample per node and per rank, plan + layout time per pass
 boundary for a simulated world of nodes x ranks, and save/load time of the pruner state.
 
 Run: `prunepipe bench scale --samples 100000000` (a markdown table on stdout, JSON lines with
