@@ -2,7 +2,7 @@
 paper's presets, its initialisation, and the traps of diffusers 0.42 handled once, here.
 It builds and calls the model; it never draws random numbers for training (the task does).
 
-Traps (issue 14): every block owns a timestep MLP and a label table and drops labels itself with a
+Traps: every block owns a timestep MLP and a label table and drops labels itself with a
 hard-coded p = 0.1, an independent mask per block, in train mode: we set that to 0 and drop labels
 once per sample in the task. `class_labels=None` raises, so unconditional = always the null label
 (index num_classes). Timesteps must be a 1-D float tensor. diffusers leaves the default init: we

@@ -108,7 +108,7 @@ def _mode_plans(mode: str, tasks: list[str], arms: tuple[str, ...]) -> list[Task
 
 
 def dit_plan(mode: str) -> TaskPlan:
-    """The DiT + flow task (issue 14), InfoBatch against Full at 3 seeds: dit (the measurement),
+    """The DiT + flow task, InfoBatch against Full at 3 seeds: dit (the measurement),
     dit_quick (the same in a few minutes), dit_micro (the harness test)."""
     infobatch = {"InfoBatch": PRUNERS["InfoBatch"]}
     if mode == "dit":

@@ -248,7 +248,7 @@ def best_saving(settings: list) -> tuple[dict, dict]:
 
 
 def redundancy_target(task: str, pruners: list, oracle: list) -> list[dict]:
-    """Issue 23's goal where the suite runs the dedup pruner: its best setting saves >= 25% compute at
+    """The redundancy target, where the suite runs the dedup pruner: its best setting saves >= 25% compute at
     equal quality, CI above 0, and lies within the dedup oracle's interval."""
     dedup = [(r, s) for r, s in pruners if r["pruner"] == "dedup"]
     if not dedup:
