@@ -205,12 +205,13 @@ def _eval(args) -> None:
         if getattr(args, option) is not None:
             overrides.append(f"{key}={getattr(args, option)}")
     record = evaluate_checkpoint(args.run, args.checkpoint, config_path=args.eval_config, overrides=overrides,
-                                 runs_dir=args.runs_dir, device=args.device)
+                                 runs_dir=args.runs_dir, device=args.device, overwrite=args.overwrite)
     print(json.dumps(record["metrics"], indent=1))
     for key, reason in record["details"].items():
         if key.endswith("_skipped"):
             print(f"{key.removesuffix('_skipped')} skipped: {reason}")
-    print(f"evaluated the {record['weights']} weights of {record.get('checkpoint', 'the checkpoint')} "
+    at = f" ({record['pass']})" if record.get("pass") else ""
+    print(f"evaluated the {record['weights']} weights of {record.get('checkpoint', 'the checkpoint')}{at} "
           f"at {record['precision']}")
     print(f"written: {record.get('path')}")
 
@@ -478,6 +479,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     evaluate.add_argument("--eval-config", help="YAML with evaluation settings (see pipelines/evaluation/config.py)")
     evaluate.add_argument("--runs-dir", default="runs")
     evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    evaluate.add_argument("--overwrite", action="store_true",
+                          help="replace an earlier evaluation of the same checkpoint and weights "
+                               "(RUN/eval/step_XXXXXX[_raw].json); without it such a file stops the evaluation "
+                               "before it starts")
     evaluate.add_argument("overrides", nargs="*",
                           help="key=value evaluation settings right after RUN, e.g. fid.reference=val probe.pool=avg")
     evaluate.set_defaults(func=_eval)

@@ -47,3 +47,19 @@ def test_an_earlier_eval_record_is_kept_unless_overwrite_is_asked_for(digits_sha
                                    overwrite=True)
     with open(path) as f:
         assert replaced["path"] == path and json.load(f)["eval_config"]["val_samples"] == 32
+
+
+
+def test_prunepipe_eval_refuses_to_replace_an_earlier_evaluation_without_overwrite(digits_shards, tmp_path, capsys):
+    """The CLI's default keeps what `compare` reads; --overwrite replaces it."""
+    from launch.cli import main as cli_main
+
+    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"), [
+        f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}", "name=run",
+        "passes=1", *TINY_MAE])
+    train(cfg)
+    assert cli_main(["eval", cfg.run_dir, *QUICK]) == 0
+    capsys.readouterr()
+    assert cli_main(["eval", cfg.run_dir, *QUICK]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(["eval", cfg.run_dir, *QUICK, "--overwrite"]) == 0
