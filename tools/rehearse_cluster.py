@@ -195,18 +195,18 @@ def compare_passes(reference: list[dict], requeued: list[dict]) -> list[str]:
     for mine in reference:
         other = theirs.get(mine["epoch"])
         if other is None:
-            problems.append(f"pass {mine['epoch']}: no summary after the requeue")
+            problems.append(f"pass {mine['epoch'] + 1}: no summary after the requeue")
             continue
         for field in PASS_FIELDS:
             if mine.get(field) != other.get(field):
-                problems.append(f"pass {mine['epoch']} {field}: {mine.get(field)} != {other.get(field)}")
+                problems.append(f"pass {mine['epoch'] + 1} {field}: {mine.get(field)} != {other.get(field)}")
     return problems
 
 
 def compare_evals(reference: list[dict], requeued: list[dict]) -> list[str]:
     """The in-loop evaluations (EMA weights at each pass end) of both runs, metric by metric."""
     theirs = {r["epoch"]: r["metrics"] for r in requeued}
-    return [f"eval after pass {r['epoch']}: {r['metrics']} != {theirs.get(r['epoch'])}"
+    return [f"eval after pass {r['epoch'] + 1}: {r['metrics']} != {theirs.get(r['epoch'])}"
             for r in reference if r["metrics"] != theirs.get(r["epoch"])]
 
 
@@ -308,7 +308,7 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     at = kill_step(reference, every_steps)
     verdict["kill_after_checkpoint"] = at
     progress(f"reference done in {verdict['reference_seconds']} s: "
-             + ", ".join(f"pass {r['epoch']} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}"
+             + ", ".join(f"pass {r['epoch'] + 1} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}"
                          for r in reference))
 
     # (b) the same run afresh; a node dies after the mid-pass checkpoint at step `at`
@@ -353,7 +353,7 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
 
     # (c) the requeue: both nodes again, from the newest intact checkpoint
     progress(f"(c) requeue with checkpoint.resume=latest (newest: step {checkpoint_step(newest)}, "
-             f"pass {position['epoch']}, micro-batch {position['batch_in_pass']})")
+             f"pass {position['epoch'] + 1}, micro-batch {position['batch_in_pass']})")
     if not run_to_end("requeue", "rehearsal-job", "requeued", ["checkpoint.resume=latest"]):
         return finish()
     logs = "".join(open(os.path.join(work, f"requeue_node{n}.log")).read() for n in range(NODES))
@@ -382,14 +382,14 @@ def describe(verdict: dict) -> str:
                      f"later (dist_timeout_seconds={verdict['dist_timeout_seconds']})")
     if "resume_checkpoint" in verdict:
         r = verdict["resume_checkpoint"]
-        lines.append(f"  requeue resumed from step {r['step']} (pass {r['epoch']}, micro-batch {r['batch_in_pass']})")
+        lines.append(f"  requeue resumed from step {r['step']} (pass {r['epoch'] + 1}, micro-batch {r['batch_in_pass']})")
     if "compared" in verdict:
         c = verdict["compared"]
         lines.append(f"  compared at {c.get('checkpoint')}: {c.get('model_tensors')} model tensors, "
                      f"{c.get('ema_tensors')} EMA tensors, the pruner's state and the position, bit for bit; "
                      f"{c['passes']} pass summaries ({', '.join(c['pass_fields'])}); {c['evals']} in-loop evaluations")
         for r in verdict["pass_summaries"]:
-            lines.append(f"    pass {r['epoch']}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
+            lines.append(f"    pass {r['epoch'] + 1}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
                          f"forwarded {r['samples_forwarded']}, optimizer step {r['optimizer_steps']}")
     lines += [f"  problem: {p}" for p in verdict["problems"]]
     return "\n".join(lines)

@@ -98,7 +98,7 @@ class ShardStream:
         starts the loader workers; under each they read the plan without a copy of it. Iterate
         one pass's loader before asking for the next: the workers serve the latest pass."""
         if plan is not None and plan.epoch != epoch:
-            raise ValueError(f"plan is for pass {plan.epoch}, not pass {epoch}")
+            raise ValueError(f"plan is for pass {plan.epoch + 1}, not pass {epoch + 1} (counted from 1)")
         layout = self.layout(epoch, plan, num_workers)
         workers = max(1, num_workers)
         mine = layout.batches[self.rank]
@@ -303,7 +303,8 @@ class _PartReader(IterableDataset):
             if not template:  # a resumed worker that has decoded nothing yet: shape it like a replayed sample
                 template[:] = self._first_decodable(reversed(replayed), epoch)
             if not template:
-                raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch} to shape padding")
+                raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch + 1} (counted from 1) to "
+                                    f"shape padding")
             missing = self.batch_size - len(ids)
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
             images = torch.cat([images, padding]) if pixels else padding

@@ -48,7 +48,7 @@ class SyncDebug:
         if self.main:  # the frozen plan itself, before any resume segment excludes samples
             np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
         # a disagreement means the pruner state is no longer in sync
-        same_on_every_rank(mine, f"digest {mine}", f"pass {plan.epoch} plans or pruner scores")
+        same_on_every_rank(mine, f"digest {mine}", f"pass {plan.epoch + 1} plans or pruner scores")
         self.seen = []
 
     def saw(self, ids: torch.Tensor) -> None:
