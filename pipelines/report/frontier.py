@@ -79,7 +79,10 @@ def iso_quality(points: list[tuple[float, float]], compute: float, value: float,
     a run of `compute` that reached it."""
     xs, ys, monotone = envelope(points, lower_is_better)
     signed, target = (ys, value) if lower_is_better else (-ys, -value)
-    reached = np.nonzero(signed <= target)[0]  # the envelope is non-increasing: the first reach is the answer
+    # the envelope is non-increasing: the first reach is the answer. A fitted curve leaves rounding of 1e-16
+    # where a run equals a Full point; that is a reach, not a saving of 1e-16 interpolated past it
+    slack = 1e-12 * max(1.0, abs(float(target)))
+    reached = np.nonzero(signed <= target + slack)[0]
     if len(reached) == 0:  # better than every Full: it would take more than the longest one
         iso, kind = xs[-1], AT_LEAST
     elif reached[0] == 0:  # no better than the cheapest Full: somewhere at or below its compute
