@@ -1,4 +1,4 @@
-"""Evaluation on every rank as a specification (issue 21), with real torch.distributed processes on
+"""Evaluation on every rank as a specification, with real torch.distributed processes on
 gloo and a short process-group timeout: each rank evaluates its share of the held-out images and of
 the probe's images, the shares combine to the single-process numbers on every rank, an evaluation
 longer than the timeout completes where rank 0 evaluating alone makes the others time out, and FID
@@ -22,7 +22,7 @@ from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.runner import Evaluator, eval_config_of
 
 # The process group's timeout in the tests that do not measure one (a hang guard, long enough for a
-# loaded 2-core machine); NCCL's default, the one the issue met, is 10 minutes.
+# loaded 2-core machine); NCCL's default is 10 minutes.
 TIMEOUT_S = 120
 LIMIT_S = 600  # a hang fails the test instead of blocking the suite
 
@@ -178,7 +178,7 @@ def _evaluate_then_meet(rank, world, init_file, shards, timeout_s, out):
 
 
 def test_an_evaluation_longer_than_the_timeout_completes_when_every_rank_does_its_share(digits_shards, tmp_path):
-    # What rank 0 did alone before issue 21, in one process: its duration sets the timeout.
+    # The whole evaluation on rank 0 alone, in one process: its duration sets the timeout.
     task, cfg = slow_mae(digits_shards)
     start = time.perf_counter()
     one = Evaluator(cfg).evaluate(task, task.model, write=False)
@@ -268,7 +268,7 @@ ONE_NODE_LACKS_A_FILE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch.distributed as dist
     from accelerate import Accelerator
-    from pipelines.evaluation.ranks import on_every_rank
+    from pipelines.ranks import on_every_rank
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

@@ -2,9 +2,9 @@
 process may use, shared by the ranks on the node, leaving the training process what it computes
 with: one core beside an accelerator, its torch threads on a CPU).
 The count shapes the pass layout (equal slices per rank and worker), so every rank must use the same
-one: `agreed_loader_workers` computes each rank's `auto` and takes the smallest over the job (issue 21:
-uneven nodes or per-task CPU binding gave 7 / 5 / 0 workers, hence 308 / 310 / 312 steps per pass,
-and the rank with more steps hung). A run resumed under another count goes on as a segment
+one: `agreed_loader_workers` computes each rank's `auto` and takes the smallest over the job
+(uneven nodes or per-task CPU binding can give 7 / 5 / 0 workers, hence 308 / 310 / 312 steps per
+pass, and the rank with more steps would hang). A run resumed under another count goes on as a segment
 (docs/data.md): set an integer to reproduce a run on other machines.
 """
 
@@ -78,11 +78,14 @@ def agreed_loader_workers(setting, *, device_type: str = "cuda") -> int:
     over all ranks, so that every rank lays out the pass alike. Every rank calls this at the same point."""
     import torch.distributed as dist
 
+    from pipelines.ranks import rank_and_world
+
     setting = check_num_workers(setting)
-    if setting != AUTO or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    _, world = rank_and_world()
+    if setting != AUTO or world == 1:
         return loader_workers(setting, 1, device_type=device_type)
     mine = (socket.gethostname(), usable_cpus())
-    everyone: list = [None] * dist.get_world_size()
+    everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     local = loader_workers(setting, sharing_processes(mine, everyone), device_type=device_type,
                            cores=len(mine[1]))
@@ -95,8 +98,8 @@ def agree_worker_count(local: int) -> int:
     import torch
     import torch.distributed as dist
 
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    count = torch.tensor([local], dtype=torch.int64, device=device)
+    from pipelines.ranks import collective_device
+
+    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     return int(count.item())

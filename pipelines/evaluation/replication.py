@@ -1,5 +1,5 @@
 """Replication (memorisation) of a diffusion model: how close its samples are to their nearest training
-images, judged against held-out images, which are by construction not copies (issue 23: duplicated
+images, judged against held-out images, which are by construction not copies (duplicated
 training images are what diffusion models memorise and regurgitate). Reads the train and held-out
 splits with the split reader; never generates, never trains, never downloads.
 
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from pipelines.data.splits import index_metadata, read_split
 from pipelines.evaluation.fid import to_uint8
-from pipelines.evaluation.ranks import gather_in_index_order, gather_rows, rank_and_world
+from pipelines.ranks import gather_in_index_order, gather_rows, rank_and_world
 
 NEIGHBOURS = 50  # Carlini et al.'s n
 THRESHOLD = 0.2  # flagged when d_1 / mean(d_1..d_k) <= this (their l <= 0.4 at alpha = 0.5)

@@ -7,7 +7,7 @@ evaluate, from `prunepipe eval` on a checkpoint or from the training loop every 
 trains and never downloads.
 
 Every rank takes part: each evaluates its share of the held-out images, the probe's train and val
-images and the FID samples, and the shares are combined (pipelines/evaluation/ranks.py), so no rank
+images and the FID samples, and the shares are combined (pipelines/ranks.py), so no rank
 works alone while the others wait in a collective. The model is evaluated at `eval.precision`
 (pipelines/evaluation/precision.py), the same in training and in `prunepipe eval`.
 """
@@ -22,20 +22,18 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-from diffusers.training_utils import EMAModel
 
-from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
-from pipelines.config import load_config
 from pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from pipelines.evaluation.fid import FIDEvaluator, load_feature_net
 from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
-from pipelines.evaluation.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks,
-                                       on_every_rank, rank0_value, rank_and_world)
-from pipelines.evaluation.records import PRIMARY_METRICS, record_path, resolve_run_dir, write_record
+from pipelines.evaluation.records import PRIMARY_METRICS, record_path, write_record
 from pipelines.evaluation.replication import save_pairs_picture
 from pipelines.progress import position_label
-from pipelines.tasks.build import build_task, text_reading
+from pipelines.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks, on_every_rank,
+                             rank0_value, rank_and_world)
+from pipelines.tasks.build import text_reading
+from pipelines.trained import load_trained
 from pipelines.tasks.text import stored_identity
 from pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -400,33 +398,19 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     `overwrite=False` (what `prunepipe eval` does without --overwrite) refuses, before evaluating, to
     replace a record already written for these weights at this step: the run's own evaluation, or an
     earlier one at other settings, is what `prunepipe compare` reads."""
-    run_dir = resolve_run_dir(run, runs_dir)
-    run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    trained = load_trained(run, checkpoint, runs_dir=runs_dir)
+    run_dir, run_cfg, folder, task, model = trained.run_dir, trained.cfg, trained.checkpoint, trained.task, trained.model
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
-    folder = newest_intact(run_dir, doing="evaluating") if checkpoint == "latest" else checkpoint
-    if folder is None or not os.path.isdir(folder):
-        raise FileNotFoundError(f"run {run_dir}: no checkpoint {'folder ' + checkpoint if folder else 'yet'} "
-                                f"(checkpoints are written every checkpoint.every_steps and at the end of training)")
-    if checkpoint != "latest":
-        checked(folder, "--checkpoint")
-    states = load_checkpoint_states(folder)
     if write and not overwrite:
-        refuse_to_overwrite(run_dir, (states["position"] or {}).get("optimizer_steps", 0), eval_cfg.weights)
-    with torch.random.fork_rng(devices=[]):  # building the model draws an initialisation we overwrite
-        task = build_task(run_cfg)
-    check_text_identity(folder, (states["position"] or {}).get("text_identity", ""), task,
-                        eval_cfg.val or run_cfg.data.val)
-    model = task.model
-    model.load_state_dict(states["model"], strict=True)
+        refuse_to_overwrite(run_dir, trained.position.get("optimizer_steps", 0), eval_cfg.weights)
+    check_text_identity(folder, trained.position.get("text_identity", ""), task, eval_cfg.val or run_cfg.data.val)
     if eval_cfg.weights == "ema":
-        if states["ema"] is None:
+        if trained.ema is None:
             raise ValueError(f"{folder}: holds no EMA state; evaluate the raw weights with weights=raw")
-        ema = EMAModel(model.parameters())
-        ema.load_state_dict(states["ema"])
-        ema.copy_to(model.parameters())
+        trained.ema.copy_to(model.parameters())
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
-    position = states["position"] or {}
+    position = trained.position
     at = {key: position[key] for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
           if key in position}
     if "epoch" in position:

@@ -1,4 +1,4 @@
-"""One score table per node (issue 15): the pruner's per-sample tables live once per node in shared
+"""One score table per node, not one per rank: the pruner's per-sample tables live once per node in shared
 memory, files in /dev/shm created by the node's local rank 0 and mapped by its other ranks. Local rank
 0 writes the all-gathered updates; the others read the same pages. A single process (or a node with
 one rank) keeps its tables in process memory.
@@ -17,6 +17,8 @@ import uuid
 
 import numpy as np
 import torch.distributed as dist
+
+from pipelines.ranks import rank0_value
 
 SHM = "/dev/shm"
 
@@ -86,7 +88,4 @@ def map_node_files(specs: dict, rank: int, local_rank: int, local_size: int, tok
 
 def run_token() -> str:
     """A name for this run's shared files, the same on every rank (rank 0's, broadcast)."""
-    token = [uuid.uuid4().hex[:12]]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
-    return token[0]
+    return rank0_value(uuid.uuid4().hex[:12])
