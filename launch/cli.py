@@ -73,7 +73,7 @@ def _text_encoder_tiny(args) -> None:
     path = write_tiny_text_encoder(args.out, captions, hidden_size=args.hidden_size, layers=args.layers,
                                    max_length=args.max_length, seed=args.seed)
     print(f"{path}: a tiny CLIP text model (random weights) and the tokenizer of {len(captions)} captions' words; "
-          f"set ldm.text_encoder={path} ldm.text_max_length={args.max_length}")
+          f"set ldm.text.encoder={path} ldm.text.max_length={args.max_length}")
 
 
 def _shards_index(args) -> None:
@@ -426,10 +426,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         help="also store each mirrored image's latent, for data.hflip runs (twice the encoding)")
     encode.add_argument("--text-encoder", default="",
                         help="local CLIP text or T5 encoder folder: also store each caption's features (text.npy, "
-                             "real tokens only) for ldm.text_encoder=precomputed")
+                             "real tokens only) for ldm.text.encoder=precomputed")
     encode.add_argument("--tokenizer", default="", help="its tokenizer's folder (default: the encoder's)")
     encode.add_argument("--text-max-length", type=int,
-                        help="tokens per caption, as ldm.text_max_length (default: the encoder's, CLIP 77; "
+                        help="tokens per caption, as ldm.text.max_length (default: the encoder's, CLIP 77; "
                              "PixArt-alpha's T5 uses 120)")
     add_job_arguments(encode, "stop", "left out and listed in OUT/skipped.json; every later sample's id moves "
                                       "down, so embeddings or groups made on the image shards no longer line up",
@@ -441,10 +441,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     tiny = text_sub.add_parser("tiny", help="a tiny random CLIP text model and a word-level tokenizer of the "
                                             "shards' captions, for CPU tests and demos")
     tiny.add_argument("shards", nargs="+", help="captioned shard folders (with index.json) whose words it knows")
-    tiny.add_argument("--out", required=True, help="output folder (ldm.text_encoder)")
+    tiny.add_argument("--out", required=True, help="output folder (ldm.text.encoder)")
     tiny.add_argument("--hidden-size", type=int, default=32)
     tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--max-length", type=int, default=16, help="tokens per caption (ldm.text_max_length)")
+    tiny.add_argument("--max-length", type=int, default=16, help="tokens per caption (ldm.text.max_length)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_text_encoder_tiny)
 

@@ -350,7 +350,7 @@ def _validate_conditioning(cfg: RunConfig) -> None:
             raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
                               f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")
         return
-    if cfg.ldm.text_encoder == PRECOMPUTED_TEXT:
+    if cfg.ldm.text.encoder == PRECOMPUTED_TEXT:
         _validate_precomputed_text(cfg)
     if not cfg.eval.every_passes:
         return
@@ -365,7 +365,7 @@ def _validate_conditioning(cfg: RunConfig) -> None:
 
 
 def _validate_precomputed_text(cfg: RunConfig) -> None:
-    """ldm.text_encoder=precomputed: the train shards record their text features, and held-out shards
+    """ldm.text.encoder=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     made_by = {}
     for setting, folder in (("data.train", cfg.data.train), ("data.val", cfg.data.val), ("eval.val", cfg.eval.val)):
@@ -374,7 +374,7 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
         index = ShardIndex.load(folder)
         identity = stored_identity(index.meta)
         if not identity:
-            raise ConfigError(f"config: ldm.text_encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
+            raise ConfigError(f"config: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
                               f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                               f"encode ... --text-encoder PATH`")
         made_by[setting] = f"{identity}, width {index.meta.get('text_width')}"

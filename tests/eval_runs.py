@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MAE = ("mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
             "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=2",
             "checkpoint.every_steps=10", "checkpoint.keep=10", "log_every=5")
-TINY_LDM = ("ldm.block_out_channels=[16,32]", "ldm.norm_num_groups=8", "data.batch_size=64",
+TINY_LDM = ("ldm.unet.block_out_channels=[16,32]", "ldm.unet.norm_num_groups=8", "data.batch_size=64",
             "data.val_batches=1", "data.resolution=16", "log_every=5")
 
 
@@ -111,3 +111,16 @@ def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=No
                 sink.write({**sample, "png": b"not a png"} if broken and broken(shard, position) else sample)
     index_shards([str(out)], str(out))
     return str(out)
+
+
+def diffusion_config(**settings):
+    """A DiffusionConfig from keywords: an ldm field by its name, a group's as GROUP__FIELD (dit__depth=2)."""
+    from omegaconf import OmegaConf
+
+    from pipelines.tasks.diffusion.config import DiffusionConfig
+
+    nested: dict = {}
+    for key, value in settings.items():
+        group, _, name = key.rpartition("__")
+        (nested.setdefault(group, {}) if group else nested)[name] = value
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DiffusionConfig), nested))

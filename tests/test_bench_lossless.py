@@ -370,5 +370,5 @@ def test_bench_t2i_micro_runs_the_text_task_infobatch_against_full(tmp_path):
 
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "t2i_long_infobatch", "config.yaml"))
     assert (cfg.ldm.conditioning, cfg.ldm.backbone, cfg.pruner["name"]) == ("text", "dit", "infobatch")
-    assert cfg.ldm.text_encoder == str(tmp_path / "work" / "captioned16_n96" / "text_encoder")
+    assert cfg.ldm.text.encoder == str(tmp_path / "work" / "captioned16_n96" / "text_encoder")
     assert "<!-- bench:t2i_micro:end -->" in (tmp_path / "docs" / "benchmarks" / "lossless_t2i_micro.md").read_text()

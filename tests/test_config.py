@@ -26,7 +26,7 @@ def data_overrides(digits_shards):
                          ids=os.path.basename)
 def test_every_shipped_config_loads(config, digits_shards):
     text = "conditioning: text" in open(config).read()  # the encoder's folder, checked when a run builds it
-    cfg = load_config(config, data_overrides(digits_shards) + (["ldm.text_encoder=encoder"] if text else []))
+    cfg = load_config(config, data_overrides(digits_shards) + (["ldm.text.encoder=encoder"] if text else []))
     assert cfg.task in ("mae", "ldm")
     if re.fullmatch(r"(mae|ldm|ldm_dit)(_tiny)?_(full|random|infobatch|ted|importance)\.yaml", os.path.basename(config)):
         assert cfg.name == os.path.basename(config)[: -len(".yaml")]

@@ -113,7 +113,7 @@ def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=45)
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
         f"data.train={shards}", "data.val=", f"runs_dir={tmp_path}", "name=nan", "passes=1", "data.batch_size=8",
-        "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]", "data.num_workers=0", "data.shuffle_buffer=1"])
+        "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]", "data.num_workers=0", "data.shuffle_buffer=1"])
     with pytest.raises(loop.NonFiniteLossError, match=r"at step 5 \(pass 1/1, batch 5\) for sample ids \[45\]"):
         loop.train(cfg)
     assert not complete_checkpoints(str(tmp_path / "nan")), "nothing after the NaN was saved"
@@ -127,7 +127,7 @@ def test_debug_device_sync_refuses_the_policy_that_must_wait(digits_shards, tmp_
 def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_sees_it(digits_shards, tmp_path):
     # the digits carry labels 0-9: with 5 classes the decoder, on the host, names the first bad one
     cfg = tiny_cfg(digits_shards, tmp_path, "labels", "ldm_tiny_full.yaml",
-                   ["ldm.num_classes=5", "ldm.block_out_channels=[16,32]", "data.resolution=16", "passes=1"])
+                   ["ldm.num_classes=5", "ldm.unet.block_out_channels=[16,32]", "data.resolution=16", "passes=1"])
     with pytest.raises(BadInputError, match=r"shard .*\.tar key '.*': label [5-9] is out of range for 5 classes "
                                             r"\(ldm.num_classes; -1 = no label\)"):
         loop.train(cfg)
@@ -138,7 +138,7 @@ def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_
                                             ("ldm_tiny_full.yaml", 10)], ids=["mae", "ldm", "ldm-classes"])
 def test_cuda_steps_never_wait_for_the_device(digits_shards, tmp_path, config, classes):
     extra = ["passes=1", "max_steps=6", "checkpoint.every_steps=1000", "data.resolution=16",
-             "ldm.block_out_channels=[16,32]", "debug_device_sync=true", "data.num_workers=2"]
+             "ldm.unet.block_out_channels=[16,32]", "debug_device_sync=true", "data.num_workers=2"]
     if classes:
         extra.append(f"ldm.num_classes={classes}")
     try:

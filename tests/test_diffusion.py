@@ -13,7 +13,7 @@ from diffusers import AutoencoderKL, DDPMPipeline, UNet2DModel
 from eval_runs import tiny_vae as tiny_vae_of
 
 from pipelines.data.batch import Batch
-from pipelines.tasks.diffusion.config import DiffusionConfig
+from eval_runs import diffusion_config
 from pipelines.tasks.diffusion.task import DiffusionTask
 from pipelines.tasks.diffusion.from_export import load_pipeline, sample
 
@@ -22,7 +22,7 @@ IMAGE, CHANNELS, T = 32, 3, 1000
 
 def make_task(**overrides) -> DiffusionTask:
     torch.manual_seed(0)
-    return DiffusionTask(DiffusionConfig(**overrides), image_size=IMAGE, channels=CHANNELS)
+    return DiffusionTask(diffusion_config(**overrides), image_size=IMAGE, channels=CHANNELS)
 
 
 def random_batch(n: int = 4, first_id: int = 0, labels=None) -> Batch:
@@ -54,7 +54,7 @@ def reference_targets(task, x0, generator, prediction_type):
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_per_sample_losses_average_to_F_mse_loss(prediction_type):
-    task = make_task(prediction_type=prediction_type)
+    task = make_task(ddpm__prediction_type=prediction_type)
     batch = random_batch()
     losses = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(5))
     assert losses.shape == (4,) and losses.dtype == torch.float32
@@ -91,7 +91,7 @@ def test_with_per_sample_draws_a_samples_loss_does_not_depend_on_its_batch_mates
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_min_snr_weights_are_in_0_1_and_one_where_snr_is_below_gamma(prediction_type):
     gamma = 5.0
-    task = make_task(prediction_type=prediction_type, min_snr_gamma=gamma)
+    task = make_task(ddpm__prediction_type=prediction_type, ddpm__min_snr_gamma=gamma)
     timesteps = torch.arange(T)
     weights = task.min_snr_weights(timesteps)
     alpha_bar = task.scheduler.alphas_cumprod.double()
@@ -108,7 +108,7 @@ def test_min_snr_weights_are_in_0_1_and_one_where_snr_is_below_gamma(prediction_
     # the weighted per-sample loss is the unweighted one times the weight of its timestep
     batch = random_batch()
     weighted = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(1))
-    task.cfg.min_snr_gamma = 0.0
+    task.cfg.ddpm.min_snr_gamma = 0.0
     plain = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(1))
     _, drawn, _ = reference_targets(task, batch.images, torch.Generator().manual_seed(1), prediction_type)
     torch.testing.assert_close(weighted, plain * weights[drawn])
@@ -238,11 +238,11 @@ def test_vae_by_repo_id_from_the_hub_cache_offline(vae_folder, tmp_path, monkeyp
 
 
 def test_config_mistakes_name_the_field_and_accepted_values(tmp_path):
-    with pytest.raises(ValueError, match=r"ldm\.prediction_type.*epsilon, v_prediction"):
-        make_task(prediction_type="sample")
-    with pytest.raises(ValueError, match=r"ldm\.beta_schedule.*squaredcos_cap_v2"):
-        make_task(beta_schedule="cosine")
+    with pytest.raises(ValueError, match=r"ldm\.ddpm\.prediction_type.*epsilon, v_prediction"):
+        make_task(ddpm__prediction_type="sample")
+    with pytest.raises(ValueError, match=r"ldm\.ddpm\.beta_schedule.*squaredcos_cap_v2"):
+        make_task(ddpm__beta_schedule="cosine")
     with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder=.*does not exist.*hf download"):
         make_task(autoencoder=str(tmp_path / "missing-vae"))
-    with pytest.raises(ValueError, match=r"ldm\.norm_num_groups=8"):
-        make_task(block_out_channels=[12, 24])
+    with pytest.raises(ValueError, match=r"ldm\.unet\.norm_num_groups=8"):
+        make_task(unet__block_out_channels=[12, 24])

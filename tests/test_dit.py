@@ -16,7 +16,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling
 
 from pipelines.data.batch import Batch
 from pipelines.evaluation.sampling import generate_images
-from pipelines.tasks.diffusion.config import DiffusionConfig
+from eval_runs import diffusion_config
 from pipelines.tasks.diffusion.task import DiffusionTask
 from pipelines.tasks.diffusion.from_export import sample
 from pipelines.tasks.diffusion.dit import DIT_SIZES, build_dit, dit_shape
@@ -24,12 +24,12 @@ from pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s
 from pipelines.tasks.randomness import GeneratorDraws, SampleRandomness
 
 SIZE, CHANNELS = 8, 4
-TINY = dict(backbone="dit", dit_depth=2, dit_width=32, dit_heads=2)
+TINY = dict(backbone="dit", dit__depth=2, dit__width=32, dit__heads=2)
 
 
 def make_task(**overrides) -> DiffusionTask:
     torch.manual_seed(0)
-    return DiffusionTask(DiffusionConfig(**{**TINY, **overrides}), image_size=SIZE, channels=CHANNELS)
+    return DiffusionTask(diffusion_config(**{**TINY, **overrides}), image_size=SIZE, channels=CHANNELS)
 
 
 def random_batch(n: int = 4, labels=None, first_id: int = 0) -> Batch:
@@ -60,7 +60,7 @@ def test_presets_are_the_papers_sizes_and_their_parameter_counts_are_documented(
     # docs/design.md: every block carries its own timestep MLP and label table (the paper shares one)
     assert total == 39_798_928
     assert round((total - 11 * per_block_embedder) / 1e6, 1) == 32.9
-    with pytest.raises(ValueError, match=r"ldm\.dit='DiT-M/2'.*DiT-S/2"):
+    with pytest.raises(ValueError, match=r"ldm\.dit\.preset='DiT-M/2'.*DiT-S/2"):
         dit_shape("DiT-M/2")
     with pytest.raises(ValueError, match=r"ldm\.sample_size=9 .*patch size 2"):
         build_dit("DiT-S/2", sample_size=9, in_channels=4, num_classes=0, depth=1, width=32, heads=2)
@@ -167,10 +167,10 @@ def test_flow_held_out_is_a_fixed_grid_of_s_and_repeats_exactly():
 @pytest.mark.parametrize("setting, message", [
     (dict(backbone="vit"), r"ldm\.backbone: got 'vit', accepted: unet, dit"),
     (dict(objective="edm"), r"ldm\.objective: got 'edm', accepted: ddpm, flow"),
-    (dict(objective="flow", flow_weighting="cosmap"), r"ldm\.flow_weighting: got 'cosmap', accepted: logit_normal"),
-    (dict(objective="flow", min_snr_gamma=5.0), r"ldm\.objective='flow'.*ldm\.min_snr_gamma"),
+    (dict(objective="flow", flow__weighting="cosmap"), r"ldm\.flow\.weighting: got 'cosmap', accepted: logit_normal"),
+    (dict(objective="flow", ddpm__min_snr_gamma=5.0), r"ldm\.objective='flow'.*ldm\.ddpm\.min_snr_gamma"),
     (dict(label_dropout=1.0), r"ldm\.label_dropout must be in \[0, 1\)"),
-    (dict(dit="DiT-XXL/2"), r"ldm\.dit: got 'DiT-XXL/2', accepted: DiT-S/2"),
+    (dict(dit__preset="DiT-XXL/2"), r"ldm\.dit\.preset: got 'DiT-XXL/2', accepted: DiT-S/2"),
 ])
 def test_config_mistakes_name_the_field_and_accepted_values(setting, message):
     with pytest.raises(ValueError, match=message):

@@ -19,13 +19,13 @@ from test_text_features import PRECOMPUTED, features16, latent_config  # noqa: F
 from test_text_to_image import PROMPTS, captioned, encoder, tiny  # noqa: F401 (fixtures)
 
 from launch.cli import main
-from pipelines.tasks.diffusion.config import DiffusionConfig
+from eval_runs import diffusion_config
 from pipelines.tasks.diffusion.from_export import load_pipeline, sample
 from pipelines.tasks.diffusion.task import DiffusionTask
 from pipelines.training.loop import train
 
-DDPM = ["ldm.objective=ddpm", "ldm.prediction_type=epsilon", "ldm.timestep_sampling=uniform",
-        "ldm.flow_weighting=uniform"]
+DDPM = ["ldm.objective=ddpm", "ldm.ddpm.prediction_type=epsilon", "ldm.ddpm.timestep_sampling=uniform",
+        "ldm.flow.weighting=uniform"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_a_class_conditional_latent_dit_loads_as_a_dit_pipeline_and_draws_prunep
 
     vae = str(tmp_path / "vae")
     tiny_vae(3, 16).save_pretrained(vae)
-    cfg = DiffusionConfig(backbone="dit", num_classes=10, dit_depth=1, dit_width=32, dit_heads=2, autoencoder=vae)
+    cfg = diffusion_config(backbone="dit", num_classes=10, dit__depth=1, dit__width=32, dit__heads=2, autoencoder=vae)
     task = DiffusionTask(cfg, image_size=16, channels=3)
     with torch.no_grad():  # the paper's init zeroes the last layer: a fresh DiT predicts nothing
         for parameter in task.model.parameters():
@@ -121,7 +121,7 @@ def test_a_class_conditional_latent_dit_loads_as_a_dit_pipeline_and_draws_prunep
 
 
 def test_an_export_no_pipeline_samples_says_why_in_its_readme_and_its_error(tmp_path):
-    task = DiffusionTask(DiffusionConfig(backbone="dit", objective="flow", dit_depth=1, dit_width=32, dit_heads=2),
+    task = DiffusionTask(diffusion_config(backbone="dit", objective="flow", dit__depth=1, dit__width=32, dit__heads=2),
                          image_size=8, channels=1)
     export = str(tmp_path / "export")
     task.export(task.model, None, export)

@@ -30,7 +30,7 @@ def latents(digits_shards, tmp_path_factory) -> str:
 
 def config(latents, tmp_path, *extra):
     return load_config(CONFIG, [f"data.train={latents}", "data.val=", f"runs_dir={tmp_path}", "name=latents",
-                                "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]", *extra])
+                                "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]", *extra])
 
 
 @pytest.mark.parametrize("settings", [["data.resolution=32"], ["data.resolution=16"],

@@ -124,10 +124,10 @@ def test_the_mae_configs_train_as_the_mae_paper(name, digits_shards):
 
 def test_the_text_to_image_config_trains_as_pixart_alpha(digits_shards, tmp_path):
     cfg = load_config(os.path.join(CONFIGS, "ldm_t2i_base.yaml"),
-                      [f"data.train={digits_shards}/train", f"ldm.text_encoder={tmp_path}"])
-    assert (cfg.ldm.backbone, cfg.ldm.dit, cfg.ldm.conditioning, cfg.ldm.autoencoder) == ("dit", "DiT-B/2", "text",
+                      [f"data.train={digits_shards}/train", f"ldm.text.encoder={tmp_path}"])
+    assert (cfg.ldm.backbone, cfg.ldm.dit.preset, cfg.ldm.conditioning, cfg.ldm.autoencoder) == ("dit", "DiT-B/2", "text",
                                                                                            "latents")
-    assert (cfg.ldm.text_max_length, cfg.ldm.caption_dropout) == (120, 0.1), "120 T5 tokens, 10% to the empty caption"
+    assert (cfg.ldm.text.max_length, cfg.ldm.text.caption_dropout) == (120, 0.1), "120 T5 tokens, 10% to the empty caption"
     # AdamW at a constant 2e-5 after a short warmup, weight decay 0.03, gradient clip 0.01, whatever the GPUs
     assert (cfg.optim.schedule, cfg.optim.blr, cfg.optim.weight_decay, cfg.optim.grad_clip) == ("constant", 0, 0.03,
                                                                                                  0.01)

@@ -32,7 +32,7 @@ def test_the_tiny_t2i_latents_config_trains_on_latent_and_text_feature_shards(ca
                       text_encoder=encoder)
     cfg = load_config(CONFIG, [f"data.train={tmp_path}/latents/train", f"data.val={tmp_path}/latents/val",
                                f"runs_dir={tmp_path}/runs", "passes=1", "data.batch_size=256"])  # 512 pairs: 2 steps
-    assert (cfg.ldm.autoencoder, cfg.ldm.text_encoder, cfg.ldm.backbone) == ("latents", "precomputed", "dit")
+    assert (cfg.ldm.autoencoder, cfg.ldm.text.encoder, cfg.ldm.backbone) == ("latents", "precomputed", "dit")
     task = build_task(cfg)
     assert isinstance(task.text_encoder, PrecomputedText) and not task.reads_captions
     assert task.model.__class__.__name__ == "PixArtTransformer2DModel" and task.autoencoder is None

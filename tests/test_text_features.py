@@ -1,6 +1,6 @@
 """Precomputed text features as a specification: `prunepipe latents encode --text-encoder`
 stores each caption's real tokens' features beside its latent (and the empty caption's beside the
-index), and a run with ldm.text_encoder=precomputed, which loads no encoder, conditions, samples,
+index), and a run with ldm.text.encoder=precomputed, which loads no encoder, conditions, samples,
 resumes and exports as a run that encodes the captions in the loop does."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pipelines.training.loop import train
 from tools.latents import encode_shards
 from tools.tiny_text_encoder import write_tiny_text_encoder
 
-PRECOMPUTED = "ldm.text_encoder=precomputed"
+PRECOMPUTED = "ldm.text.encoder=precomputed"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -272,7 +272,7 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
     other = write_tiny_text_encoder(str(tmp_path / "other"), ["a different vocabulary"], hidden_size=16, layers=1,
                                     max_length=8)
     cfg = latent_config(features16, tmp_path, "resumed", *[o for o in base if o != PRECOMPUTED],
-                        f"ldm.text_encoder={other}", "checkpoint.resume=latest")
+                        f"ldm.text.encoder={other}", "checkpoint.resume=latest")
     with pytest.raises(ValueError, match="the features of text encoder"):
         train(cfg)
 
@@ -284,7 +284,7 @@ def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_ima
     from pipelines.tasks.diffusion.from_export import pixart_pipeline, sample
 
     cfg = latent_config(features16, tmp_path, "ddpm", *tiny(encoder), PRECOMPUTED, "ldm.objective=ddpm",
-                        "ldm.prediction_type=epsilon", "ldm.timestep_sampling=uniform", "ldm.flow_weighting=uniform")
+                        "ldm.ddpm.prediction_type=epsilon", "ldm.ddpm.timestep_sampling=uniform", "ldm.flow.weighting=uniform")
     task = build_task(cfg)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # random weights: PixArt's init zeroes the cross-attention outputs

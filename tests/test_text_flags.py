@@ -1,6 +1,6 @@
 """A text encoder's folder that cannot be loaded is named as the user gave it: by the flag of
-`prunepipe latents encode` (--text-encoder, --tokenizer), or by the config key (ldm.text_encoder,
-ldm.tokenizer) in a run; and transformers' reason is given whole, on one line."""
+`prunepipe latents encode` (--text-encoder, --tokenizer), or by the config key (ldm.text.encoder,
+ldm.text.tokenizer) in a run; and transformers' reason is given whole, on one line."""
 
 from __future__ import annotations
 
@@ -55,6 +55,6 @@ def test_latents_encode_names_its_flags_and_gives_the_whole_reason(digits_shards
 
 
 def test_a_run_names_its_config_keys(model_only):
-    with pytest.raises(FileNotFoundError, match=r"^ldm\.text_encoder='.*': no tokenizer beside the encoder.*"
-                                                r"give its folder with ldm\.tokenizer"):
+    with pytest.raises(FileNotFoundError, match=r"^ldm\.text\.encoder='.*': no tokenizer beside the encoder.*"
+                                                r"give its folder with ldm\.text\.tokenizer"):
         TextEncoder(model_only, max_length=8)

@@ -91,7 +91,7 @@ def encoder(tmp_path_factory) -> str:
 
 def tiny(encoder: str) -> list[str]:
     return ["data.resolution=8", "data.batch_size=32", "data.val_batches=2", "data.shuffle_buffer=64",
-            "ldm.dit_width=32", f"ldm.text_encoder={encoder}", "ldm.text_max_length=8", "log_every=4"]
+            "ldm.dit.width=32", f"ldm.text.encoder={encoder}", "ldm.text.max_length=8", "log_every=4"]
 
 
 def config(captioned, encoder, tmp_path, name, *extra):
@@ -133,7 +133,7 @@ def test_a_tiny_text_conditional_dit_trains_from_img2dataset_shards_and_its_held
         assert json.load(f)["_class_name"] == "PixArtTransformer2DModel"
     with open(os.path.join(cfg.run_dir, "export", TEXT_ENCODER_INFO)) as f:
         recorded = json.load(f)["text_encoder"]  # relative to the export
-    assert os.path.realpath(os.path.join(cfg.run_dir, "export", recorded)) == os.path.realpath(cfg.ldm.text_encoder)
+    assert os.path.realpath(os.path.join(cfg.run_dir, "export", recorded)) == os.path.realpath(cfg.ldm.text.encoder)
 
 
 def test_a_text_run_stopped_at_a_checkpoint_resumes_bitwise(captioned, encoder, tmp_path):
@@ -176,7 +176,7 @@ def test_captions_are_dropped_once_per_sample_at_the_configured_rate():
 
 def test_a_dropped_caption_trains_on_the_empty_captions_features_and_its_stratum_says_so(captioned, encoder,
                                                                                          tmp_path):
-    task = text_task(captioned, encoder, tmp_path, "ldm.caption_dropout=0.25")
+    task = text_task(captioned, encoder, tmp_path, "ldm.text.caption_dropout=0.25")
     count, T = 400, task.cfg.num_train_timesteps
     ones = digit_batch(count, [digit_caption(1)] * count)
     sevens = digit_batch(count, [digit_caption(7)] * count)
@@ -190,7 +190,7 @@ def test_a_dropped_caption_trains_on_the_empty_captions_features_and_its_stratum
     assert bool((a.loss[~dropped] != b.loss[~dropped]).all())
     assert abs(float(dropped.float().mean()) - 0.25) < 3 * (0.25 * 0.75 / count) ** 0.5
     # no dropout: one stratum per timestep bucket, no null-caption half
-    assert text_task(captioned, encoder, tmp_path, "ldm.caption_dropout=0").num_strata == T
+    assert text_task(captioned, encoder, tmp_path, "ldm.text.caption_dropout=0").num_strata == T
 
 
 def test_a_sample_without_a_caption_follows_on_bad_sample_and_is_counted(encoder, tmp_path):
@@ -262,9 +262,9 @@ def test_an_export_refuses_a_text_encoder_other_than_its_runs(captioned, encoder
 # ----------------------------------------------------------------------------- configuration and data
 @pytest.mark.parametrize("setting, named", [
     ("ldm.backbone=unet", "ldm.backbone=dit"),
-    ("ldm.text_encoder=", "needs ldm.text_encoder"),
+    ("ldm.text.encoder=", "needs ldm.text.encoder"),
     ("ldm.num_classes=10", "ldm.num_classes=10"),
-    ("ldm.caption_dropout=1.0", "ldm.caption_dropout"),
+    ("ldm.text.caption_dropout=1.0", "ldm.text.caption_dropout"),
     ("ldm.conditioning=words", "accepted: none, class, text"),
 ])
 def test_a_text_config_mistake_names_its_field(captioned, encoder, tmp_path, setting, named):

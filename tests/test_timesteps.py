@@ -10,7 +10,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pipelines.tasks.diffusion.config import DiffusionConfig
+from eval_runs import diffusion_config
 from pipelines.tasks.diffusion.task import DiffusionTask
 from pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
 
@@ -74,8 +74,8 @@ def test_state_round_trip_gives_the_same_draws():
 
 
 def test_a_task_weights_the_loss_and_scores_without_the_weight():
-    task = DiffusionTask(DiffusionConfig(block_out_channels=[16, 32], norm_num_groups=8, num_train_timesteps=T,
-                                         timestep_sampling="loss_second_moment"), image_size=16, channels=1)
+    task = DiffusionTask(diffusion_config(unet__block_out_channels=[16, 32], unet__norm_num_groups=8, num_train_timesteps=T,
+                                         ddpm__timestep_sampling="loss_second_moment"), image_size=16, channels=1)
     sampler = task.timestep_sampler
     for _ in range(10):
         sampler.update(np.arange(T), np.arange(T), np.linspace(0.1, 5.0, T))
@@ -88,8 +88,8 @@ def test_a_task_weights_the_loss_and_scores_without_the_weight():
     task.observe(np.arange(8), out.stratum.numpy(), out.score.numpy())
     last = int(np.flatnonzero(out.stratum.numpy() == int(out.stratum[0]))[-1])  # the newest loss of that t
     assert sampler.history_of(int(out.stratum[0]))[-1] == pytest.approx(float(out.score[last]))
-    with pytest.raises(ValueError, match="ldm.timestep_sampling: got 'uniformly'"):
-        DiffusionTask(DiffusionConfig(timestep_sampling="uniformly"), image_size=16, channels=1)
+    with pytest.raises(ValueError, match="ldm.ddpm.timestep_sampling: got 'uniformly'"):
+        DiffusionTask(diffusion_config(ddpm__timestep_sampling="uniformly"), image_size=16, channels=1)
 
 
 def test_a_batch_is_recorded_as_one_loss_after_another():

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough for seconds per run on 2 CPU cores, large enough that InfoBatch prunes.
 TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
             "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
-TINY_LDM = ["ldm.block_out_channels=[16,32]", "ldm.norm_num_groups=8", "data.batch_size=64",
+TINY_LDM = ["ldm.unet.block_out_channels=[16,32]", "ldm.unet.norm_num_groups=8", "data.batch_size=64",
             "data.val_batches=1", "data.resolution=16"]
 
 
@@ -185,7 +185,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=37)
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
         f"data.train={shards}", "data.val=''", f"runs_dir={tmp_path}", f"name={policy}", "passes=2",
-        "data.batch_size=8", "ldm.autoencoder=latents", "ldm.block_out_channels=[16,32]",
+        "data.batch_size=8", "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]",
         f"on_nonfinite_loss={policy}",
     ])
     if policy == "stop":
@@ -201,7 +201,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
 def test_latent_shards_tell_the_unet_their_shape(tmp_path):
     shards = write_latent_shards(str(tmp_path / "latents"), 8, nan_at=-1)
     cfg = load_config(os.path.join(ROOT, "configs", "ldm_full.yaml"),
-                      [f"data.train={shards}", "ldm.block_out_channels=[16,32,32,32]", "ldm.norm_num_groups=8"])
+                      [f"data.train={shards}", "ldm.unet.block_out_channels=[16,32,32,32]", "ldm.unet.norm_num_groups=8"])
     task = build_task(cfg)
     assert (task.in_channels, task.sample_size) == (4, 8), "data.resolution=256 describes images, not latents"
 
@@ -276,7 +276,7 @@ def straight_and_resumed(config, digits_shards, tmp_path, base, *, stop_at: int,
     return final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
 
 
-@pytest.mark.parametrize("setting", ["score.normalise=stratum_zscore", "ldm.timestep_sampling=loss_second_moment"])
+@pytest.mark.parametrize("setting", ["score.normalise=stratum_zscore", "ldm.ddpm.timestep_sampling=loss_second_moment"])
 def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digits_shards, tmp_path, setting):
     config = os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml")
     # 1,000 timesteps x a history of 10 need 10,000 losses before importance sampling starts: a tiny

@@ -101,7 +101,7 @@ def encode_shards(
     With `text_encoder` (a local CLIP text or T5 encoder folder, `tokenizer` beside it unless given),
     each sample also holds `text.npy`: its caption's features, [n, D] for its n real tokens (at most
     `text_max_length`, by default the encoder's), in `dtype`; OUT/text_null.npy holds the empty
-    caption's, and index.json the encoder's identity (ldm.text_encoder=precomputed reads them;
+    caption's, and index.json the encoder's identity (ldm.text.encoder=precomputed reads them;
     docs/diffusion.md, "Text features"). `resolution` defaults to the image index's size.
     """
     if dtype not in LATENT_DTYPES:

@@ -1,6 +1,6 @@
 """`prunepipe text-encoder tiny`: a tiny CLIP text model with random weights and a word-level tokenizer
 of the given captions' words, saved with save_pretrained as a real encoder folder is, so that tests and
-the CPU demo load it by path like any other (ldm.text_encoder); and a tiny full CLIP (both towers and
+the CPU demo load it by path like any other (ldm.text.encoder); and a tiny full CLIP (both towers and
 its processor) for CLIPScore (eval.clip_score.model). Random features still tell captions
 apart, which is all a tiny text-conditional model needs; nothing is downloaded.
 """

@@ -107,8 +107,8 @@ def caption_dropped(draws, rate: float, device) -> torch.Tensor:
 class TextEncoder:
     """A frozen encoder in eval mode and its tokenizer, both read from local folders only."""
 
-    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text_encoder",
-                 tokenizer_setting: str = "ldm.tokenizer"):
+    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text.encoder",
+                 tokenizer_setting: str = "ldm.text.tokenizer"):
         """`setting` and `tokenizer_setting` name where `path` and `tokenizer` came from (a config key,
         or the flags of `prunepipe latents encode`), for the messages."""
         import transformers
@@ -212,7 +212,7 @@ class TextEncoder:
                 "max_length": self.max_length, "digest": digest.hexdigest()}
 
 
-PRECOMPUTED_TEXT = "precomputed"  # ldm.text_encoder: the shards hold the features
+PRECOMPUTED_TEXT = "precomputed"  # ldm.text.encoder: the shards hold the features
 
 
 def indexed(device) -> torch.device:
@@ -246,9 +246,9 @@ class PrecomputedText:
         index = ShardIndex.load(folder)
         meta = index.meta
         if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
-            raise ValueError(f"ldm.text_encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
+            raise ValueError(f"ldm.text.encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
                              f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
-                             f"ldm.text_encoder to the encoder's folder to encode captions in the loop")
+                             f"ldm.text.encoder to the encoder's folder to encode captions in the loop")
         self.index_path = index.path
         self.info = dict(meta["text_encoder"])
         self.width = int(meta["text_width"])

@@ -29,9 +29,9 @@ from pipelines.data.shards import BadInputError, ShardIndex
 from pipelines.data.splits import read_split
 from pipelines.data.stream import ShardStream
 from pipelines.data.workers import agreed_loader_workers
-from pipelines.evaluation.ranks import on_every_rank, same_on_every_rank
 from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
 from pipelines.progress import EveryFewSeconds, pass_label, position_label, progress
+from pipelines.ranks import on_every_rank, same_on_every_rank
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.training.device import build_optimizer, place_model, set_backend_flags
@@ -153,7 +153,7 @@ def train(cfg: RunConfig) -> dict:
     # each rank loads its model's parts (a text encoder, the shards' records) from its own node: one
     # that cannot stops every rank here, not only itself while the others wait in the next collective
     task = on_every_rank(lambda: build_task(cfg))
-    if getattr(task, "text_identity", ""):  # each rank loaded the encoder (or its features' record) from its node
+    if task.text_identity:  # each rank loaded the encoder (or its features' record) from its node
         same_on_every_rank(task.text_identity, f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
                            "text encoders (files and caption length)")
     index = ShardIndex.load(cfg.data.train)
@@ -184,7 +184,7 @@ def train(cfg: RunConfig) -> dict:
     accelerator.register_for_checkpointing(checkpointed, ema, position)
     scorer = ScoreNormaliser(cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets,
                              momentum=cfg.score.momentum)
-    if cfg.score.normalise != "none":  # registered only when used: older checkpoints hold three objects
+    if cfg.score.normalise != "none":  # registered only when used: custom_checkpoint_3.pkl
         accelerator.register_for_checkpointing(scorer)
     if task.timestep_sampler is not None:
         accelerator.register_for_checkpointing(task.timestep_sampler)
@@ -196,10 +196,10 @@ def train(cfg: RunConfig) -> dict:
         if main:
             print(f"resumed from {resume_from}: {position_label(position.epoch, position.batch_in_pass, cfg.passes)}, "
                   f"step {position.optimizer_steps}")
-    text_identity = getattr(task, "text_identity", "")  # "" unless text-conditional
+    text_identity = task.text_identity  # "" unless text-conditional
     if position.text_identity and position.text_identity != text_identity:  # alike on every rank (agreed above)
         raise ValueError(f"{resume_from}: the run trained on the features of text encoder {position.text_identity}; "
-                         f"this config's (ldm.text_encoder={cfg.ldm.text_encoder}) is {text_identity or 'none'}. "
+                         f"this config's (ldm.text.encoder={cfg.ldm.text.encoder}) is {text_identity or 'none'}. "
                          f"Resume with the run's encoder (or its features), or start a new run")
     position.text_identity = text_identity
 

@@ -159,17 +159,17 @@ SIZES = {
     # MAE ViT-B/16 at 224 px, the latent-diffusion UNet of configs/ldm_base.yaml and DiT-B/2 (flow,
     # unconditional) on 4x32x32 latents
     "gpu": {"mae": ["mae.preset=vit_base", "data.resolution=224", "mae.norm_pix_loss=true"],
-            "dit": [*LATENTS_4x32x32, "ldm.dit=DiT-B/2", "ldm.dit_depth=0", "ldm.dit_width=0", "ldm.dit_heads=0",
+            "dit": [*LATENTS_4x32x32, "ldm.dit.preset=DiT-B/2", "ldm.dit.depth=0", "ldm.dit.width=0", "ldm.dit.heads=0",
                     "ldm.num_classes=0", "optim.lr=1e-4"],
             "ldm": [*LATENTS_4x32x32,
-                    "ldm.block_out_channels=[128,256,512,512]", "ldm.layers_per_block=2", "ldm.norm_num_groups=32",
-                    "ldm.down_block_types=[DownBlock2D,AttnDownBlock2D,AttnDownBlock2D,DownBlock2D]",
-                    "ldm.up_block_types=[UpBlock2D,AttnUpBlock2D,AttnUpBlock2D,UpBlock2D]"]},
+                    "ldm.unet.block_out_channels=[128,256,512,512]", "ldm.unet.layers_per_block=2", "ldm.unet.norm_num_groups=32",
+                    "ldm.unet.down_block_types=[DownBlock2D,AttnDownBlock2D,AttnDownBlock2D,DownBlock2D]",
+                    "ldm.unet.up_block_types=[UpBlock2D,AttnUpBlock2D,AttnUpBlock2D,UpBlock2D]"]},
     # every code path at the smallest size, for a test of the GPU script on a CPU
     "smoke": {"mae": ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
                       "mae.decoder_depth=1", "mae.decoder_num_heads=2"],
-              "ldm": ["ldm.block_out_channels=[16,32]", "data.resolution=16"],
-              "dit": ["ldm.dit_depth=1"]},
+              "ldm": ["ldm.unet.block_out_channels=[16,32]", "data.resolution=16"],
+              "dit": ["ldm.dit.depth=1"]},
 }
 
 

@@ -29,13 +29,13 @@ def dit_shape(preset: str, depth: int = 0, width: int = 0, heads: int = 0, patch
     (tiny CPU models: `DiT-S/2` with depth 2, width 64, heads 2)."""
     match = re.fullmatch(r"DiT-(S|B|L|XL)/(\d+)", preset)
     if not match:
-        raise ValueError(f"ldm.dit={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
-                         f"(ldm.dit_depth, dit_width, dit_heads, dit_patch_size override its numbers)")
+        raise ValueError(f"ldm.dit.preset={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
+                         f"(ldm.dit.depth, dit_width, dit_heads, dit_patch_size override its numbers)")
     layers, hidden, n_heads = DIT_SIZES[match.group(1)]
     shape = {"num_layers": depth or layers, "width": width or hidden, "heads": heads or n_heads,
              "patch_size": patch_size or int(match.group(2))}
     if shape["width"] % shape["heads"]:
-        raise ValueError(f"ldm.dit_width={shape['width']} must be a multiple of ldm.dit_heads={shape['heads']}")
+        raise ValueError(f"ldm.dit.width={shape['width']} must be a multiple of ldm.dit.heads={shape['heads']}")
     return shape
 
 
@@ -46,7 +46,7 @@ def transformer_shape(preset: str, sample_size: int, in_channels: int, depth: in
     shape = dit_shape(preset, depth, width, heads, patch_size)
     if sample_size % shape["patch_size"]:
         raise ValueError(f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
-                         f"{shape['patch_size']} (ldm.dit={preset!r}, ldm.dit_patch_size)")
+                         f"{shape['patch_size']} (ldm.dit.preset={preset!r}, ldm.dit.patch_size)")
     return dict(num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
                 in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
                 sample_size=sample_size, patch_size=shape["patch_size"])

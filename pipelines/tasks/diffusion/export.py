@@ -231,7 +231,7 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
     call = {"DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
             "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
             "PixArtAlphaPipeline": (f"pipe(prompt, num_inference_steps=50, max_sequence_length="
-                                    f"{getattr(task.text_encoder, 'max_length', cfg.text_max_length)}, "
+                                    f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
                                     f"use_resolution_binning=False, clean_caption=False)")}[pipeline]
     model, folder = type(unwrap(task.model)).__name__, MODEL_FOLDERS[cfg.backbone]
     lines += ["```python", f"from diffusers import {pipeline}", "", f'pipe = {pipeline}.from_pretrained("EXPORT")']

@@ -35,16 +35,16 @@ HELD_OUT_TIMESTEPS = 10
 def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
     """The text features stored with the shards at `shards`, checked against the config."""
     if not shards:
-        raise ValueError(f"ldm.text_encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards "
+        raise ValueError(f"ldm.text.encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards "
                          f"(data.train)")
     text = PrecomputedText(shards)
-    if cfg.tokenizer:
-        raise ValueError(f"ldm.tokenizer={cfg.tokenizer!r}: with ldm.text_encoder={PRECOMPUTED_TEXT} the shards "
+    if cfg.text.tokenizer:
+        raise ValueError(f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.encoder={PRECOMPUTED_TEXT} the shards "
                          f"hold features; no tokenizer runs")
-    if cfg.text_max_length != text.max_length:
-        raise ValueError(f"ldm.text_max_length={cfg.text_max_length}, but {text.index_path} holds features of up to "
+    if cfg.text.max_length != text.max_length:
+        raise ValueError(f"ldm.text.max_length={cfg.text.max_length}, but {text.index_path} holds features of up to "
                          f"{text.max_length} tokens (`latents encode --text-max-length`): set "
-                         f"ldm.text_max_length={text.max_length}")
+                         f"ldm.text.max_length={text.max_length}")
     return text
 
 
@@ -55,12 +55,12 @@ class DiffusionTask:
         """`image_size` and `channels` describe the decoded images. With autoencoder='latents' the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
         records `latent_shape`), or pass that shape here. `shards` is the train split: its index.json
-        holds the text features (ldm.text_encoder=precomputed) and names the VAE of its latents."""
+        holds the text features (ldm.text.encoder=precomputed) and names the VAE of its latents."""
         self.cfg = cfg
         self.shards = shards
         self.conditioning = check_config(cfg)
         self.timestep_sampler = (LossSecondMomentSampler(cfg.num_train_timesteps)
-                                 if cfg.timestep_sampling == "loss_second_moment" else None)
+                                 if cfg.ddpm.timestep_sampling == "loss_second_moment" else None)
 
         # ---------------------------------------------------------------- the space we denoise in
         self.autoencoder: AutoencoderKL | None = None
@@ -85,43 +85,43 @@ class DiffusionTask:
             self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
         self.sample_size = cfg.sample_size or size
         self.in_channels = cfg.in_channels or latent_channels
-        downsampling = 2 ** (len(cfg.block_out_channels) - 1)
+        downsampling = 2 ** (len(cfg.unet.block_out_channels) - 1)
         if self.sample_size % downsampling and cfg.backbone == "unet":
             raise ValueError(
                 f"ldm.sample_size={self.sample_size} must be a multiple of {downsampling} "
-                f"(2 ** (len(ldm.block_out_channels) - 1))"
+                f"(2 ** (len(ldm.unet.block_out_channels) - 1))"
             )
 
         # ---------------------------------------------------------------- model and schedule
         self.text_encoder: TextEncoder | PrecomputedText | None = None
-        if self.conditioning == "text" and cfg.text_encoder == PRECOMPUTED_TEXT:
+        if self.conditioning == "text" and cfg.text.encoder == PRECOMPUTED_TEXT:
             self.text_encoder = precomputed_text(cfg, shards)
         elif self.conditioning == "text":
-            self.text_encoder = TextEncoder(cfg.text_encoder, cfg.tokenizer, cfg.text_max_length)
+            self.text_encoder = TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length)
         self.model = build_text_dit(
-            cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels,
-            caption_channels=self.text_encoder.hidden_size, depth=cfg.dit_depth, width=cfg.dit_width,
-            heads=cfg.dit_heads, patch_size=cfg.dit_patch_size,
+            cfg.dit.preset, sample_size=self.sample_size, in_channels=self.in_channels,
+            caption_channels=self.text_encoder.hidden_size, depth=cfg.dit.depth, width=cfg.dit.width,
+            heads=cfg.dit.heads, patch_size=cfg.dit.patch_size,
         ) if self.text_encoder is not None else build_dit(
-            cfg.dit, sample_size=self.sample_size, in_channels=self.in_channels, num_classes=cfg.num_classes,
-            depth=cfg.dit_depth, width=cfg.dit_width, heads=cfg.dit_heads, patch_size=cfg.dit_patch_size,
+            cfg.dit.preset, sample_size=self.sample_size, in_channels=self.in_channels, num_classes=cfg.num_classes,
+            depth=cfg.dit.depth, width=cfg.dit.width, heads=cfg.dit.heads, patch_size=cfg.dit.patch_size,
         ) if cfg.backbone == "dit" else UNet2DModel(
             sample_size=self.sample_size,
             in_channels=self.in_channels,
             out_channels=self.in_channels,
-            block_out_channels=tuple(cfg.block_out_channels),
-            layers_per_block=cfg.layers_per_block,
-            down_block_types=tuple(cfg.down_block_types),
-            up_block_types=tuple(cfg.up_block_types),
-            norm_num_groups=cfg.norm_num_groups,
+            block_out_channels=tuple(cfg.unet.block_out_channels),
+            layers_per_block=cfg.unet.layers_per_block,
+            down_block_types=tuple(cfg.unet.down_block_types),
+            up_block_types=tuple(cfg.unet.up_block_types),
+            norm_num_groups=cfg.unet.norm_num_groups,
             num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
         )
         # flow: the scheduler only records how to sample (timestep = s * T, as in training)
         self.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps) \
             if cfg.objective == "flow" else DDPMScheduler(
             num_train_timesteps=cfg.num_train_timesteps,
-            beta_schedule=cfg.beta_schedule,
-            prediction_type=cfg.prediction_type,
+            beta_schedule=cfg.ddpm.beta_schedule,
+            prediction_type=cfg.ddpm.prediction_type,
             # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
             clip_sample=cfg.autoencoder == PIXEL_SPACE,
         )
@@ -190,14 +190,14 @@ class DiffusionTask:
 
     def training_condition(self, batch, draws: SampleDraws, device) -> tuple[Condition, torch.Tensor | None]:
         """(condition with the per-sample drops applied, bool [B] of dropped captions or None). Text:
-        each caption replaced by the empty caption's features with probability ldm.caption_dropout, once
+        each caption replaced by the empty caption's features with probability ldm.text.caption_dropout, once
         per sample from its draws, here at train time (never when features are precomputed: that would
         fix which samples are unconditional for good and make a pruner's scores incomparable)."""
         if self.text_encoder is None:
             return self.training_labels(batch.labels.to(device), draws), None
-        if self.cfg.caption_dropout <= 0:
+        if self.cfg.text.caption_dropout <= 0:
             return self._text_condition(batch, device, None), None
-        dropped = caption_dropped(draws, self.cfg.caption_dropout, device)
+        dropped = caption_dropped(draws, self.cfg.text.caption_dropout, device)
         return self._text_condition(batch, device, dropped), dropped
 
     def class_labels(self, labels: torch.Tensor) -> torch.Tensor | None:
@@ -227,8 +227,8 @@ class DiffusionTask:
         v-prediction form): min(snr, gamma) / snr for epsilon, min(snr, gamma) / (snr + 1) for v."""
         alpha_bar = self.scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
         snr = alpha_bar / (1.0 - alpha_bar)
-        gamma = self.cfg.min_snr_gamma
-        if self.cfg.prediction_type == "epsilon":
+        gamma = self.cfg.ddpm.min_snr_gamma
+        if self.cfg.ddpm.prediction_type == "epsilon":
             weights = torch.where(snr <= gamma, torch.ones_like(snr), gamma / snr)  # no 0/0 at snr -> 0
         else:
             weights = torch.clamp(snr, max=gamma) / (snr + 1.0)
@@ -243,7 +243,7 @@ class DiffusionTask:
 
     @property
     def _drops_captions(self) -> bool:
-        return self.text_encoder is not None and self.cfg.caption_dropout > 0
+        return self.text_encoder is not None and self.cfg.text.caption_dropout > 0
 
     def _stratum(self, timestep_stratum: torch.Tensor, dropped: torch.Tensor | None) -> torch.Tensor:
         if dropped is None:
@@ -278,8 +278,8 @@ class DiffusionTask:
         noise = draws.randn(*x0.shape[1:]).to(device)
         cfg = self.cfg
         if cfg.objective == "flow":
-            s = draw_s(draws, cfg.flow_weighting, logit_mean=cfg.flow_logit_mean, logit_std=cfg.flow_logit_std,
-                       mode_scale=cfg.flow_mode_scale, device=device)
+            s = draw_s(draws, cfg.flow.weighting, logit_mean=cfg.flow.logit_mean, logit_std=cfg.flow.logit_std,
+                       mode_scale=cfg.flow.mode_scale, device=device)
             condition, dropped = self.training_condition(batch, draws, device)
             losses = self._flow_mse(model, x0, noise, s, condition)
             return SampleLosses(losses, self._stratum(s_stratum(s, cfg.num_train_timesteps), dropped))
@@ -289,7 +289,7 @@ class DiffusionTask:
             timesteps, importance = self.timestep_sampler.draw(draws.rand().to(device))
         condition, dropped = self.training_condition(batch, draws, device)
         losses = self._denoising_mse(model, x0, noise, timesteps, condition)
-        if self.cfg.min_snr_gamma > 0:
+        if self.cfg.ddpm.min_snr_gamma > 0:
             losses = losses * self.min_snr_weights(timesteps)
         stratum = self._stratum(timesteps, dropped)
         if importance is None:
@@ -304,7 +304,7 @@ class DiffusionTask:
     def _denoising_mse(self, model, x0, noise, timesteps, labels) -> torch.Tensor:
         """`labels` as `condition` returns them (None, class indices or caption features)."""
         noisy = self.scheduler.add_noise(x0, noise, timesteps)
-        if self.cfg.prediction_type == "epsilon":
+        if self.cfg.ddpm.prediction_type == "epsilon":
             target = noise
         else:
             target = self.scheduler.get_velocity(x0, noise, timesteps)

@@ -127,7 +127,7 @@ def t2i_plan(mode: str) -> TaskPlan:
     bench writes beside them), InfoBatch against Full at 3 seeds: t2i (the measurement), t2i_quick
     (the same in a few minutes), t2i_micro (the harness test)."""
     infobatch = {"InfoBatch": PRUNERS["InfoBatch"]}
-    text = ["ldm.text_encoder={data}/text_encoder"]  # written by prepare_data
+    text = ["ldm.text.encoder={data}/text_encoder"]  # written by prepare_data
     samples, passes = {"t2i": (500, 16), "t2i_quick": (500, 4), "t2i_micro": (96, 2)}.get(mode, (0, 0))
     if not samples:
         raise ValueError(f"bench mode {mode!r}: accepted: t2i, t2i_quick, t2i_micro")
@@ -175,10 +175,10 @@ PAYS_LDM = {
     "Importance t-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
                           "run": {"score.normalise": "stratum_mean"}},
     # the other axis: which timesteps, not which samples (all data, so its equal compute is Full itself)
-    "Full, sampled t": {"name": "full", "run": {"ldm.timestep_sampling": "loss_second_moment"}},
+    "Full, sampled t": {"name": "full", "run": {"ldm.ddpm.timestep_sampling": "loss_second_moment"}},
     "InfoBatch t-norm, sampled t": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
                                     "run": {"score.normalise": "stratum_mean",
-                                            "ldm.timestep_sampling": "loss_second_moment"}},
+                                            "ldm.ddpm.timestep_sampling": "loss_second_moment"}},
     "TED": PRUNERS["TED"],
 }
 # DiT + flow (today's diffusion recipe, bench_dit.yaml) on the same data: the loss pruners, timestep-normalised
