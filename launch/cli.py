@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from tools.redundant_options import add_redundant_arguments, redundant_options
+from tools.commands.redundant_options import add_redundant_arguments, redundant_options
 
 DEFAULT_DATA = "data/digits"
 
@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _shards_write(args) -> None:
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     paths = write_shards(
         args.source,
@@ -61,7 +61,7 @@ def _shards_write(args) -> None:
 def _text_encoder_tiny(args) -> None:
     from pipelines.data.shards import BadInputError
     from pipelines.data.splits import read_captions
-    from tools.tiny_text_encoder import write_tiny_text_encoder
+    from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
     hint = "write them with `prunepipe shards write --captions`"
     try:
@@ -78,7 +78,7 @@ def _text_encoder_tiny(args) -> None:
 
 def _shards_index(args) -> None:
     from pipelines.data.shards import ShardIndex
-    from tools.shards import index_shards
+    from tools.commands.shards import index_shards
 
     path = index_shards(args.shards, args.out, workers=args.workers, verify=args.verify)
     index = ShardIndex.load(path)
@@ -90,14 +90,14 @@ def _shards_index(args) -> None:
 
 
 def _shards_inspect(args) -> None:
-    from tools.shards import inspect_shards
+    from tools.commands.shards import inspect_shards
 
     print(json.dumps(inspect_shards(args.location, args.grid), indent=1))
 
 
 def _shards_embed(args) -> None:
     from pipelines.data.side_tables import open_embeddings
-    from tools.embed import embed_shards
+    from tools.commands.embed import embed_shards
 
     path = embed_shards(args.location, args.model, weights=args.weights, name=args.out, batch_size=args.batch_size,
                         image_size=args.image_size, device=args.device, on_bad_sample=args.on_bad_sample,
@@ -110,7 +110,7 @@ def _shards_embed(args) -> None:
 
 
 def _shards_import_embeddings(args) -> None:
-    from tools.embedding_import import import_embeddings
+    from tools.commands.embedding_import import import_embeddings
 
     summary = import_embeddings(args.location, args.source, format=args.format, name=args.out,
                                 embedding=args.embedding, sample_key=args.sample_key)
@@ -121,7 +121,7 @@ def _shards_import_embeddings(args) -> None:
 
 
 def _shards_dedup(args) -> None:
-    from tools.dedup import dedup_shards, report_lines
+    from tools.commands.dedup import dedup_shards, report_lines
 
     report = dedup_shards(args.location, args.embeddings, args.threshold, clusters=args.clusters,
                           report_thresholds=args.report_thresholds, out=args.out, picture=not args.no_picture,
@@ -140,7 +140,7 @@ def _train(args) -> None:
 
 
 def _latents_encode(args) -> None:
-    from tools.latents import encode_shards
+    from tools.commands.latents import encode_shards
 
     path = encode_shards(args.shards, args.vae, args.out, resolution=args.resolution, batch_size=args.batch_size,
                          subfolder=args.subfolder, cache_dir=args.cache_dir, dtype=args.dtype, flip=args.flip,
@@ -152,7 +152,7 @@ def _latents_encode(args) -> None:
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, on_bad_sample: str, skip_means: str, bad: str) -> None:
-    """The options of a preprocessing job split over processes (tools/shard_jobs.py)."""
+    """The options of a preprocessing job split over processes (tools/commands/shard_jobs.py)."""
     parser.add_argument("--rank", type=int, help="this process's share without torchrun, e.g. a SLURM array's "
                                                  "$SLURM_ARRAY_TASK_ID (default: torchrun's RANK, then SLURM's)")
     parser.add_argument("--world", type=int, help="the number of shares, with --rank")
@@ -287,29 +287,29 @@ def _compare(args) -> None:
     print(f"written: {report['out']}/report.md, report.json" + "".join(f", {os.path.basename(p)}" for p in report["plots"]))
 
 
-# `prunepipe bench NAME`: the module in tools/bench/ (its add_arguments and run_from_args) and the help line
+# `prunepipe bench NAME`: the module in tools/benchmarks/ (its add_arguments and run_from_args) and the help line
 BENCHES = {
-    "lossless": ("tools.bench.lossless.run", "is pruning lossless, and better than training less? writes "
+    "lossless": ("tools.benchmarks.lossless.run", "is pruning lossless, and better than training less? writes "
                                              "docs/benchmarks/lossless_MODE.md"),
-    "scores": ("tools.bench.score_noise", "how much of a run's per-sample scores is the sample, and how much the "
+    "scores": ("tools.benchmarks.score_noise", "how much of a run's per-sample scores is the sample, and how much the "
                                           "mask or timestep drawn; what its pruner skips"),
-    "throughput": ("tools.bench.throughput", "samples/s of the project loop against a bare loop, same model and "
+    "throughput": ("tools.benchmarks.throughput", "samples/s of the project loop against a bare loop, same model and "
                                              "batch, for mae, ldm and dit"),
-    "scale": ("tools.bench.scale", "pruning at 1e8-1e9 samples: bytes per sample per node and per rank, plan + "
+    "scale": ("tools.benchmarks.scale", "pruning at 1e8-1e9 samples: bytes per sample per node and per rank, plan + "
                                    "layout time for a simulated world, pruner state save/load"),
-    "dedup-quality": ("tools.bench.dedup_quality", "precision and recall of shards dedup's duplicate pairs on the "
+    "dedup-quality": ("tools.benchmarks.dedup_quality", "precision and recall of shards dedup's duplicate pairs on the "
                                                    "bundled redundant set, whose copies are known"),
-    "encode": ("tools.bench.encode_ranks", "latents encode on one process and on two torchrun ranks, side by "
+    "encode": ("tools.benchmarks.encode_ranks", "latents encode on one process and on two torchrun ranks, side by "
                                            "side; a SIGKILLed encode's rerun"),
-    "remote": ("tools.bench.remote_reads", "pipe: shards through the retrying reader against webdataset's "
+    "remote": ("tools.benchmarks.remote_reads", "pipe: shards through the retrying reader against webdataset's "
                                            "gopen; a command failing once per shard; a hanging one"),
-    "dedup-scale": ("tools.bench.dedup_scale", "shards dedup at 1e6 planted embeddings of 512 dims: wall time, "
+    "dedup-scale": ("tools.benchmarks.dedup_scale", "shards dedup at 1e6 planted embeddings of 512 dims: wall time, "
                                                "peak RSS, precision and recall"),
 }
 
 
 def _bench(args) -> int:
-    """The benchmark named on the command line (tools/bench/)."""
+    """The benchmark named on the command line (tools/benchmarks/)."""
     return importlib.import_module(BENCHES[args.bench_command][0]).run_from_args(args) or 0
 
 

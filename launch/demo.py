@@ -18,7 +18,7 @@ from pipelines.config import load_config
 from pipelines.evaluation.runner import evaluate_checkpoint
 from pipelines.report.compare import compare_runs
 from pipelines.training.loop import train
-from tools.shards import write_shards
+from tools.commands.shards import write_shards
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Raw weights: after runs this short the EMA (decay 0.999) still lags far behind them.

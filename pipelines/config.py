@@ -31,7 +31,7 @@ from pipelines.data.workers import check_num_workers
 from pipelines.evaluation.config import EvalConfig, validate_eval_config
 from pipelines.tasks.diffusion.config import PRECOMPUTED, DiffusionConfig, check_config
 from pipelines.tasks.mae import MAEConfig
-from pipelines.tasks.text import PRECOMPUTED_TEXT, stored_identity
+from pipelines.tasks.diffusion.text import PRECOMPUTED_TEXT, stored_identity
 
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
@@ -345,7 +345,7 @@ def _validate_conditioning(cfg: RunConfig) -> None:
         raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
                           f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
     clip = cfg.eval.clip_score.model
-    if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/text.py)
+    if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/diffusion/text.py)
         if clip:
             raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
                               f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")

@@ -32,8 +32,8 @@ def tiny_run(shards: str, runs_dir: str, config: str, name: str, extra: tuple[st
 
 @functools.lru_cache(maxsize=None)
 def feature_net(shards: str, out: str) -> str:
-    """The digits classifier for FID (tools/feature_net.py), written to `out`."""
-    from tools.feature_net import train_feature_net
+    """The digits classifier for FID (tools/commands/feature_net.py), written to `out`."""
+    from tools.commands.feature_net import train_feature_net
 
     path, _ = train_feature_net(shards, out)
     return path
@@ -95,7 +95,7 @@ def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=No
     import webdataset as wds
 
     from pipelines.data.shards import ShardIndex, read_shard
-    from tools.shards import index_shards
+    from tools.commands.shards import index_shards
 
     def digits():
         for url in ShardIndex.load(f"{digits_shards}/train").urls:

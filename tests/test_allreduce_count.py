@@ -1,4 +1,4 @@
-"""tools/bench/allreduce_count.py, the GPU script's all-reduce count, on gloo: DDP's reducer runs even
+"""tools/benchmarks/allreduce_count.py, the GPU script's all-reduce count, on gloo: DDP's reducer runs even
 in a world of one process, so the count it reports is the loop's accumulation, not an artefact."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_accumulation_all_reduces_each_bucket_once_per_optimizer_step_and_never_between(tmp_path):
     out = tmp_path / "counts.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-m", "tools.bench.allreduce_count", "--grad-accum", "4",
+    done = subprocess.run([sys.executable, "-m", "tools.benchmarks.allreduce_count", "--grad-accum", "4",
                            "--micro-batches", "10", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from pruning import build_pruner
-from tools.bench.lossless.report import write_markdown
-from tools.bench.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
+from tools.benchmarks.lossless.report import write_markdown
+from tools.benchmarks.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
 from pipelines.report.lossless import LOSSLESS_K
-from tools.bench.lossless.verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
+from tools.benchmarks.lossless.verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
 
 
 def test_verdicts_lower_is_better_both_ways():
@@ -144,7 +144,7 @@ def test_cli_has_bench_lossless():
     argv = ["bench", "lossless", "--from-json", "a.json", "b.json"]
     args = build_parser(argv).parse_args(argv)
     assert args.from_json == ["a.json", "b.json"] and args.suite == "lossless"
-    from tools.bench.lossless.run import run_from_args
+    from tools.benchmarks.lossless.run import run_from_args
 
     argv = ["bench", "lossless", "--suite", "pays", "--tag", "s5"]  # would have run 5 seeds
     with pytest.raises(ValueError, match="--tag 's5' may not start with p or s and a digit"):
@@ -152,7 +152,7 @@ def test_cli_has_bench_lossless():
 
 
 def test_pooled_std_verdicts_of_arms_at_three_seeds():
-    from tools.bench.lossless.verdicts import arms, saving_targets
+    from tools.benchmarks.lossless.verdicts import arms, saving_targets
 
     plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {}, pruned_seeds=(0, 1, 2))
     results = [_result(f"Full s{s}", "full", v, 1000, seed=s) for s, v in enumerate((1.00, 1.10, 0.90))]
@@ -232,7 +232,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     # the tasks of a suite run as two invocations re-render as one report
     import json
 
-    from tools.bench.lossless.run import rerender
+    from tools.benchmarks.lossless.run import rerender
 
     recorded = tmp_path / "work" / "lossless_pays_micro_redundant.json"
     other = json.loads(recorded.read_text())
@@ -258,8 +258,8 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
 
     # a second invocation with --reuse takes every recorded run and trains none; a changed setting is trained
-    from tools.bench.lossless.run import recorded_runs, same_run
-    from tools.bench.lossless.plan import first_specs, task_plans
+    from tools.benchmarks.lossless.run import recorded_runs, same_run
+    from tools.benchmarks.lossless.plan import first_specs, task_plans
 
     runs = recorded_runs([str(recorded)])
     again = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "again"), work=str(tmp_path / "work2"),
@@ -275,7 +275,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     assert not same_run(spec, runs[spec.key])
 
     # which samples the pruner skips, by kind, and how reliable its scores are over draws
-    from tools.bench.score_noise import analyse, render
+    from tools.benchmarks.score_noise import analyse, render
 
     scored = analyse(str(tmp_path / "work" / "runs" / "mae_long_infobatch"), draws=4, samples=0)
     kinds = scored["kinds"]
@@ -286,7 +286,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
 
 
 def test_pays_modes_name_the_data_and_optionally_the_passes():
-    from tools.bench.lossless.plan import first_specs, task_plans
+    from tools.benchmarks.lossless.plan import first_specs, task_plans
 
     default = {p.task: p for p in task_plans("pays_redundant", ["mae", "ldm"])}
     assert default["mae"].data == "redundant" and default["mae"].extra_splits == ("val_mix",)
@@ -295,7 +295,7 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
     with pytest.raises(ValueError, match="bench data 'lsun'"):
         task_plans("pays_lsun", ["mae"])
-    from tools.bench.lossless.run import pays_invocation
+    from tools.benchmarks.lossless.run import pays_invocation
 
     args = argparse.Namespace(data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead",
                               frontier="")
@@ -337,7 +337,7 @@ def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path)
 
 
 def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interval():
-    from tools.bench.lossless.verdicts import saving_targets
+    from tools.benchmarks.lossless.verdicts import saving_targets
 
     def row(label, pruner, mean, low, high, static=False):
         saving = {"mean": mean, "low": low, "high": high, "bound": "", "bounded": 0, "n": 5, "seeds_total": 5,

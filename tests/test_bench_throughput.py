@@ -13,7 +13,7 @@ import torch
 
 from pipelines.config import ConfigError, load_config
 from pipelines.data.workers import loader_workers
-from tools.bench.throughput import run_bench
+from tools.benchmarks.throughput import run_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,8 +14,8 @@ from PIL import Image
 
 from launch.cli import main
 from pipelines.data.group_table import open_groups
-from tools.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall, size_buckets
-from tools.sources import near_duplicate, photo_crops
+from tools.commands.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall, size_buckets
+from tools.commands.sources import near_duplicate, photo_crops
 
 
 def planted(n: int, dim: int, *, centres: int = 40, copied: float = 0.1, spread: float = 1.0, copy_noise: float = 0.1,
@@ -117,7 +117,7 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
     import webdataset as wds
 
     from pipelines.data.shards import ShardIndex
-    from tools.shards import png_bytes
+    from tools.commands.shards import png_bytes
 
     crops = [image for _, image, _ in photo_crops(32, crops_per_photo=4, seed=0)][::2]  # one crop a photograph
     rng = np.random.default_rng(0)
@@ -154,7 +154,7 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
 
 
 def test_the_redundant_set_names_each_copy_s_original_in_its_key():
-    from tools.bench.dedup_quality import known_families
+    from tools.benchmarks.dedup_quality import known_families
 
     keys = ["photo_moon_0001", "photo_moon_0001_dup00000", "photo_rocket_0002", "photo_moon_0001_dup00064"]
     assert known_families(keys).tolist() == [0, 0, 2, 0]

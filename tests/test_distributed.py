@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.data.layout import pass_layout
 from pipelines.data.shards import ShardIndex
-from tools.shards import write_shards
+from tools.commands.shards import write_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",

@@ -18,10 +18,10 @@ from PIL import Image
 from pipelines.data.group_table import open_groups
 from pipelines.data.shards import ShardIndex
 from pipelines.data.side_tables import open_embeddings
-from tools.embed import embed_shards
-from tools.embedding_import import import_embeddings
-from tools.perceptual_hash import PerceptualHash, bits_to_rows, phash_bits
-from tools.sources import near_duplicate, photo_crops
+from tools.commands.embed import embed_shards
+from tools.commands.embedding_import import import_embeddings
+from tools.commands.perceptual_hash import PerceptualHash, bits_to_rows, phash_bits
+from tools.commands.sources import near_duplicate, photo_crops
 
 
 def png(image: Image.Image) -> bytes:
@@ -85,7 +85,7 @@ class StopsAfter:
 
 
 def test_embed_resumes_after_an_interruption_to_the_same_bytes(tmp_path, tiny_timm_weights):
-    from tools.feature_models import load_feature_model
+    from tools.commands.feature_models import load_feature_model
 
     split = noise_split(tmp_path / "split")  # shards of 15, 15 and 10: 4, 4 and 3 batches of 4
     spec = "timm:test_resnet"

@@ -17,7 +17,7 @@ from pipelines.evaluation.clip_score import clip_score_metric
 from pipelines.evaluation.config import load_eval_config
 from pipelines.evaluation.runner import Evaluator
 from pipelines.progress import progress
-from pipelines.tasks.text import TextEncoder
+from pipelines.tasks.diffusion.text import TextEncoder
 
 
 @pytest.fixture(autouse=True, scope="module")

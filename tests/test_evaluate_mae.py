@@ -160,8 +160,8 @@ def test_eval_of_unlabelled_shards_skips_the_probe_and_writes_the_rest(tmp_path,
     from eval_runs import TINY_MAE
     from PIL import Image
 
-    from tools.shards import write_shards
-    from tools.sources import digits
+    from tools.commands.shards import write_shards
+    from tools.commands.sources import digits
 
     folder = tmp_path / "images"
     folder.mkdir()

@@ -14,7 +14,7 @@ import numpy as np
 from pipelines.report.frontier import (AT_LEAST, AT_MOST, EXACT, IsoQuality, fit_frontier, iso_quality,
                                        paired_difference, saving_summary, savings_over_seeds, seeds_needed,
                                        summarise_savings, t_interval)
-from tools.bench.interval_coverage import coverage
+from tools.benchmarks.interval_coverage import coverage
 
 # Full of one seed: masked MSE (lower is better) at 50..100% of the schedule, improving throughout
 FRONTIER = [(0.5, 0.30), (0.6, 0.27), (0.7, 0.25), (0.8, 0.235), (0.9, 0.225), (1.0, 0.22)]

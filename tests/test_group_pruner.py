@@ -25,7 +25,7 @@ from pruning.groups import fill_group_sizes
 from pruning.pass_plan import PassPlan
 from test_accumulation import run_two_ranks  # pytest puts tests/ on the path
 from test_trainer import assert_states_equal, final_state
-from tools.known_groups import known_groups, original_key, split_keys, write_known_groups
+from tools.fixtures.known_groups import known_groups, original_key, split_keys, write_known_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP_SIZES = (2, 5, 13, 40)  # 100 groups of each, beside 2,000 samples without near-duplicates
@@ -302,7 +302,7 @@ def test_then_and_its_hyper_parameters_are_checked():
 @pytest.fixture(scope="module")
 def redundant(tmp_path_factory) -> str:
     """Redundant shards at 16 px (216 train samples, 124 of them in 16 groups) with their known groups."""
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     out = tmp_path_factory.mktemp("redundant")
     write_shards("redundant", str(out), size=16, shard_size=100, crops_per_photo=8, redundant_originals=16)

@@ -11,7 +11,7 @@ from eval_runs import tiny_vae
 
 from pipelines.config import latent_shard_notes, load_config
 from pipelines.training.loop import train
-from tools.latents import encode_shards
+from tools.commands.latents import encode_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "ldm_tiny_full.yaml")

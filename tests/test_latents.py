@@ -22,7 +22,7 @@ from pipelines.data.stream import ShardStream
 from pipelines.tasks.diffusion.config import DiffusionConfig
 from pipelines.tasks.diffusion.task import DiffusionTask
 from pipelines.tasks.diffusion.from_export import sample
-from tools.latents import LATENT_FIELD, encode_shards
+from tools.commands.latents import LATENT_FIELD, encode_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = 32

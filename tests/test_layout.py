@@ -178,7 +178,7 @@ def rule_of(path: str, rules: dict[str, list[str]]) -> str | None:
 def test_imports_follow_the_rules_of_docs_design():
     rules = import_rules()
     assert {"pruning/", "pipelines/data/", "pipelines/tasks/", "pipelines/training/", "pipelines/evaluation/",
-            "pipelines/report/", "tools/", "launch/"} <= set(rules)
+            "pipelines/report/", "tools/commands/", "tools/fixtures/", "tools/benchmarks/", "launch/"} <= set(rules)
     modules = project_modules()
     broken, unruled = [], []
     for dotted, targets in import_graph().items():
@@ -251,3 +251,23 @@ def test_the_loop_asks_of_a_task_only_what_the_task_protocol_declares_and_both_t
              DiffusionTask(DiffusionConfig(), image_size=8, channels=1)]
     for task in tasks:
         assert isinstance(task, Task), type(task).__name__
+
+
+def test_the_layout_map_of_docs_design_names_every_module_and_only_modules_that_exist():
+    """The map in docs/design.md ("## Layout") is the reader's way in: every module of the four folders
+    is named in it (its file name under its folder's line), and every file it names exists there."""
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        text = f.read()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"[\w/]*?([a-z_0-9]+\.(?:py|sh))\b", block))
+    files = {}
+    for top in ("pipelines", "pruning", "launch", "tools"):
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            for name in names:
+                if name.endswith((".py", ".sh")) and name != "__init__.py" and "__pycache__" not in folder:
+                    files.setdefault(name, []).append(os.path.relpath(os.path.join(folder, name), ROOT))
+    unnamed = sorted(path for name, paths in files.items() for path in paths
+                     if name not in named and name != "__main__.py")
+    missing = sorted(name for name in named if name not in files)
+    assert not unnamed, f"modules the map of docs/design.md does not name: {unnamed}"
+    assert not missing, f"files the map of docs/design.md names that do not exist: {missing}"

@@ -1,4 +1,4 @@
-"""The redundant source closer to web data (tools/sources.py:redundant_splits): heavy-tailed copy
+"""The redundant source closer to web data (tools/commands/sources.py:redundant_splits): heavy-tailed copy
 counts that still sum to the stated fraction, exact, re-encoded, near and cropped copies made as
 named, keys that lead every copy to its original, val_mix and train_dedup by the same rules, flags
 that name themselves when wrong, and the first version's set unchanged by default."""
@@ -18,9 +18,9 @@ from PIL import Image
 
 from launch.cli import build_parser, main
 from pipelines.data.shards import ShardIndex, read_shard
-from tools.bench.dedup_quality import check_written_as_asked, found_with_original, known_families
-from tools.known_groups import known_groups, original_key, split_keys
-from tools.sources import COPY_KEY, copies_by_kind, copy_kind, heavy_copy_counts, redundant_splits
+from tools.benchmarks.dedup_quality import check_written_as_asked, found_with_original, known_families
+from tools.fixtures.known_groups import known_groups, original_key, split_keys
+from tools.commands.sources import COPY_KEY, copies_by_kind, copy_kind, heavy_copy_counts, redundant_splits
 
 WEB_KINDS = {"exact": 0.25, "jpeg": 0.25, "near": 0.25, "crop": 0.25}
 

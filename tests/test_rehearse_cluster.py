@@ -1,4 +1,4 @@
-"""The cluster rehearsal (tools/rehearse_cluster.py): two emulated nodes of two ranks each on gloo, one
+"""The cluster rehearsal (tools/benchmarks/rehearse_cluster.py): two emulated nodes of two ranks each on gloo, one
 node SIGKILLed after a mid-pass checkpoint, a requeue with checkpoint.resume=latest, against a run
 never interrupted. Slow: three runs of four processes and their start-ups, about 1.5 minutes on 2
 cores; `make test-slow` runs it."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.rehearse_cluster import rehearse
+from tools.benchmarks.rehearse_cluster import rehearse
 
 
 @pytest.fixture(scope="module")

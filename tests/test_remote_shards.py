@@ -22,7 +22,7 @@ from pipelines.checkpoint.store import latest_checkpoint
 from pipelines.config import ConfigError, load_config
 from pipelines.data.remote import ReadRetry
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from tools.bench.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
+from tools.benchmarks.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")

@@ -26,7 +26,7 @@ from pipelines.evaluation.fid import to_uint8
 from pipelines.evaluation.replication import NearestTrain, measure_replication, save_pairs_picture
 from pipelines.evaluation.runner import Evaluator
 from pipelines.tasks.build import build_task
-from tools.perceptual_hash import PerceptualHash
+from tools.commands.perceptual_hash import PerceptualHash
 
 HELD_OUT = 90  # the first 90 val digits are the baseline; the other 90 are what a non-copying model draws
 COPIED = np.arange(0, 1600, 40)  # the 40 train ids the copying model reproduces

@@ -90,10 +90,10 @@ def test_state_round_trip_and_a_mismatched_config_is_named():
 
 
 def test_score_reliability_measures_the_share_of_variance_between_samples():
-    """tools/bench/score_noise.py: scores that are half sample and half draw have a between-sample
+    """tools/benchmarks/score_noise.py: scores that are half sample and half draw have a between-sample
     share near 0.5, pure draw noise near 0; normalising within strata recovers a sample effect that
     a strong stratum effect hides."""
-    from tools.bench.score_noise import normalised, reliability
+    from tools.benchmarks.score_noise import normalised, reliability
 
     rng = np.random.default_rng(0)
     draws, n = 8, 4000

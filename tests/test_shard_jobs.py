@@ -24,10 +24,10 @@ from test_distributed import free_port
 
 from pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from pipelines.data.side_tables import open_embeddings
-from tools.embed import embed_shards
-from tools.latents import SKIPPED_FILE, encode_shards
-from tools.shards import write_shards
-from tools.tiny_text_encoder import write_tiny_text_encoder
+from tools.commands.embed import embed_shards
+from tools.commands.latents import SKIPPED_FILE, encode_shards
+from tools.commands.shards import write_shards
+from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
@@ -153,7 +153,7 @@ def jpeg(seed: int) -> bytes:
 def messy(tmp_path_factory) -> tuple[str, str]:
     """Two img2dataset shards of 6: key 000003's JPEG is cut off, 000004 has no caption at all, and
     000008 has its caption only in its json. Returns (the indexed folder, a tiny text encoder)."""
-    from tools.shards import index_shards
+    from tools.commands.shards import index_shards
 
     folder = tmp_path_factory.mktemp("messy")
     words = ["a", "photo", "of", "noise"]
@@ -221,7 +221,7 @@ def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(image
 
 
 def test_an_array_element_running_several_srun_tasks_gives_each_a_share(monkeypatch):
-    from tools.shard_jobs import job_rank
+    from tools.commands.shard_jobs import job_rank
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -249,7 +249,7 @@ def test_embed_stops_on_a_bad_sample_when_asked(tmp_path):
 
 
 def test_a_rerun_removes_the_partials_of_writers_that_are_gone_and_only_those(tmp_path):
-    from tools.shard_jobs import JobRank, ShardJob
+    from tools.commands.shard_jobs import JobRank, ShardJob
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -22,7 +22,7 @@ from PIL import Image
 from pipelines.data.decode import SampleDecoder
 from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
 from pipelines.data.stream import ShardStream
-from tools.shards import describe_counting, index_shards, inspect_shards
+from tools.commands.shards import describe_counting, index_shards, inspect_shards
 
 
 def jpeg_bytes(seed: int, size: int = 16) -> bytes:
@@ -325,7 +325,7 @@ def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_pat
 
 def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clean_val(tmp_path):
     from pipelines.data.splits import read_split
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     paths = write_shards("redundant", str(tmp_path), size=16, shard_size=200, crops_per_photo=20,
                          redundant_fraction=0.5, redundant_originals=8)
@@ -378,8 +378,8 @@ def written_samples(out) -> dict[str, list[tuple[str, int]]]:
 
 
 def test_folder_is_written_in_a_seeded_global_shuffle_with_every_image_once(tmp_path):
-    from tools.shards import write_shards
-    from tools.sources import folder_key, list_image_folder
+    from tools.commands.shards import write_shards
+    from tools.commands.sources import folder_key, list_image_folder
 
     made = make_image_folder(tmp_path / "images")
     runs = {}
@@ -404,12 +404,12 @@ def test_folder_is_written_in_a_seeded_global_shuffle_with_every_image_once(tmp_
 def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch):
     """What write_folder holds at once: at any time at most `chunk` images are decoded and not yet
     handed to the shard writer (with every image in memory, all 120 would be)."""
-    import tools.shards
-    from tools.shards import write_shards
+    import tools.commands.shards
+    from tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images")
     decoded, handed, waiting = [0], [0], []
-    load_image, shard_sample = tools.shards.load_image, tools.shards.shard_sample
+    load_image, shard_sample = tools.commands.shards.load_image, tools.commands.shards.shard_sample
 
     def counting_load(path, size):
         decoded[0] += 1
@@ -420,8 +420,8 @@ def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch)
         handed[0] += 1
         return shard_sample(key, png, label)
 
-    monkeypatch.setattr(tools.shards, "load_image", counting_load)
-    monkeypatch.setattr(tools.shards, "shard_sample", counting_sample)
+    monkeypatch.setattr(tools.commands.shards, "load_image", counting_load)
+    monkeypatch.setattr(tools.commands.shards, "shard_sample", counting_sample)
     write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, shard_size=50,
                  val_fraction=0.1, workers=0, chunk=16)
     assert decoded[0] == handed[0] == 120
@@ -429,7 +429,7 @@ def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch)
 
 
 def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images", classes=3, per_class=10)
     for name, workers in (("one", 0), ("two", 2)):
@@ -444,8 +444,8 @@ def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
 
 
 def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path):
-    from tools.shards import write_shards
-    from tools.sources import list_image_folder
+    from tools.commands.shards import write_shards
+    from tools.commands.sources import list_image_folder
 
     made = make_image_folder(tmp_path / "storage", classes=3, per_class=4)
     (tmp_path / "images").mkdir()
@@ -460,7 +460,7 @@ def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path
 
 
 def test_an_unreadable_folder_image_names_the_file(tmp_path):
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images", classes=2, per_class=3)
     (tmp_path / "images" / "class_1" / "broken.png").write_bytes(b"not a png")
@@ -576,7 +576,7 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
 def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_opened(tmp_path, monkeypatch):
     """shards write leaves img2dataset's NNNNN_stats.json beside each tar: a copy of the folder is indexed
     again from them, reading only the first shard's headers, unless a tar's size says it changed."""
-    from tools import shards as shard_tools
+    from tools.commands import shards as shard_tools
 
     make_image_folder(tmp_path / "images")
     shard_tools.write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8,

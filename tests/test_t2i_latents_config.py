@@ -12,11 +12,11 @@ from test_text_to_image import captioned  # noqa: F401 (fixture)
 
 from pipelines.config import load_config
 from pipelines.tasks.build import build_task
-from pipelines.tasks.text import PrecomputedText
+from pipelines.tasks.diffusion.text import PrecomputedText
 from pipelines.training.loop import train
-from tools.captioned import digit_caption
-from tools.latents import encode_shards
-from tools.tiny_text_encoder import write_tiny_text_encoder
+from tools.commands.captioned import digit_caption
+from tools.commands.latents import encode_shards
+from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny_latents.yaml")

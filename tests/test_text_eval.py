@@ -27,8 +27,8 @@ from pipelines.evaluation.fid import uint8_rgb
 from pipelines.evaluation.runner import Evaluator, evaluate_checkpoint
 from pipelines.evaluation.sampling import generate_images
 from pipelines.training.loop import train
-from tools.captioned import digit_caption
-from tools.tiny_text_encoder import write_tiny_clip
+from tools.commands.captioned import digit_caption
+from tools.fixtures.tiny_text_encoder import write_tiny_clip
 
 SAMPLES = 12  # generated images (and held-out captions) per evaluation
 

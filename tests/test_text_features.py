@@ -30,10 +30,10 @@ from pipelines.evaluation.runner import evaluate_checkpoint
 from pipelines.evaluation.sampling import generate_images
 from pipelines.tasks.build import build_task, text_reading
 from pipelines.tasks.randomness import SampleRandomness
-from pipelines.tasks.text import TextEncoder
+from pipelines.tasks.diffusion.text import TextEncoder
 from pipelines.training.loop import train
-from tools.latents import encode_shards
-from tools.tiny_text_encoder import write_tiny_text_encoder
+from tools.commands.latents import encode_shards
+from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 PRECOMPUTED = "ldm.text.encoder=precomputed"
 

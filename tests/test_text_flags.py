@@ -10,9 +10,9 @@ import shutil
 import pytest
 from eval_runs import tiny_vae
 
-from pipelines.tasks.text import TextEncoder
-from tools.latents import encode_shards
-from tools.tiny_text_encoder import write_tiny_text_encoder
+from pipelines.tasks.diffusion.text import TextEncoder
+from tools.commands.latents import encode_shards
+from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,11 @@ from pipelines.tasks.diffusion.export import TEXT_ENCODER_INFO
 from pipelines.tasks.diffusion.from_export import sample
 from pipelines.tasks.randomness import SampleRandomness
 from pipelines.tasks.diffusion.sampler import denoise
-from pipelines.tasks.text import caption_dropped
+from pipelines.tasks.diffusion.text import caption_dropped
 from pipelines.training.loop import train
-from tools.captioned import digit_caption
-from tools.shards import index_shards
-from tools.tiny_text_encoder import write_tiny_text_encoder
+from tools.commands.captioned import digit_caption
+from tools.commands.shards import index_shards
+from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny.yaml")
 PROMPTS = ["a handwritten digit three", "a handwritten digit eight"]
@@ -274,7 +274,7 @@ def test_a_text_config_mistake_names_its_field(captioned, encoder, tmp_path, set
 
 def test_shards_write_captions_writes_img2dataset_pairs_captioned_from_what_is_known(tmp_path):
     from pipelines.data.shards import ShardIndex, read_shard
-    from tools.shards import write_shards
+    from tools.commands.shards import write_shards
 
     paths = write_shards("photos", str(tmp_path), size=16, shard_size=50, crops_per_photo=2, captions=True)
     index = ShardIndex.load(paths["train"])
@@ -294,7 +294,7 @@ def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(cap
     from eval_runs import tiny_vae
 
     from pipelines.data.shards import ShardIndex, read_shard
-    from tools.latents import encode_shards
+    from tools.commands.latents import encode_shards
 
     vae = str(tmp_path / "vae")
     tiny_vae(1, 8).save_pretrained(vae)

@@ -34,7 +34,7 @@ class TrainingPosition:
     # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
     # a resume under the same layout skips them with the batches they were read for.
     undecodable: np.ndarray | None = None
-    # text-conditional runs: the text encoder's files and caption length (pipelines/tasks/text.py
+    # text-conditional runs: the text encoder's files and caption length (pipelines/tasks/diffusion/text.py
     # identity_key), in the loop or behind precomputed features; a resume refuses others (other features)
     text_identity: str = ""
 

@@ -120,7 +120,7 @@ def _batch(decoder: SampleDecoder, ids, images, labels, texts) -> Batch:
 
 
 def index_metadata(folder: str) -> dict:
-    """The extra keys of a split's index.json (tools/latents.py records vae, latent_shape, ...)."""
+    """The extra keys of a split's index.json (tools/commands/latents.py records vae, latent_shape, ...)."""
     path = index_file(folder)
     with open(path) as f:
         raw = json.load(f)

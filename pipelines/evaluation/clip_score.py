@@ -22,7 +22,7 @@ import torch.nn as nn
 from torchmetrics.multimodal.clip_score import CLIPScore
 
 from pipelines.evaluation.fid import uint8_rgb
-from pipelines.tasks.text import quiet_transformers, said_missing
+from pipelines.tasks.diffusion.text import quiet_transformers, said_missing
 
 SETTING = "eval.clip_score.model"
 

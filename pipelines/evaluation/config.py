@@ -30,7 +30,7 @@ class FIDConfig:
     guidance_scale: float = 1.0  # classifier-free guidance of class- and text-conditional models; 1 = none
     batch_size: int = 64  # images per generation and feature batch, per rank
     # inception: Inception-v3 (torch-fidelity's port of the TF FID graph) from `weights`;
-    # classifier: a small-domain classifier written by `python -m tools.feature_net` (not
+    # classifier: a small-domain classifier written by `python -m tools.commands.feature_net` (not
     # comparable to Inception FID); module:pkg.mod:factory: factory(weights) -> nn.Module mapping
     # float images in [0, 1] to [N, D] features
     feature: str = "inception"

@@ -1,7 +1,7 @@
 """A small image classifier whose penultimate features stand in for Inception-v3 in FID on the
 bundled small domains (32 px digits), where Inception's ImageNet features say little and its
 weights cannot be downloaded. FID in these features is NOT comparable to Inception FID or to any
-published number. Trained by `python -m tools.feature_net`; nothing here trains or downloads.
+published number. Trained by `python -m tools.commands.feature_net`; nothing here trains or downloads.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def load_classifier(path: str) -> SmallClassifier:
     with safe_open(path, "pt") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a classifier written by `python -m tools.feature_net` (metadata format "
+        raise ValueError(f"{path}: not a classifier written by `python -m tools.commands.feature_net` (metadata format "
                          f"{metadata.get('format')!r}, expected {FORMAT!r})")
     model = SmallClassifier(**json.loads(metadata["config"]))
     model.load_state_dict(load_file(path), strict=True)

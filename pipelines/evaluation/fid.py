@@ -30,7 +30,7 @@ INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.
 INCEPTION_FILE = os.path.basename(INCEPTION_URL)
 # pytorch-fid's name for the same file (the same sha256 prefix, 6726825d, that torch.hub names carry)
 INCEPTION_FILE_PYTORCH_FID = "pt_inception-2015-12-05-6726825d.pth"
-CLASSIFIER_FILE = "feature_net.safetensors"  # tools/feature_net.py's default output
+CLASSIFIER_FILE = "feature_net.safetensors"  # tools/commands/feature_net.py's default output
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"fid.weights={cfg.weights!r}: no small-domain classifier at {path}; write one with "
-                f"`python -m tools.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU) or pass fid.weights=PATH")
+                f"`python -m tools.commands.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU) or pass fid.weights=PATH")
         return FeatureNet(load_classifier(path), f"classifier-{file_digest(path)}", path)
     _, module_name, factory_name = cfg.feature.split(":")
     try:

@@ -34,7 +34,7 @@ from pipelines.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_o
                              rank0_value, rank_and_world)
 from pipelines.tasks.build import text_reading
 from pipelines.trained import load_trained
-from pipelines.tasks.text import stored_identity
+from pipelines.tasks.diffusion.text import stored_identity
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 # why a text-conditional run's evaluation needs the held-out shards

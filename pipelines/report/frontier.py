@@ -22,7 +22,7 @@ The frontier (docs/evaluation.md, "Compute saved at equal quality"):
 Across seeds: the mean and a 95% t interval over the seeds whose saving is measured (a bound is
 reported as a bound, never averaged into an interval: bounds piled at one end make it narrow and
 wrong), a percentile bootstrap beside it (no normality assumed, but it covers less than its level
-at few seeds: tools/bench/interval_coverage.py measures both), and the seeds a paired t test would
+at few seeds: tools/benchmarks/interval_coverage.py measures both), and the seeds a paired t test would
 need to detect an effect of the measured size.
 """
 

@@ -26,7 +26,7 @@ from diffusers import DDIMScheduler
 from pipelines.data.shards import ShardIndex
 from pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
 from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-from pipelines.tasks.text import TextEncoder
+from pipelines.tasks.diffusion.text import TextEncoder
 from pipelines.tasks.wrappers import unwrap, weights_module
 
 MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # as diffusers pipelines name them

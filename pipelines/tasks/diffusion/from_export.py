@@ -18,7 +18,7 @@ from pipelines.tasks.diffusion.dit import dit_null_label
 from pipelines.tasks.diffusion.export import (AUTOENCODER_INFO, MODEL_FOLDERS, PIPELINE_INDEX, RAW_VARIANT,
                                               TEXT_ENCODER_INFO)
 from pipelines.tasks.diffusion.sampler import denoise, sampling_scheduler
-from pipelines.tasks.text import TextEncoder
+from pipelines.tasks.diffusion.text import TextEncoder
 
 
 def read_info(export_dir: str, name: str = AUTOENCODER_INFO) -> dict:

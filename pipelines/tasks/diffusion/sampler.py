@@ -13,7 +13,7 @@ from diffusers import DDIMScheduler, DiTTransformer2DModel, FlowMatchEulerDiscre
 
 from pipelines.tasks.diffusion.dit import dit_inputs
 from pipelines.tasks.diffusion.pixart import text_dit_inputs
-from pipelines.tasks.text import TextCondition
+from pipelines.tasks.diffusion.text import TextCondition
 from pipelines.tasks.wrappers import unwrap
 
 Condition = torch.Tensor | TextCondition | None  # class labels [B], caption features, or nothing

@@ -1,6 +1,6 @@
 """The latent-diffusion task: a diffusers UNet2DModel or DiTTransformer2DModel (dit.py), or for text
 conditioning a PixArtTransformer2DModel reading a frozen text encoder's features (pixart.py,
-pipelines/tasks/text.py), trained with DDPMScheduler (epsilon or v) or flow matching (flow.py), in pixel
+pipelines/tasks/diffusion/text.py), trained with DDPMScheduler (epsilon or v) or flow matching (flow.py), in pixel
 space, on precomputed latents, or on latents of a frozen AutoencoderKL (autoencoder.py); a per-sample
 loss and a low-variance held-out loss. The export is export.py's; sampling an export, from_export.py's.
 Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
@@ -25,7 +25,7 @@ from pipelines.tasks.diffusion.sampler import Condition, predict, sampling_sched
 from pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
 from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from pipelines.tasks.sample_losses import SampleLosses
-from pipelines.tasks.text import (PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped,
+from pipelines.tasks.diffusion.text import (PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped,
                                   identity_key)
 from pipelines.tasks.wrappers import unwrap
 

@@ -1,0 +1,332 @@
+"""The lossless benchmark's verdicts: run-to-run noise from the Full seeds, each pruned run's distance
+from Full at equal passes and from Full trained for the same samples forwarded (in seed standard
+deviations), whether Full had converged, and the targets met or missed. Pure functions of the runs'
+recorded numbers (tools/benchmarks/lossless/run.py runs them)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipelines.evaluation.records import lower_is_better
+from pipelines.report.frontier import AT_LEAST, AT_MOST, interval_text, paired_difference, saving_summary
+from pipelines.report.lossless import LOSSLESS_K, in_noise_units
+from tools.benchmarks.lossless.plan import TaskPlan
+
+TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, lossless (pipelines/report/lossless.py)
+TARGET_ISO_SAVING = 0.25  # the pays suite: compute saved at equal quality, with the 95% CI above 0
+FULL_ROLES = ("full", "frontier", "equal_compute")  # Full runs of some schedule length: frontier points
+
+
+def seed_stats(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation) of the Full seeds."""
+    array = np.asarray(values, dtype=float)
+    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else float("nan")
+
+
+def delta_in_std(value: float, reference: float, std: float, lower: bool) -> float:
+    """How much worse than `reference` `value` is, in seed standard deviations (negative = better)."""
+    if value is None or reference is None:
+        return float("nan")
+    return in_noise_units(value - reference if lower else reference - value, std)
+
+
+def lossless(value: float, full_mean: float, full_std: float, lower: bool) -> bool:
+    """Within LOSSLESS_K Full seed stds of Full's mean at equal passes (or better): compare's rule."""
+    return delta_in_std(value, full_mean, full_std, lower) <= LOSSLESS_K
+
+
+def beats_equal_compute(value: float, equal_compute: float, full_std: float, lower: bool) -> bool:
+    """Better than Full trained for the same samples forwarded by more than LOSSLESS_K Full seed stds."""
+    return delta_in_std(value, equal_compute, full_std, lower) < -LOSSLESS_K
+
+
+def interpolate_frontier(points: list[tuple[float, float]], samples: float) -> float | None:
+    """Quality of Full at `samples` forwarded, linear between Full runs with their own schedules."""
+    points = sorted(points)
+    if len(points) < 2 or not points[0][0] <= samples <= points[-1][0]:
+        return None
+    xs, ys = zip(*points)
+    return float(np.interp(samples, xs, ys))
+
+
+def schedule_groups(results: list[dict], plans: list[TaskPlan]):
+    """(plan, schedule, its runs, its Full seed runs, its metric names main first) of every schedule
+    that has Full runs."""
+    for plan in plans:
+        for schedule in ("long", "short"):
+            group = [r for r in results if r["task"] == plan.task and r["schedule"] == schedule]
+            fulls = [r for r in group if r["role"] == "full"]
+            if fulls:
+                metrics = sorted({m for r in group for m in r["metrics"]}, key=lambda m: (m != plan.main, m))
+                yield plan, schedule, group, fulls, metrics
+
+
+def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
+    rows = []
+    for plan, schedule, group, fulls, metric_names in schedule_groups(results, plans):
+        stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
+                 for m in metric_names}
+        wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
+        sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
+        full0 = next(r for r in fulls if r["seed"] == 0)
+        frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
+                    if r["role"] in ("equal_compute",) or r is full0]
+        equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
+        mean, std = stats[plan.main]
+        lower = lower_is_better(plan.main)
+        for r in group:
+            skipped = 1.0 - r["samples_forwarded"] / sf_full
+            saving = 1.0 - r["wall_seconds"] / wall_full
+            row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
+                   "role": r["role"], "seed": r["seed"], "samples_forwarded": r["samples_forwarded"],
+                   "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
+                   "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
+                   "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                   "metrics": r["metrics"], "main": plan.main,
+                   "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], lower_is_better(m))
+                              for m in metric_names},
+                   "full_mean": mean, "full_std": std,
+                   "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
+                   "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
+            if r["role"] in ("pruned", "ablation"):
+                value = r["metrics"][plan.main]
+                row["lossless"] = lossless(value, mean, std, lower)
+                if (r["label"], r["seed"]) in equal:
+                    reference, how = equal[(r["label"], r["seed"])]["metrics"][plan.main], "run"
+                else:
+                    reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
+                row["equal_compute_value"], row["equal_compute_how"] = reference, how
+                row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
+                row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
+                                              if reference is not None else None)
+            rows.append(row)
+    return rows
+
+
+def pooled_std(a: list[float], b: list[float]) -> float:
+    """sqrt of the mean of the two sample variances: the noise of a difference of two seed means."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    return math.sqrt((np.var(a, ddof=1) + np.var(b, ddof=1)) / 2)
+
+
+def seed_frontiers(group: list[dict], metric: str, full_compute: float) -> dict[int, list[tuple[float, float]]]:
+    """Per seed, its Full runs of every schedule length as (compute, quality) points, compute as a
+    fraction of Full's samples forwarded at the full schedule; a run that serves as several roles
+    (a frontier point that is also an arm's equal-compute run) counts once."""
+    points: dict[int, dict[str, tuple[float, float]]] = {}
+    for r in group:
+        if r["role"] in FULL_ROLES and r["metrics"].get(metric) is not None:
+            points.setdefault(r["seed"], {})[r["key"]] = (r["samples_forwarded"] / full_compute, r["metrics"][metric])
+    return {seed: sorted(found.values()) for seed, found in points.items()}
+
+
+def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
+    """Per task, schedule and pruner setting run at several seeds, for each metric:
+    - the compute saved at equal quality: per seed, where that seed's Full frontier (Full at every
+      schedule length run: the full schedule, the frontier, the equal-compute runs) reaches the
+      setting's quality (pipelines/report/frontier.py), with the mean's t interval over seeds;
+    - paired differences (same seed) against Full at equal passes and at equal compute (the seed's
+      equal-compute run, else its frontier interpolated there), with t intervals;
+    - the seed means and deltas in pooled std, as before (positive = worse): lossless = within 1
+      LOSSLESS_K pooled stds of Full at equal passes, pays = better than equal-compute Full by more than it."""
+    rows = []
+    seeded = [p for p in plans if len(p.pruned_seeds) > 1]
+    for plan, schedule, group, fulls, metrics in schedule_groups(results, seeded):
+        full_compute = float(np.mean([r["samples_forwarded"] for r in fulls]))
+        for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
+            mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
+            equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
+            row = {"task": plan.task, "data": plan.data, "schedule": schedule, "label": label,
+                   "pruner": mine[0]["pruner"].get("name", "?"), "seeds": sorted(r["seed"] for r in mine),
+                   # a fixed subset every pass (a static deduplication): a data set, not a per-pass selection
+                   "static": bool(mine[0]["pruner"].get("static", False)),
+                   "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
+                   "compute": float(np.mean([r["samples_forwarded"] for r in mine])) / full_compute,
+                   "equal_compute_passes": sorted({r["passes"] for r in equal}), "main": plan.main, "metrics": {}}
+            for metric in metrics:
+                lower = lower_is_better(metric)
+                values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
+                full = [r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None]
+                same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
+                if len(values) < 2:
+                    continue
+                cell = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)), "n": len(values),
+                        "full_mean": float(np.mean(full)) if full else float("nan"),
+                        "equal_compute_mean": float(np.mean(same)) if same else float("nan")}
+                cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
+                cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"],
+                                                     pooled_std(values, same), lower)
+                cell["lossless"] = (bool(cell["delta_passes"] <= LOSSLESS_K) if math.isfinite(cell["delta_passes"])
+                                    else None)
+                cell["pays"] = bool(cell["delta_compute"] < -LOSSLESS_K) if math.isfinite(cell["delta_compute"]) else None
+                cell.update(paired_and_saved(mine, fulls, equal, seed_frontiers(group, metric, full_compute),
+                                             metric, full_compute, lower))
+                row["metrics"][metric] = cell
+            rows.append(row)
+    return rows
+
+
+def paired_and_saved(mine: list[dict], fulls: list[dict], equal: list[dict], frontiers: dict, metric: str,
+                     full_compute: float, lower: bool) -> dict:
+    """A setting's seeds paired with their own Full: the differences at equal passes and at equal
+    compute, and the compute saved at equal quality (None where no seed has a frontier)."""
+    value = {r["seed"]: r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None}
+    compute = {r["seed"]: r["samples_forwarded"] / full_compute for r in mine}
+    at_passes = {r["seed"]: r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None}
+    at_compute, how = {}, {}
+    for seed in value:
+        run = next((r for r in equal if r["seed"] == seed and r["metrics"].get(metric) is not None), None)
+        if run is not None:
+            at_compute[seed], how[seed] = run["metrics"][metric], "run"
+        elif len(frontiers.get(seed, [])) >= 2:
+            read = interpolate_frontier(frontiers[seed], compute[seed])
+            if read is not None:
+                at_compute[seed], how[seed] = read, "interpolated"
+    found = {"paired_passes": paired_difference(value, at_passes, lower),
+             "paired_compute": paired_difference(value, at_compute, lower),
+             "paired_compute_how": sorted(set(how.values())),
+             "frontier_points": {str(seed): len(points) for seed, points in sorted(frontiers.items())},
+             "saving": saving_summary(frontiers, {seed: (compute[seed], value[seed]) for seed in value}, lower)}
+    return found
+
+
+def saving_targets(arm_rows: list[dict]) -> list[dict]:
+    """The goal per task, in compute: a pruner (a setting that selects per pass, not a fixed data set
+    such as the dedup oracle) saves >= 25% compute at equal quality on the main metric, with the 95%
+    CI above 0. Measured: the best pruner by mean saving, and the ceiling where the suite has one."""
+    targets_ = []
+    for task in dict.fromkeys(r["task"] for r in arm_rows):
+        judged = [(r, r["metrics"][r["main"]]["saving"]) for r in arm_rows
+                  if r["task"] == task and r["main"] in r["metrics"] and r["metrics"][r["main"]].get("saving")]
+        pruners = [(r, s) for r, s in judged if r["pruner"] != "full" and not r.get("static")]
+        if not pruners:
+            continue
+        best, saving = best_saving(pruners)
+        # lower bounds at or above the target: they would reach it, but bounds are not measurements
+        reached = bool(saving["bound"] == AT_LEAST and min(saving["bound_values"]) >= TARGET_ISO_SAVING
+                       and not (saving["n"] and saving["mean"] < TARGET_ISO_SAVING))
+        met = measured_target_met(saving)
+        need = saving["seeds_needed"]
+        measured = ("reached on lower bounds only, so not measured: the frontier must reach further (Full "
+                    "above the full schedule, --frontier ...,1.2,1.5); " if reached and not met else "")
+        note = f" ({saving['note']})" if saving["note"] else ""
+        measured += (f"best: {best['label']}, {saving['verdict']}{note} ({best['main']}, {saving['seeds_total']} seeds, "
+                     f"t interval over the {saving['n']} measured); "
+                    + (f"seeds a paired test would need to show its saving > 0: {need}" if need and saving["mean"] > 0
+                       else "no number of seeds would show a saving > 0 (measured mean <= 0)"))
+        ceiling = [(r, s) for r, s in judged if r["pruner"] == "full" and r["label"].startswith("Dedup")]
+        for r, s in ceiling:
+            measured += f"; the ceiling, {r['label']}: {interval_text(s)}"
+        targets_.append({"target": f"{best['data']} set, {task}: a pruner saves >= {TARGET_ISO_SAVING:.0%} compute at "
+                                   f"equal quality with the 95% CI above 0 ({best['main']})",
+                         "met": met, "measured": measured})
+        targets_ += redundancy_target(task, pruners, [(r, s) for r, s in judged if r["label"] == "Dedup oracle"])
+    return targets_
+
+
+def measured_target_met(saving: dict) -> bool:
+    """A mean saving >= TARGET_ISO_SAVING with the 95% CI above 0, every seed's saving measured: a seed
+    beyond the frontier's end is a bound, and values piled at a bound make the interval too narrow."""
+    return bool(saving["mean"] >= TARGET_ISO_SAVING and saving["low"] > 0 and not saving["bounded"])
+
+
+SEED_MARKS = {AT_LEAST: "≥", AT_MOST: "≤"}  # a seed's saving beyond the frontier's ends: a bound
+
+
+def seed_savings(saving: dict, number) -> str:
+    """Each seed's saving, `number(saving)` marked ≥ / ≤ where it is a bound, comma-separated."""
+    return ", ".join(f"{SEED_MARKS.get(p['kind'], '')}{number(p['saving'])}" for p in saving["per_seed"])
+
+
+def best_saving(settings: list) -> tuple[dict, dict]:
+    """The (arm row, saving) of the largest finite mean saving among `settings`."""
+    return max(settings, key=lambda rs: rs[1]["mean"] if math.isfinite(rs[1]["mean"]) else -math.inf)
+
+
+def redundancy_target(task: str, pruners: list, oracle: list) -> list[dict]:
+    """The redundancy target, where the suite runs the dedup pruner: its best setting saves >= 25% compute at
+    equal quality, CI above 0, and lies within the dedup oracle's interval."""
+    dedup = [(r, s) for r, s in pruners if r["pruner"] == "dedup"]
+    if not dedup:
+        return []
+    best, saving = best_saving(dedup)
+    per_seed = seed_savings(saving, lambda value: f"{value:.0%}")
+    measured = f"best: {best['label']}, {saving['verdict']} ({saving['seeds_total']} seeds: {per_seed})"
+    within = True
+    if oracle:
+        ceiling = oracle[0][1]
+        within = bool(math.isfinite(ceiling["low"]) and ceiling["low"] <= saving["mean"] <= ceiling["high"])
+        measured += f"; the oracle: {interval_text(ceiling)}; {'within' if within else 'outside'} its interval"
+    met = measured_target_met(saving) and within
+    return [{"target": f"{best['data']} set, {task}: the redundancy-aware pruner saves >= {TARGET_ISO_SAVING:.0%} "
+                       f"compute at equal quality, 95% CI above 0, within the dedup oracle's interval ({best['main']})",
+             "met": met, "measured": measured}]
+
+
+def flattening(results: list[dict], plan: TaskPlan) -> dict:
+    """Is Full converged on the long schedule? Two checks, both in seed std of the final metric:
+    - in its curve: the mean held-out metric moved < 1 std over the last quarter of the passes (a
+      cosine schedule flattens at its end whatever the model, so this alone is weak);
+    - across schedules: Full trained for fewer passes (the equal-compute runs, own schedules) ends
+      < 1 std worse than Full at all passes, i.e. the last passes bought nothing.
+    """
+    fulls = [r for r in results if r["task"] == plan.task and r["schedule"] == "long" and r["role"] == "full"]
+    curves = np.array([[p["held_out"] for p in r["curve"]] for r in fulls], dtype=float)
+    mean_curve = curves.mean(axis=0)
+    n = len(mean_curve)
+    at = max(0, int(round(0.75 * n)) - 1)
+    _, curve_std = seed_stats(list(curves[:, -1]))
+    change = mean_curve[at] - mean_curve[-1]
+    mean, std = seed_stats([r["metrics"][plan.main] for r in fulls])
+    shorter = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"
+               and r["role"] == "equal_compute" and r["passes"] < n]
+    found = {"passes": n, "from_pass": at + 1, "change": float(change), "in_std": float(change / curve_std),
+             "flattened": bool(abs(change / curve_std) < 1.0), "shorter_passes": None, "shorter_gap_std": None}
+    if shorter:
+        fewest = min(shorter, key=lambda r: r["passes"])
+        gap = delta_in_std(fewest["metrics"][plan.main], mean, std, lower_is_better(plan.main))
+        found.update(shorter_passes=fewest["passes"], shorter_gap_std=float(gap))
+    found["converged"] = bool(found["flattened"] and (found["shorter_gap_std"] is None or found["shorter_gap_std"] < 1.0))
+    return found
+
+
+def fmt(value, digits=4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def targets(rows: list[dict], flat: dict, timing_rows: list[dict] = ()) -> list[dict]:
+    """The benchmark's targets, each met or MISSED, from the long schedule ("converged" only if it flattened);
+    realised saving and overhead from the sequential timing runs when there are any."""
+    found = []
+    timed = {(r["task"], r["label"]): r for r in timing_rows}
+    for task in sorted({r["task"] for r in rows}):
+        long_rows = {r["label"]: r for r in rows if r["task"] == task and r["schedule"] == "long"}
+        for label, key in (("InfoBatch", "infobatch"), ("TED", "ted")):
+            r = long_rows.get(label)
+            if r is None:
+                continue
+            need = TARGET_SAVING[key]
+            t = timed.get((task, label), r)
+            where = " (sequential timing runs)" if (task, label) in timed else " (side-by-side runs)"
+            ok = bool(r["lossless"] and t["saving"] >= need and flat[task]["converged"])
+            found.append({"target": f"{task}: {label} saves >= {need:.0%} wall-clock, within {LOSSLESS_K:g} seed std, converged",
+                          "met": ok, "measured": f"saving {t['saving']:.1%}{where}, Δ {fmt(r['deltas'][r['main']], 2)} std, "
+                                                 f"Full converged: {flat[task]['converged']}"})
+            found.append({"target": f"{task}: {label} beats Full at equal compute by > {LOSSLESS_K:g} seed std",
+                          "met": bool(r["beats_equal_compute"]),
+                          "measured": f"Δ vs equal-compute Full {fmt(r['equal_compute_delta'], 2)} std"})
+            if t["skipped"] > 0.02:
+                found.append({"target": f"{task}: {label} realised wall-clock saving >= 90% of samples skipped",
+                              "met": bool(t["realised"] >= 0.9),
+                              "measured": f"{t['saving']:.1%} of {t['skipped']:.1%} = {fmt(t['realised'], 2)}" + where})
+            found.append({"target": f"{task}: {label} pruner overhead < 1% of step time",
+                          "met": bool(t["pruner_overhead"] < 0.01), "measured": f"{t['pruner_overhead']:.3%}" + where})
+    return found

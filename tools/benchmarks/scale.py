@@ -1,0 +1,320 @@
+"""Pruning at scale: bytes per sample per node and per rank, plan + layout time per pass
+boundary for a simulated world of nodes x ranks, and save/load time of the pruner state.
+
+Run: `prunepipe bench scale --samples 100000000` (a markdown table on stdout, JSON lines with
+`--json`). Each pruner is measured in a fresh child process so that its peak RSS is its own. Every
+sample is scored (TED: twice, with a learning rate between) through the pruner's `_record`, the
+update path without the per-batch de-duplication, which would only make filling 1e9 ids slow.
+What is measured, and how:
+- `tables`, `plan`, `consumed`, `groups`: numpy `nbytes` of the score tables, the frozen plan's arrays,
+  the pass's consumed bitmap and (dedup) the group sizes of a synthetic table with 40% of the samples
+  in groups of 4, per sample; per rank = all four, for a process alone.
+- `peak RSS`: the child's high-water resident memory (VmHWM, reset after the imports) above its RSS
+  after imports, per sample: before loading a saved state, and with it.
+- `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
+  nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
+- `node`: `--node-ranks` real processes (gloo) of one node sharing their tables as training does
+  (pipelines/training/node_tables.py), each planning and laying out the pass, holding the plan's
+  shared-memory copy for loader workers and a full consumed bitmap: the sum of their Pss growth
+  (shared pages counted once) per sample, and the largest private (Uss) growth of a rank other
+  than local rank 0, per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+_CHUNK = 1 << 20
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Start the high-water mark again from the current RSS (Linux >= 4.0), past the imports' peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def score_everything(pruner, visits: int) -> float:
+    """Record a loss for every sample `visits` times; seconds taken."""
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    for visit in range(visits):
+        for first in range(0, pruner.num_samples, _CHUNK):
+            ids = np.arange(first, min(first + _CHUNK, pruner.num_samples), dtype=np.int64)
+            losses = rng.exponential(1.0 / (1 + visit), len(ids)).astype(np.float32)
+            if pruner._writes_tables:  # a node's other ranks leave its shared tables to local rank 0
+                pruner._record(ids, losses)
+        pruner.on_step(1e-3)
+    return time.perf_counter() - start
+
+
+GROUPED_SHARE, GROUP_SIZE = 0.4, 4  # dedup's synthetic table: 40% of the samples in groups of 4
+
+
+def synthetic_group_table(samples: int, folder: str) -> str:
+    """A group table for dedup, written once per size: the first 40% of the ids in groups of 4
+    consecutive ids (a group's id is its first), the rest alone. Only its sizes matter here."""
+    from pipelines.data.group_table import write_group_table
+
+    path = os.path.join(folder, f"groups-{samples}.npy")
+    if not os.path.exists(path):
+        group_of = np.arange(samples, dtype=np.int32)
+        grouped = int(samples * GROUPED_SHARE) // GROUP_SIZE * GROUP_SIZE
+        group_of[:grouped] -= group_of[:grouped] % GROUP_SIZE
+        write_group_table(path, group_of, {"made_by": "tools.benchmarks.scale: synthetic"})
+    return path
+
+
+def give_synthetic_groups(pruner, samples: int, folder: str, rank: int = 0, local_rank: int = 0,
+                          local_size: int = 1, token: str = ""):
+    """dedup's group sizes from the synthetic table, as the loop gives them (shared per node); the sizes."""
+    from pipelines.data.group_table import open_group_table
+    from pipelines.training.groups import give_groups
+
+    give_groups(pruner, open_group_table(synthetic_group_table(samples, folder), samples), rank, local_rank,
+                local_size, token)
+    return pruner._group_size
+
+
+def plan_arrays(frozen) -> list:
+    """The frozen plan's per-sample arrays (a candidate bitmap, keep probabilities, group shares)."""
+    return [a for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs)
+            if a is not None]
+
+
+def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
+            folder: str) -> dict:
+    """One pruner's row (run in a child process: see `main`)."""
+    from pipelines.checkpoint.pruner_state import CheckpointedPruner
+    from pipelines.data.layout import pass_layout
+    from pipelines.data.shards import ShardIndex
+    from pruning import build_pruner
+    from pruning.bitmap import Bitmap
+    from pruning.pass_plan import PassPlan
+
+    torch.set_num_threads(1)
+    if name == "dedup":
+        synthetic_group_table(samples, folder)  # written before the baseline: not the pruner's memory
+    reset_peak_rss()
+    baseline = rss_bytes()
+    counts = np.full(-(-samples // shard_size), shard_size, dtype=np.int64)
+    counts[-1] = samples - shard_size * (len(counts) - 1)
+    index = ShardIndex(tuple(f"shard-{i:07d}.tar" for i in range(len(counts))), counts)
+    pruner = build_pruner(name, samples, 100, seed=0)
+    groups_bytes = give_synthetic_groups(pruner, samples, folder).nbytes if name == "dedup" else 0
+    fill_seconds = score_everything(pruner, 2 if name == "ted" else 1)
+    world = nodes * ranks_per_node
+    start_boundary = time.perf_counter()
+    pruner.plan(5)
+    planned = time.perf_counter()
+    plan = PassPlan.from_pruner(pruner)
+    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
+                         world_size=world, num_workers=workers, batch_size=256)
+    boundary = time.perf_counter() - start_boundary
+    consumed = Bitmap.zeros(samples)  # what the loop keeps per pass
+    frozen = plan.frozen
+    tables = sum(t.nbytes for t in pruner._tables().values())
+    plan_bytes = sum(a.nbytes for a in plan_arrays(frozen))
+    consumed_bytes = consumed.packed.nbytes
+    per_rank = plan_bytes + consumed_bytes + groups_bytes
+    # as a checkpoint holds it: the small state in a .pkl, the tables as files (pipelines/checkpoint/pruner_state.py)
+    checkpoint = os.path.join(folder, f"{name}-checkpoint")
+    os.makedirs(checkpoint, exist_ok=True)
+    start = time.perf_counter()
+    torch.save(CheckpointedPruner(pruner).state_dict(), os.path.join(checkpoint, "custom_checkpoint_0.pkl"))
+    CheckpointedPruner(pruner).write_tables(checkpoint)
+    saved = time.perf_counter() - start
+    file_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files)
+    peak_before_load = peak_rss_bytes()
+    del pruner, plan, frozen, consumed  # a resumed process holds one pruner: the one it loads into
+    start = time.perf_counter()
+    loader = CheckpointedPruner(build_pruner(name, samples, 100, seed=0))
+    if name == "dedup":  # the same table: the state names it
+        give_synthetic_groups(loader.pruner, samples, folder)
+    loader.load_state_dict(torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=True))
+    loader.finish_load(checkpoint)
+    loaded = time.perf_counter() - start
+    shutil.rmtree(checkpoint)
+    return {
+        "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
+        "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
+        "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed_bytes / samples,
+        "groups_B": groups_bytes / samples,
+        "per_rank_B": (tables + per_rank) / samples,  # one process alone: tables, plan, consumed, group sizes
+        "peak_rss_B": (peak_before_load - baseline) / samples,
+        "peak_rss_with_load_B": (peak_rss_bytes() - baseline) / samples,
+        "plan_s": planned - start_boundary, "boundary_s": boundary, "fill_s": fill_seconds,
+        "save_s": saved, "load_s": loaded, "state_file_B": file_bytes / samples,
+    }
+
+
+def memory_of_process() -> tuple[int, int]:
+    """(Pss, Uss) in bytes: the proportional share of every page (shared ones split among the
+    processes that map them, so a node's Pss sum counts its shared tables once) and the pages
+    mapped by this process alone."""
+    fields = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return fields["Pss"], fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int, nodes: int, workers: int,
+              shard_size: int, out: str) -> None:
+    """One rank of a simulated node: shared tables, every sample scored, one pass boundary."""
+    import torch.distributed as dist
+
+    from pipelines.data.layout import pass_layout
+    from pipelines.data.shards import ShardIndex
+    from pipelines.training.node_tables import NodeTables, run_token
+    from pruning import build_pruner
+    from pruning.bitmap import Bitmap
+    from pruning.pass_plan import PassPlan
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks_per_node)
+    counts = np.full(-(-samples // shard_size), shard_size, dtype=np.int64)
+    counts[-1] = samples - shard_size * (len(counts) - 1)
+    index = ShardIndex(tuple(f"shard-{i:07d}.tar" for i in range(len(counts))), counts)
+    dist.barrier()
+    before = memory_of_process()
+    pruner = build_pruner(name, samples, 100, seed=0)
+    token = run_token()
+    tables = NodeTables(pruner, rank, rank, ranks_per_node, token)
+    if name == "dedup":  # the group sizes once per node too, read-only
+        give_synthetic_groups(pruner, samples, os.path.dirname(out), rank, rank, ranks_per_node, token)
+    score_everything(pruner, 2 if name == "ted" else 1)
+    tables.settle()
+    start = time.perf_counter()
+    pruner.plan(5)
+    plan = PassPlan.from_pruner(pruner)
+    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
+                         world_size=nodes * ranks_per_node, num_workers=workers, batch_size=256)
+    boundary = time.perf_counter() - start
+    for_workers = plan.share()  # what a pass loader with workers hands them: the bitmap in shared memory
+    consumed = Bitmap.zeros(samples)
+    consumed.packed[:] = 0xFF  # the end of a pass: every page of the bitmap written
+    dist.barrier()
+    after = memory_of_process()
+    found = [None] * ranks_per_node
+    dist.all_gather_object(found, (after[0] - before[0], after[1] - before[1], boundary, layout.steps))
+    del for_workers
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(found, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
+                 folder: str) -> dict:
+    """A node of `ranks_per_node` real processes (gloo) sharing their tables: bytes per sample of the
+    node (Pss sum) and of each rank beyond local rank 0 (its private pages)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(folder, f"{name}-node.json")
+    mp.start_processes(node_rank, args=(port, name, samples, ranks_per_node, nodes, workers, shard_size, out),
+                       nprocs=ranks_per_node, join=True, start_method="spawn")
+    ranks = json.load(open(out))
+    extra = [uss for _, uss, _, _ in ranks[1:]]
+    return {"node_pss_B": sum(pss for pss, _, _, _ in ranks) / samples,
+            "extra_rank_uss_B": max(extra) / samples if extra else 0.0,
+            "node_boundary_s": max(b for _, _, b, _ in ranks), "node_steps": sorted({st for *_, st in ranks})}
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
+               ("consumed_B", "{:.3f}"), ("groups_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
+               ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"),
+               ("boundary_s", "{:.1f}"),
+               ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}"),
+               ("node_pss_B", "{:.2f}"), ("extra_rank_uss_B", "{:.3f}"), ("node_boundary_s", "{:.1f}")]
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt.format(row[name]) if name in row else "-" for name, fmt in columns) + " |"
+              for row in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=float, default=1e8, help="samples in the simulated table (1e8, 1e9)")
+    parser.add_argument("--pruners", nargs="+", default=["infobatch", "ted", "random", "importance"])
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=4, help="loader workers per rank in the layout")
+    parser.add_argument("--shard-size", type=int, default=10_000)
+    parser.add_argument("--folder", default=None, help="where the state is saved (default: a temporary folder)")
+    parser.add_argument("--node-ranks", type=int, default=8, help="real processes of one simulated node that "
+                        "share their tables (1: skip the node measurement)")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's own pruner
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    samples = int(args.samples)
+    folder = args.folder or tempfile.mkdtemp(prefix="prunepipe-scale-")
+    if args.one:
+        row = measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size, folder)
+        if args.node_ranks > 1:
+            row.update(measure_node(args.one, samples, args.nodes, args.node_ranks, args.workers, args.shard_size,
+                                    folder))
+        print(json.dumps(row))
+        return 0
+    rows = []
+    for name in args.pruners:
+        command = [sys.executable, "-m", "tools.benchmarks.scale", "--one", name, "--samples", str(samples),
+                   "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
+                   "--workers", str(args.workers), "--shard-size", str(args.shard_size), "--folder", folder,
+                   "--node-ranks", str(args.node_ranks)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        if done.returncode != 0:
+            print(f"{name}: the measuring child failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if args.json:
+            print(json.dumps(rows[-1]), flush=True)
+    if not args.json:
+        print(f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
+              f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
+              f"{args.workers} workers per rank, shards of {args.shard_size} -->")
+        print(format_table(rows))
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run_from_args(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

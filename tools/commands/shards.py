@@ -1,0 +1,394 @@
+"""`prunepipe shards write | index | inspect`: make WebDataset shards, index shards written
+elsewhere, and look at what a shard folder holds.
+
+Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val (and, for
+the redundant source, val_mix: held-out data drawn from the train mix; val is clean). An image folder
+is written in a seeded global shuffle, holding its list of paths and one chunk of images at a time;
+indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import io
+import json
+import multiprocessing
+import os
+import threading
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Iterable, Iterator, Mapping, NamedTuple
+from urllib.parse import urlparse
+
+import numpy as np
+import webdataset as wds
+from braceexpand import braceexpand
+from PIL import Image
+
+from pipelines.data.shards import INDEX_NAME, BadInputError, ShardIndex, count_samples, read_shard
+from pipelines.data.side_tables import write_json
+from pipelines.progress import progress, tracked
+from tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
+from tools.commands.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
+                           redundant_splits, split_by_permutation)
+
+FOLDER_CHUNK = 256  # images of an image folder decoded before they are written: what write holds at once
+STATS_SUFFIX = "_stats.json"  # img2dataset writes NNNNN_stats.json beside NNNNN.tar
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=False)
+    return buffer.getvalue()
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def process_pool(workers: int) -> ProcessPoolExecutor:
+    """`workers` processes; forked when this process runs no other thread (nothing to start again,
+    no lock another thread could hold across the fork), else from a fork server."""
+    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
+        else "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+
+
+def write_shards(
+    source: str,
+    out: str,
+    *,
+    size: int = 32,
+    shard_size: int = 500,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    folder: str | None = None,
+    crops_per_photo: int = 250,
+    redundant_fraction: float = 0.5,
+    redundant_originals: int = 64,
+    redundant_copies: str = "even",
+    redundant_kinds: Mapping[str, float] | None = None,
+    workers: int | None = None,
+    chunk: int = FOLDER_CHUNK,
+    captions: bool = False,
+) -> dict[str, str]:
+    """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
+    ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`).
+    `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
+    `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if captions:
+        splits = captioned_splits(source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo)
+        return {split: write_samples(os.path.join(out, split), (img2dataset_sample(*item) for item in chosen),
+                                     source=source, size=size, shard_size=shard_size, keys=CAPTIONED_KEYS,
+                                     desc=f"{source}/{split} (captioned)", total=len(chosen), captions=True)
+                for split, chosen in splits.items() if chosen}
+    if source == "folder":
+        if not folder:
+            raise ValueError("source 'folder' needs --folder PATH")
+        return write_folder(folder, out, size=size, shard_size=shard_size, val_fraction=val_fraction, seed=seed,
+                            workers=workers, chunk=chunk)
+    if source == "redundant":
+        splits = redundant_splits(size, fraction=redundant_fraction, originals=redundant_originals,
+                                  val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed,
+                                  copy_counts=redundant_copies, copy_kinds=redundant_kinds)
+        meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals,
+                "redundant_copies": redundant_copies,
+                "redundant_kinds": check_copy_kinds(redundant_kinds),
+                "crops_per_photo": crops_per_photo, "seed": seed}
+    else:
+        items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
+        splits = split_by_permutation(items, val_fraction, seed)
+        meta = {}
+    return {split: write_split(os.path.join(out, split), ((k, png_bytes(im), label) for k, im, label in chosen),
+                               source=source, size=size, shard_size=shard_size, desc=f"{source}/{split}",
+                               total=len(chosen), **meta, **split_meta(source, chosen))
+            for split, chosen in splits.items() if chosen}
+
+
+def split_meta(source: str, items: list[tuple[str, Image.Image, int]]) -> dict:
+    """What index.json records of one split beyond the source's settings: for `redundant`, its copies
+    of each kind (read from their keys)."""
+    return {"copies_by_kind": copies_by_kind(key for key, _, _ in items)} if source == "redundant" else {}
+
+
+def write_folder(folder: str, out: str, *, size: int, shard_size: int = 500, val_fraction: float = 0.1,
+                 seed: int = 0, workers: int | None = None, chunk: int = FOLDER_CHUNK) -> dict[str, str]:
+    """An image folder as train and val shards, in bounded memory and a global shuffle.
+
+    It lists the files (paths only), draws one permutation of them from `seed`, takes val from its
+    head and train from the rest, and writes each split in that order: shards in sorted path order
+    would be class-sorted, and a rank's run of consecutive shards would then hold a few classes
+    only. What it holds at once is the list of paths and labels plus one chunk of `chunk` images,
+    decoded, resized to `size` and PNG-encoded by `workers` processes (default: the usable cores;
+    0 or 1: in this process). A sample's key is its position in sorted path order (`folder_key`):
+    the same folder gives an image the same key whatever the seed.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1, got {chunk}")
+    paths, labels = list_image_folder(folder)
+    order = np.random.default_rng(seed).permutation(len(paths))
+    held = int(round(val_fraction * len(paths)))
+    splits = {"train": order[held:], "val": order[:held]}
+    workers = usable_cores() if workers is None else workers
+    pool = process_pool(workers) if workers > 1 else None
+    try:
+        return {split: write_split(os.path.join(out, split),
+                                   folder_samples(paths, labels, positions, size=size, chunk=chunk, pool=pool),
+                                   source="folder", size=size, shard_size=shard_size, desc=f"folder/{split}",
+                                   total=len(positions), seed=seed)
+                for split, positions in splits.items() if len(positions)}
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+
+
+def folder_png(path: str, size: int) -> bytes:
+    """One folder image decoded, resized and PNG-encoded (run in a pool worker)."""
+    return png_bytes(load_image(path, size))
+
+
+def folder_samples(paths: list[str], labels: np.ndarray, positions: np.ndarray, *, size: int, chunk: int,
+                   pool: ProcessPoolExecutor | None = None) -> Iterator[tuple[str, bytes, int]]:
+    """(key, png, label) of the images at `positions`, in that order, decoded `chunk` at a time: the
+    next chunk is decoded only once the caller has taken this one."""
+    encode = functools.partial(folder_png, size=size)
+    for start in range(0, len(positions), chunk):
+        part = positions[start:start + chunk]
+        files = [paths[i] for i in part]
+        if pool is None:
+            encoded = [encode(f) for f in files]
+        else:
+            encoded = list(pool.map(encode, files, chunksize=8))  # 8 images a message: little pickling
+        for i, png in zip(part, encoded):
+            yield folder_key(int(i)), png, int(labels[i])
+
+
+def shard_sample(key: str, png: bytes, label: int) -> dict:
+    """A webdataset sample: the image as `png`, its class as `cls` (none when the class is unknown, -1)."""
+    sample = {"__key__": key, "png": png}
+    if label >= 0:
+        sample["cls"] = str(label)
+    return sample
+
+
+def write_split(folder: str, items: Iterable[tuple[str, bytes, int]], *, source: str, size: int, shard_size: int,
+                desc: str, total: int | None = None, **meta) -> str:
+    """(key, png, label) items, taken one at a time, as shards in `folder` with their index.json;
+    returns its path."""
+    samples = (shard_sample(key, png, label) for key, png, label in items)
+    return write_samples(folder, samples, source=source, size=size, shard_size=shard_size, keys=["png", "cls"],
+                         desc=desc, total=total, **meta)
+
+
+def write_samples(folder: str, samples: Iterable[dict], *, source: str, size: int, shard_size: int, keys: list[str],
+                  desc: str, total: int | None = None, **meta) -> str:
+    """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
+    `keys`); returns its path."""
+    entries: list[tuple[str, int]] = []
+    with counted_shard_writer(folder, entries, maxcount=shard_size) as writer:
+        for sample in tracked(samples, total=total, desc=desc, unit="img"):
+            writer.write(sample)
+    return ShardIndex.write(folder, entries, source=source, size=size, keys=keys, **meta)
+
+
+@contextlib.contextmanager
+def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) -> Iterator[wds.ShardWriter]:
+    """webdataset's ShardWriter over `folder`/shard-NNNNNN.tar. Each shard it closes is appended to
+    `entries` as (path, samples) and gets img2dataset's shard-NNNNNN_stats.json beside it, so that
+    `shards index` counts these shards again, wherever the folder is copied on local or mounted
+    storage, from a stat and the stats file (it reads the first shard's headers to check)."""
+    os.makedirs(folder, exist_ok=True)
+    # an earlier write's shards, stats and index go first: a write that dies midway leaves no index
+    # over a mix of old and new tars
+    for pattern in (INDEX_NAME, "shard-*.tar", f"shard-*{STATS_SUFFIX}"):
+        for stale in glob.glob(os.path.join(folder, pattern)):
+            os.remove(stale)
+    with wds.ShardWriter(os.path.join(folder, "shard-%06d.tar"), verbose=0, **limits) as writer:
+        def closed(path: str) -> None:
+            entries.append((path, writer.count))
+            write_shard_stats(path, writer.count)
+
+        writer.post = closed
+        yield writer
+
+
+def write_shard_stats(tar_path: str, samples: int) -> None:
+    """The counts of img2dataset's NNNNN_stats.json (img2dataset/logger.py `write_stats`) for a shard
+    of `samples` samples, none failed, and the tar's size (`tar_bytes`, ours): a tar cut short or
+    written again since no longer matches it."""
+    write_json(tar_path[: -len(".tar")] + STATS_SUFFIX,
+               {"count": samples, "successes": samples, "failed_to_download": 0, "failed_to_resize": 0,
+                "tar_bytes": os.path.getsize(tar_path), "written_by": "prunepipe"})
+
+
+def shard_urls(sources: list[str]) -> list[str]:
+    """Expand folders (their *.tar), globs and brace patterns into a sorted list of shard urls."""
+    urls: list[str] = []
+    for source in sources:
+        for pattern in braceexpand(source):
+            if os.path.isdir(pattern):
+                urls += sorted(glob.glob(os.path.join(pattern, "*.tar")))
+            elif any(c in pattern for c in "*?[") and "://" not in pattern:
+                urls += sorted(glob.glob(pattern))
+            else:
+                urls.append(pattern)
+    if not urls:
+        raise FileNotFoundError(f"no shards found in {sources}")
+    return urls
+
+
+def img2dataset_stats_path(url: str) -> str | None:
+    """img2dataset's NNNNN_stats.json beside a local NNNNN.tar, when there is one."""
+    if urlparse(url).scheme not in ("", "file") or not url.endswith(".tar"):
+        return None
+    path = local_path(url)[: -len(".tar")] + STATS_SUFFIX
+    return path if os.path.isfile(path) else None
+
+
+def local_path(url: str) -> str:
+    return url.removeprefix("file://").removeprefix("file:")
+
+
+def img2dataset_count(stats_path: str) -> tuple[int, int | None]:
+    """The samples img2dataset wrote to a shard, its stats file's `successes` (the others failed to
+    download or resize and are not in the tar), and the tar's size when the file records it
+    (`tar_bytes`, which `shards write` adds)."""
+    try:
+        with open(stats_path) as f:
+            stats = json.load(f)
+        successes, size = stats["successes"], stats.get("tar_bytes")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{stats_path}: expected img2dataset's stats, a JSON object with an integer "
+                         f"'successes': {e!r}") from e
+    for name, value in (("successes", successes), ("tar_bytes", size)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{stats_path}: '{name}' must be a non-negative integer, got {value!r}")
+    return successes, size
+
+
+def looks_whole(tar_path: str, size: int | None) -> bool:
+    """Whether a local tar is as its stats file describes it, for the price of a stat and a 1 KiB read:
+    the size the file records, or, without one, whole 512-byte blocks ending in the two zero blocks
+    every tar writer closes an archive with. A tar cut short in a copy fails this (its headers are then
+    read, and name the damage)."""
+    actual = os.path.getsize(tar_path)
+    if size is not None:
+        return actual == size
+    if actual < 1024 or actual % 512:
+        return False
+    with open(tar_path, "rb") as f:
+        f.seek(actual - 1024)
+        return not any(f.read(1024))
+
+
+class ShardCount(NamedTuple):
+    samples: int
+    fields: list[str]  # known only when the headers were read
+    had_stats: bool  # an img2dataset stats file sat beside the shard
+    headers_read: bool
+
+
+def count_shard(url: str, read_headers: bool) -> ShardCount:
+    """One shard's samples: the count of img2dataset's stats file when one sits beside it, else (or
+    also, with `read_headers`, and then the two must agree) from its tar headers."""
+    stats_path = img2dataset_stats_path(url)
+    stated, size = img2dataset_count(stats_path) if stats_path else (None, None)
+    if stated is not None and not read_headers and looks_whole(local_path(url), size):
+        return ShardCount(stated, [], True, False)
+    count, fields = count_samples(url)
+    if stated is not None and stated != count:
+        raise BadInputError(f"shard {url}: its tar headers hold {count} samples, but {stats_path} says "
+                            f"{stated} successes; re-index without the stats file or fix the shard")
+    return ShardCount(count, fields, stated is not None, True)
+
+
+def index_shards(sources: list[str], out: str, *, workers: int | None = None, verify: bool = False) -> str:
+    """Count each shard's samples and write `out`/index.json (img2dataset and plain-tar layouts).
+
+    A shard with img2dataset's NNNNN_stats.json beside it is counted from the stats' `successes`; the
+    first shard, and every shard with `verify`, from its tar headers too (they must agree). Headers
+    are read without the member data where it can be seeked past (a local file of large members),
+    `workers` shards at a time in threads (default: the usable cores). index.json's `counted` splits
+    the shards by where their count came from, so the two add up to `shards`: `img2dataset_stats`
+    (the stats file alone) and `tar_headers_read` (the headers, of which `checked_against_stats` had
+    a stats file that agreed); `describe_counting` says it in a sentence.
+    """
+    urls = shard_urls(sources)
+    workers = usable_cores() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    read_headers = [verify or i == 0 for i in range(len(urls))]  # the first shard's fields name the index's keys
+    bar = progress(len(urls), desc="indexing", unit="shard")
+    try:
+        if workers == 1 or len(urls) == 1:
+            counted = []
+            for url, headers in zip(urls, read_headers):
+                counted.append(count_shard(url, headers))
+                bar.update(1)
+        else:
+            # Threads, not processes: counting a shard is reading it and numpy's array work, which
+            # release the GIL, or waiting on storage; forking this process (webdataset brings torch)
+            # costs more, ~10 ms a worker and copy-on-write faults after, than 180 small shards take.
+            with ThreadPoolExecutor(min(workers, len(urls))) as pool:
+                counted = []
+                for result in pool.map(count_shard, urls, read_headers, chunksize=1):
+                    counted.append(result)
+                    bar.update(1)
+    finally:
+        bar.close()
+    keys = sorted({field for shard in counted for field in shard.fields})
+    how = {"shards": len(urls), "img2dataset_stats": sum(not shard.headers_read for shard in counted),
+           "tar_headers_read": sum(shard.headers_read for shard in counted),
+           "checked_against_stats": sum(shard.headers_read and shard.had_stats for shard in counted)}
+    os.makedirs(out, exist_ok=True)
+    return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys,
+                            counted=how)
+
+
+def describe_counting(counted: dict, verify: bool = False) -> str:
+    """index.json's `counted` (`index_shards`) as a sentence whose numbers add up to the shards."""
+    stats, headers = counted["img2dataset_stats"], counted["tar_headers_read"]
+    checked = counted.get("checked_against_stats", 0)
+    parts = []
+    if stats:
+        parts.append(f"{stats} counted from img2dataset's *_stats.json"
+                     + ("" if verify else " (--verify reads their tar headers too)"))
+    if headers:
+        parts.append(f"{headers} from their tar headers"
+                     + (f" ({checked} of them checked against their *_stats.json)" if checked else ""))
+    return f"of {counted['shards']} shard(s), " + ", ".join(parts) if parts else "no shards"
+
+
+def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
+    """Counts, fields and labels of an indexed shard folder; optionally a PNG grid of images."""
+    from pipelines.data.decode import SampleDecoder
+
+    index = ShardIndex.load(location)
+    fields, labels = Counter(), Counter()
+    images = []
+    decoder = SampleDecoder(resolution=int(index.meta.get("size", 32)))
+    for url in index.urls:
+        for _, sample in read_shard(url):
+            fields.update(k for k in sample if not k.startswith("__"))
+            if "cls" in sample:
+                labels[int(sample["cls"])] += 1
+            if grid_path and len(images) < grid_count:
+                images.append(decoder(sample, 0, 0)[0])
+    report = {
+        "index": index.path,
+        "shards": len(index),
+        "samples": index.num_samples,
+        "fields": dict(fields),
+        "labels": dict(sorted(labels.items())),
+    }
+    if grid_path and images:
+        import torch
+        from torchvision.utils import save_image
+
+        save_image((torch.stack(images) + 1) / 2, grid_path, nrow=int(np.ceil(np.sqrt(len(images)))))
+        report["grid"] = grid_path
+    return report
