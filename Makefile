@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow install format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix --quiet .
+	$(BIN)/ruff format --quiet .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 
-from pipelines.config import load_config
-from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.report.compare import compare_runs
-from pipelines.training.loop import train
-from tools.commands.shards import write_shards
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.pipelines.report.compare import compare_runs
+from prunepipe.pipelines.training.loop import train
+from prunepipe.tools.commands.shards import write_shards
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Raw weights: after runs this short the EMA (decay 0.999) still lags far behind them.
@@ -31,8 +31,11 @@ def train_and_evaluate(config: str, overrides: list[str], what: str) -> tuple[di
     print(f"\n== {what}: configs/{config}, {cfg.passes} passes -> {cfg.run_dir}", flush=True)
     summary = train(cfg)
     record = evaluate_checkpoint(cfg.run_dir, overrides=EVAL_OVERRIDES)
-    print(f"   {summary['samples_forwarded']} samples forwarded, {summary['wall_seconds']:.1f} s; held-out: "
-          + ", ".join(f"{name} {value:.4g}" for name, value in record["metrics"].items()), flush=True)
+    print(
+        f"   {summary['samples_forwarded']} samples forwarded, {summary['wall_seconds']:.1f} s; held-out: "
+        + ", ".join(f"{name} {value:.4g}" for name, value in record["metrics"].items()),
+        flush=True,
+    )
     return summary, cfg.run_dir
 
 
@@ -58,17 +61,21 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
     if not os.path.exists(os.path.join(data, "train", "index.json")):
         print(f"writing scikit-learn's digits as shards in {data} ...")
         write_shards("digits", data, size=32, shard_size=300)
-    common = [f"data.train={data}/train", f"data.val={data}/val", *([f"passes={passes}"] if passes else []),
-              *overrides]
+    common = [f"data.train={data}/train", f"data.val={data}/val", *([f"passes={passes}"] if passes else []), *overrides]
     steps, step = 4 * seeds, 0
     pruned_dirs, baseline, same_compute, frontier = [], [], [], []
     for seed in range(seeds):
         suffix = seed_suffix(seed)
-        pruned, pruned_dir = train_and_evaluate("mae_tiny_infobatch.yaml", [*common, f"seed={seed}",
-                                                                            f"name={prefix}_infobatch{suffix}"],
-                                                f"{step + 1}/{steps} the pruned run (InfoBatch), seed {seed}")
-        full, full_dir = train_and_evaluate("mae_tiny_full.yaml", [*common, f"seed={seed}", f"name={prefix}_full_s{seed}"],
-                                            f"{step + 2}/{steps} the full-data baseline, same passes, seed {seed}")
+        pruned, pruned_dir = train_and_evaluate(
+            "mae_tiny_infobatch.yaml",
+            [*common, f"seed={seed}", f"name={prefix}_infobatch{suffix}"],
+            f"{step + 1}/{steps} the pruned run (InfoBatch), seed {seed}",
+        )
+        full, full_dir = train_and_evaluate(
+            "mae_tiny_full.yaml",
+            [*common, f"seed={seed}", f"name={prefix}_full_s{seed}"],
+            f"{step + 2}/{steps} the full-data baseline, same passes, seed {seed}",
+        )
         pruned_dirs.append(pruned_dir)
         baseline.append(full_dir)  # several seeds: the verdicts' tolerances are their run-to-run spread
         full_passes, per_pass = full["epoch"] + 1, full["samples_forwarded"] // (full["epoch"] + 1)
@@ -78,27 +85,35 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
             same_compute.append(full_dir)
         else:
             _, same_dir = train_and_evaluate(
-                "mae_tiny_full.yaml", [*common, f"seed={seed}", f"passes={short}", f"name={prefix}_full_short{suffix}"],
-                f"{step + 3}/{steps} full data for that compute ({pruned['samples_forwarded']} samples), seed {seed}")
+                "mae_tiny_full.yaml",
+                [*common, f"seed={seed}", f"passes={short}", f"name={prefix}_full_short{suffix}"],
+                f"{step + 3}/{steps} full data for that compute ({pruned['samples_forwarded']} samples), seed {seed}",
+            )
             same_compute.append(same_dir)
         # below the pruned run's compute, so that a run worse than training less gets a measured saving
         _, half_dir = train_and_evaluate(
-            "mae_tiny_full.yaml", [*common, f"seed={seed}", f"passes={max(1, full_passes // 2)}",
-                                   f"name={prefix}_full_half{suffix}"],
-            f"{step + 4}/{steps} full data for half the passes (the frontier's low end), seed {seed}")
+            "mae_tiny_full.yaml",
+            [*common, f"seed={seed}", f"passes={max(1, full_passes // 2)}", f"name={prefix}_full_half{suffix}"],
+            f"{step + 4}/{steps} full data for half the passes (the frontier's low end), seed {seed}",
+        )
         frontier.append(half_dir)
         step += 4
-    report = compare_runs(baseline, pruned_dirs, same_compute=same_compute, frontier=frontier, weights="raw",
-                          plots=True)
+    report = compare_runs(
+        baseline, pruned_dirs, same_compute=same_compute, frontier=frontier, weights="raw", plots=True
+    )
     print("\n" + report["markdown"])
-    print(f"report and plots: {report['out']}/\nthe same comparison: prunepipe compare {','.join(baseline)} "
-          f"{' '.join(pruned_dirs)} --same-compute {' '.join(same_compute)} --frontier {' '.join(frontier)} "
-          f"--weights raw")
+    print(
+        f"report and plots: {report['out']}/\nthe same comparison: prunepipe compare {','.join(baseline)} "
+        f"{' '.join(pruned_dirs)} --same-compute {' '.join(same_compute)} --frontier {' '.join(frontier)} "
+        f"--weights raw"
+    )
     names = [os.path.basename(d) for d in pruned_dirs]
     [setting] = report["equal_quality"]["settings"]
     main = "masked_mse"
     saving = setting["metrics"][main]["verdict"] if main in setting["metrics"] else "not measured"
-    print(f"\nVerdicts for {setting['setting']} (InfoBatch, {seeds} seed{'s' if seeds > 1 else ''}): at equal passes "
-          f"{agreed([report['equal_passes'][n]['verdict'] for n in names])}; at equal compute "
-          f"{agreed([report['equal_compute'][n]['verdict'] for n in names])}; at equal quality ({main}) {saving}.")
+    print(
+        f"\nVerdicts for {setting['setting']} (InfoBatch, {seeds} seed{'s' if seeds > 1 else ''}): at equal passes "
+        f"{agreed([report['equal_passes'][n]['verdict'] for n in names])}; at equal compute "
+        f"{agreed([report['equal_compute'][n]['verdict'] for n in names])}; at equal quality ({main}) {saving}."
+    )
     return report

@@ -21,17 +21,17 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from pipelines.data.augment import CROPS
-from pipelines.data.decode import FLIPPED_LATENT_FIELD
-from pipelines.data.group_table import group_table_path
-from pipelines.data.remote import ReadRetry, is_retried
-from pipelines.data.shards import ShardIndex, index_file
-from pipelines.data.stream import BAD_SAMPLE_POLICIES
-from pipelines.data.workers import check_num_workers
-from pipelines.evaluation.config import EvalConfig, validate_eval_config
-from pipelines.tasks.diffusion.config import PRECOMPUTED, DiffusionConfig, check_config
-from pipelines.tasks.mae import MAEConfig
-from pipelines.tasks.diffusion.text import PRECOMPUTED_TEXT, stored_identity
+from prunepipe.pipelines.data.augment import CROPS
+from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD
+from prunepipe.pipelines.data.group_table import group_table_path
+from prunepipe.pipelines.data.remote import ReadRetry, is_retried
+from prunepipe.pipelines.data.shards import ShardIndex, index_file
+from prunepipe.pipelines.data.stream import BAD_SAMPLE_POLICIES
+from prunepipe.pipelines.data.workers import check_num_workers
+from prunepipe.pipelines.evaluation.config import EvalConfig, validate_eval_config
+from prunepipe.pipelines.tasks.diffusion.config import PRECOMPUTED, DiffusionConfig, check_config
+from prunepipe.pipelines.tasks.diffusion.text import PRECOMPUTED_TEXT, stored_identity
+from prunepipe.pipelines.tasks.mae import MAEConfig
 
 TASKS = ("mae", "ldm")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
@@ -175,8 +175,10 @@ def _empty(merged, key: str) -> None:
     except ConfigAttributeError:
         raise ConfigError(_unknown_key(key)) from None
     except ValidationError:
-        raise ConfigError(f"config: {key}= is empty; {key} is not a text field and needs a value "
-                          f"(text fields such as data.val= may be emptied)") from None
+        raise ConfigError(
+            f"config: {key}= is empty; {key} is not a text field and needs a value "
+            f"(text fields such as data.val= may be emptied)"
+        ) from None
 
 
 def _file_layers(path: str, seen: tuple[str, ...] = ()) -> list:
@@ -224,7 +226,7 @@ def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Values the type system cannot check."""
-    from pruning import NORMALISATIONS, PRUNERS, build_pruner
+    from prunepipe.pruning import NORMALISATIONS, PRUNERS, build_pruner
 
     _choice("task", cfg.task, TASKS)
     _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
@@ -239,12 +241,18 @@ def validate(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     if cfg.debug_device_sync and cfg.on_nonfinite_loss == "skip":
-        raise ConfigError("config: debug_device_sync=true forbids waiting on the device, but on_nonfinite_loss=skip "
-                          "reads each step's losses before backward; use on_nonfinite_loss=stop with it")
+        raise ConfigError(
+            "config: debug_device_sync=true forbids waiting on the device, but on_nonfinite_loss=skip "
+            "reads each step's losses before backward; use on_nonfinite_loss=stop with it"
+        )
     positive = {
-        "passes": cfg.passes, "data.batch_size": cfg.data.batch_size, "data.resolution": cfg.data.resolution,
-        "optim.grad_accum": cfg.optim.grad_accum, "checkpoint.every_steps": cfg.checkpoint.every_steps,
-        "checkpoint.keep": cfg.checkpoint.keep, "log_every": cfg.log_every,
+        "passes": cfg.passes,
+        "data.batch_size": cfg.data.batch_size,
+        "data.resolution": cfg.data.resolution,
+        "optim.grad_accum": cfg.optim.grad_accum,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "log_every": cfg.log_every,
         "dist_timeout_seconds": cfg.dist_timeout_seconds,
     }
     for name, value in positive.items():
@@ -266,11 +274,15 @@ def validate(cfg: RunConfig) -> None:
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
-        raise ConfigError(f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
-                          f"{cfg.score.momentum}")
+        raise ConfigError(
+            f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
+            f"{cfg.score.momentum}"
+        )
     if cfg.eval.every_passes and not cfg.data.val:
-        raise ConfigError(f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
-                          f"is empty; set data.val=DIR or eval.every_passes=0")
+        raise ConfigError(
+            f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
+            f"is empty; set data.val=DIR or eval.every_passes=0"
+        )
     try:
         validate_eval_config(cfg.eval)
     except ValueError as e:
@@ -298,11 +310,13 @@ def _validate_remote(cfg: RunConfig) -> None:
     worst = cfg.data.remote.worst_case_seconds()
     if worst >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
         remote = cfg.data.remote
-        raise ConfigError(f"config: data.remote lets one shard read stall for up to {worst:.0f} s ({remote.retries + 1} "
-                          f"attempts of timeout_seconds={remote.timeout_seconds:g} and their backoffs), not less than "
-                          f"dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their "
-                          f"next collective before the read failed with its own message; lower data.remote.retries or "
-                          f"timeout_seconds, or raise dist_timeout_seconds")
+        raise ConfigError(
+            f"config: data.remote lets one shard read stall for up to {worst:.0f} s ({remote.retries + 1} "
+            f"attempts of timeout_seconds={remote.timeout_seconds:g} and their backoffs), not less than "
+            f"dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their "
+            f"next collective before the read failed with its own message; lower data.remote.retries or "
+            f"timeout_seconds, or raise dist_timeout_seconds"
+        )
 
 
 def _reads_remote_shards(cfg: RunConfig) -> bool:
@@ -324,8 +338,10 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
     if groups and name != "dedup":
         raise ConfigError(f"config: pruner.groups={groups!r} is read by pruner.name=dedup only, not {name}")
     if name == "dedup" and not groups:
-        raise ConfigError("config: pruner.name=dedup needs pruner.groups: a near-duplicate group table beside "
-                          "data.train (NAME for groups/NAME.npy there, or a path)")
+        raise ConfigError(
+            "config: pruner.name=dedup needs pruner.groups: a near-duplicate group table beside "
+            "data.train (NAME for groups/NAME.npy there, or a path)"
+        )
     train = cfg.data.train
     if groups and train and os.path.exists(index_file(train)):
         path = group_table_path(str(groups), train)
@@ -342,26 +358,41 @@ def _validate_conditioning(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
-        raise ConfigError(f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
-                          f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0")
+        raise ConfigError(
+            f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
+            f"text-conditional models; ldm.conditioning is none (ldm.num_classes is 0): use 1.0"
+        )
     clip = cfg.eval.clip_score.model
     if conditioning != "text":  # the encoder's folder is checked where it is loaded (pipelines/tasks/diffusion/text.py)
         if clip:
-            raise ConfigError(f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
-                              f"were drawn from; ldm.conditioning is {conditioning}: leave it empty")
+            raise ConfigError(
+                f"config: eval.clip_score.model={clip!r} scores samples against the captions they "
+                f"were drawn from; ldm.conditioning is {conditioning}: leave it empty"
+            )
         return
     if cfg.ldm.text.encoder == PRECOMPUTED_TEXT:
         _validate_precomputed_text(cfg)
     if not cfg.eval.every_passes:
         return
-    sampled = [name for name, on in (("eval.fid", cfg.eval.fid.enabled), ("eval.replication",
-                                     cfg.eval.replication.enabled), ("eval.clip_score", bool(clip))) if on]
+    sampled = [
+        name
+        for name, on in (
+            ("eval.fid", cfg.eval.fid.enabled),
+            ("eval.replication", cfg.eval.replication.enabled),
+            ("eval.clip_score", bool(clip)),
+        )
+        if on
+    ]
     if sampled and not (cfg.eval.val or cfg.data.val):
-        raise ConfigError(f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
-                          f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards")
+        raise ConfigError(
+            f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
+            f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards"
+        )
     if clip and not os.path.isdir(os.path.expanduser(clip)):
-        raise ConfigError(f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
-                          f"and its processor; nothing is downloaded)")
+        raise ConfigError(
+            f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
+            f"and its processor; nothing is downloaded)"
+        )
 
 
 def _validate_precomputed_text(cfg: RunConfig) -> None:
@@ -374,14 +405,18 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
         index = ShardIndex.load(folder)
         identity = stored_identity(index.meta)
         if not identity:
-            raise ConfigError(f"config: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
-                              f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
-                              f"encode ... --text-encoder PATH`")
+            raise ConfigError(
+                f"config: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
+                f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
+                f"encode ... --text-encoder PATH`"
+            )
         made_by[setting] = f"{identity}, width {index.meta.get('text_width')}"
     if len(set(made_by.values())) > 1:
         listed = "; ".join(f"{setting}: {made}" for setting, made in made_by.items())
-        raise ConfigError(f"config: the splits' text features come from different encoders or caption lengths "
-                          f"({listed}); encode every split with the same --text-encoder and --text-max-length")
+        raise ConfigError(
+            f"config: the splits' text features come from different encoders or caption lengths "
+            f"({listed}); encode every split with the same --text-encoder and --text-max-length"
+        )
 
 
 def _validate_augmentations(cfg: RunConfig) -> None:
@@ -393,8 +428,10 @@ def _validate_augmentations(cfg: RunConfig) -> None:
         raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
     cropped = cfg.data.crop != "center"
     if cropped and cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
-        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
-                          f"precomputed latents, which cannot be cropped; use data.crop=center")
+        raise ConfigError(
+            f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
+            f"precomputed latents, which cannot be cropped; use data.crop=center"
+        )
     train = cfg.data.train
     if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):
         return
@@ -402,12 +439,16 @@ def _validate_augmentations(cfg: RunConfig) -> None:
     if "latent_shape" not in index.meta:  # what `prunepipe latents encode` records
         return
     if cropped:
-        raise ConfigError(f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
-                          f"latents ({index.path} records latent_shape); use data.crop=center")
+        raise ConfigError(
+            f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
+            f"latents ({index.path} records latent_shape); use data.crop=center"
+        )
     if cfg.data.hflip and FLIPPED_LATENT_FIELD not in index.meta.get("keys", [FLIPPED_LATENT_FIELD]):
-        raise ConfigError(f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
-                          f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
-                          f"`prunepipe latents encode --flip`, or set data.hflip=false")
+        raise ConfigError(
+            f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
+            f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
+            f"`prunepipe latents encode --flip`, or set data.hflip=false"
+        )
 
 
 def latent_shard_notes(cfg: RunConfig) -> list[str]:
@@ -433,22 +474,32 @@ def latent_shard_notes(cfg: RunConfig) -> list[str]:
     notes = []
     resolution = cfg.data.resolution
     # the sides data.resolution may name: the images' the latents were encoded from, the latents' own
-    sides = list(dict.fromkeys(side for side in (source if isinstance(source, int) else None,
-                                                 height if height == width else None) if side))
+    sides = list(
+        dict.fromkeys(
+            side for side in (source if isinstance(source, int) else None, height if height == width else None) if side
+        )
+    )
     if resolution not in sides:
-        encoded = (f"encoded from {source} px images{by}" if isinstance(source, int)
-                   else f"encoded{by} from images of a side it does not record")
+        encoded = (
+            f"encoded from {source} px images{by}"
+            if isinstance(source, int)
+            else f"encoded{by} from images of a side it does not record"
+        )
         said = " or ".join(f"data.resolution={side}" for side in sides)
-        notes.append(f"data.resolution={resolution} is not what this run trains on: {latents}, {encoded} "
-                     f"({index.path}); on precomputed latents (ldm.autoencoder={PRECOMPUTED}) a run trains at the "
-                     f"latents' size and data.resolution is unused. To train at {resolution} px, encode the images at "
-                     f"that side (`prunepipe latents encode IMAGES --vae VAE --resolution {resolution} --out DIR`)"
-                     + (f"; to say what it trains on, set {said}" if said else ""))
+        notes.append(
+            f"data.resolution={resolution} is not what this run trains on: {latents}, {encoded} "
+            f"({index.path}); on precomputed latents (ldm.autoencoder={PRECOMPUTED}) a run trains at the "
+            f"latents' size and data.resolution is unused. To train at {resolution} px, encode the images at "
+            f"that side (`prunepipe latents encode IMAGES --vae VAE --resolution {resolution} --out DIR`)"
+            + (f"; to say what it trains on, set {said}" if said else "")
+        )
     image_channels = vae.get("in_channels") if vae else None
     if isinstance(image_channels, int) and cfg.data.channels not in (channels, image_channels):
-        notes.append(f"data.channels={cfg.data.channels} is unused on precomputed latents: {latents}, encoded from "
-                     f"{image_channels}-channel images{by}; set data.channels={image_channels} (the images') or "
-                     f"{channels} (the latents')")
+        notes.append(
+            f"data.channels={cfg.data.channels} is unused on precomputed latents: {latents}, encoded from "
+            f"{image_channels}-channel images{by}; set data.channels={image_channels} (the images') or "
+            f"{channels} (the latents')"
+        )
     return notes
 
 

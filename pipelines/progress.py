@@ -29,8 +29,17 @@ class PlainProgress:
     """tqdm's update / set_postfix / close, printed as one line every `every_seconds` (none when the
     work finishes sooner: the caller prints its own summary)."""
 
-    def __init__(self, total: int | None = None, *, desc: str = "", unit: str = "it", unit_scale: float = 1,
-                 initial: int = 0, stream: TextIO | None = None, every_seconds: float = PLAIN_EVERY_SECONDS):
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        desc: str = "",
+        unit: str = "it",
+        unit_scale: float = 1,
+        initial: int = 0,
+        stream: TextIO | None = None,
+        every_seconds: float = PLAIN_EVERY_SECONDS,
+    ):
         self.total, self.desc, self.unit, self.unit_scale = total, desc, unit, unit_scale
         self.n, self.postfix = initial, ""
         self.stream = stream
@@ -95,8 +104,16 @@ class _Silent(PlainProgress):
         self.n += n
 
 
-def progress(total: int | None = None, *, desc: str = "", unit: str = "it", unit_scale: float = 1,
-             initial: int = 0, disable: bool = False, every_seconds: float = PLAIN_EVERY_SECONDS):
+def progress(
+    total: int | None = None,
+    *,
+    desc: str = "",
+    unit: str = "it",
+    unit_scale: float = 1,
+    initial: int = 0,
+    disable: bool = False,
+    every_seconds: float = PLAIN_EVERY_SECONDS,
+):
     """A tqdm bar when stderr is a terminal, else a `PlainProgress`; nothing when `disable` (other
     ranks) or TQDM_DISABLE is set."""
     if disable or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"):
@@ -105,8 +122,9 @@ def progress(total: int | None = None, *, desc: str = "", unit: str = "it", unit
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial, leave=False)
-    return PlainProgress(total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial,
-                         every_seconds=every_seconds)
+    return PlainProgress(
+        total, desc=desc, unit=unit, unit_scale=unit_scale, initial=initial, every_seconds=every_seconds
+    )
 
 
 def tracked(items: Iterable, *, total: int | None = None, desc: str = "", unit: str = "it") -> Iterator:

@@ -72,7 +72,7 @@ def gather_rows(rows: torch.Tensor) -> torch.Tensor:
     dist.all_gather(sizes, size)
     sizes = [int(s) for s in sizes]
     padded = torch.zeros((max(sizes), *rows.shape[1:]), dtype=rows.dtype, device=device)
-    padded[:len(rows)] = rows.to(device)
+    padded[: len(rows)] = rows.to(device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
     return torch.cat([g[:n] for g, n in zip(gathered, sizes)]).cpu()

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 from diffusers.training_utils import EMAModel
 
-from pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
-from pipelines.config import RunConfig, load_config
-from pipelines.evaluation.records import resolve_run_dir
-from pipelines.tasks.build import build_task
+from prunepipe.pipelines.checkpoint.store import checked, load_checkpoint_states, newest_intact
+from prunepipe.pipelines.config import RunConfig, load_config
+from prunepipe.pipelines.evaluation.records import resolve_run_dir
+from prunepipe.pipelines.tasks.build import build_task
 
 
 @dataclass
@@ -29,15 +29,16 @@ class Trained:
     position: dict  # the checkpoint's position record (pass, steps, samples, text identity)
 
 
-def load_trained(run: str, checkpoint: str = "latest", *, runs_dir: str = "runs", doing: str = "evaluating"
-                 ) -> Trained:
+def load_trained(run: str, checkpoint: str = "latest", *, runs_dir: str = "runs", doing: str = "evaluating") -> Trained:
     """`run` (a folder, or a name under `runs_dir`) at `checkpoint` (`latest` = its newest intact one)."""
     run_dir = resolve_run_dir(run, runs_dir)
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     folder = newest_intact(run_dir, doing=doing) if checkpoint == "latest" else checkpoint
     if folder is None or not os.path.isdir(folder):
-        raise FileNotFoundError(f"run {run_dir}: no checkpoint {'folder ' + checkpoint if folder else 'yet'} "
-                                f"(checkpoints are written every checkpoint.every_steps and at the end of training)")
+        raise FileNotFoundError(
+            f"run {run_dir}: no checkpoint {'folder ' + checkpoint if folder else 'yet'} "
+            f"(checkpoints are written every checkpoint.every_steps and at the end of training)"
+        )
     if checkpoint != "latest":
         checked(folder, "--checkpoint")
     states = load_checkpoint_states(folder)
@@ -51,8 +52,9 @@ def load_trained(run: str, checkpoint: str = "latest", *, runs_dir: str = "runs"
     return Trained(run_dir, folder, cfg, task, task.model, ema, states["position"] or {})
 
 
-def export_run(run: str, checkpoint: str = "latest", *, out: str = "", runs_dir: str = "runs",
-               copy: bool = False) -> tuple[str, list[str]]:
+def export_run(
+    run: str, checkpoint: str = "latest", *, out: str = "", runs_dir: str = "runs", copy: bool = False
+) -> tuple[str, list[str]]:
     """Write the export of `run` at `checkpoint` into `out` (default RUN/export, what the run writes at its
     end); returns (the folder, the paths written)."""
     trained = load_trained(run, checkpoint, runs_dir=runs_dir, doing="exporting")

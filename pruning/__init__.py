@@ -15,6 +15,23 @@ from .sync import gather_batch, gather_ids_losses, gather_tensors
 from .ted import TED
 
 __all__ = [
-    "Pruner", "Full", "Random", "InfoBatch", "TED", "Importance", "Dedup", "build_pruner", "PRUNERS", "hparam_names",
-    "gather_ids_losses", "gather_batch", "gather_tensors", "ScoreNormaliser", "NORMALISATIONS", "uniform_coin", "rotation_keeps", "first_full_pass", "FrozenPlan",
+    "Pruner",
+    "Full",
+    "Random",
+    "InfoBatch",
+    "TED",
+    "Importance",
+    "Dedup",
+    "build_pruner",
+    "PRUNERS",
+    "hparam_names",
+    "gather_ids_losses",
+    "gather_batch",
+    "gather_tensors",
+    "ScoreNormaliser",
+    "NORMALISATIONS",
+    "uniform_coin",
+    "rotation_keeps",
+    "first_full_pass",
+    "FrozenPlan",
 ]

@@ -181,7 +181,9 @@ class FrozenPlan:
     def keeps_all(self) -> bool:
         return self.keep_prob >= 1.0 and self.keep_probs is None
 
-    def _per_sample(self, ids: np.ndarray, probs: np.ndarray, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def _per_sample(
+        self, ids: np.ndarray, probs: np.ndarray, groups: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(kept, weight if kept) of `ids`, whose keep_probs are `probs` and group_probs `groups`."""
         kept = uniform_coin(self.seed, self.epoch, ids) < probs
         weight = np.float32(1.0) / probs if self.rescale else np.ones(len(ids), dtype=np.float32)
@@ -243,9 +245,16 @@ class FrozenPlan:
         bits = None if self.candidates is None else torch.from_numpy(self.candidates.packed.copy())
         keep_probs = None if self.keep_probs is None else torch.from_numpy(np.array(self.keep_probs))
         group_probs = None if self.group_probs is None else torch.from_numpy(np.array(self.group_probs))
-        return {"epoch": self.epoch, "keep_prob": self.keep_prob, "candidate_bits": bits,
-                "rescale": self.rescale, "keep_probs": keep_probs, "group_probs": group_probs,
-                "group_rescale": self.group_rescale, "rotate": self.rotate}
+        return {
+            "epoch": self.epoch,
+            "keep_prob": self.keep_prob,
+            "candidate_bits": bits,
+            "rescale": self.rescale,
+            "keep_probs": keep_probs,
+            "group_probs": group_probs,
+            "group_rescale": self.group_rescale,
+            "rotate": self.rotate,
+        }
 
     @classmethod
     def from_state(cls, state: dict, seed: int, num_samples: int) -> "FrozenPlan":
@@ -255,13 +264,24 @@ class FrozenPlan:
         if state["candidate_bits"] is not None:
             packed = np.array(state["candidate_bits"].numpy(), dtype=np.uint8, copy=True)
             if packed.shape != ((num_samples + 7) // 8,):
-                raise ValueError(f"plan candidate_bits have shape {tuple(packed.shape)}, "
-                                 f"expected ({(num_samples + 7) // 8},) for {num_samples} samples")
+                raise ValueError(
+                    f"plan candidate_bits have shape {tuple(packed.shape)}, "
+                    f"expected ({(num_samples + 7) // 8},) for {num_samples} samples"
+                )
             candidates = Bitmap(packed, num_samples)
             candidates.packed.flags.writeable = False
-        return cls(seed, int(state["epoch"]), num_samples, float(state["keep_prob"]), candidates,
-                   bool(state["rescale"]), keep_probs, group_probs, bool(state["group_rescale"]),
-                   bool(state["rotate"]))
+        return cls(
+            seed,
+            int(state["epoch"]),
+            num_samples,
+            float(state["keep_prob"]),
+            candidates,
+            bool(state["rescale"]),
+            keep_probs,
+            group_probs,
+            bool(state["group_rescale"]),
+            bool(state["rotate"]),
+        )
 
 
 def _per_sample_probs(state: dict, name: str, num_samples: int, dtypes: tuple) -> np.ndarray | None:
@@ -272,8 +292,10 @@ def _per_sample_probs(state: dict, name: str, num_samples: int, dtypes: tuple) -
         return None
     probs = saved.numpy()
     if probs.shape != (num_samples,) or probs.dtype not in [np.dtype(d) for d in dtypes]:
-        raise ValueError(f"plan {name} are {probs.dtype}{list(probs.shape)}, expected "
-                         f"{' or '.join(np.dtype(d).name for d in dtypes)}[{num_samples}]")
+        raise ValueError(
+            f"plan {name} are {probs.dtype}{list(probs.shape)}, expected "
+            f"{' or '.join(np.dtype(d).name for d in dtypes)}[{num_samples}]"
+        )
     probs = np.array(probs, copy=True)
     probs.flags.writeable = False
     return probs
@@ -369,8 +391,9 @@ class Pruner(abc.ABC):
             raise ValueError(f"update() got {len(ids)} ids and {len(losses)} losses; they must pair up")
         real = ids >= 0
         if len(ids) and ids.max() >= self.num_samples:
-            raise ValueError(f"sample id {int(ids.max())} is outside 0..{self.num_samples - 1} "
-                             "(num_samples of this pruner)")
+            raise ValueError(
+                f"sample id {int(ids.max())} is outside 0..{self.num_samples - 1} (num_samples of this pruner)"
+            )
         finite = np.isfinite(losses)
         self._nonfinite_losses += int(np.count_nonzero(real & ~finite))
         keep = real & finite
@@ -399,8 +422,10 @@ class Pruner(abc.ABC):
             raise ValueError(f"shared tables {sorted(tables)} are not this pruner's {sorted(mine)}")
         for name, table in tables.items():
             if table.shape != mine[name].shape or table.dtype != mine[name].dtype:
-                raise ValueError(f"shared table {name!r} is {table.dtype}{list(table.shape)}, "
-                                 f"expected {mine[name].dtype}{list(mine[name].shape)}")
+                raise ValueError(
+                    f"shared table {name!r} is {table.dtype}{list(table.shape)}, "
+                    f"expected {mine[name].dtype}{list(mine[name].shape)}"
+                )
             setattr(self, "_" + name, table)  # every table `x` of `_tables()` is the attribute `_x`
         if set(map(id, self._tables().values())) != set(map(id, tables.values())):
             raise TypeError(f"{type(self).__name__}: each table `x` of _tables() must be the attribute `_x`")
@@ -452,10 +477,18 @@ class Pruner(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by the same pruner with the same config (a mismatch raises)."""
-        mine = {"pruner": self.name, "num_samples": self.num_samples, "num_epochs": self.num_epochs,
-                "seed": self.seed, "hparams": self.hparams}
-        differing = [f"{key}: saved {state.get(key)!r}, configured {value!r}"
-                     for key, value in mine.items() if state.get(key) != value]
+        mine = {
+            "pruner": self.name,
+            "num_samples": self.num_samples,
+            "num_epochs": self.num_epochs,
+            "seed": self.seed,
+            "hparams": self.hparams,
+        }
+        differing = [
+            f"{key}: saved {state.get(key)!r}, configured {value!r}"
+            for key, value in mine.items()
+            if state.get(key) != value
+        ]
         if differing:
             raise ValueError("pruner state does not match this pruner's config (" + "; ".join(differing) + ")")
         tables = self._tables()
@@ -469,8 +502,10 @@ class Pruner(abc.ABC):
                 continue
             saved = saved.numpy()
             if saved.shape != table.shape or saved.dtype != table.dtype:
-                raise ValueError(f"pruner state table {name!r} is {saved.dtype}{list(saved.shape)}, "
-                                 f"expected {table.dtype}{list(table.shape)}")
+                raise ValueError(
+                    f"pruner state table {name!r} is {saved.dtype}{list(saved.shape)}, "
+                    f"expected {table.dtype}{list(table.shape)}"
+                )
             if self._writes_tables:  # a node's other ranks see what its writer copies
                 table[...] = saved  # copy: two pruners loaded from one state must not share tables
         counters = state["counters"]
@@ -493,21 +528,31 @@ class Pruner(abc.ABC):
     def _full_plan(self, epoch: int) -> FrozenPlan:
         return FrozenPlan(self.seed, epoch, self.num_samples, 1.0, None)
 
-    def _candidate_plan(self, epoch: int, keep_prob: float, candidates: Bitmap | None,
-                        rescale: bool = True) -> FrozenPlan:
+    def _candidate_plan(
+        self, epoch: int, keep_prob: float, candidates: Bitmap | None, rescale: bool = True
+    ) -> FrozenPlan:
         if candidates is not None:
             candidates.packed.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
         return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates, bool(rescale))
 
     def _per_sample_plan(self, epoch: int, keep_probs: np.ndarray, rescale: bool = True) -> FrozenPlan:
         keep_probs.flags.writeable = False
-        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_probs.mean(dtype=np.float64)), None,
-                          bool(rescale), keep_probs)
+        return FrozenPlan(
+            self.seed,
+            epoch,
+            self.num_samples,
+            float(keep_probs.mean(dtype=np.float64)),
+            None,
+            bool(rescale),
+            keep_probs,
+        )
 
     def __repr__(self) -> str:
         hparams = ", ".join(f"{key}={value!r}" for key, value in self.hparams.items())
-        return (f"{type(self).__name__}(num_samples={self.num_samples}, num_epochs={self.num_epochs}, "
-                f"seed={self.seed}, {hparams})")
+        return (
+            f"{type(self).__name__}(num_samples={self.num_samples}, num_epochs={self.num_epochs}, "
+            f"seed={self.seed}, {hparams})"
+        )
 
 
 def check_flag(pruner: str, name: str, value: Any) -> bool:
@@ -517,8 +562,9 @@ def check_flag(pruner: str, name: str, value: Any) -> bool:
     return bool(value)
 
 
-def check_range(pruner: str, name: str, value: float, low: float, high: float, *, low_open: bool = False,
-                high_open: bool = False) -> float:
+def check_range(
+    pruner: str, name: str, value: float, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> float:
     """A hyper-parameter in its interval, or a ValueError naming the field and the accepted range."""
     value = float(value)
     too_low = value <= low if low_open else value < low

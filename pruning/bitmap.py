@@ -18,8 +18,9 @@ class Bitmap:
     def __init__(self, packed: np.ndarray, length: int):
         packed = np.asanyarray(packed)  # keeps a shared-memory view (pruning/pass_plan.py) as it is
         if packed.dtype != np.uint8 or packed.shape != ((int(length) + 7) // 8,):
-            raise ValueError(f"a bitmap of {length} flags is uint8[{(int(length) + 7) // 8}], "
-                             f"got {packed.dtype}{list(packed.shape)}")
+            raise ValueError(
+                f"a bitmap of {length} flags is uint8[{(int(length) + 7) // 8}], got {packed.dtype}{list(packed.shape)}"
+            )
         self.packed, self.length = packed, int(length)
 
     @classmethod
@@ -49,7 +50,7 @@ class Bitmap:
         first, last = start >> 3, (stop + 7) >> 3
         bits = np.unpackbits(self.packed[first:last])
         offset = start - 8 * first
-        return bits[offset:offset + stop - start].astype(bool)
+        return bits[offset : offset + stop - start].astype(bool)
 
     def count(self) -> int:
         return int(np.bitwise_count(self.packed).sum(dtype=np.int64))
@@ -77,5 +78,5 @@ class Bitmap:
         bitmap = cls.zeros(length)
         for start in range(0, int(length), _CHUNK):  # _CHUNK is a multiple of 8: chunks start on a byte
             stop = min(start + _CHUNK, int(length))
-            bitmap.packed[start >> 3:(stop + 7) >> 3] = np.packbits(np.asarray(flags_between(start, stop), bool))
+            bitmap.packed[start >> 3 : (stop + 7) >> 3] = np.packbits(np.asarray(flags_between(start, stop), bool))
         return bitmap

@@ -48,10 +48,24 @@ class Dedup(Pruner):
 
     name = "dedup"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7,
-                 per_group: float = 1.0, then: str = "importance", alpha: float = 1.0, p_min: float = 0.1,
-                 prune_ratio: float = 0.5, delta: float = 0.875, rescale: bool = True, group_rescale: bool = False,
-                 momentum: float = 0.0, static: bool = False):
+    def __init__(
+        self,
+        num_samples: int,
+        num_epochs: int,
+        *,
+        seed: int = 0,
+        keep: float = 0.7,
+        per_group: float = 1.0,
+        then: str = "importance",
+        alpha: float = 1.0,
+        p_min: float = 0.1,
+        prune_ratio: float = 0.5,
+        delta: float = 0.875,
+        rescale: bool = True,
+        group_rescale: bool = False,
+        momentum: float = 0.0,
+        static: bool = False,
+    ):
         keep = check_range("dedup", "keep", keep, 0.0, 1.0, low_open=True)
         per_group = check_range("dedup", "per_group", per_group, 0.0, float(2**31), low_open=True)
         if then not in THEN:
@@ -64,11 +78,29 @@ class Dedup(Pruner):
         group_rescale = check_flag("dedup", "group_rescale", group_rescale)
         momentum = check_range("dedup", "momentum", momentum, 0.0, 1.0, high_open=True)
         static = check_flag("dedup", "static", static)
-        super().__init__(num_samples, num_epochs, seed=seed, keep=keep, per_group=per_group, then=then, alpha=alpha,
-                         p_min=p_min, prune_ratio=prune_ratio, delta=delta, rescale=rescale,
-                         group_rescale=group_rescale, momentum=momentum, static=static)
+        super().__init__(
+            num_samples,
+            num_epochs,
+            seed=seed,
+            keep=keep,
+            per_group=per_group,
+            then=then,
+            alpha=alpha,
+            p_min=p_min,
+            prune_ratio=prune_ratio,
+            delta=delta,
+            rescale=rescale,
+            group_rescale=group_rescale,
+            momentum=momentum,
+            static=static,
+        )
         self.keep, self.per_group, self.then, self.alpha, self.p_min = keep, per_group, then, alpha, p_min
-        self.prune_ratio, self.rescale, self.group_rescale, self.momentum = prune_ratio, rescale, group_rescale, momentum
+        self.prune_ratio, self.rescale, self.group_rescale, self.momentum = (
+            prune_ratio,
+            rescale,
+            group_rescale,
+            momentum,
+        )
         self.static = static
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
@@ -91,8 +123,10 @@ class Dedup(Pruner):
         names the table (a checkpoint records it and refuses to load into a run with another one);
         `source` says where it came from, for messages."""
         if group_size.shape != (self.num_samples,) or group_size.dtype != np.int32:
-            raise ValueError(f"dedup: group sizes are int32[{self.num_samples}] (one per sample of the index), "
-                             f"got {group_size.dtype}{list(group_size.shape)} from {source}")
+            raise ValueError(
+                f"dedup: group sizes are int32[{self.num_samples}] (one per sample of the index), "
+                f"got {group_size.dtype}{list(group_size.shape)} from {source}"
+            )
         if not digest:
             raise ValueError("dedup: a group table needs a digest that names it")
         self._sizes = size_histogram(group_size)
@@ -161,14 +195,25 @@ class Dedup(Pruner):
                 self._infobatch_probs(probs, groups, mean, excess)
         expected = 0.0
         for start, stop in self._chunks():
-            expected += float(np.sum(probs[start:stop].astype(np.float32) * self._share(groups, start, stop),
-                                     dtype=np.float64))
+            expected += float(
+                np.sum(probs[start:stop].astype(np.float32) * self._share(groups, start, stop), dtype=np.float64)
+            )
         self._expected_keep = expected / self.num_samples
         for array in (probs, groups):
             if array is not None:
                 array.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
-        return FrozenPlan(self.seed, epoch, self.num_samples, self._expected_keep, None, self.rescale, probs, groups,
-                          self.group_rescale, rotate=not self.static)
+        return FrozenPlan(
+            self.seed,
+            epoch,
+            self.num_samples,
+            self._expected_keep,
+            None,
+            self.rescale,
+            probs,
+            groups,
+            self.group_rescale,
+            rotate=not self.static,
+        )
 
     def _importance_probs(self, probs: np.ndarray, groups: np.ndarray | None, mean: float) -> None:
         """p = clip(c r, p_min, 1) with r = (s / mean) ** alpha for seen samples, 1 for unseen, and c
@@ -226,9 +271,14 @@ class Dedup(Pruner):
         return {"score": self._score, "seen": self._seen}
 
     def _scalars(self) -> dict[str, Any]:
-        return {"scale": self._scale, "threshold": self._threshold, "below_skip": self._below_skip,
-                "expected_keep": self._expected_keep, "groups_digest": self._groups["digest"],
-                "groups_source": self._groups["source"]}
+        return {
+            "scale": self._scale,
+            "threshold": self._threshold,
+            "below_skip": self._below_skip,
+            "expected_keep": self._expected_keep,
+            "groups_digest": self._groups["digest"],
+            "groups_source": self._groups["source"],
+        }
 
     def _load_scalars(self, scalars: dict[str, Any]) -> None:
         self._scale = None if scalars["scale"] is None else float(scalars["scale"])
@@ -244,16 +294,23 @@ class Dedup(Pruner):
                 f"dedup: the pruner state was saved with the group table {scalars.get('groups_source', 'none')} "
                 f"(digest {saved or 'none'}), this run has {self._groups['source']} (digest "
                 f"{self._groups['digest'] or 'none'}); resume with the table the run began with (pruner.groups), "
-                f"or start a new run")
+                f"or start a new run"
+            )
         super().load_state_dict(state)
 
     def _extra_stats(self) -> dict[str, Any]:
         grouped = int(self._sizes[1][self._sizes[0] > 1].sum())
-        return {"expected_keep": self._expected_keep, "per_group": self._per_group_used, "scale": self._scale,
-                "threshold": self._threshold, "below_skip": self._below_skip, "grouped_samples": grouped,
-                "groups": self._groups["source"],
-                "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
-                "first_full_pass": self.first_full_pass}
+        return {
+            "expected_keep": self._expected_keep,
+            "per_group": self._per_group_used,
+            "scale": self._scale,
+            "threshold": self._threshold,
+            "below_skip": self._below_skip,
+            "grouped_samples": grouped,
+            "groups": self._groups["source"],
+            "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
+            "first_full_pass": self.first_full_pass,
+        }
 
     def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(recorded score, seen) at `ids`, for inspection and tests."""

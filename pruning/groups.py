@@ -21,17 +21,19 @@ def fill_group_sizes(group_of: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"group sizes go to an int32[{num_samples}] array, got {out.dtype}{list(out.shape)}")
     counts = np.zeros(num_samples, dtype=np.int32)
     for start in range(0, num_samples, _CHUNK):
-        chunk = np.asarray(group_of[start:start + _CHUNK])
+        chunk = np.asarray(group_of[start : start + _CHUNK])
         if not np.issubdtype(chunk.dtype, np.integer):
             raise ValueError(f"group ids must be integers, got dtype {chunk.dtype}")
         bad = (chunk < 0) | (chunk >= num_samples)
         if bad.any():
             at = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"sample {start + at} has group id {int(chunk[at])}; group ids must be in "
-                             f"0..{num_samples - 1} (a group's smallest sample id)")
+            raise ValueError(
+                f"sample {start + at} has group id {int(chunk[at])}; group ids must be in "
+                f"0..{num_samples - 1} (a group's smallest sample id)"
+            )
         np.add.at(counts, chunk, 1)
     for start in range(0, num_samples, _CHUNK):
-        out[start:start + _CHUNK] = counts[np.asarray(group_of[start:start + _CHUNK])]
+        out[start : start + _CHUNK] = counts[np.asarray(group_of[start : start + _CHUNK])]
 
 
 def size_histogram(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +42,7 @@ def size_histogram(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     that are not a table's group sizes are refused)."""
     totals: dict[int, int] = {}
     for start in range(0, len(sizes), _CHUNK):
-        values, counts = np.unique(np.asarray(sizes[start:start + _CHUNK]), return_counts=True)
+        values, counts = np.unique(np.asarray(sizes[start : start + _CHUNK]), return_counts=True)
         for value, count in zip(values.tolist(), counts.tolist()):
             totals[value] = totals.get(value, 0) + count
     values = np.array(sorted(totals), dtype=np.int64)
@@ -49,8 +51,10 @@ def size_histogram(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"group sizes must be >= 1, got {int(values[0])}")
     uneven = counts % np.maximum(values, 1) != 0
     if uneven.any():
-        raise ValueError(f"{int(counts[uneven][0])} samples say their group has {int(values[uneven][0])} members, "
-                         "which is not a whole number of such groups: these are not a group table's sizes")
+        raise ValueError(
+            f"{int(counts[uneven][0])} samples say their group has {int(values[uneven][0])} members, "
+            "which is not a whole number of such groups: these are not a group table's sizes"
+        )
     return values, counts
 
 

@@ -25,16 +25,36 @@ _BISECTIONS = 60  # c to float64 precision on [0, hi]
 class Importance(Pruner):
     name = "importance"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7, alpha: float = 1.0,
-                 p_min: float = 0.1, delta: float = 0.875, rescale: bool = True, momentum: float = 0.0):
+    def __init__(
+        self,
+        num_samples: int,
+        num_epochs: int,
+        *,
+        seed: int = 0,
+        keep: float = 0.7,
+        alpha: float = 1.0,
+        p_min: float = 0.1,
+        delta: float = 0.875,
+        rescale: bool = True,
+        momentum: float = 0.0,
+    ):
         keep = check_range("importance", "keep", keep, 0.0, 1.0, low_open=True)
         alpha = check_range("importance", "alpha", alpha, 0.0, 8.0)
         p_min = check_range("importance", "p_min", p_min, 0.0, 1.0, low_open=True)
         delta = check_range("importance", "delta", delta, 0.0, 1.0)
         rescale = check_flag("importance", "rescale", rescale)
         momentum = check_range("importance", "momentum", momentum, 0.0, 1.0, high_open=True)
-        super().__init__(num_samples, num_epochs, seed=seed, keep=keep, alpha=alpha, p_min=p_min, delta=delta,
-                         rescale=rescale, momentum=momentum)
+        super().__init__(
+            num_samples,
+            num_epochs,
+            seed=seed,
+            keep=keep,
+            alpha=alpha,
+            p_min=p_min,
+            delta=delta,
+            rescale=rescale,
+            momentum=momentum,
+        )
         self.keep, self.alpha, self.p_min, self.rescale, self.momentum = keep, alpha, p_min, rescale, momentum
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
@@ -94,8 +114,11 @@ class Importance(Pruner):
         self._scale, self._expected_keep = float(scalars["scale"]), float(scalars["expected_keep"])
 
     def _extra_stats(self) -> dict[str, Any]:
-        return {"scale": self._scale, "expected_keep": self._expected_keep,
-                "annealing": self.epoch is not None and self.epoch >= self.first_full_pass}
+        return {
+            "scale": self._scale,
+            "expected_keep": self._expected_keep,
+            "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
+        }
 
     def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(recorded score, seen) at `ids`, for inspection and tests."""

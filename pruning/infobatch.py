@@ -31,8 +31,9 @@ def smoothed(previous: np.ndarray, seen: np.ndarray, losses: np.ndarray, momentu
     momentum * previous + (1 - momentum) * loss."""
     if momentum == 0.0:
         return losses
-    return np.where(seen.astype(bool), np.float32(momentum) * previous + np.float32(1.0 - momentum) * losses,
-                    losses).astype(np.float32)
+    return np.where(
+        seen.astype(bool), np.float32(momentum) * previous + np.float32(1.0 - momentum) * losses, losses
+    ).astype(np.float32)
 
 
 class InfoBatch(Pruner):
@@ -47,14 +48,24 @@ class InfoBatch(Pruner):
 
     name = "infobatch"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, prune_ratio: float = 0.5,
-                 delta: float = 0.875, rescale: bool = True, momentum: float = 0.0):
+    def __init__(
+        self,
+        num_samples: int,
+        num_epochs: int,
+        *,
+        seed: int = 0,
+        prune_ratio: float = 0.5,
+        delta: float = 0.875,
+        rescale: bool = True,
+        momentum: float = 0.0,
+    ):
         prune_ratio = check_range("infobatch", "prune_ratio", prune_ratio, 0.0, 1.0, high_open=True)
         delta = check_range("infobatch", "delta", delta, 0.0, 1.0)
         rescale = check_flag("infobatch", "rescale", rescale)
         momentum = check_range("infobatch", "momentum", momentum, 0.0, 1.0, high_open=True)
-        super().__init__(num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale,
-                         momentum=momentum)
+        super().__init__(
+            num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale, momentum=momentum
+        )
         self.prune_ratio, self.rescale, self.momentum = prune_ratio, rescale, momentum
         self.first_full_pass = first_full_pass(self.num_epochs, delta)
         # 5 bytes per sample: the last loss, and whether there is one. Zero means "unseen" in both,

@@ -95,24 +95,46 @@ class PassPlan:
 
     def kept_mask(self) -> np.ndarray:
         """bool [N]: the kept samples as a dense mask, one byte per sample (debugging and tests only)."""
-        return np.concatenate([self.kept_between(start, min(start + _CHUNK, self.num_samples))
-                               for start in range(0, self.num_samples, _CHUNK)])
+        return np.concatenate(
+            [
+                self.kept_between(start, min(start + _CHUNK, self.num_samples))
+                for start in range(0, self.num_samples, _CHUNK)
+            ]
+        )
 
     def share(self) -> "PassPlan":
         """This plan with its per-sample arrays in shared memory, so that loader workers started by
         spawn map them instead of unpickling a copy each (torch hands shared tensors over by handle)."""
         frozen = self.frozen
-        arrays = [a for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs,
-                              self.excluded and self.excluded.packed) if a is not None]
+        arrays = [
+            a
+            for a in (
+                frozen.candidates and frozen.candidates.packed,
+                frozen.keep_probs,
+                frozen.group_probs,
+                self.excluded and self.excluded.packed,
+            )
+            if a is not None
+        ]
         if all(isinstance(a, SharedArray) for a in arrays):
             return self
-        candidates = None if frozen.candidates is None else Bitmap(SharedArray.of(frozen.candidates.packed),
-                                                                   frozen.num_samples)
+        candidates = (
+            None if frozen.candidates is None else Bitmap(SharedArray.of(frozen.candidates.packed), frozen.num_samples)
+        )
         keep_probs = None if frozen.keep_probs is None else SharedArray.of(frozen.keep_probs)
         group_probs = None if frozen.group_probs is None else SharedArray.of(frozen.group_probs)
         excluded = None if self.excluded is None else Bitmap(SharedArray.of(self.excluded.packed), len(self.excluded))
-        shared = FrozenPlan(frozen.seed, frozen.epoch, frozen.num_samples, frozen.keep_prob, candidates,
-                            frozen.rescale, keep_probs, group_probs, frozen.group_rescale)
+        shared = FrozenPlan(
+            frozen.seed,
+            frozen.epoch,
+            frozen.num_samples,
+            frozen.keep_prob,
+            candidates,
+            frozen.rescale,
+            keep_probs,
+            group_probs,
+            frozen.group_rescale,
+        )
         return PassPlan(self.epoch, shared, excluded)
 
 

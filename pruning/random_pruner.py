@@ -16,8 +16,16 @@ class Random(Pruner):
 
     name = "random"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, keep: float = 0.7, delta: float = 1.0,
-                 rescale: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        num_epochs: int,
+        *,
+        seed: int = 0,
+        keep: float = 0.7,
+        delta: float = 1.0,
+        rescale: bool = True,
+    ):
         keep = check_range("random", "keep", keep, 0.0, 1.0, low_open=True)
         delta = check_range("random", "delta", delta, 0.0, 1.0)
         rescale = check_flag("random", "rescale", rescale)

@@ -31,6 +31,8 @@ def build_pruner(name: str, num_samples: int, num_epochs: int, seed: int = 0, **
     accepted = hparam_names(cls)
     unknown = sorted(set(hparams) - set(accepted))
     if unknown:
-        raise ValueError(f"pruner {cls.name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
-                         f"accepted: {', '.join(accepted) if accepted else 'none'}")
+        raise ValueError(
+            f"pruner {cls.name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
+            f"accepted: {', '.join(accepted) if accepted else 'none'}"
+        )
     return cls(num_samples, num_epochs, seed=seed, **hparams)

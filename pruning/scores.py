@@ -48,8 +48,10 @@ class ScoreNormaliser:
         if self.kind == "none":
             return losses
         if strata is None:
-            raise ValueError(f"score.normalise={self.kind} needs a task that reports strata (ldm: the timestep, "
-                             f"mae: the share its mask hid); this task reports none: set score.normalise=none")
+            raise ValueError(
+                f"score.normalise={self.kind} needs a task that reports strata (ldm: the timestep, "
+                f"mae: the share its mask hid); this task reports none: set score.normalise=none"
+            )
         buckets = self.bucket(strata)
         usable = (np.asarray(ids) >= 0) & np.isfinite(losses)
         self._update(buckets[usable], losses[usable].astype(np.float64))
@@ -76,13 +78,23 @@ class ScoreNormaliser:
             self.seen[b] += len(values)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"score_normaliser": self.kind, "num_strata": self.num_strata, "buckets": self.buckets,
-                "momentum": self.momentum, "mean": torch.from_numpy(self.mean.copy()),
-                "mean_square": torch.from_numpy(self.mean_square.copy()), "seen": torch.from_numpy(self.seen.copy())}
+        return {
+            "score_normaliser": self.kind,
+            "num_strata": self.num_strata,
+            "buckets": self.buckets,
+            "momentum": self.momentum,
+            "mean": torch.from_numpy(self.mean.copy()),
+            "mean_square": torch.from_numpy(self.mean_square.copy()),
+            "seen": torch.from_numpy(self.seen.copy()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = {"score_normaliser": self.kind, "num_strata": self.num_strata, "buckets": self.buckets,
-                "momentum": self.momentum}
+        mine = {
+            "score_normaliser": self.kind,
+            "num_strata": self.num_strata,
+            "buckets": self.buckets,
+            "momentum": self.momentum,
+        }
         differing = [f"{k}: saved {state.get(k)!r}, configured {v!r}" for k, v in mine.items() if state.get(k) != v]
         if differing:
             raise ValueError("score normaliser state does not match the config (" + "; ".join(differing) + ")")

@@ -37,8 +37,9 @@ def gather_batch(ids: Any, losses: Any, strata: Any = None) -> tuple[np.ndarray,
     they travel in the ids' integer collective, two rows of one int64 tensor."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return as_ids(ids), as_losses(losses), None if strata is None else as_ids(strata)
-    ids, losses, strata = gather_tensors(torch.as_tensor(ids), torch.as_tensor(losses),
-                                         None if strata is None else torch.as_tensor(strata))
+    ids, losses, strata = gather_tensors(
+        torch.as_tensor(ids), torch.as_tensor(losses), None if strata is None else torch.as_tensor(strata)
+    )
     return ids.cpu().numpy(), losses.cpu().numpy(), None if strata is None else strata.cpu().numpy()
 
 

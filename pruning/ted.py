@@ -60,9 +60,20 @@ class TED(Pruner):
 
     name = "ted"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, target: float = 0.7,
-                 ramp: float = 0.25, explore: float = 0.1, momentum: float = 0.5, min_span: float = 0.5,
-                 delta: float = 0.875, rescale: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        num_epochs: int,
+        *,
+        seed: int = 0,
+        target: float = 0.7,
+        ramp: float = 0.25,
+        explore: float = 0.1,
+        momentum: float = 0.5,
+        min_span: float = 0.5,
+        delta: float = 0.875,
+        rescale: bool = True,
+    ):
         target = check_range("ted", "target", target, 0.0, 1.0, low_open=True)
         rescale = check_flag("ted", "rescale", rescale)
         ramp = check_range("ted", "ramp", ramp, 0.0, 1.0)
@@ -70,8 +81,18 @@ class TED(Pruner):
         momentum = check_range("ted", "momentum", momentum, 0.0, 1.0, high_open=True)
         min_span = check_range("ted", "min_span", min_span, 0.0, 1.0)
         delta = check_range("ted", "delta", delta, 0.0, 1.0)
-        super().__init__(num_samples, num_epochs, seed=seed, target=target, ramp=ramp, explore=explore,
-                         momentum=momentum, min_span=min_span, delta=delta, rescale=rescale)
+        super().__init__(
+            num_samples,
+            num_epochs,
+            seed=seed,
+            target=target,
+            ramp=ramp,
+            explore=explore,
+            momentum=momentum,
+            min_span=min_span,
+            delta=delta,
+            rescale=rescale,
+        )
         self.target, self.ramp, self.explore, self.momentum = target, ramp, explore, momentum
         self.rescale = rescale
         self.min_span = min_span
@@ -139,8 +160,10 @@ class TED(Pruner):
         if kept_target >= 1.0 or self.explore >= 1.0:
             return self._full_plan(epoch)
         if self._recorded_losses and not self._steps:
-            raise RuntimeError("ted: losses were recorded but on_step(lr) was never called; TED normalises loss "
-                               "drops by the learning-rate mass, so call pruner.on_step(lr) after every optimizer step")
+            raise RuntimeError(
+                "ted: losses were recorded but on_step(lr) was never called; TED normalises loss "
+                "drops by the learning-rate mass, so call pruner.on_step(lr) after every optimizer step"
+            )
         num_scored = sum(int(np.count_nonzero(mask)) for _, _, mask in self._scored_chunks())
         self._scored_at_plan = num_scored
         # expected kept = N - (1 - explore) * m  ==  kept_target * N
@@ -155,18 +178,24 @@ class TED(Pruner):
     def _scored_chunks(self):
         """(start, scores of the chunk, scored mask of the chunk) over the table, a chunk at a time."""
         for start in range(0, self.num_samples, _CHUNK):
-            yield start, self._score[start:start + _CHUNK], self._visits[start:start + _CHUNK] == SCORED
+            yield start, self._score[start : start + _CHUNK], self._visits[start : start + _CHUNK] == SCORED
 
     def _highest_scores(self, num_scored: int, count: int, epoch: int) -> Bitmap:
         """The `count` scored samples with the highest scores; ties broken by a coin, not by id."""
         lowest_pruned_score = self._scored_quantile(num_scored - count)
         self._score_threshold = float(lowest_pruned_score)
-        selected = Bitmap.from_chunks(self.num_samples, lambda start, stop: (
-            (self._score[start:stop] > lowest_pruned_score) & (self._visits[start:stop] == SCORED)))
+        selected = Bitmap.from_chunks(
+            self.num_samples,
+            lambda start, stop: (self._score[start:stop] > lowest_pruned_score) & (self._visits[start:stop] == SCORED),
+        )
         missing = count - selected.count()
         if missing > 0:
-            tied = np.concatenate([start + np.flatnonzero(mask & (scores == lowest_pruned_score))
-                                   for start, scores, mask in self._scored_chunks()])
+            tied = np.concatenate(
+                [
+                    start + np.flatnonzero(mask & (scores == lowest_pruned_score))
+                    for start, scores, mask in self._scored_chunks()
+                ]
+            )
             coin = uniform_coin(self.seed ^ _TIE_BREAK_SALT, epoch, tied)
             selected.set(tied[np.argpartition(coin, missing - 1)[:missing]])
         return selected
@@ -196,13 +225,23 @@ class TED(Pruner):
     # -- state and stats -------------------------------------------------------------------------
 
     def _tables(self) -> dict[str, np.ndarray]:
-        return {"score": self._score, "last_loss": self._last_loss, "lr_mass_at_visit": self._lr_mass_at_visit,
-                "visits": self._visits}
+        return {
+            "score": self._score,
+            "last_loss": self._last_loss,
+            "lr_mass_at_visit": self._lr_mass_at_visit,
+            "visits": self._visits,
+        }
 
     def _scalars(self) -> dict[str, Any]:
-        return {"lr_mass": self._lr_mass, "steps": self._steps, "lr_mass_at_plan": self._lr_mass_at_plan,
-                "pass_lr_mass": self._pass_lr_mass, "score_threshold": self._score_threshold,
-                "pruned_set": self._pruned_set, "scored_at_plan": self._scored_at_plan}
+        return {
+            "lr_mass": self._lr_mass,
+            "steps": self._steps,
+            "lr_mass_at_plan": self._lr_mass_at_plan,
+            "pass_lr_mass": self._pass_lr_mass,
+            "score_threshold": self._score_threshold,
+            "pruned_set": self._pruned_set,
+            "scored_at_plan": self._scored_at_plan,
+        }
 
     def _load_scalars(self, scalars: dict[str, Any]) -> None:
         self._lr_mass = float(scalars["lr_mass"])

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def digits_shards(tmp_path_factory) -> str:
     """scikit-learn's digits as 32x32 PNG shards of 150 samples: returns the folder with train/ and val/."""
-    from tools.commands.shards import write_shards
+    from prunepipe.tools.commands.shards import write_shards
 
     out = tmp_path_factory.mktemp("digits")
     write_shards("digits", str(out), size=32, shard_size=150, val_fraction=0.1, seed=0)

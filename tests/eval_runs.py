@@ -9,23 +9,40 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Seconds per pass on 2 CPU cores. Checkpoints every 10 steps so the score histograms have passes.
-TINY_MAE = ("mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=2",
-            "checkpoint.every_steps=10", "checkpoint.keep=10", "log_every=5")
-TINY_LDM = ("ldm.unet.block_out_channels=[16,32]", "ldm.unet.norm_num_groups=8", "data.batch_size=64",
-            "data.val_batches=1", "data.resolution=16", "log_every=5")
+TINY_MAE = (
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val_batches=2",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep=10",
+    "log_every=5",
+)
+TINY_LDM = (
+    "ldm.unet.block_out_channels=[16,32]",
+    "ldm.unet.norm_num_groups=8",
+    "data.batch_size=64",
+    "data.val_batches=1",
+    "data.resolution=16",
+    "log_every=5",
+)
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_run(shards: str, runs_dir: str, config: str, name: str, extra: tuple[str, ...] = ()) -> str:
     """Train configs/`config` on the digits shards into runs_dir/name; returns the run folder."""
-    from pipelines.config import load_config
-    from pipelines.training.loop import train
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.training.loop import train
 
     tiny = TINY_MAE if config.startswith("mae") else TINY_LDM
-    cfg = load_config(os.path.join(ROOT, "configs", config),
-                      [f"data.train={shards}/train", f"data.val={shards}/val", f"runs_dir={runs_dir}", f"name={name}",
-                       *tiny, *extra])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", config),
+        [f"data.train={shards}/train", f"data.val={shards}/val", f"runs_dir={runs_dir}", f"name={name}", *tiny, *extra],
+    )
     train(cfg)
     return cfg.run_dir
 
@@ -33,7 +50,7 @@ def tiny_run(shards: str, runs_dir: str, config: str, name: str, extra: tuple[st
 @functools.lru_cache(maxsize=None)
 def feature_net(shards: str, out: str) -> str:
     """The digits classifier for FID (tools/commands/feature_net.py), written to `out`."""
-    from tools.commands.feature_net import train_feature_net
+    from prunepipe.tools.commands.feature_net import train_feature_net
 
     path, _ = train_feature_net(shards, out)
     return path
@@ -60,9 +77,9 @@ def one_torch_thread():
 
 def trained_task(run_dir: str):
     """(task, model with the run's last checkpoint's raw weights in eval mode, run config)."""
-    from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
-    from pipelines.config import load_config
-    from pipelines.tasks.build import build_task
+    from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.tasks.build import build_task
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     task = build_task(cfg)
@@ -94,8 +111,8 @@ def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=No
     Indexed; returns the folder."""
     import webdataset as wds
 
-    from pipelines.data.shards import ShardIndex, read_shard
-    from tools.commands.shards import index_shards
+    from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+    from prunepipe.tools.commands.shards import index_shards
 
     def digits():
         for url in ShardIndex.load(f"{digits_shards}/train").urls:
@@ -117,7 +134,7 @@ def diffusion_config(**settings):
     """A DiffusionConfig from keywords: an ldm field by its name, a group's as GROUP__FIELD (dit__depth=2)."""
     from omegaconf import OmegaConf
 
-    from pipelines.tasks.diffusion.config import DiffusionConfig
+    from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig
 
     nested: dict = {}
     for key, value in settings.items():

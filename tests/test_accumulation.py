@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from pipelines.training.accumulation import accumulation_group
+from prunepipe.pipelines.training.accumulation import accumulation_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ RANK_PROGRAM = textwrap.dedent("""
     import torch, torch.distributed as dist
     from accelerate import Accelerator
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from pipelines.training.accumulation import GradientAccumulation
+    from prunepipe.pipelines.training.accumulation import GradientAccumulation
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -108,10 +108,21 @@ def run_two_ranks(program: str, tmp_path) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(script), REPO], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), REPO], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)

@@ -14,9 +14,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_accumulation_all_reduces_each_bucket_once_per_optimizer_step_and_never_between(tmp_path):
     out = tmp_path / "counts.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-m", "tools.benchmarks.allreduce_count", "--grad-accum", "4",
-                           "--micro-batches", "10", "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prunepipe.tools.benchmarks.allreduce_count",
+            "--grad-accum",
+            "4",
+            "--micro-batches",
+            "10",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     counts = json.load(open(out))
     assert (counts["backend"], counts["world_size"]) == ("gloo", 1)

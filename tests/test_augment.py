@@ -20,13 +20,13 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.functional import pil_to_tensor, resized_crop
 
-from pipelines.config import ConfigError, load_config
-from pipelines.data.augment import CROP_RATIO, crop_uniforms, random_resized_crop_box
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import ShardIndex, read_shard
-from pipelines.data.splits import read_split
-from pipelines.data.stream import ShardStream
-from pruning import build_pruner
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.augment import CROP_RATIO, crop_uniforms, random_resized_crop_box
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pruning import build_pruner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,15 +58,21 @@ def pruned_plan(name: str, seed: int, epoch: int, **hparams):
     second = (first * rng.uniform(0.2, 1.0, NUM_SAMPLES)).astype(np.float32)
     for scores in (first, second):
         for start in range(0, NUM_SAMPLES, 4096):
-            pruner.update(ids[start:start + 4096], scores[start:start + 4096])
+            pruner.update(ids[start : start + 4096], scores[start : start + 4096])
         pruner.on_step(0.5)
     pruner.plan(epoch)
     return pruner.weights(ids)
 
 
-@pytest.mark.parametrize("name, hparams", [
-    ("random", {"keep": 0.5}), ("infobatch", {"prune_ratio": 0.5}), ("ted", {"ramp": 0.1}), ("importance", {}),
-])
+@pytest.mark.parametrize(
+    "name, hparams",
+    [
+        ("random", {"keep": 0.5}),
+        ("infobatch", {"prune_ratio": 0.5}),
+        ("ted", {"ramp": 0.1}),
+        ("importance", {}),
+    ],
+)
 def test_the_flip_is_independent_of_every_pruners_keep_coin(name, hparams):
     seed, epoch = 3, 5
     weights = pruned_plan(name, seed, epoch, **hparams)
@@ -115,8 +121,9 @@ def test_crop_boxes_follow_torchvisions_random_resized_crop():
     width, height, scale = 160, 120, (0.2, 1.0)
     ours = np.array([random_resized_crop_box(width, height, scale, crop_uniforms(0, 1, i)) for i in range(3000)])
     torch.manual_seed(0)
-    theirs = np.array([RandomResizedCrop.get_params(photo(width, height), list(scale), list(CROP_RATIO))
-                       for _ in range(3000)])
+    theirs = np.array(
+        [RandomResizedCrop.get_params(photo(width, height), list(scale), list(CROP_RATIO)) for _ in range(3000)]
+    )
     for boxes in (ours, theirs):
         top, left, h, w = boxes.T
         assert (top >= 0).all() and (left >= 0).all() and (top + h <= height).all() and (left + w <= width).all()
@@ -144,8 +151,9 @@ def test_the_crop_is_cut_from_the_original_image_and_resized_bicubic_as_torchvis
 def images_by_id(index, decoder, *, world: int, workers: int, epoch: int = 2) -> dict[int, torch.Tensor]:
     found = {}
     for rank in range(world):
-        stream = ShardStream(index, batch_size=16, decoder=decoder, seed=4, rank=rank, world_size=world,
-                             shuffle_buffer=32)
+        stream = ShardStream(
+            index, batch_size=16, decoder=decoder, seed=4, rank=rank, world_size=world, shuffle_buffer=32
+        )
         for batch in stream.pass_loader(epoch, num_workers=workers):
             found.update(zip(batch.ids.tolist(), batch.images))
         stream.close()
@@ -180,15 +188,21 @@ def test_latents_cannot_be_cropped_and_the_error_names_shard_key_or_field(tmp_pa
         SampleDecoder(crop="random_resized").decode(sample, 7, 0)
 
     with pytest.raises(ConfigError, match=r"data\.crop=random_resized.*ldm\.autoencoder=latents"):
-        load_config(os.path.join(ROOT, "configs", "ldm_dit_full.yaml"),
-                    [f"data.train={digits_shards}/train", "data.crop=random_resized"])
+        load_config(
+            os.path.join(ROOT, "configs", "ldm_dit_full.yaml"),
+            [f"data.train={digits_shards}/train", "data.crop=random_resized"],
+        )
     # where only the index knows: shards written by `prunepipe latents encode` record latent_shape
     folder = tmp_path / "latents"
     folder.mkdir()
     ShardIndex.write(str(folder), [("shard-000000.tar", 1)], latent_shape=[4, 8, 8])
     with pytest.raises(ConfigError, match=r"data\.crop=random_resized.*holds latents.*latent_shape"):
-        load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                    [f"data.train={folder}", "data.val=", "data.crop=random_resized"])
+        load_config(
+            os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+            [f"data.train={folder}", "data.val=", "data.crop=random_resized"],
+        )
     with pytest.raises(ConfigError, match=r"data\.crop_scale=\[0\.0, 1\.0\]"):
-        load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                    [f"data.train={digits_shards}/train", "data.crop_scale=[0.0,1.0]"])
+        load_config(
+            os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+            [f"data.train={digits_shards}/train", "data.crop_scale=[0.0,1.0]"],
+        )

@@ -4,18 +4,23 @@ verdicts say what docs/design.md's "What lossless means" says, both ways. No tim
 from __future__ import annotations
 
 import argparse
-
 import math
 import os
 
 import numpy as np
 import pytest
 
-from pruning import build_pruner
-from tools.benchmarks.lossless.report import write_markdown
-from tools.benchmarks.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
-from pipelines.report.lossless import LOSSLESS_K
-from tools.benchmarks.lossless.verdicts import beats_equal_compute, delta_in_std, interpolate_frontier, lossless, summarise
+from prunepipe.pipelines.report.lossless import LOSSLESS_K
+from prunepipe.pruning import build_pruner
+from prunepipe.tools.benchmarks.lossless.report import write_markdown
+from prunepipe.tools.benchmarks.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
+from prunepipe.tools.benchmarks.lossless.verdicts import (
+    beats_equal_compute,
+    delta_in_std,
+    interpolate_frontier,
+    lossless,
+    summarise,
+)
 
 
 def test_verdicts_lower_is_better_both_ways():
@@ -40,8 +45,8 @@ def test_verdicts_higher_is_better_both_ways():
 
 
 def test_compare_and_the_bench_share_one_lossless_rule_and_one_direction_table():
-    from pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
-    from pipelines.report.compare import DEFAULT_K, judge
+    from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
+    from prunepipe.pipelines.report.compare import DEFAULT_K, judge
 
     assert DEFAULT_K == LOSSLESS_K
     for metric, higher in PRIMARY_METRICS.items():
@@ -55,22 +60,35 @@ def test_compare_and_the_bench_share_one_lossless_rule_and_one_direction_table()
 
 def _result(label, role, metric, samples, seed=0, passes=10, compute_of=""):
     key = f"full_p{passes}_s{seed}" if role != "pruned" else f"{label}_s{seed}"  # equal-compute runs: one per seed
-    return {"task": "mae", "schedule": "long", "label": label, "role": role, "seed": seed, "passes": passes,
-            "key": key, "pruner": {"name": "full" if role != "pruned" else "infobatch"},
-            "compute_of": compute_of, "samples_forwarded": samples, "optimizer_steps": samples // 10,
-            "wall_seconds": samples / 100, "metrics": {"masked_mse": metric}, "pruner_seconds": {"update": 0.01},
-            "curve": []}
+    return {
+        "task": "mae",
+        "schedule": "long",
+        "label": label,
+        "role": role,
+        "seed": seed,
+        "passes": passes,
+        "key": key,
+        "pruner": {"name": "full" if role != "pruned" else "infobatch"},
+        "compute_of": compute_of,
+        "samples_forwarded": samples,
+        "optimizer_steps": samples // 10,
+        "wall_seconds": samples / 100,
+        "metrics": {"masked_mse": metric},
+        "pruner_seconds": {"update": 0.01},
+        "curve": [],
+    }
 
 
 def test_summarise_gives_both_verdicts_from_constructed_runs():
     plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {})
     results = [
-        _result("Full s0", "full", 1.00, 1000, seed=0), _result("Full s1", "full", 1.10, 1000, seed=1),
+        _result("Full s0", "full", 1.00, 1000, seed=0),
+        _result("Full s1", "full", 1.10, 1000, seed=1),
         _result("Full s2", "full", 0.90, 1000, seed=2),  # mean 1.00, std 0.10
-        _result("Good", "pruned", 1.05, 700), _result("Full @ Good", "equal_compute", 1.30, 700, passes=7,
-                                                      compute_of="Good"),
-        _result("Bad", "pruned", 1.25, 700), _result("Full @ Bad", "equal_compute", 1.30, 700, passes=7,
-                                                     compute_of="Bad"),
+        _result("Good", "pruned", 1.05, 700),
+        _result("Full @ Good", "equal_compute", 1.30, 700, passes=7, compute_of="Good"),
+        _result("Bad", "pruned", 1.25, 700),
+        _result("Full @ Bad", "equal_compute", 1.30, 700, passes=7, compute_of="Bad"),
         _result("Tried", "ablation", 0.92, 850),  # no run of its own: interpolated between Full runs
     ]
     rows = {r["label"]: r for r in summarise(results, [plan])}
@@ -86,8 +104,9 @@ def test_summarise_gives_both_verdicts_from_constructed_runs():
 
 
 def test_equal_compute_run_matches_samples_forwarded():
-    spec = equal_compute_spec({"task": "mae", "schedule": "long", "label": "InfoBatch", "samples_forwarded": 7040},
-                              full_per_pass=480)
+    spec = equal_compute_spec(
+        {"task": "mae", "schedule": "long", "label": "InfoBatch", "samples_forwarded": 7040}, full_per_pass=480
+    )
     assert spec.passes == 15 and spec.pruner == {"name": "full"} and spec.compute_of == "InfoBatch"
     assert interpolate_frontier([(1.0, 2.0)], 1.0) is None  # one point is no frontier
 
@@ -136,7 +155,7 @@ def test_bench_micro_runs_and_reports_both_verdicts(tmp_path):
 
 
 def test_cli_has_bench_lossless():
-    from launch.cli import build_parser
+    from prunepipe.launch.cli import build_parser
 
     argv = ["bench", "lossless", "--task", "mae", "--quick", "--out", "x"]
     args = build_parser(argv).parse_args(argv)
@@ -144,7 +163,7 @@ def test_cli_has_bench_lossless():
     argv = ["bench", "lossless", "--from-json", "a.json", "b.json"]
     args = build_parser(argv).parse_args(argv)
     assert args.from_json == ["a.json", "b.json"] and args.suite == "lossless"
-    from tools.benchmarks.lossless.run import run_from_args
+    from prunepipe.tools.benchmarks.lossless.run import run_from_args
 
     argv = ["bench", "lossless", "--suite", "pays", "--tag", "s5"]  # would have run 5 seeds
     with pytest.raises(ValueError, match="--tag 's5' may not start with p or s and a digit"):
@@ -152,16 +171,20 @@ def test_cli_has_bench_lossless():
 
 
 def test_pooled_std_verdicts_of_arms_at_three_seeds():
-    from tools.benchmarks.lossless.verdicts import arms, saving_targets
+    from prunepipe.tools.benchmarks.lossless.verdicts import arms, saving_targets
 
     plan = TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 100, 10, 0, {}, pruned_seeds=(0, 1, 2))
     results = [_result(f"Full s{s}", "full", v, 1000, seed=s) for s, v in enumerate((1.00, 1.10, 0.90))]
     for seed, (mine, equal) in enumerate(((0.95, 1.40), (1.05, 1.50), (1.00, 1.45))):
-        results += [_result("Pays", "pruned", mine, 700, seed=seed),
-                    _result("Full @ Pays", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Pays")]
+        results += [
+            _result("Pays", "pruned", mine, 700, seed=seed),
+            _result("Full @ Pays", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Pays"),
+        ]
     for seed, (mine, equal) in enumerate(((1.35, 1.40), (1.45, 1.50), (1.40, 1.45))):
-        results += [_result("Less", "pruned", mine, 700, seed=seed),
-                    _result("Full @ Less", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Less")]
+        results += [
+            _result("Less", "pruned", mine, 700, seed=seed),
+            _result("Full @ Less", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Less"),
+        ]
     rows = {r["label"]: r["metrics"]["masked_mse"] for r in arms(results, [plan])}
     # Pays: mean 1.00 (std 0.05) vs Full 1.00 (std 0.10) and vs equal compute 1.45 (std 0.05)
     assert rows["Pays"]["delta_passes"] == pytest.approx(0.0, abs=1e-9) and rows["Pays"]["lossless"]
@@ -191,12 +214,22 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
 
 
 def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_path):
-    report = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"),
-                   frontier=(0.5,))
+    report = bench(
+        "pays_micro_redundant", ("mae",), out=str(tmp_path / "docs"), work=str(tmp_path / "work"), frontier=(0.5,)
+    )
     keys = {r["key"] for r in report["results"] if r["role"] == "pruned"}
-    assert keys == {f"mae_long_{arm}{s}" for arm in ("infobatch", "importance", "dedup_oracle", "dedup_known",
-                                                     "dedup_known_rescaled", "static_dedup_known")
-                    for s in ("", "_s1", "_s2")}
+    assert keys == {
+        f"mae_long_{arm}{s}"
+        for arm in (
+            "infobatch",
+            "importance",
+            "dedup_oracle",
+            "dedup_known",
+            "dedup_known_rescaled",
+            "static_dedup_known",
+        )
+        for s in ("", "_s1", "_s2")
+    }
     oracle = next(r for r in report["results"] if r["key"] == "mae_long_dedup_oracle")
     full = next(r for r in report["results"] if r["key"] == "mae_long_full_s0")
     assert oracle["samples_forwarded"] < 0.8 * full["samples_forwarded"]  # trained on train_dedup
@@ -204,8 +237,17 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         assert arm["seeds"] == [0, 1, 2] and {"masked_mse", "masked_mse@val_mix"} <= set(arm["metrics"])
     equal = [r for r in report["results"] if r["role"] == "equal_compute"]
     assert sorted((r["compute_of"], r["seed"]) for r in equal) == sorted(
-        (arm, s) for arm in ("InfoBatch", "Importance", "Dedup oracle", "Dedup known", "Dedup known rescaled",
-                             "Static dedup known") for s in (0, 1, 2))
+        (arm, s)
+        for arm in (
+            "InfoBatch",
+            "Importance",
+            "Dedup oracle",
+            "Dedup known",
+            "Dedup known rescaled",
+            "Static dedup known",
+        )
+        for s in (0, 1, 2)
+    )
     # the dedup arms train on the known groups at the oracle's 70%, each rescale choice its own weights
     for label in ("Dedup known", "Dedup known rescaled"):
         arm = next(r for r in report["results"] if r["label"] == label and r["seed"] == 0)
@@ -232,7 +274,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
     # the tasks of a suite run as two invocations re-render as one report
     import json
 
-    from tools.benchmarks.lossless.run import rerender
+    from prunepipe.tools.benchmarks.lossless.run import rerender
 
     recorded = tmp_path / "work" / "lossless_pays_micro_redundant.json"
     other = json.loads(recorded.read_text())
@@ -258,24 +300,34 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
         rerender([str(recorded), str(recorded)], str(tmp_path / "docs"))
 
     # a second invocation with --reuse takes every recorded run and trains none; a changed setting is trained
-    from tools.benchmarks.lossless.run import recorded_runs, same_run
-    from tools.benchmarks.lossless.plan import first_specs, task_plans
+    from prunepipe.tools.benchmarks.lossless.plan import first_specs, task_plans
+    from prunepipe.tools.benchmarks.lossless.run import recorded_runs, same_run
 
     runs = recorded_runs([str(recorded)])
-    again = bench("pays_micro_redundant", ("mae",), out=str(tmp_path / "again"), work=str(tmp_path / "work2"),
-                  frontier=(0.5,), reuse=runs)
+    again = bench(
+        "pays_micro_redundant",
+        ("mae",),
+        out=str(tmp_path / "again"),
+        work=str(tmp_path / "work2"),
+        frontier=(0.5,),
+        reuse=runs,
+    )
     assert again["reused_runs"] == len({r["key"] for r in report["results"]})
     assert not os.path.exists(tmp_path / "work2" / "runs")
-    assert sorted((r["key"], r["label"], r["metrics"]["masked_mse"]) for r in again["results"]) == \
-        sorted((r["key"], r["label"], r["metrics"]["masked_mse"]) for r in report["results"])
-    spec = next(s for s in first_specs(task_plans("pays_micro_redundant", ["mae"], (), (0.5,))[0])
-                if s.key == "mae_long_infobatch")
+    assert sorted((r["key"], r["label"], r["metrics"]["masked_mse"]) for r in again["results"]) == sorted(
+        (r["key"], r["label"], r["metrics"]["masked_mse"]) for r in report["results"]
+    )
+    spec = next(
+        s
+        for s in first_specs(task_plans("pays_micro_redundant", ["mae"], (), (0.5,))[0])
+        if s.key == "mae_long_infobatch"
+    )
     assert same_run(spec, runs[spec.key])
     spec.pruner["prune_ratio"] = 0.3
     assert not same_run(spec, runs[spec.key])
 
     # which samples the pruner skips, by kind, and how reliable its scores are over draws
-    from tools.benchmarks.score_noise import analyse, render
+    from prunepipe.tools.benchmarks.score_noise import analyse, render
 
     scored = analyse(str(tmp_path / "work" / "runs" / "mae_long_infobatch"), draws=4, samples=0)
     kinds = scored["kinds"]
@@ -286,7 +338,7 @@ def test_bench_pays_micro_runs_every_arm_at_three_seeds_on_redundant_data(tmp_pa
 
 
 def test_pays_modes_name_the_data_and_optionally_the_passes():
-    from tools.benchmarks.lossless.plan import first_specs, task_plans
+    from prunepipe.tools.benchmarks.lossless.plan import first_specs, task_plans
 
     default = {p.task: p for p in task_plans("pays_redundant", ["mae", "ldm"])}
     assert default["mae"].data == "redundant" and default["mae"].extra_splits == ("val_mix",)
@@ -295,19 +347,25 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert [(p.data, p.long, p.extra_splits, p.overrides) for p in longer] == [("digits", 200, (), [])]
     with pytest.raises(ValueError, match="bench data 'lsun'"):
         task_plans("pays_lsun", ["mae"])
-    from tools.benchmarks.lossless.run import pays_invocation
+    from prunepipe.tools.benchmarks.lossless.run import pays_invocation
 
-    args = argparse.Namespace(data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead",
-                              frontier="")
-    assert pays_invocation(args) == ("pays_redundant_p200_s5_lead", " --suite pays --data redundant --passes 200 "
-                                     "--seeds 5 --arms 'InfoBatch no rescale' --tag lead")
+    args = argparse.Namespace(
+        data="redundant", passes=200, seeds=5, arms="InfoBatch no rescale", tag="lead", frontier=""
+    )
+    assert pays_invocation(args) == (
+        "pays_redundant_p200_s5_lead",
+        " --suite pays --data redundant --passes 200 --seeds 5 --arms 'InfoBatch no rescale' --tag lead",
+    )
     args.frontier = "0.5,0.7"
     assert pays_invocation(args)[1].endswith("--frontier 0.5,0.7 --tag lead")
     (fronted,) = task_plans("pays_redundant_s2", ["mae"], arms=("InfoBatch",), frontier=(0.7, 0.5, 0.995, 1.5))
     assert [(s.key, s.role, s.passes) for s in first_specs(fronted) if s.seed == 1] == [
-        ("mae_long_full_s1", "full", 60), ("mae_long_full_p30_s1", "frontier", 30),
-        ("mae_long_full_p42_s1", "frontier", 42), ("mae_long_full_p90_s1", "frontier", 90),
-        ("mae_long_infobatch_s1", "pruned", 60)]  # 0.995 x 60 rounds to 60: Full itself
+        ("mae_long_full_s1", "full", 60),
+        ("mae_long_full_p30_s1", "frontier", 30),
+        ("mae_long_full_p42_s1", "frontier", 42),
+        ("mae_long_full_p90_s1", "frontier", 90),
+        ("mae_long_infobatch_s1", "pruned", 60),
+    ]  # 0.995 x 60 rounds to 60: Full itself
     with pytest.raises(ValueError, match=r"must be > 0 and not 1"):
         task_plans("pays_redundant", ["mae"], frontier=(0.5, 1.0))
     (tagged,) = task_plans("pays_redundant_masknorm", ["mae"])
@@ -317,7 +375,8 @@ def test_pays_modes_name_the_data_and_optionally_the_passes():
     assert list(five.pruners) == ["InfoBatch no rescale"]
     specs = [s.key for s in first_specs(five)]
     assert specs == [f"mae_long_full_s{i}" for i in range(5)] + ["mae_long_infobatch_no_rescale"] + [
-        f"mae_long_infobatch_no_rescale_s{i}" for i in range(1, 5)]
+        f"mae_long_infobatch_no_rescale_s{i}" for i in range(1, 5)
+    ]
     with pytest.raises(ValueError, match="no setting 'Infobatch'; accepted: Random, InfoBatch"):
         task_plans("pays_redundant", ["mae"], arms=("Infobatch",))
 
@@ -329,7 +388,7 @@ def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path)
     assert {"Full s0", "Full s1", "Full s2", "InfoBatch", "Full @ InfoBatch"} <= set(rows)
     assert isinstance(rows["InfoBatch"]["lossless"], bool) and rows["InfoBatch"]["beats_equal_compute"] in (True, False)
     assert all(r["task"] == "dit" and r["metrics"]["denoise_mse"] > 0 for r in report["results"])
-    from pipelines.config import load_config
+    from prunepipe.pipelines.config import load_config
 
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "dit_long_infobatch", "config.yaml"))
     assert (cfg.ldm.backbone, cfg.ldm.objective) == ("dit", "flow")
@@ -337,19 +396,40 @@ def test_bench_dit_micro_runs_the_dit_flow_task_infobatch_against_full(tmp_path)
 
 
 def test_the_redundancy_target_needs_the_dedup_pruner_within_the_oracle_s_interval():
-    from tools.benchmarks.lossless.verdicts import saving_targets
+    from prunepipe.tools.benchmarks.lossless.verdicts import saving_targets
 
     def row(label, pruner, mean, low, high, static=False):
-        saving = {"mean": mean, "low": low, "high": high, "bound": "", "bounded": 0, "n": 5, "seeds_total": 5,
-                  "bound_values": [], "note": "",
-                  "seeds_needed": 3, "verdict": f"saves {mean:.0%}",
-                  "per_seed": [{"kind": "interpolated", "saving": mean}] * 5}
-        return {"task": "mae", "data": "redundant", "label": label, "pruner": pruner, "static": static,
-                "main": "masked_mse", "metrics": {"masked_mse": {"saving": saving}}}
+        saving = {
+            "mean": mean,
+            "low": low,
+            "high": high,
+            "bound": "",
+            "bounded": 0,
+            "n": 5,
+            "seeds_total": 5,
+            "bound_values": [],
+            "note": "",
+            "seeds_needed": 3,
+            "verdict": f"saves {mean:.0%}",
+            "per_seed": [{"kind": "interpolated", "saving": mean}] * 5,
+        }
+        return {
+            "task": "mae",
+            "data": "redundant",
+            "label": label,
+            "pruner": pruner,
+            "static": static,
+            "main": "masked_mse",
+            "metrics": {"masked_mse": {"saving": saving}},
+        }
 
     oracle = row("Dedup oracle", "full", 0.30, 0.20, 0.40)
-    rows = [row("InfoBatch", "infobatch", 0.05, -0.1, 0.2), row("Dedup known", "dedup", 0.28, 0.12, 0.44),
-            row("Static dedup known", "dedup", 0.6, 0.5, 0.7, static=True), oracle]
+    rows = [
+        row("InfoBatch", "infobatch", 0.05, -0.1, 0.2),
+        row("Dedup known", "dedup", 0.28, 0.12, 0.44),
+        row("Static dedup known", "dedup", 0.6, 0.5, 0.7, static=True),
+        oracle,
+    ]
     general, redundancy = saving_targets(rows)
     assert "best: Dedup known" in general["measured"], "a static deduplication is a data set, not a pruner"
     assert redundancy["met"] and "within its interval" in redundancy["measured"]
@@ -366,7 +446,7 @@ def test_bench_t2i_micro_runs_the_text_task_infobatch_against_full(tmp_path):
     rows = {r["label"]: r for r in report["rows"]}
     assert {"Full s0", "Full s1", "Full s2", "InfoBatch", "Full @ InfoBatch"} <= set(rows)
     assert all(r["task"] == "t2i" and r["metrics"]["denoise_mse"] > 0 for r in report["results"])
-    from pipelines.config import load_config
+    from prunepipe.pipelines.config import load_config
 
     cfg = load_config(os.path.join(str(tmp_path / "work"), "runs", "t2i_long_infobatch", "config.yaml"))
     assert (cfg.ldm.conditioning, cfg.ldm.backbone, cfg.pruner["name"]) == ("text", "dit", "infobatch")

@@ -11,17 +11,24 @@ import subprocess
 import pytest
 import torch
 
-from pipelines.config import ConfigError, load_config
-from pipelines.data.workers import loader_workers
-from tools.benchmarks.throughput import run_bench
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.workers import loader_workers
+from prunepipe.tools.benchmarks.throughput import run_bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_runs_both_loops_on_the_same_batch_and_reports_their_ratio(digits_shards):
     lines = []
-    [row] = run_bench(["mae"], size="smoke", passes=2, repeats=1, data=f"{digits_shards}/train",
-                      overrides=["data.num_workers=1"], say=lines.append)
+    [row] = run_bench(
+        ["mae"],
+        size="smoke",
+        passes=2,
+        repeats=1,
+        data=f"{digits_shards}/train",
+        overrides=["data.num_workers=1"],
+        say=lines.append,
+    )
     assert row["task"] == "mae" and row["device"] in ("cpu", "cuda") and row["batch_size"] == 64
     assert (row["threads"], row["loader_workers"]) == (torch.get_num_threads(), 1)
     assert row["steps"] == 25, "one timed pass of the 1617 digits in batches of 64"
@@ -44,7 +51,9 @@ def test_num_workers_takes_auto_or_a_count_and_names_the_field_otherwise(digits_
     assert loader_workers("auto", processes_on_node=cores) == 0, "a rank with one core decodes itself"
     # training on a CPU: the cores left beside torch's threads, none when they take them all
     assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=cores) == 0
-    assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=1) == max(0, min(8, cores - 1))
+    assert loader_workers("auto", processes_on_node=1, device_type="cpu", compute_threads=1) == max(
+        0, min(8, cores - 1)
+    )
 
 
 def test_cuda_switches_are_typed_config_fields(digits_shards):
@@ -59,8 +68,9 @@ def test_cuda_switches_are_typed_config_fields(digits_shards):
 @pytest.mark.slow
 def test_gpu_script_runs_every_step_on_a_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
-    done = subprocess.run(["bash", "tools/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.load(open(tmp_path / "throughput.json"))
     assert [r["task"] for r in rows] == ["mae", "ldm", "dit"]

@@ -17,9 +17,9 @@ import pytest
 from eval_runs import TINY_MAE, one_torch_thread, session_dir
 from safetensors.torch import load_file
 
-from launch.cli import main as cli_main
-from pipelines.checkpoint.manifest import MANIFEST, verify
-from pipelines.checkpoint.store import (
+from prunepipe.launch.cli import main as cli_main
+from prunepipe.pipelines.checkpoint.manifest import MANIFEST, verify
+from prunepipe.pipelines.checkpoint.store import (
     CheckpointError,
     checkpoints_dir,
     complete_checkpoints,
@@ -27,14 +27,22 @@ from pipelines.checkpoint.store import (
     load_checkpoint_states,
     resolve_resume,
 )
-from pipelines.config import load_config
-from pipelines.training.loop import train
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
 STOP = 42  # the stopped run saves at 10, 20, 30, 40 and, when it stops, 42: the newest to damage
-KINDS = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl",
-         "custom_checkpoint_1.pkl", "custom_checkpoint_2.pkl", "pruner_tables/score.npy", MANIFEST)
+KINDS = (
+    "model.safetensors",
+    "optimizer.bin",
+    "random_states_0.pkl",
+    "custom_checkpoint_0.pkl",
+    "custom_checkpoint_1.pkl",
+    "custom_checkpoint_2.pkl",
+    "pruner_tables/score.npy",
+    MANIFEST,
+)
 TABLE_FILES = ("pruner_tables/score.npy", "pruner_tables/seen.npy")  # InfoBatch's, written once by rank 0
 DAMAGES = ("truncate", "delete", "flip")
 
@@ -46,9 +54,21 @@ def _one_thread():
 
 def run_config(shards: str, runs_dir: str, name: str, *extra: str):
     # 3 passes: InfoBatch prunes passes 2 and 3, so the pruner's tables matter to the result
-    return load_config(CONFIG, [f"data.train={shards}/train", f"data.val={shards}/val", f"runs_dir={runs_dir}",
-                                f"name={name}", "passes=3", "checkpoint.every_steps=10", "checkpoint.keep=10",
-                                "log_every=100", *TINY_MAE, *extra])
+    return load_config(
+        CONFIG,
+        [
+            f"data.train={shards}/train",
+            f"data.val={shards}/val",
+            f"runs_dir={runs_dir}",
+            f"name={name}",
+            "passes=3",
+            "checkpoint.every_steps=10",
+            "checkpoint.keep=10",
+            "log_every=100",
+            *TINY_MAE,
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +77,12 @@ def runs(digits_shards, tmp_path_factory) -> dict:
     runs_dir = session_dir(tmp_path_factory, "checkpoint_runs")
     train(run_config(digits_shards, runs_dir, "straight"))
     train(run_config(digits_shards, runs_dir, "stopped", f"max_steps={STOP}"))
-    return {"shards": digits_shards, "dir": runs_dir, "straight": os.path.join(runs_dir, "straight"),
-            "stopped": os.path.join(runs_dir, "stopped")}
+    return {
+        "shards": digits_shards,
+        "dir": runs_dir,
+        "straight": os.path.join(runs_dir, "straight"),
+        "stopped": os.path.join(runs_dir, "stopped"),
+    }
 
 
 def damage(path: str, how: str) -> None:
@@ -93,7 +117,9 @@ def test_a_saved_checkpoint_has_a_manifest_that_verifies(runs):
         assert verify(folder).intact, verify(folder).describe()
         manifest = json.load(open(os.path.join(folder, MANIFEST)))
         assert set(manifest["files"]) == (set(KINDS) | set(TABLE_FILES)) - {MANIFEST}
-        assert manifest["files"]["model.safetensors"]["bytes"] == os.path.getsize(os.path.join(folder, "model.safetensors"))
+        assert manifest["files"]["model.safetensors"]["bytes"] == os.path.getsize(
+            os.path.join(folder, "model.safetensors")
+        )
 
 
 @pytest.mark.parametrize("how", DAMAGES)
@@ -117,8 +143,9 @@ def test_the_manifest_finds_every_damage_and_names_the_file(runs, kind, how, tmp
         assert verdict.problem.startswith(f"{kind} has CRC-32 ") and "its bytes changed" in verdict.problem
 
 
-@pytest.mark.parametrize("kind, how", [(k, d) for k in KINDS for d in DAMAGES],
-                         ids=[f"{k}-{d}" for k in KINDS for d in DAMAGES])
+@pytest.mark.parametrize(
+    "kind, how", [(k, d) for k in KINDS for d in DAMAGES], ids=[f"{k}-{d}" for k in KINDS for d in DAMAGES]
+)
 def test_resume_latest_skips_a_damaged_checkpoint_and_ends_bitwise_equal(runs, kind, how, capsys):
     run_dir = copy_of_stopped(runs, f"damaged_{kind}_{how}".replace(".", "_").replace("/", "_"))
     newest = latest_checkpoint(run_dir)
@@ -141,14 +168,28 @@ def test_resume_from_a_named_damaged_checkpoint_fails_naming_the_file(runs):
     run_dir = copy_of_stopped(runs, "named_damaged")
     newest = latest_checkpoint(run_dir)
     damage(os.path.join(newest, "optimizer.bin"), "truncate")
-    with pytest.raises(CheckpointError, match=rf"checkpoint.resume={newest}: optimizer.bin is 100 bytes, manifest says"):
+    with pytest.raises(
+        CheckpointError, match=rf"checkpoint.resume={newest}: optimizer.bin is 100 bytes, manifest says"
+    ):
         resolve_resume(newest, run_dir)
-    args = ["train", CONFIG, f"data.train={runs['shards']}/train", f"data.val={runs['shards']}/val",
-            f"runs_dir={runs['dir']}", "name=named_damaged", "passes=3", f"checkpoint.resume={newest}", *TINY_MAE]
-    done = subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    args = [
+        "train",
+        CONFIG,
+        f"data.train={runs['shards']}/train",
+        f"data.val={runs['shards']}/val",
+        f"runs_dir={runs['dir']}",
+        "name=named_damaged",
+        "passes=3",
+        f"checkpoint.resume={newest}",
+        *TINY_MAE,
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "prunepipe.launch.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(f"prunepipe: error: checkpoint.resume={newest}: optimizer.bin")
+    assert (
+        done.stderr.strip().splitlines()[-1].startswith(f"prunepipe: error: checkpoint.resume={newest}: optimizer.bin")
+    )
 
 
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(runs):
@@ -171,7 +212,7 @@ def test_checkpoints_verify_lists_each_checkpoint(runs, capsys):
 
 
 def test_evaluating_latest_skips_a_damaged_checkpoint(runs, capsys):
-    from pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 
     run_dir = copy_of_stopped(runs, "eval_damaged")
     damage(os.path.join(latest_checkpoint(run_dir), "model.safetensors"), "truncate")
@@ -185,7 +226,7 @@ import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-from launch.cli import main
+from prunepipe.launch.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -198,11 +239,23 @@ def test_a_save_the_file_system_refuses_midway_keeps_the_previous_checkpoint(run
     # after writing part of the checkpoint, as on a full disk.
     limit = (sizes["model.safetensors"] + sizes["optimizer.bin"]) // 2
     assert sizes["model.safetensors"] < limit < sizes["optimizer.bin"]
-    args = ["train", CONFIG, f"data.train={runs['shards']}/train", f"data.val={runs['shards']}/val",
-            f"runs_dir={runs['dir']}", "name=refused", "passes=3", "checkpoint.every_steps=10", "checkpoint.keep=1",
-            "log_every=100", "checkpoint.resume=latest", *TINY_MAE]
-    done = subprocess.run([sys.executable, "-c", FSIZE_LIMITED, str(limit), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    args = [
+        "train",
+        CONFIG,
+        f"data.train={runs['shards']}/train",
+        f"data.val={runs['shards']}/val",
+        f"runs_dir={runs['dir']}",
+        "name=refused",
+        "passes=3",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep=1",
+        "log_every=100",
+        "checkpoint.resume=latest",
+        *TINY_MAE,
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", FSIZE_LIMITED, str(limit), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     error = done.stderr.strip().splitlines()[-1]
     target = os.path.join(checkpoints_dir(run_dir), "step_000050")
@@ -215,7 +268,7 @@ def test_a_save_the_file_system_refuses_midway_keeps_the_previous_checkpoint(run
 
 
 def test_a_reader_of_the_pruner_state_checks_only_the_files_it_reads(runs, tmp_path):
-    from pipelines.report.plots import checkpoint_scores
+    from prunepipe.pipelines.report.plots import checkpoint_scores
 
     run_dir = copy_of_stopped(runs, "scores_only")
     newest, previous = complete_checkpoints(run_dir)[-1], complete_checkpoints(run_dir)[-2]

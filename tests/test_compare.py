@@ -12,11 +12,11 @@ import pytest
 import yaml
 from eval_runs import one_torch_thread, session_dir, tiny_run
 
-from launch.cli import main as cli_main
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.report.compare import compare_runs, parse_tolerances, tolerance_for
-from pipelines.report.plots import checkpoint_scores
+from prunepipe.launch.cli import main as cli_main
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.pipelines.report.compare import compare_runs, parse_tolerances, tolerance_for
+from prunepipe.pipelines.report.plots import checkpoint_scores
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,7 +45,10 @@ def test_compare_of_two_tiny_runs_writes_the_table_and_the_plots(tiny_runs, tmp_
     assert markdown == report["markdown"]
     for heading in ("## Quality at equal passes", "## Quality at equal compute", "## Cost", "## Tolerances"):
         assert heading in markdown
-    assert "| metric | better | baseline | tolerance | mae_infobatch | delta mae_infobatch | verdict mae_infobatch |" in markdown
+    assert (
+        "| metric | better | baseline | tolerance | mae_infobatch | delta mae_infobatch | verdict mae_infobatch |"
+        in markdown
+    )
     assert "masked_mse: 2.0% rel" in markdown  # the tolerance in force is printed
     verdict = report["equal_passes"]["mae_infobatch"]["verdict"]
     assert verdict in ("lossless", "not lossless") and f"**mae_infobatch at equal passes: {verdict}**" in markdown
@@ -54,8 +57,13 @@ def test_compare_of_two_tiny_runs_writes_the_table_and_the_plots(tiny_runs, tmp_
     assert cost["samples_forwarded"] < report["cost"]["mae_full"]["samples_forwarded"]  # InfoBatch pruned pass 2
     assert cost["saving_samples_forwarded"] > 0.05 and f"{cost['saving_samples_forwarded']:.1%}" in markdown
     names = sorted(os.path.basename(p) for p in report["plots"])
-    assert names == ["kept_fraction.png", "quality_vs_compute_frontier.png", "quality_vs_samples.png",
-                     "quality_vs_time.png", "score_histograms.png"]
+    assert names == [
+        "kept_fraction.png",
+        "quality_vs_compute_frontier.png",
+        "quality_vs_samples.png",
+        "quality_vs_time.png",
+        "score_histograms.png",
+    ]
     # one Full run of the pruned run's seed: the saving is a bound beside it, or read off nothing
     answer = report["equal_quality"]["runs"]["mae_infobatch"]["masked_mse"]
     assert answer["kind"] in ("at least", "at most") and answer["points"] == 1
@@ -77,17 +85,29 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
     """A run folder with a config, per-pass records (held-out masked_mse `curve`) and a final eval."""
     path = root / name
     (path / "eval").mkdir(parents=True)
-    (path / "config.yaml").write_text(yaml.safe_dump({"name": name, "task": "mae", "seed": seed,
-                                                       "passes": len(curve), "pruner": {"name": pruner}}))
+    (path / "config.yaml").write_text(
+        yaml.safe_dump({"name": name, "task": "mae", "seed": seed, "passes": len(curve), "pruner": {"name": pruner}})
+    )
     with open(path / "metrics.jsonl", "w") as f:
         for epoch, value in enumerate(curve):
-            f.write(json.dumps({"kind": "pass", "epoch": epoch, "optimizer_steps": 10 * (epoch + 1),
-                                "samples_forwarded": int(samples_per_pass * (epoch + 1)), "kept_fraction": kept,
-                                "wall_seconds": seconds_per_pass * (epoch + 1),
-                                "held_out": {"masked_mse": value, "num_samples": 100}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "pass",
+                        "epoch": epoch,
+                        "optimizer_steps": 10 * (epoch + 1),
+                        "samples_forwarded": int(samples_per_pass * (epoch + 1)),
+                        "kept_fraction": kept,
+                        "wall_seconds": seconds_per_pass * (epoch + 1),
+                        "held_out": {"masked_mse": value, "num_samples": 100},
+                    }
+                )
+                + "\n"
+            )
     steps = 10 * len(curve)
-    (path / "eval" / f"step_{steps:06d}.json").write_text(json.dumps(
-        {"kind": "eval", "weights": "ema", "precision": "fp32", "optimizer_steps": steps, "metrics": final}))
+    (path / "eval" / f"step_{steps:06d}.json").write_text(
+        json.dumps({"kind": "eval", "weights": "ema", "precision": "fp32", "optimizer_steps": steps, "metrics": final})
+    )
     return str(path)
 
 
@@ -95,13 +115,23 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
 def seeds(tmp_path):
     """Three full runs whose final masked_mse has std 0.002, so the tolerance is 2 x 0.002."""
     curve = [0.5, 0.3, 0.2, 0.15]
-    return [fake_run(tmp_path, f"full_s{s}", "full", s, {"masked_mse": v, "probe_accuracy": a}, curve)
-            for s, (v, a) in enumerate([(0.100, 0.90), (0.102, 0.91), (0.098, 0.92)])]
+    return [
+        fake_run(tmp_path, f"full_s{s}", "full", s, {"masked_mse": v, "probe_accuracy": a}, curve)
+        for s, (v, a) in enumerate([(0.100, 0.90), (0.102, 0.91), (0.098, 0.92)])
+    ]
 
 
 def test_a_pruned_run_within_seed_noise_is_lossless(seeds, tmp_path):
-    pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.103, "probe_accuracy": 0.905},
-                      [0.5, 0.31, 0.21, 0.16], samples_per_pass=700, kept=0.7)
+    pruned = fake_run(
+        tmp_path,
+        "ib",
+        "infobatch",
+        0,
+        {"masked_mse": 0.103, "probe_accuracy": 0.905},
+        [0.5, 0.31, 0.21, 0.16],
+        samples_per_pass=700,
+        kept=0.7,
+    )
     report = compare_runs(seeds, [pruned], out=str(tmp_path / "out"), plots=False)
     row = report["equal_passes"]["ib"]["metrics"]["masked_mse"]
     assert row["baseline"] == pytest.approx(0.100) and row["tolerance"] == pytest.approx(0.004)
@@ -115,22 +145,31 @@ def test_a_pruned_run_within_seed_noise_is_lossless(seeds, tmp_path):
 
 
 def test_a_clearly_worse_pruned_run_is_not_lossless(seeds, tmp_path):
-    pruned = fake_run(tmp_path, "bad", "random", 0, {"masked_mse": 0.130, "probe_accuracy": 0.80},
-                      [0.5, 0.4, 0.35, 0.3], samples_per_pass=700, kept=0.7)
+    pruned = fake_run(
+        tmp_path,
+        "bad",
+        "random",
+        0,
+        {"masked_mse": 0.130, "probe_accuracy": 0.80},
+        [0.5, 0.4, 0.35, 0.3],
+        samples_per_pass=700,
+        kept=0.7,
+    )
     report = compare_runs(seeds, [pruned], out=str(tmp_path / "out"), plots=False)
     verdict = report["equal_passes"]["bad"]
     assert verdict["verdict"] == "not lossless" and sorted(verdict["failed"]) == ["masked_mse", "probe_accuracy"]
     assert "**bad at equal passes: not lossless** (masked_mse, probe_accuracy worse" in report["markdown"]
     assert report["equal_compute"]["bad"]["verdict"] == "no better than training less"
     # a tolerance given on the command line wins over the seeds' noise
-    lenient = compare_runs(seeds, [pruned], tolerances=["masked_mse=50%", "probe_accuracy=0.2"],
-                           out=str(tmp_path / "out2"), plots=False)
+    lenient = compare_runs(
+        seeds, [pruned], tolerances=["masked_mse=50%", "probe_accuracy=0.2"], out=str(tmp_path / "out2"), plots=False
+    )
     assert lenient["equal_passes"]["bad"]["verdict"] == "lossless"
 
 
 def test_tolerance_sources_and_errors():
     assert tolerance_for("fid", [10.0]).describe(10.0) == "5.0% rel = 0.5 (default, single baseline run)"
-    assert tolerance_for("fid", [10.0, 12.0], k=1.0).absolute(11.0) == pytest.approx(2 ** 0.5)
+    assert tolerance_for("fid", [10.0, 12.0], k=1.0).absolute(11.0) == pytest.approx(2**0.5)
     assert parse_tolerances(["fid=1.5"])["fid"].absolute(30.0) == 1.5
     with pytest.raises(ValueError, match="--tolerance 'loss=1'"):
         parse_tolerances(["loss=1"])
@@ -155,8 +194,9 @@ def test_compare_of_weights_that_were_not_evaluated_names_what_to_run(tiny_runs,
     error = capsys.readouterr().err
     assert f"`prunepipe eval {pruned} --weights raw`" in error and "(--weights ema)" in error
     assert not os.path.exists(tmp_path / "raw" / "report.md")
-    assert compare_runs([full], [pruned], out=str(tmp_path / "ema"), plots=False)["pruned"][0]["metrics_source"] \
-        .startswith("eval/")
+    assert compare_runs([full], [pruned], out=str(tmp_path / "ema"), plots=False)["pruned"][0][
+        "metrics_source"
+    ].startswith("eval/")
 
 
 def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_frontier(tmp_path):
@@ -164,15 +204,32 @@ def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_fr
     its offset, as an initialisation does); three pruned seeds at 2800 samples whose quality Full of
     the same seed reaches at 4000, 3500 and 3800 samples: they save 30%, 20% and 26.3%."""
     offsets = {0: 0.0, 1: 0.02, 2: -0.02}
-    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
-                for p, v in ((2, 0.20), (3, 0.15), (4, 0.10))] for s, off in offsets.items()}
-    pruned = [fake_run(tmp_path, f"ib_s{s}", "infobatch", s, {"masked_mse": v + offsets[s]}, [0.5] * 4,
-                       samples_per_pass=700, kept=0.7) for s, v in ((0, 0.10), (1, 0.125), (2, 0.11))]
+    full = {
+        s: [
+            fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+            for p, v in ((2, 0.20), (3, 0.15), (4, 0.10))
+        ]
+        for s, off in offsets.items()
+    }
+    pruned = [
+        fake_run(
+            tmp_path,
+            f"ib_s{s}",
+            "infobatch",
+            s,
+            {"masked_mse": v + offsets[s]},
+            [0.5] * 4,
+            samples_per_pass=700,
+            kept=0.7,
+        )
+        for s, v in ((0, 0.10), (1, 0.125), (2, 0.11))
+    ]
     baselines = [runs[-1] for runs in full.values()]
     same = [runs[1] for runs in full.values()]  # Full at 3 passes of every seed
     frontier = [runs[0] for runs in full.values()]
-    report = compare_runs(baselines, pruned, same_compute=same, frontier=frontier, out=str(tmp_path / "out"),
-                          weights="ema")
+    report = compare_runs(
+        baselines, pruned, same_compute=same, frontier=frontier, out=str(tmp_path / "out"), weights="ema"
+    )
     answers = report["equal_quality"]["runs"]
     savings = [answers[f"ib_s{s}"]["masked_mse"]["saving"] for s in range(3)]
     assert savings == pytest.approx([0.30, 0.20, 1 - 2800 / 3800])
@@ -200,8 +257,21 @@ def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_fr
         compare_runs(baselines, pruned, frontier=[pruned[0]], out=str(tmp_path / "bad"), plots=False)
 
     out = tmp_path / "cli"
-    assert cli_main(["compare", ",".join(baselines), *pruned, "--frontier", str(tmp_path / "full_p[23]_s*"),
-                     "--out", str(out), "--no-plots"]) == 0
+    assert (
+        cli_main(
+            [
+                "compare",
+                ",".join(baselines),
+                *pruned,
+                "--frontier",
+                str(tmp_path / "full_p[23]_s*"),
+                "--out",
+                str(out),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     recorded = json.load(open(out / "report.json"))
     assert recorded["equal_quality"]["settings"][0]["metrics"]["masked_mse"]["mean"] == pytest.approx(summary["mean"])
 
@@ -211,10 +281,26 @@ def test_compare_says_first_when_training_longer_hurts_and_claims_no_saving_that
     redundant data judged on a clean held-out set; the pruned runs at 77% of the baseline's compute are
     a touch worse than Full at 2 passes: training less reaches their quality for less compute."""
     offsets = {0: -0.002, 1: 0.0, 2: 0.002}
-    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
-                for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))] for s, off in offsets.items()}
-    pruned = [fake_run(tmp_path, f"ib_s{s}", "infobatch", s, {"masked_mse": 0.207 + offsets[s]}, [0.5] * 4,
-                       samples_per_pass=770, kept=0.77) for s in offsets]
+    full = {
+        s: [
+            fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+            for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))
+        ]
+        for s, off in offsets.items()
+    }
+    pruned = [
+        fake_run(
+            tmp_path,
+            f"ib_s{s}",
+            "infobatch",
+            s,
+            {"masked_mse": 0.207 + offsets[s]},
+            [0.5] * 4,
+            samples_per_pass=770,
+            kept=0.77,
+        )
+        for s in offsets
+    ]
     baselines = [runs[2] for runs in full.values()]
     frontier = [run for runs in full.values() for i, run in enumerate(runs) if i != 2]
     report = compare_runs(baselines, pruned, frontier=frontier, out=str(tmp_path / "out"), plots=False)
@@ -222,8 +308,10 @@ def test_compare_says_first_when_training_longer_hurts_and_claims_no_saving_that
     summary = setting["metrics"]["masked_mse"]
     assert summary["hurts"] == "training longer hurts here: Full at 50% is best measured"
     assert summary["verdict"].startswith("not a saving") and "[" not in summary["verdict"]
-    section = report["markdown"][report["markdown"].index("## Compute saved at equal quality"):]
-    assert section.splitlines()[2].startswith("**masked_mse: training longer hurts here: Full at 50% is best measured**")
+    section = report["markdown"][report["markdown"].index("## Compute saved at equal quality") :]
+    assert section.splitlines()[2].startswith(
+        "**masked_mse: training longer hurts here: Full at 50% is best measured**"
+    )
     assert "saves at least" not in report["markdown"]
 
 
@@ -232,10 +320,26 @@ def test_runs_that_share_a_seed_are_still_told_first_when_training_longer_hurts(
     Full at 2 to 5 passes getting worse on every seed: the headline and the verdict are those of
     independent seeds, not a saving that training less beats."""
     offsets = {0: -0.002, 1: 0.0, 2: 0.002}
-    full = {s: [fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
-                for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))] for s, off in offsets.items()}
-    pruned = [fake_run(tmp_path, f"ib_{tag}", "infobatch", 0, {"masked_mse": 0.207 + offsets[0] + extra}, [0.5] * 4,
-                       samples_per_pass=770, kept=0.77) for tag, extra in (("a", 0.0), ("b", 0.0005))]
+    full = {
+        s: [
+            fake_run(tmp_path, f"full_p{p}_s{s}", "full", s, {"masked_mse": v + off}, [0.5] * p)
+            for p, v in ((2, 0.206), (3, 0.213), (4, 0.223), (5, 0.230))
+        ]
+        for s, off in offsets.items()
+    }
+    pruned = [
+        fake_run(
+            tmp_path,
+            f"ib_{tag}",
+            "infobatch",
+            0,
+            {"masked_mse": 0.207 + offsets[0] + extra},
+            [0.5] * 4,
+            samples_per_pass=770,
+            kept=0.77,
+        )
+        for tag, extra in (("a", 0.0), ("b", 0.0005))
+    ]
     baselines = [runs[2] for runs in full.values()]
     frontier = [run for runs in full.values() for i, run in enumerate(runs) if i != 2]
     report = compare_runs(baselines, pruned, frontier=frontier, out=str(tmp_path / "out"), plots=False)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
@@ -22,13 +22,14 @@ def data_overrides(digits_shards):
     return [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val"]
 
 
-@pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
 def test_every_shipped_config_loads(config, digits_shards):
     text = "conditioning: text" in open(config).read()  # the encoder's folder, checked when a run builds it
     cfg = load_config(config, data_overrides(digits_shards) + (["ldm.text.encoder=encoder"] if text else []))
     assert cfg.task in ("mae", "ldm")
-    if re.fullmatch(r"(mae|ldm|ldm_dit)(_tiny)?_(full|random|infobatch|ted|importance)\.yaml", os.path.basename(config)):
+    if re.fullmatch(
+        r"(mae|ldm|ldm_dit)(_tiny)?_(full|random|infobatch|ted|importance)\.yaml", os.path.basename(config)
+    ):
         assert cfg.name == os.path.basename(config)[: -len(".yaml")]
         assert cfg.pruner["name"] in os.path.basename(config)
 
@@ -66,8 +67,19 @@ def test_required_shard_folder_is_named(tmp_path):
 
 def test_cli_prints_one_error_line(digits_shards):
     result = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "train", TINY, *data_overrides(digits_shards), "data.batchsize=3"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "prunepipe.launch.cli",
+            "train",
+            TINY,
+            *data_overrides(digits_shards),
+            "data.batchsize=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -97,10 +109,18 @@ def test_an_empty_override_that_cannot_apply_says_why(overrides, expected, digit
 def test_training_without_held_out_data(digits_shards, tmp_path, capsys):
     from eval_runs import TINY_MAE
 
-    from launch.cli import main as cli_main
+    from prunepipe.launch.cli import main as cli_main
 
-    args = ["train", TINY, *data_overrides(digits_shards), "data.val=", "passes=1", f"runs_dir={tmp_path}",
-            "name=no_val", *TINY_MAE]
+    args = [
+        "train",
+        TINY,
+        *data_overrides(digits_shards),
+        "data.val=",
+        "passes=1",
+        f"runs_dir={tmp_path}",
+        "name=no_val",
+        *TINY_MAE,
+    ]
     assert cli_main(args) == 0
     assert "held-out" not in capsys.readouterr().out
     records = [json.loads(line) for line in open(tmp_path / "no_val" / "metrics.jsonl")]

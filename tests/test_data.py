@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.batch import Batch
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.layout import batches_taken_per_worker, pass_layout
-from pipelines.data.shards import ShardIndex
-from pipelines.data.stream import ShardStream
-from pruning.base import FrozenPlan, uniform_coin
-from pruning.pass_plan import PassPlan
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.layout import batches_taken_per_worker, pass_layout
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pruning.base import FrozenPlan, uniform_coin
+from prunepipe.pruning.pass_plan import PassPlan
 
 BATCH = 16
 
@@ -43,8 +43,9 @@ def run_pass(index, epoch, plan=None, *, world=2, workers=2, seed=0, skip=0, dec
     """Every rank's batches of one pass (ranks run one after the other in this process)."""
     per_rank = []
     for rank in range(world):
-        stream = ShardStream(index, batch_size=BATCH, seed=seed, rank=rank, world_size=world,
-                             decoder=decoder, shuffle_buffer=64)
+        stream = ShardStream(
+            index, batch_size=BATCH, seed=seed, rank=rank, world_size=world, decoder=decoder, shuffle_buffer=64
+        )
         loader = stream.pass_loader(epoch, plan, num_workers=workers, skip_batches=skip)
         batches = list(loader)
         assert len(batches) == len(loader)

@@ -11,12 +11,24 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb
-from pipelines.data.resize import resize_center_crop
-from pipelines.data.shards import BadInputError
+from prunepipe.pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb
+from prunepipe.pipelines.data.resize import resize_center_crop
+from prunepipe.pipelines.data.shards import BadInputError
 
-CASES = [("RGB", "PNG"), ("L", "PNG"), ("P", "PNG"), ("RGBA", "PNG"), ("LA", "PNG"), ("1", "PNG"),
-         ("I;16", "PNG"), ("RGB", "JPEG"), ("L", "JPEG"), ("CMYK", "JPEG"), ("RGB", "WEBP"), ("RGB", "BMP")]
+CASES = [
+    ("RGB", "PNG"),
+    ("L", "PNG"),
+    ("P", "PNG"),
+    ("RGBA", "PNG"),
+    ("LA", "PNG"),
+    ("1", "PNG"),
+    ("I;16", "PNG"),
+    ("RGB", "JPEG"),
+    ("L", "JPEG"),
+    ("CMYK", "JPEG"),
+    ("RGB", "WEBP"),
+    ("RGB", "BMP"),
+]
 
 
 def encoded(mode: str, fmt: str, size=(24, 24), seed=0) -> bytes:
@@ -60,7 +72,7 @@ def test_one_channel_decodes_with_pils_luma():
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
 def test_a_cut_off_image_names_its_shard_key_and_field(fmt):
     data = encoded("RGB", fmt)
-    sample = {"__key__": "s00042", "__url__": "a.tar", fmt.lower(): data[:len(data) // 2]}
+    sample = {"__key__": "s00042", "__url__": "a.tar", fmt.lower(): data[: len(data) // 2]}
     with pytest.raises(BadInputError, match=rf"shard a\.tar key 's00042': cannot decode field '{fmt.lower()}'"):
         SampleDecoder(resolution=24)(sample, 0, 0)
 

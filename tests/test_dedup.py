@@ -12,14 +12,27 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from launch.cli import main
-from pipelines.data.group_table import open_groups
-from tools.commands.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall, size_buckets
-from tools.commands.sources import near_duplicate, photo_crops
+from prunepipe.launch.cli import main
+from prunepipe.pipelines.data.group_table import open_groups
+from prunepipe.tools.commands.near_duplicates import (
+    group_stats,
+    near_duplicate_groups,
+    pair_precision_recall,
+    size_buckets,
+)
+from prunepipe.tools.commands.sources import near_duplicate, photo_crops
 
 
-def planted(n: int, dim: int, *, centres: int = 40, copied: float = 0.1, spread: float = 1.0, copy_noise: float = 0.1,
-            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def planted(
+    n: int,
+    dim: int,
+    *,
+    centres: int = 40,
+    copied: float = 0.1,
+    spread: float = 1.0,
+    copy_noise: float = 0.1,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """float16 unit rows around `centres` directions (two rows of a centre: inner product about 0.5),
     a `copied` share of them near-duplicates (inner product about 0.99) of a few originals; and each
     row's true group (the smallest id of its original and copies)."""
@@ -28,8 +41,8 @@ def planted(n: int, dim: int, *, centres: int = 40, copied: float = 0.1, spread:
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     rows = directions[rng.integers(0, centres, n)] + spread * rng.standard_normal((n, dim)) / np.sqrt(dim)
     order = rng.permutation(n)
-    copies = order[:int(copied * n)]
-    originals = rng.choice(order[len(copies):], max(1, len(copies) // 3), replace=False)
+    copies = order[: int(copied * n)]
+    originals = rng.choice(order[len(copies) :], max(1, len(copies) // 3), replace=False)
     source = originals[rng.integers(0, len(originals), len(copies))]
     scale = np.linalg.norm(rows[source], axis=1, keepdims=True)
     rows[copies] = rows[source] + copy_noise * scale * rng.standard_normal((len(copies), dim)) / np.sqrt(dim)
@@ -109,15 +122,21 @@ def test_pair_precision_recall_counts_pairs_not_samples():
 
 
 def test_group_sizes_are_counted_in_powers_of_two():
-    assert size_buckets(np.array([1, 1, 2, 3, 4, 5, 9, 16, 17])) == {"1": 2, "2": 1, "3-4": 2, "5-8": 1,
-                                                                      "9-16": 2, "17-32": 1}
+    assert size_buckets(np.array([1, 1, 2, 3, 4, 5, 9, 16, 17])) == {
+        "1": 2,
+        "2": 1,
+        "3-4": 2,
+        "5-8": 1,
+        "9-16": 2,
+        "17-32": 1,
+    }
 
 
 def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_path, capsys):
     import webdataset as wds
 
-    from pipelines.data.shards import ShardIndex
-    from tools.commands.shards import png_bytes
+    from prunepipe.pipelines.data.shards import ShardIndex
+    from prunepipe.tools.commands.shards import png_bytes
 
     crops = [image for _, image, _ in photo_crops(32, crops_per_photo=4, seed=0)][::2]  # one crop a photograph
     rng = np.random.default_rng(0)
@@ -132,8 +151,23 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
 
     assert main(["shards", "embed", str(split), "--model", "phash"]) == 0
     capsys.readouterr()
-    assert main(["shards", "dedup", str(split), "--embeddings", "phash", "--threshold", "0.75",
-                 "--report-thresholds", "0.5", "0.9"]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                "dedup",
+                str(split),
+                "--embeddings",
+                "phash",
+                "--threshold",
+                "0.75",
+                "--report-thresholds",
+                "0.5",
+                "0.9",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "<- written" in printed and "groups/phash_0.75.png" in printed
 
@@ -145,8 +179,11 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
     assert header["threshold"] == 0.75 and header["embeddings"]["name"] == "phash" and header["redundant"] >= 3
     report = json.load(open(split / "groups" / "phash_0.75.report.json"))
     assert set(report["thresholds"]) == {"0.5", "0.75", "0.9"}
-    assert report["thresholds"]["0.5"]["redundant"] >= report["thresholds"]["0.75"]["redundant"] >= \
-        report["thresholds"]["0.9"]["redundant"]
+    assert (
+        report["thresholds"]["0.5"]["redundant"]
+        >= report["thresholds"]["0.75"]["redundant"]
+        >= report["thresholds"]["0.9"]["redundant"]
+    )
     assert 0 in report["picture_groups"]
     with Image.open(split / "groups" / "phash_0.75.png") as picture:
         assert picture.size[1] >= 64 * len(report["picture_groups"])
@@ -154,7 +191,7 @@ def test_shards_dedup_writes_groups_report_and_picture_beside_the_shards(tmp_pat
 
 
 def test_the_redundant_set_names_each_copy_s_original_in_its_key():
-    from tools.benchmarks.dedup_quality import known_families
+    from prunepipe.tools.benchmarks.dedup_quality import known_families
 
     keys = ["photo_moon_0001", "photo_moon_0001_dup00000", "photo_rocket_0002", "photo_moon_0001_dup00064"]
     assert known_families(keys).tolist() == [0, 0, 2, 0]

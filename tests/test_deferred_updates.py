@@ -9,24 +9,35 @@ import os
 
 import pytest
 import torch
-
-from pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
-from pipelines.config import ConfigError, load_config
-from pipelines.data.shards import BadInputError
-from pipelines.tasks.mae import MAETask
-from pipelines.training import loop
-from pipelines.training.deferred import DeferredRecords
-from pruning import build_pruner
 from test_trainer import assert_states_equal, write_latent_shards  # pytest puts tests/ on the path
 
+from prunepipe.pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.shards import BadInputError
+from prunepipe.pipelines.tasks.mae import MAETask
+from prunepipe.pipelines.training import loop
+from prunepipe.pipelines.training.deferred import DeferredRecords
+from prunepipe.pruning import build_pruner
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val=", "data.num_workers=0"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val=",
+    "data.num_workers=0",
+]
 
 
 def tiny_cfg(digits_shards, tmp_path, name, config="mae_tiny_infobatch.yaml", extra=()):
-    return load_config(os.path.join(ROOT, "configs", config), [
-        f"data.train={digits_shards}/train", f"runs_dir={tmp_path}", f"name={name}", *TINY_MAE, *extra])
+    return load_config(
+        os.path.join(ROOT, "configs", config),
+        [f"data.train={digits_shards}/train", f"runs_dir={tmp_path}", f"name={name}", *TINY_MAE, *extra],
+    )
 
 
 def checkpoint_states(run_dir) -> dict:
@@ -54,7 +65,8 @@ def test_records_are_consumed_lag_records_late_and_all_at_a_drain():
 
 @pytest.mark.parametrize("config", ["mae_tiny_infobatch.yaml", "mae_tiny_ted.yaml"], ids=["infobatch", "ted"])
 def test_deferred_updates_leave_the_pruner_state_of_immediate_ones_at_every_checkpoint(
-        digits_shards, tmp_path, monkeypatch, config):
+    digits_shards, tmp_path, monkeypatch, config
+):
     # every 7 steps: checkpoints inside passes, not only at their ends
     extra = ["passes=3", "checkpoint.every_steps=7", "checkpoint.keep=100"]
     loop.train(tiny_cfg(digits_shards, tmp_path, "deferred", config, extra))
@@ -98,8 +110,9 @@ def test_the_pruner_gets_step_k_scores_only_after_step_k_plus_1_forward_began(di
         return pruner
 
     cfg = tiny_cfg(digits_shards, tmp_path, "order", extra=["passes=1", "checkpoint.every_steps=1000"])
-    monkeypatch.setattr(loop, "build_task", lambda c: RecordingTask(c.mae, image_size=c.data.resolution,
-                                                                    channels=c.data.channels))
+    monkeypatch.setattr(
+        loop, "build_task", lambda c: RecordingTask(c.mae, image_size=c.data.resolution, channels=c.data.channels)
+    )
     monkeypatch.setattr(loop, "build_pruner", recording_pruner)
     loop.train(cfg)
     forwards = [e for e in log.events if e[0] == "forward"]
@@ -111,9 +124,21 @@ def test_the_pruner_gets_step_k_scores_only_after_step_k_plus_1_forward_began(di
 
 def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=45)
-    cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
-        f"data.train={shards}", "data.val=", f"runs_dir={tmp_path}", "name=nan", "passes=1", "data.batch_size=8",
-        "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]", "data.num_workers=0", "data.shuffle_buffer=1"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"),
+        [
+            f"data.train={shards}",
+            "data.val=",
+            f"runs_dir={tmp_path}",
+            "name=nan",
+            "passes=1",
+            "data.batch_size=8",
+            "ldm.autoencoder=latents",
+            "ldm.unet.block_out_channels=[16,32]",
+            "data.num_workers=0",
+            "data.shuffle_buffer=1",
+        ],
+    )
     with pytest.raises(loop.NonFiniteLossError, match=r"at step 5 \(pass 1/1, batch 5\) for sample ids \[45\]"):
         loop.train(cfg)
     assert not complete_checkpoints(str(tmp_path / "nan")), "nothing after the NaN was saved"
@@ -126,19 +151,37 @@ def test_debug_device_sync_refuses_the_policy_that_must_wait(digits_shards, tmp_
 
 def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_sees_it(digits_shards, tmp_path):
     # the digits carry labels 0-9: with 5 classes the decoder, on the host, names the first bad one
-    cfg = tiny_cfg(digits_shards, tmp_path, "labels", "ldm_tiny_full.yaml",
-                   ["ldm.num_classes=5", "ldm.unet.block_out_channels=[16,32]", "data.resolution=16", "passes=1"])
-    with pytest.raises(BadInputError, match=r"shard .*\.tar key '.*': label [5-9] is out of range for 5 classes "
-                                            r"\(ldm.num_classes; -1 = no label\)"):
+    cfg = tiny_cfg(
+        digits_shards,
+        tmp_path,
+        "labels",
+        "ldm_tiny_full.yaml",
+        ["ldm.num_classes=5", "ldm.unet.block_out_channels=[16,32]", "data.resolution=16", "passes=1"],
+    )
+    with pytest.raises(
+        BadInputError,
+        match=r"shard .*\.tar key '.*': label [5-9] is out of range for 5 classes "
+        r"\(ldm.num_classes; -1 = no label\)",
+    ):
         loop.train(cfg)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("config,classes", [("mae_tiny_infobatch.yaml", 0), ("ldm_tiny_full.yaml", 0),
-                                            ("ldm_tiny_full.yaml", 10)], ids=["mae", "ldm", "ldm-classes"])
+@pytest.mark.parametrize(
+    "config,classes",
+    [("mae_tiny_infobatch.yaml", 0), ("ldm_tiny_full.yaml", 0), ("ldm_tiny_full.yaml", 10)],
+    ids=["mae", "ldm", "ldm-classes"],
+)
 def test_cuda_steps_never_wait_for_the_device(digits_shards, tmp_path, config, classes):
-    extra = ["passes=1", "max_steps=6", "checkpoint.every_steps=1000", "data.resolution=16",
-             "ldm.unet.block_out_channels=[16,32]", "debug_device_sync=true", "data.num_workers=2"]
+    extra = [
+        "passes=1",
+        "max_steps=6",
+        "checkpoint.every_steps=1000",
+        "data.resolution=16",
+        "ldm.unet.block_out_channels=[16,32]",
+        "debug_device_sync=true",
+        "data.num_workers=2",
+    ]
     if classes:
         extra.append(f"ldm.num_classes={classes}")
     try:

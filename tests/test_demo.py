@@ -12,7 +12,7 @@ import os
 import yaml
 from eval_runs import TINY_MAE
 
-from launch.cli import main as cli_main
+from prunepipe.launch.cli import main as cli_main
 
 
 def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(tmp_path, capsys):
@@ -24,8 +24,16 @@ def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(t
     out = captured.out
     assert "writing scikit-learn's digits as shards" in out
     assert os.path.isfile(data / "train" / "index.json") and os.path.isfile(data / "val" / "index.json")
-    names = ["demo_mae_infobatch", "demo_mae_infobatch_s1", "demo_mae_full_s0", "demo_mae_full_s1",
-             "demo_mae_full_short", "demo_mae_full_short_s1", "demo_mae_full_half", "demo_mae_full_half_s1"]
+    names = [
+        "demo_mae_infobatch",
+        "demo_mae_infobatch_s1",
+        "demo_mae_full_s0",
+        "demo_mae_full_s1",
+        "demo_mae_full_short",
+        "demo_mae_full_short_s1",
+        "demo_mae_full_half",
+        "demo_mae_full_half_s1",
+    ]
     for name in names:
         [record] = [json.load(open(p)) for p in glob.glob(str(runs / name / "eval" / "*_raw.json"))]
         assert set(record["metrics"]) == {"masked_mse", "psnr", "ssim", "probe_accuracy"}
@@ -46,8 +54,10 @@ def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(t
     assert setting["setting"] == "demo_mae_infobatch" and saving["seeds"] == [0, 1]
     for seed, answer in zip((0, 1), saving["per_seed"]):  # distinct schedule lengths (a short run may be half)
         suffix = "_s1" if seed else ""
-        lengths = {yaml.safe_load(open(runs / name / "config.yaml"))["passes"]
-                   for name in (f"demo_mae_full_s{seed}", f"demo_mae_full_short{suffix}", f"demo_mae_full_half{suffix}")}
+        lengths = {
+            yaml.safe_load(open(runs / name / "config.yaml"))["passes"]
+            for name in (f"demo_mae_full_s{seed}", f"demo_mae_full_short{suffix}", f"demo_mae_full_half{suffix}")
+        }
         assert answer["points"] == len(lengths) >= 2
     assert saving["n"] == 2
     assert "## Compute saved at equal quality" in out

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, DDPMPipeline, UNet2DModel
+from eval_runs import diffusion_config
 from eval_runs import tiny_vae as tiny_vae_of
 
-from pipelines.data.batch import Batch
-from eval_runs import diffusion_config
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.tasks.diffusion.from_export import load_pipeline, sample
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.tasks.diffusion.from_export import load_pipeline, sample
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
 
 IMAGE, CHANNELS, T = 32, 3, 1000
 
@@ -172,8 +172,13 @@ def test_export_loads_with_diffusers_and_samples_with_ddpm_pipeline(tmp_path):
         ema.step(task.model.parameters())
 
     written = task.export(task.model, ema, str(tmp_path))
-    assert {os.path.basename(p) for p in written} == {"unet", "scheduler", "autoencoder.json", "model_index.json",
-                                                      "README.md"}
+    assert {os.path.basename(p) for p in written} == {
+        "unet",
+        "scheduler",
+        "autoencoder.json",
+        "model_index.json",
+        "README.md",
+    }
     unet = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet")  # what a pipeline samples: the EMA
     live = UNet2DModel.from_pretrained(str(tmp_path), subfolder="unet", variant="non_ema")
     for (name, weights), loaded in zip(task.model.named_parameters(), live.parameters()):

@@ -15,14 +15,21 @@ import torch
 from eval_runs import digit_shards
 from safetensors.torch import load_file
 
-from pipelines.checkpoint.store import latest_checkpoint
-from pipelines.data.layout import pass_layout
-from pipelines.data.shards import ShardIndex
-from tools.commands.shards import write_shards
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.data.layout import pass_layout
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.tools.commands.shards import write_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val_batches=1"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.val_batches=1",
+]
 TIMEOUT = 300
 
 
@@ -33,18 +40,36 @@ def free_port() -> int:
 
 
 LAUNCHERS = {
-    "torchrun": lambda n, port: [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
-                                 "--master-addr=127.0.0.1", f"--master-port={port}"],
+    "torchrun": lambda n, port: [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={n}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+    ],
     # accelerate's flag for several local processes; on a machine without GPUs they use gloo
-    "accelerate": lambda n, port: [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-                                   f"--num_processes={n}", f"--main_process_port={port}"],
+    "accelerate": lambda n, port: [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        f"--num_processes={n}",
+        f"--main_process_port={port}",
+    ],
 }
 
 
 def launch(nproc: int, config: str, args: list[str], launcher: str = "torchrun") -> str:
-    """`torchrun --nproc-per-node N -m launch.cli train CONFIG ARGS`; returns its output."""
-    command = [*LAUNCHERS[launcher](nproc, free_port()),
-               "-m", "launch.cli", "train", os.path.join(ROOT, "configs", config), *args]
+    """`torchrun --nproc-per-node N -m prunepipe.launch.cli train CONFIG ARGS`; returns its output."""
+    command = [
+        *LAUNCHERS[launcher](nproc, free_port()),
+        "-m",
+        "prunepipe.launch.cli",
+        "train",
+        os.path.join(ROOT, "configs", config),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     output = result.stdout + result.stderr
@@ -66,8 +91,8 @@ def passes_of(run_dir):
 
 def trained_from_its_first_model(cfg):
     """Train `cfg`; returns (the held-out metrics of the model the run starts from, its pass records)."""
-    from pipelines.tasks.build import build_task
-    from pipelines.training.loop import load_held_out, train
+    from prunepipe.pipelines.tasks.build import build_task
+    from prunepipe.pipelines.training.loop import load_held_out, train
 
     torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
     task = build_task(cfg)
@@ -79,8 +104,11 @@ def trained_from_its_first_model(cfg):
 def assert_held_out_flow_loss_fell(before: dict, records: list[dict]) -> dict:
     """The last pass's held-out metrics, its flow loss below 0.8 of the first model's (printed per pass)."""
     after = records[-1]["held_out"]
-    print(f"held-out flow loss: {before['denoise_mse']:.4f} before, "
-          + ", ".join(f"{r['held_out']['denoise_mse']:.4f}" for r in records) + " after each pass")
+    print(
+        f"held-out flow loss: {before['denoise_mse']:.4f} before, "
+        + ", ".join(f"{r['held_out']['denoise_mse']:.4f}" for r in records)
+        + " after each pass"
+    )
     assert after["denoise_mse"] < 0.8 * before["denoise_mse"]
     return after
 
@@ -91,9 +119,20 @@ def debug_file(run_dir, what, epoch, world, rank=None):
 
 
 def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five_shards, tmp_path):
-    output = launch(2, "mae_tiny_infobatch.yaml", [
-        f"data.train={five_shards}/train", f"data.val={five_shards}/val", f"runs_dir={tmp_path}", "name=ddp",
-        "passes=4", "data.batch_size=32", "debug_sync=true", *TINY_MAE])
+    output = launch(
+        2,
+        "mae_tiny_infobatch.yaml",
+        [
+            f"data.train={five_shards}/train",
+            f"data.val={five_shards}/val",
+            f"runs_dir={tmp_path}",
+            "name=ddp",
+            "passes=4",
+            "data.batch_size=32",
+            "debug_sync=true",
+            *TINY_MAE,
+        ],
+    )
     run_dir = str(tmp_path / "ddp")
     records = passes_of(run_dir)
     assert len(records) == 4
@@ -115,9 +154,21 @@ def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five
 
 
 def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_path):
-    output = launch(2, "mae_tiny_infobatch.yaml", [
-        f"data.train={five_shards}/train", "data.val=''", f"runs_dir={tmp_path}", "name=acc", "passes=1",
-        "data.batch_size=32", "debug_sync=true", *TINY_MAE], launcher="accelerate")
+    output = launch(
+        2,
+        "mae_tiny_infobatch.yaml",
+        [
+            f"data.train={five_shards}/train",
+            "data.val=''",
+            f"runs_dir={tmp_path}",
+            "name=acc",
+            "passes=1",
+            "data.batch_size=32",
+            "debug_sync=true",
+            *TINY_MAE,
+        ],
+        launcher="accelerate",
+    )
     ids = [np.load(debug_file(str(tmp_path / "acc"), "ids", 0, 2, r) + ".npy") for r in range(2)]
     assert len(ids[0]) == len(ids[1]) > 0 and not set(ids[0]) & set(ids[1])
     assert output.count("run folder:") == 1, "only rank 0 reports"
@@ -126,8 +177,8 @@ def test_accelerate_launch_runs_the_same_command_on_two_ranks(five_shards, tmp_p
 def train_here(config: str, args: list[str]) -> None:
     """`prunepipe train CONFIG ARGS` in this process: one rank, without a launch's ~10 s of process
     start and imports."""
-    from pipelines.config import load_config
-    from pipelines.training.loop import train
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.training.loop import train
 
     train(load_config(os.path.join(ROOT, "configs", config), args))
 
@@ -147,8 +198,14 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
     # 64 samples: with batch 32 on 2 ranks or 64 on 1, every step sees the whole set, so the
     # averaged gradients (and per-sample masks, keyed by sample id) must agree.
     small = digit_shards(digits_shards, tmp_path / "small", shards=1, per_shard=64)
-    common = [f"data.train={small}", "data.val=''", f"runs_dir={tmp_path}", "passes=3", "optim.warmup_passes=0",
-              *TINY_MAE]
+    common = [
+        f"data.train={small}",
+        "data.val=''",
+        f"runs_dir={tmp_path}",
+        "passes=3",
+        "optim.warmup_passes=0",
+        *TINY_MAE,
+    ]
     two, one = two_ranks_of_32_and_one_of_64("mae_tiny_full.yaml", common, tmp_path)
     moved = 0
     for key in one:
@@ -158,7 +215,7 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
             # and Adam scales the float noise left in it (which differs with the reduction order)
             # up to whole steps. Compare the query and value biases only.
             third = len(a) // 3
-            a, b = torch.cat([a[:third], a[2 * third:]]), torch.cat([b[:third], b[2 * third:]])
+            a, b = torch.cat([a[:third], a[2 * third :]]), torch.cat([b[:third], b[2 * third :]])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
         moved += 1
     assert moved > 10
@@ -167,22 +224,43 @@ def test_two_ranks_of_batch_b_equal_one_rank_of_batch_2b(digits_shards, tmp_path
 def test_samples_lost_on_every_rank_are_counted_once_each(digits_shards, tmp_path):
     # Four shards of 32 with one undecodable image each: the ranks' contiguous slices split them,
     # so each rank meets its own; the run's count is their sum, in the log and the checkpoint.
-    broken = digit_shards(digits_shards, tmp_path / "broken", shards=4, per_shard=32,
-                          broken=lambda shard, position: position == 5)
+    broken = digit_shards(
+        digits_shards, tmp_path / "broken", shards=4, per_shard=32, broken=lambda shard, position: position == 5
+    )
     run_dir = tmp_path / "lossy"
-    output = launch(2, "mae_tiny_full.yaml", [
-        f"data.train={broken}", "data.val=''", f"runs_dir={tmp_path}", "name=lossy", "passes=1",
-        "data.batch_size=16", "data.on_bad_sample=skip", *TINY_MAE])
+    output = launch(
+        2,
+        "mae_tiny_full.yaml",
+        [
+            f"data.train={broken}",
+            "data.val=''",
+            f"runs_dir={tmp_path}",
+            "name=lossy",
+            "passes=1",
+            "data.batch_size=16",
+            "data.on_bad_sample=skip",
+            *TINY_MAE,
+        ],
+    )
     assert output.count("skipping 1 sample(s)") == 4, "each rank warns about the ones it met"
     assert passes_of(str(run_dir))[-1]["bad_samples"] == 4
-    from pipelines.checkpoint.store import load_checkpoint_states
+    from prunepipe.pipelines.checkpoint.store import load_checkpoint_states
 
     assert load_checkpoint_states(latest_checkpoint(str(run_dir)))["position"]["bad_samples"] == 4
 
 
 def test_two_rank_checkpoint_resumed_on_one_rank_finishes_the_pass_with_the_same_plan(five_shards, tmp_path, capsys):
-    common = [f"data.train={five_shards}/train", "data.val=''", f"runs_dir={tmp_path}", "name=shrink", "passes=3",
-              "data.batch_size=32", "debug_sync=true", "checkpoint.every_steps=1000", *TINY_MAE]
+    common = [
+        f"data.train={five_shards}/train",
+        "data.val=''",
+        f"runs_dir={tmp_path}",
+        "name=shrink",
+        "passes=3",
+        "data.batch_size=32",
+        "debug_sync=true",
+        "checkpoint.every_steps=1000",
+        *TINY_MAE,
+    ]
     index = ShardIndex.load(f"{five_shards}/train")
     first_pass_steps = pass_layout(index, None, seed=0, epoch=0, world_size=2, num_workers=0, batch_size=32).steps
     launch(2, "mae_tiny_infobatch.yaml", common + [f"max_steps={first_pass_steps + 5}"])

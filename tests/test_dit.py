@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from diffusers import DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling
-
-from pipelines.data.batch import Batch
-from pipelines.evaluation.sampling import generate_images
 from eval_runs import diffusion_config
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.tasks.diffusion.from_export import sample
-from pipelines.tasks.diffusion.dit import DIT_SIZES, build_dit, dit_shape
-from pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s
-from pipelines.tasks.randomness import GeneratorDraws, SampleRandomness
+
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.evaluation.sampling import generate_images
+from prunepipe.pipelines.tasks.diffusion.dit import DIT_SIZES, build_dit, dit_shape
+from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s
+from prunepipe.pipelines.tasks.diffusion.from_export import sample
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+from prunepipe.pipelines.tasks.randomness import GeneratorDraws, SampleRandomness
 
 SIZE, CHANNELS = 8, 4
 TINY = dict(backbone="dit", dit__depth=2, dit__width=32, dit__heads=2)
@@ -49,8 +49,12 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
 
 # ----------------------------------------------------------------------------- the backbone
 def test_presets_are_the_papers_sizes_and_their_parameter_counts_are_documented():
-    assert {name: dit_shape(f"DiT-{name}/2")["num_layers"] for name in DIT_SIZES} == {"S": 12, "B": 12, "L": 24,
-                                                                                      "XL": 28}
+    assert {name: dit_shape(f"DiT-{name}/2")["num_layers"] for name in DIT_SIZES} == {
+        "S": 12,
+        "B": 12,
+        "L": 24,
+        "XL": 28,
+    }
     assert dit_shape("DiT-XL/2") == {"num_layers": 28, "width": 1152, "heads": 16, "patch_size": 2}
     assert dit_shape("DiT-B/4", depth=2, width=64, heads=2)["patch_size"] == 4
     with torch.device("meta"):  # the real S/2 without allocating it
@@ -72,7 +76,9 @@ def test_initialisation_is_the_papers_adaln_zero_so_a_fresh_dit_predicts_zero():
     for block in model.transformer_blocks:
         assert not block.norm1.linear.weight.any() and not block.norm1.linear.bias.any()
         table = block.norm1.emb.class_embedder.embedding_table.weight
-        assert table.shape[0] == 11 and 0.01 < float(table.detach().std()) < 0.03  # N(0, 0.02), not nn.Embedding's N(0, 1)
+        assert (
+            table.shape[0] == 11 and 0.01 < float(table.detach().std()) < 0.03
+        )  # N(0, 0.02), not nn.Embedding's N(0, 1)
     assert not model.proj_out_2.weight.any() and not model.proj_out_1.weight.any()
     attention = model.transformer_blocks[0].attn1.to_q
     assert not attention.bias.any() and float(attention.weight.detach().abs().max()) <= (6 / (32 + 32)) ** 0.5  # xavier
@@ -85,7 +91,8 @@ def test_unconditional_dit_is_trained_and_sampled_on_the_null_label():
     assert task.model.config.num_embeds_ada_norm == 0
     seen = []
     task.model.transformer_blocks[0].norm1.emb.class_embedder.embedding_table.register_forward_pre_hook(
-        lambda module, args: seen.append(args[0].clone()))
+        lambda module, args: seen.append(args[0].clone())
+    )
     task.per_sample(task.model, random_batch(labels=[3, -1, 5, 7]), torch.Generator().manual_seed(0))
     assert all(s.tolist() == [0, 0, 0, 0] for s in seen)
     with pytest.raises(Exception):  # the diffusers trap the task steps around
@@ -164,14 +171,20 @@ def test_flow_held_out_is_a_fixed_grid_of_s_and_repeats_exactly():
     assert first["denoise_mse"] == pytest.approx(sum(per_s.values()) / 10) and first["num_samples"] == 4
 
 
-@pytest.mark.parametrize("setting, message", [
-    (dict(backbone="vit"), r"ldm\.backbone: got 'vit', accepted: unet, dit"),
-    (dict(objective="edm"), r"ldm\.objective: got 'edm', accepted: ddpm, flow"),
-    (dict(objective="flow", flow__weighting="cosmap"), r"ldm\.flow\.weighting: got 'cosmap', accepted: logit_normal"),
-    (dict(objective="flow", ddpm__min_snr_gamma=5.0), r"ldm\.objective='flow'.*ldm\.ddpm\.min_snr_gamma"),
-    (dict(label_dropout=1.0), r"ldm\.label_dropout must be in \[0, 1\)"),
-    (dict(dit__preset="DiT-XXL/2"), r"ldm\.dit\.preset: got 'DiT-XXL/2', accepted: DiT-S/2"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(backbone="vit"), r"ldm\.backbone: got 'vit', accepted: unet, dit"),
+        (dict(objective="edm"), r"ldm\.objective: got 'edm', accepted: ddpm, flow"),
+        (
+            dict(objective="flow", flow__weighting="cosmap"),
+            r"ldm\.flow\.weighting: got 'cosmap', accepted: logit_normal",
+        ),
+        (dict(objective="flow", ddpm__min_snr_gamma=5.0), r"ldm\.objective='flow'.*ldm\.ddpm\.min_snr_gamma"),
+        (dict(label_dropout=1.0), r"ldm\.label_dropout must be in \[0, 1\)"),
+        (dict(dit__preset="DiT-XXL/2"), r"ldm\.dit\.preset: got 'DiT-XXL/2', accepted: DiT-S/2"),
+    ],
+)
 def test_config_mistakes_name_the_field_and_accepted_values(setting, message):
     with pytest.raises(ValueError, match=message):
         make_task(**setting)
@@ -194,8 +207,9 @@ def test_fid_sampler_draws_from_the_dit_with_and_without_guidance(objective):
         next(generate_images(unconditional, unconditional.model, **kw, guidance_scale=4.0))
 
 
-@pytest.mark.parametrize("objective, scheduler", [("flow", "FlowMatchEulerDiscreteScheduler"),
-                                                  ("ddpm", "DDIMScheduler")])
+@pytest.mark.parametrize(
+    "objective, scheduler", [("flow", "FlowMatchEulerDiscreteScheduler"), ("ddpm", "DDIMScheduler")]
+)
 def test_export_reloads_in_diffusers_and_samples_the_same_images(objective, scheduler, tmp_path):
     task = make_task(objective=objective, num_classes=10, scaling_factor=1.0)
     perturb(task.model)
@@ -208,13 +222,15 @@ def test_export_reloads_in_diffusers_and_samples_the_same_images(objective, sche
         assert FlowMatchEulerDiscreteScheduler.from_pretrained(str(tmp_path), subfolder="scheduler")
 
     labels = torch.tensor([1, 7, -1])
-    exported = sample(str(tmp_path), 3, 4, torch.Generator().manual_seed(5), ema=False, class_labels=labels,
-                      guidance_scale=2.0)
+    exported = sample(
+        str(tmp_path), 3, 4, torch.Generator().manual_seed(5), ema=False, class_labels=labels, guidance_scale=2.0
+    )
     # the same start noise through the in-memory model and the task's sampler
     noise = torch.randn((3, CHANNELS, SIZE, SIZE), generator=torch.Generator().manual_seed(5))
-    from pipelines.tasks.diffusion.sampler import denoise
+    from prunepipe.pipelines.tasks.diffusion.sampler import denoise
 
-    x = denoise(task.model.eval(), noise, task.sampler(), 4, task.class_labels(labels), null_label=10,
-                guidance_scale=2.0)
+    x = denoise(
+        task.model.eval(), noise, task.sampler(), 4, task.class_labels(labels), null_label=10, guidance_scale=2.0
+    )
     torch.testing.assert_close(exported, (x / 2 + 0.5).clamp(0, 1), rtol=0, atol=1e-6)
     assert os.path.isdir(tmp_path / "transformer") and not os.path.exists(tmp_path / "unet")

@@ -15,13 +15,13 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from pipelines.data.group_table import open_groups
-from pipelines.data.shards import ShardIndex
-from pipelines.data.side_tables import open_embeddings
-from tools.commands.embed import embed_shards
-from tools.commands.embedding_import import import_embeddings
-from tools.commands.perceptual_hash import PerceptualHash, bits_to_rows, phash_bits
-from tools.commands.sources import near_duplicate, photo_crops
+from prunepipe.pipelines.data.group_table import open_groups
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.side_tables import open_embeddings
+from prunepipe.tools.commands.embed import embed_shards
+from prunepipe.tools.commands.embedding_import import import_embeddings
+from prunepipe.tools.commands.perceptual_hash import PerceptualHash, bits_to_rows, phash_bits
+from prunepipe.tools.commands.sources import near_duplicate, photo_crops
 
 
 def png(image: Image.Image) -> bytes:
@@ -41,9 +41,9 @@ def write_split(folder, samples: list[dict], shard_size: int) -> str:
     for start in range(0, len(samples), shard_size):
         path = os.path.join(folder, f"shard-{start // shard_size:06d}.tar")
         with wds.TarWriter(path) as sink:
-            for sample in samples[start:start + shard_size]:
+            for sample in samples[start : start + shard_size]:
                 sink.write(sample)
-        entries.append((path, len(samples[start:start + shard_size])))
+        entries.append((path, len(samples[start : start + shard_size])))
     ShardIndex.write(str(folder), entries)
     return str(folder)
 
@@ -85,7 +85,7 @@ class StopsAfter:
 
 
 def test_embed_resumes_after_an_interruption_to_the_same_bytes(tmp_path, tiny_timm_weights):
-    from tools.commands.feature_models import load_feature_model
+    from prunepipe.tools.commands.feature_models import load_feature_model
 
     split = noise_split(tmp_path / "split")  # shards of 15, 15 and 10: 4, 4 and 3 batches of 4
     spec = "timm:test_resnet"
@@ -139,11 +139,16 @@ def test_timm_folder_and_weights_file_give_the_same_rows(tmp_path, tiny_timm_wei
 
 
 def test_the_mae_export_embeds_with_its_encoder(tmp_path):
-    from pipelines.tasks.mae import MAEConfig, MAETask
+    from prunepipe.pipelines.tasks.mae import MAEConfig, MAETask
 
     torch.manual_seed(0)
-    task = MAETask(MAEConfig(patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
-                             decoder_depth=1, decoder_num_heads=2), image_size=32, channels=3)
+    task = MAETask(
+        MAEConfig(
+            patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2
+        ),
+        image_size=32,
+        channels=3,
+    )
     task.export(task.model, None, str(tmp_path / "runs" / "tiny" / "export"))
     split = noise_split(tmp_path / "split", n=6, shard_size=6)
     path = embed_shards(split, f"mae:{tmp_path / 'runs' / 'tiny'}", batch_size=4, device="cpu")
@@ -234,8 +239,10 @@ def test_a_clip_retrieval_import_joins_by_key_and_reports_missing_samples(tmp_pa
     (source / "metadata").mkdir()
     for part, chunk in enumerate((keys[:9], keys[9:])):
         np.save(source / "img_emb" / f"img_emb_{part}.npy", np.stack([vectors[k] for k in chunk]).astype(np.float16))
-        pq.write_table(pa.table({"image_path": chunk, "caption": ["a photo"] * len(chunk)}),
-                       source / "metadata" / f"metadata_{part}.parquet")
+        pq.write_table(
+            pa.table({"image_path": chunk, "caption": ["a photo"] * len(chunk)}),
+            source / "metadata" / f"metadata_{part}.parquet",
+        )
 
     summary = import_embeddings(split, str(source), format="clip-retrieval", name="clip")
     assert summary["missing"] == 3 and summary["missing_first_keys"] == ["000000003", "000000011", "000000017"]
@@ -266,8 +273,9 @@ def test_a_datacomp_import_joins_by_uid_and_reports_missing_samples(tmp_path):
     source = tmp_path / "datacomp"
     source.mkdir()
     stem = "0123456789abcdef0123456789abcdef"  # DataComp names a metadata part by a hex stem
-    pq.write_table(pa.table({"uid": [u.upper() for u in uids], "url": ["http://x"] * len(uids)}),
-                   source / f"{stem}.parquet")
+    pq.write_table(
+        pa.table({"uid": [u.upper() for u in uids], "url": ["http://x"] * len(uids)}), source / f"{stem}.parquet"
+    )
     np.savez(source / f"{stem}.npz", l14_img=l14, b32_img=b32)
 
     summary = import_embeddings(split, str(source), format="datacomp", embedding="b32_img")

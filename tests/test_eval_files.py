@@ -10,21 +10,37 @@ import re
 
 import pytest
 
-from pipelines.config import load_config
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import EvalRecordExistsError, evaluate_checkpoint
-from pipelines.training.loop import train
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import EvalRecordExistsError, evaluate_checkpoint
+from prunepipe.pipelines.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val_batches=1",
+]
 QUICK = ["probe.enabled=false", "val_samples=64"]
 
 
 def test_an_earlier_eval_record_is_kept_unless_overwrite_is_asked_for(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"), [
-        f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}", "name=run",
-        "passes=1", *TINY_MAE])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        [
+            f"data.train={digits_shards}/train",
+            f"data.val={digits_shards}/val",
+            f"runs_dir={tmp_path}",
+            "name=run",
+            "passes=1",
+            *TINY_MAE,
+        ],
+    )
     train(cfg)
     first = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=QUICK), overwrite=False)
     path = first["path"]
@@ -40,23 +56,32 @@ def test_an_earlier_eval_record_is_kept_unless_overwrite_is_asked_for(digits_sha
     with open(path) as f:
         assert f.read() == kept
 
-    raw = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "weights=raw"]),
-                              overwrite=False)  # another file: the raw weights' record
+    raw = evaluate_checkpoint(
+        cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "weights=raw"]), overwrite=False
+    )  # another file: the raw weights' record
     assert raw["path"].endswith("_raw.json") and os.path.exists(path)
-    replaced = evaluate_checkpoint(cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "val_samples=32"]),
-                                   overwrite=True)
+    replaced = evaluate_checkpoint(
+        cfg.run_dir, eval_cfg=load_eval_config(overrides=[*QUICK, "val_samples=32"]), overwrite=True
+    )
     with open(path) as f:
         assert replaced["path"] == path and json.load(f)["eval_config"]["val_samples"] == 32
 
 
-
 def test_prunepipe_eval_refuses_to_replace_an_earlier_evaluation_without_overwrite(digits_shards, tmp_path, capsys):
     """The CLI's default keeps what `compare` reads; --overwrite replaces it."""
-    from launch.cli import main as cli_main
+    from prunepipe.launch.cli import main as cli_main
 
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"), [
-        f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}", "name=run",
-        "passes=1", *TINY_MAE])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        [
+            f"data.train={digits_shards}/train",
+            f"data.val={digits_shards}/val",
+            f"runs_dir={tmp_path}",
+            "name=run",
+            "passes=1",
+            *TINY_MAE,
+        ],
+    )
     train(cfg)
     assert cli_main(["eval", cfg.run_dir, *QUICK]) == 0
     capsys.readouterr()

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from test_text_eval import clip, text_run  # noqa: F401 (fixtures)
 from test_text_to_image import captioned, encoder  # noqa: F401 (fixtures)
 
-from pipelines.evaluation.clip_score import clip_score_metric
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import Evaluator
-from pipelines.progress import progress
-from pipelines.tasks.diffusion.text import TextEncoder
+from prunepipe.pipelines.evaluation.clip_score import clip_score_metric
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import Evaluator
+from prunepipe.pipelines.progress import progress
+from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,8 +27,14 @@ def _one_thread():
 
 def test_fid_samples_capped_by_the_held_out_captions_are_said_once_with_the_way_out(text_run, capsys):  # noqa: F811
     task, model, cfg = trained_task(text_run)
-    overrides = ["fid.feature=module:test_text_eval:grey_features", "fid.num_samples=100", "fid.sampler_steps=1",
-                 "fid.batch_size=50", "val_samples=8", f"fid.stats_dir={os.path.dirname(text_run)}/stats"]
+    overrides = [
+        "fid.feature=module:test_text_eval:grey_features",
+        "fid.num_samples=100",
+        "fid.sampler_steps=1",
+        "fid.batch_size=50",
+        "val_samples=8",
+        f"fid.stats_dir={os.path.dirname(text_run)}/stats",
+    ]
     evaluator = Evaluator(cfg, load_eval_config(overrides=overrides), run_dir=text_run)
     capsys.readouterr()
     details = evaluator.evaluate(task, model, write=False)["details"]
@@ -43,7 +49,8 @@ def test_fid_samples_capped_by_the_held_out_captions_are_said_once_with_the_way_
 
 
 def test_transformers_loads_are_quiet_and_leave_its_settings_and_the_projects_bars_alone(  # noqa: F811
-        clip, encoder, tmp_path, capfd):  # noqa: F811
+    clip, encoder, tmp_path, capfd
+):  # noqa: F811
     from transformers.utils import logging
 
     logging.set_verbosity_warning()

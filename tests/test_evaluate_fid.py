@@ -16,9 +16,9 @@ import torch
 from eval_runs import feature_net, one_torch_thread, session_dir
 from test_evaluate_ranks import run_ranks
 
-from pipelines.data.splits import read_split
-from pipelines.evaluation.config import FIDConfig
-from pipelines.evaluation.fid import FIDEvaluator, feature_net_from_config, reference_cache_path
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.config import FIDConfig
+from prunepipe.pipelines.evaluation.fid import FIDEvaluator, feature_net_from_config, reference_cache_path
 
 HALF = 800  # the digits train split has 1617 images: the first 800 are the reference half
 
@@ -56,7 +56,7 @@ def frechet_distance(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def batches(images: torch.Tensor, size: int = 64):
-    return [images[i:i + size] for i in range(0, len(images), size)]
+    return [images[i : i + size] for i in range(0, len(images), size)]
 
 
 def evaluator(shards, classifier, tmp_path, count=HALF, **kw) -> FIDEvaluator:
@@ -115,7 +115,7 @@ def _rank_main(rank, world, init_file, shards, classifier, stats_dir, images, ou
 
 
 def test_fid_split_over_two_ranks_equals_one_process(shards, classifier, real_images, tmp_path):
-    images = real_images[HALF:HALF + 300]
+    images = real_images[HALF : HALF + 300]
     single = evaluator(shards, classifier, tmp_path, stats_dir=str(tmp_path / "single")).score(batches(images))
     stats_dir = str(tmp_path / "split")  # an empty cache: the two ranks compute the reference together
     run_ranks(_rank_main, 2, str(tmp_path / "init"), shards, classifier, stats_dir, images, str(tmp_path))
@@ -155,16 +155,23 @@ def test_inception_fid_reads_a_local_weights_file_and_never_downloads(shards, re
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)  # the file's weights, not others
     assert fid.net.identity.startswith("inception64-tf1-") and not fid.net.antialias
     with torch.no_grad():
-        reference = fid.metric.inception(fid.net.prepare(torch.cat(
-            [(b.images + 1) / 2 for b in read_split(f"{shards}/val", resolution=32, channels=3, max_samples=12)])))
+        reference = fid.metric.inception(
+            fid.net.prepare(
+                torch.cat(
+                    [(b.images + 1) / 2 for b in read_split(f"{shards}/val", resolution=32, channels=3, max_samples=12)]
+                )
+            )
+        )
     np.testing.assert_allclose(fid.reference.features_sum.numpy(), reference.double().sum(0).numpy(), rtol=1e-6)
     result = fid.score([real_images[:12]])
     assert np.isfinite(result["fid"]) and result["fid"] >= 0 and result["fid_samples"] == 12
-    assert feature_net_from_config(FIDConfig(weights=path, resize="antialias")).identity.startswith("inception2048-antialias-")
+    assert feature_net_from_config(FIDConfig(weights=path, resize="antialias")).identity.startswith(
+        "inception2048-antialias-"
+    )
 
 
 def test_missing_inception_weights_name_the_field_and_where_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"fid\.weights=.*weights-inception-2015-12-05-6726825d\.pth"):
         feature_net_from_config(FIDConfig(feature="inception", weights=str(tmp_path / "missing.pth")))
-    with pytest.raises(FileNotFoundError, match=r"python -m tools\.feature_net"):
+    with pytest.raises(FileNotFoundError, match=r"python -m prunepipe\.tools\.commands\.feature_net"):
         feature_net_from_config(FIDConfig(feature="classifier"), shards_root=str(tmp_path))

@@ -12,10 +12,10 @@ import pytest
 import torch
 from eval_runs import feature_net, one_torch_thread, session_dir, tiny_run, trained_task
 
-from pipelines.data.splits import read_split
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.evaluation.sampling import generate_images
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.pipelines.evaluation.sampling import generate_images
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,8 +25,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def run_dir(digits_shards, tmp_path_factory) -> str:
-    return tiny_run(digits_shards, session_dir(tmp_path_factory, "eval_runs"), "ldm_tiny_full.yaml", "ldm_full",
-                    ("passes=1",))
+    return tiny_run(
+        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "ldm_tiny_full.yaml", "ldm_full", ("passes=1",)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,10 @@ def test_denoising_loss_is_the_tasks_fixed_grid_loss_and_repeats_exactly(trained
 def test_generated_images_do_not_depend_on_world_size_or_batch_size(trained):
     task, model, _ = trained
     one = torch.cat(list(generate_images(task, model, num_images=6, steps=3, seed=1, batch_size=4)))
-    shares = [torch.cat(list(generate_images(task, model, num_images=6, steps=3, seed=1, batch_size=2, rank=r,
-                                             world_size=2))) for r in range(2)]
+    shares = [
+        torch.cat(list(generate_images(task, model, num_images=6, steps=3, seed=1, batch_size=2, rank=r, world_size=2)))
+        for r in range(2)
+    ]
     assert one.shape == (6, 3, 16, 16) and 0 <= float(one.min()) and float(one.max()) <= 1
     torch.testing.assert_close(one[0::2], shares[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(one[1::2], shares[1], atol=1e-5, rtol=0)
@@ -57,11 +60,20 @@ def test_generated_images_do_not_depend_on_world_size_or_batch_size(trained):
 
 
 def test_evaluate_checkpoint_writes_fid_of_ema_samples(run_dir, digits_shards, tmp_path_factory):
-    classifier = feature_net(digits_shards,
-                             os.path.join(session_dir(tmp_path_factory, "eval_nets"), "digits.safetensors"))
-    eval_cfg = load_eval_config(overrides=["fid.feature=classifier", f"fid.weights={classifier}",
-                                           "fid.num_samples=48", "fid.sampler_steps=4", "fid.reference=val",
-                                           f"fid.stats_dir={tmp_path_factory.mktemp('stats')}", "val_samples=60"])
+    classifier = feature_net(
+        digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"), "digits.safetensors")
+    )
+    eval_cfg = load_eval_config(
+        overrides=[
+            "fid.feature=classifier",
+            f"fid.weights={classifier}",
+            "fid.num_samples=48",
+            "fid.sampler_steps=4",
+            "fid.reference=val",
+            f"fid.stats_dir={tmp_path_factory.mktemp('stats')}",
+            "val_samples=60",
+        ]
+    )
     record = evaluate_checkpoint(run_dir, eval_cfg=eval_cfg)
     metrics, details = record["metrics"], record["details"]
     assert set(metrics) == {"denoise_mse", "fid"} and record["weights"] == "ema"

@@ -16,13 +16,13 @@ import torch
 from eval_runs import one_torch_thread, session_dir, tiny_run, trained_task
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from launch.cli import main as cli_main
-from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
-from pipelines.data.splits import read_split
-from pipelines.evaluation.config import ProbeConfig
-from pipelines.evaluation.probe import linear_probe
-from pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
-from pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.launch.cli import main as cli_main
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.config import ProbeConfig
+from prunepipe.pipelines.evaluation.probe import linear_probe
+from prunepipe.pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
+from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,8 +32,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def run_dir(digits_shards, tmp_path_factory) -> str:
-    return tiny_run(digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full",
-                    ("passes=2",))
+    return tiny_run(
+        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full", ("passes=2",)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,9 @@ def test_reconstruction_keeps_visible_patches_and_its_masked_mse_is_the_training
     held = task.held_out(model, batches, seed=0)
     total = 0.0
     for batch in batches:
-        recon, mask, masked_mse = reconstruct(model, batch.images, fixed_mask_noise(batch.ids.numpy(), task.num_patches, 0))
+        recon, mask, masked_mse = reconstruct(
+            model, batch.images, fixed_mask_noise(batch.ids.numpy(), task.num_patches, 0)
+        )
         visible = (1 - mask).bool()
         assert torch.equal(model.patchify(recon)[visible], model.patchify(batch.images)[visible])
         total += float(masked_mse.double().sum())
@@ -109,13 +112,26 @@ def test_probe_is_deterministic_and_scores_the_trained_encoder_far_above_chance(
 @pytest.fixture(scope="module")
 def pretrained_run(digits_shards, tmp_path_factory) -> str:
     """An MAE trained until its held-out loss flattens: width 64, depth 2, 40 passes (~1,000 steps)."""
-    return tiny_run(digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_probe",
-                    ("passes=40", "mae.embed_dim=64", "mae.depth=2", "mae.num_heads=4", "mae.decoder_embed_dim=64",
-                     "checkpoint.every_steps=100000", "checkpoint.keep=1", "log_every=1000"))
+    return tiny_run(
+        digits_shards,
+        session_dir(tmp_path_factory, "eval_runs"),
+        "mae_tiny_full.yaml",
+        "mae_probe",
+        (
+            "passes=40",
+            "mae.embed_dim=64",
+            "mae.depth=2",
+            "mae.num_heads=4",
+            "mae.decoder_embed_dim=64",
+            "checkpoint.every_steps=100000",
+            "checkpoint.keep=1",
+            "log_every=1000",
+        ),
+    )
 
 
 def test_probe_scores_a_pretrained_encoder_well_above_its_random_initialisation(pretrained_run):
-    from pipelines.tasks.build import build_task
+    from prunepipe.pipelines.tasks.build import build_task
 
     _, model, cfg = trained_task(pretrained_run)
     torch.manual_seed(cfg.seed)  # what the trainer does before building the model: its initial weights
@@ -126,8 +142,10 @@ def test_probe_scores_a_pretrained_encoder_well_above_its_random_initialisation(
 
     def gain(pool, per_class):
         probe = ProbeConfig(pool=pool, per_class=per_class)
-        return (linear_probe(model.encoder, train, val, probe, seed=0)["probe_accuracy"]
-                - linear_probe(initial.encoder, train, val, probe, seed=0)["probe_accuracy"])
+        return (
+            linear_probe(model.encoder, train, val, probe, seed=0)["probe_accuracy"]
+            - linear_probe(initial.encoder, train, val, probe, seed=0)["probe_accuracy"]
+        )
 
     # Measured over run seeds 0-2 (trained minus random, in points): mean patch token with 10 labels
     # per class +17 to +22 (random 0.50-0.54), class token +5 to +19; all labels +4 to +7 for both
@@ -142,7 +160,7 @@ def test_periodic_evaluation_from_a_training_loop_matches_evaluating_the_checkpo
     EMAModel) gives the numbers `prunepipe eval` gives for the checkpoint saved at that moment."""
     from diffusers.training_utils import EMAModel
 
-    from pipelines.evaluation.runner import Evaluator, weights_for_eval
+    from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
 
     task, model, cfg = trained
     states = load_checkpoint_states(latest_checkpoint(run_dir))
@@ -160,8 +178,8 @@ def test_eval_of_unlabelled_shards_skips_the_probe_and_writes_the_rest(tmp_path,
     from eval_runs import TINY_MAE
     from PIL import Image
 
-    from tools.commands.shards import write_shards
-    from tools.commands.sources import digits
+    from prunepipe.tools.commands.shards import write_shards
+    from prunepipe.tools.commands.sources import digits
 
     folder = tmp_path / "images"
     folder.mkdir()
@@ -171,8 +189,21 @@ def test_eval_of_unlabelled_shards_skips_the_probe_and_writes_the_rest(tmp_path,
     write_shards("folder", str(shards), folder=str(folder), size=32, shard_size=100)
     assert Image.open(next(folder.iterdir())).size == (32, 32)
     config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "mae_tiny_full.yaml")
-    assert cli_main(["train", config, f"data.train={shards}/train", f"data.val={shards}/val", "passes=1",
-                     f"runs_dir={tmp_path / 'runs'}", "name=unlabelled", *TINY_MAE]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                config,
+                f"data.train={shards}/train",
+                f"data.val={shards}/val",
+                "passes=1",
+                f"runs_dir={tmp_path / 'runs'}",
+                "name=unlabelled",
+                *TINY_MAE,
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli_main(["eval", str(tmp_path / "runs" / "unlabelled"), "--weights", "raw", "probe.per_class=10"]) == 0
     out = capsys.readouterr().out

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from eval_runs import ROOT, feature_net, one_torch_thread, session_dir, tiny_run, trained_task
 
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import Evaluator, eval_config_of
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import Evaluator, eval_config_of
 
 # The process group's timeout in the tests that do not measure one (a hang guard, long enough for a
 # loaded 2-core machine); NCCL's default is 10 minutes.
@@ -49,8 +49,9 @@ def run_ranks(target, world: int, *args) -> None:
 
 def join_group(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)  # several processes on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S)
+    )
 
 
 def leave(rank: int, out: str, outcome: dict) -> None:
@@ -83,12 +84,19 @@ def runs(digits_shards, tmp_path_factory) -> dict:
     """A tiny MAE (reconstruction and the few-shot probe of its config) and a tiny DDPM (held-out
     denoising loss and FID of 8 samples in the digits classifier's features), each with its settings."""
     runs_dir = session_dir(tmp_path_factory, "eval_runs")
-    classifier = feature_net(digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"),
-                                                         "digits.safetensors"))
+    classifier = feature_net(
+        digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"), "digits.safetensors")
+    )
     mae = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("passes=2",))
     ldm = tiny_run(digits_shards, runs_dir, "ldm_tiny_full.yaml", "ldm_full", ("passes=1",))
-    fid = ["fid.feature=classifier", f"fid.weights={classifier}", "fid.num_samples=8", "fid.sampler_steps=2",
-           "fid.reference=val", "val_samples=60"]
+    fid = [
+        "fid.feature=classifier",
+        f"fid.weights={classifier}",
+        "fid.num_samples=8",
+        "fid.sampler_steps=2",
+        "fid.reference=val",
+        "val_samples=60",
+    ]
     return {"mae": (mae, ()), "ldm": (ldm, tuple(fid))}
 
 
@@ -98,13 +106,19 @@ def one_and_two_ranks(runs, tmp_path_factory):
     FID reference statistics are computed afresh in both (separate, empty caches)."""
     out = tmp_path_factory.mktemp("two_ranks")
     stats = {world: [f"fid.stats_dir={out / f'stats_{world}'}"] for world in (1, 2)}
-    jobs = {world: {name: (run, (*overrides, *(stats[world] if name == "ldm" else ()))) for name, (run, overrides)
-                    in runs.items()} for world in (1, 2)}
+    jobs = {
+        world: {
+            name: (run, (*overrides, *(stats[world] if name == "ldm" else ())))
+            for name, (run, overrides) in runs.items()
+        }
+        for world in (1, 2)
+    }
     single = {}
     for name, (run_dir, overrides) in jobs[1].items():
         task, model, cfg = trained_task(run_dir)
-        single[name] = Evaluator(cfg, load_eval_config(eval_config_of(cfg), overrides=list(overrides)),
-                                 run_dir=run_dir).evaluate(task, model, write=False)
+        single[name] = Evaluator(
+            cfg, load_eval_config(eval_config_of(cfg), overrides=list(overrides)), run_dir=run_dir
+        ).evaluate(task, model, write=False)
     run_ranks(_evaluate_runs, 2, str(out / "init"), jobs[2], str(out))
     return single, results_of(out, 2)
 
@@ -145,18 +159,27 @@ def test_diffusion_evaluation_on_two_ranks_equals_one_process(one_and_two_ranks)
 # twice (as its train and its val images). 12 s in one process on one core of the 2-core test machine
 # at load average 1 (64 px and depth 4 took 24 s there, 33 to 41 s at load 4 to 7): the timeout below
 # is three quarters of it, so the proportions, not the seconds, make the test.
-SLOW_MAE = ["data.resolution=48", "mae.embed_dim=192", "mae.depth=2", "mae.num_heads=3",
-            "mae.decoder_embed_dim=128", "mae.decoder_depth=2", "mae.decoder_num_heads=4", "eval.batch_size=64"]
+SLOW_MAE = [
+    "data.resolution=48",
+    "mae.embed_dim=192",
+    "mae.depth=2",
+    "mae.num_heads=3",
+    "mae.decoder_embed_dim=128",
+    "mae.decoder_depth=2",
+    "mae.decoder_num_heads=4",
+    "eval.batch_size=64",
+]
 
 
 def slow_mae(shards: str):
     """(task, run config) of the slow MAE; the same initial weights in every process, as the trainer's."""
-    from pipelines.config import load_config
-    from pipelines.tasks.build import build_task
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.tasks.build import build_task
 
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                      [f"data.train={shards}/train", f"data.val={shards}/val", f"eval.val={shards}/train",
-                       *SLOW_MAE])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        [f"data.train={shards}/train", f"data.val={shards}/val", f"eval.val={shards}/train", *SLOW_MAE],
+    )
     torch.manual_seed(cfg.seed)
     return build_task(cfg), cfg
 
@@ -166,8 +189,9 @@ def _evaluate_then_meet(rank, world, init_file, shards, timeout_s, out):
     training loop enters next (the next step's gradient all-reduce); record what happened."""
     task, cfg = slow_mae(shards)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         record = Evaluator(cfg).evaluate(task, task.model, write=False)
         dist.barrier()
@@ -218,23 +242,38 @@ def _fid_outcome(rank, world, init_file, run_dir, overrides, workdir, out):
 
 
 def fid_settings(digits_shards, tmp_path_factory, stats_dir: str, num_samples: int) -> list[str]:
-    classifier = feature_net(digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"),
-                                                         "digits.safetensors"))
-    return ["fid.feature=classifier", f"fid.weights={classifier}", f"fid.num_samples={num_samples}",
-            "fid.sampler_steps=2", "fid.reference=val", f"fid.stats_dir={stats_dir}", "val_samples=30"]
+    classifier = feature_net(
+        digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"), "digits.safetensors")
+    )
+    return [
+        "fid.feature=classifier",
+        f"fid.weights={classifier}",
+        f"fid.num_samples={num_samples}",
+        "fid.sampler_steps=2",
+        "fid.reference=val",
+        f"fid.stats_dir={stats_dir}",
+        "val_samples=30",
+    ]
 
 
-def test_fid_with_fewer_samples_than_ranks_raises_the_same_error_on_every_rank(runs, digits_shards,
-                                                                                tmp_path_factory, tmp_path):
+def test_fid_with_fewer_samples_than_ranks_raises_the_same_error_on_every_rank(
+    runs, digits_shards, tmp_path_factory, tmp_path
+):
     ldm, _ = runs["ldm"]
     for r in range(3):
         (tmp_path / f"rank{r}").mkdir()
     overrides = fid_settings(digits_shards, tmp_path_factory, str(tmp_path / "stats"), num_samples=2)
     run_ranks(_fid_outcome, 3, str(tmp_path / "init"), ldm, overrides, str(tmp_path), str(tmp_path))
     errors = [outcome.get("error") for outcome in results_of(tmp_path, 3)]
-    assert errors[0] == errors[1] == errors[2] == (
-        "ValueError: eval config: fid.num_samples=2 is fewer than the 3 ranks evaluating (each rank generates "
-        "num_samples / world images); use at least 3")
+    assert (
+        errors[0]
+        == errors[1]
+        == errors[2]
+        == (
+            "ValueError: eval config: fid.num_samples=2 is fewer than the 3 ranks evaluating (each rank generates "
+            "num_samples / world images); use at least 3"
+        )
+    )
 
 
 def test_a_fid_cache_only_rank_0_sees_serves_every_rank(runs, digits_shards, tmp_path_factory, tmp_path):
@@ -249,8 +288,9 @@ def test_a_fid_cache_only_rank_0_sees_serves_every_rank(runs, digits_shards, tmp
     cwd = os.getcwd()
     os.chdir(tmp_path / "rank0")
     try:  # one process writes the cache on "rank 0's node"
-        single = Evaluator(cfg, load_eval_config(eval_config_of(cfg), overrides=overrides),
-                           run_dir=ldm).evaluate(task, model, write=False)
+        single = Evaluator(cfg, load_eval_config(eval_config_of(cfg), overrides=overrides), run_dir=ldm).evaluate(
+            task, model, write=False
+        )
     finally:
         os.chdir(cwd)
     written = os.listdir(tmp_path / "rank0" / "node_local_stats")
@@ -268,7 +308,7 @@ ONE_NODE_LACKS_A_FILE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch.distributed as dist
     from accelerate import Accelerator
-    from pipelines.ranks import on_every_rank
+    from prunepipe.pipelines.ranks import on_every_rank
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

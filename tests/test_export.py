@@ -14,25 +14,30 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from eval_runs import diffusion_config
 from PIL import Image
 from test_text_features import PRECOMPUTED, features16, latent_config  # noqa: F401 (fixture)
 from test_text_to_image import PROMPTS, captioned, encoder, tiny  # noqa: F401 (fixtures)
 
-from launch.cli import main
-from eval_runs import diffusion_config
-from pipelines.tasks.diffusion.from_export import load_pipeline, sample
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.training.loop import train
+from prunepipe.launch.cli import main
+from prunepipe.pipelines.tasks.diffusion.from_export import load_pipeline, sample
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+from prunepipe.pipelines.training.loop import train
 
-DDPM = ["ldm.objective=ddpm", "ldm.ddpm.prediction_type=epsilon", "ldm.ddpm.timestep_sampling=uniform",
-        "ldm.flow.weighting=uniform"]
+DDPM = [
+    "ldm.objective=ddpm",
+    "ldm.ddpm.prediction_type=epsilon",
+    "ldm.ddpm.timestep_sampling=uniform",
+    "ldm.flow.weighting=uniform",
+]
 
 
 @pytest.fixture(scope="module")
 def text_run(features16, encoder, tmp_path_factory):  # noqa: F811
     """One pass of the tiny PixArt DiT (DDPM) on latent shards holding their captions' features."""
-    cfg = latent_config(features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), PRECOMPUTED, *DDPM,
-                        "passes=1")
+    cfg = latent_config(
+        features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), PRECOMPUTED, *DDPM, "passes=1"
+    )
     train(cfg)
     return cfg
 
@@ -42,7 +47,8 @@ def kept_an_ema(export) -> bool:
 
 
 def test_prunepipe_export_writes_a_folder_pixart_alpha_pipeline_loads_alone_and_it_draws_prunepipes_images(
-        text_run, tmp_path, capsys):
+    text_run, tmp_path, capsys
+):
     from diffusers import PixArtAlphaPipeline
 
     export = str(tmp_path / "export")
@@ -51,16 +57,26 @@ def test_prunepipe_export_writes_a_folder_pixart_alpha_pipeline_loads_alone_and_
     with open(os.path.join(export, "model_index.json")) as f:
         assert json.load(f)["_class_name"] == "PixArtAlphaPipeline"
     pipe = PixArtAlphaPipeline.from_pretrained(export)
-    images = pipe(PROMPTS, num_inference_steps=4, guidance_scale=2.0, generator=torch.Generator().manual_seed(7),
-                  use_resolution_binning=False, max_sequence_length=8, output_type="pt").images
-    ours = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=kept_an_ema(export), prompts=PROMPTS,
-                  guidance_scale=2.0)
+    images = pipe(
+        PROMPTS,
+        num_inference_steps=4,
+        guidance_scale=2.0,
+        generator=torch.Generator().manual_seed(7),
+        use_resolution_binning=False,
+        max_sequence_length=8,
+        output_type="pt",
+    ).images
+    ours = sample(
+        export, 2, 4, torch.Generator().manual_seed(7), ema=kept_an_ema(export), prompts=PROMPTS, guidance_scale=2.0
+    )
     torch.testing.assert_close(images, ours, rtol=0, atol=1e-5)
     assert not torch.equal(ours[0], ours[1]), "the prompt chooses the image"
 
     # nothing in it names this machine's folders: links and records are relative to the export
     for name in ("vae", "text_encoder", "tokenizer"):
-        assert os.path.islink(os.path.join(export, name)) and not os.readlink(os.path.join(export, name)).startswith("/")
+        assert os.path.islink(os.path.join(export, name)) and not os.readlink(os.path.join(export, name)).startswith(
+            "/"
+        )
     for path in glob.glob(os.path.join(export, "*.json")):
         with open(path) as f:
             assert str(tmp_path.parent) not in f.read(), path
@@ -81,14 +97,36 @@ def test_a_copied_export_moves_anywhere_and_still_loads(text_run, tmp_path):
 
 def test_prunepipe_sample_writes_the_pngs_of_the_exports_images(text_run, tmp_path, capsys):
     out = tmp_path / "samples"
-    assert main(["sample", text_run.run_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--steps", "4",
-                 "--guidance-scale", "2", "--seed", "7", "--out", str(out), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                text_run.run_dir,
+                "--prompt",
+                PROMPTS[0],
+                "--prompt",
+                PROMPTS[1],
+                "--steps",
+                "4",
+                "--guidance-scale",
+                "2",
+                "--seed",
+                "7",
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     written = sorted(out.glob("*.png"))
     assert len(written) == 2 and all(repr(prompt) in printed for prompt in PROMPTS)
     export = os.path.join(text_run.run_dir, "export")  # the one the run wrote at its end
-    expected = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=kept_an_ema(export), prompts=PROMPTS,
-                      guidance_scale=2.0)
+    expected = sample(
+        export, 2, 4, torch.Generator().manual_seed(7), ema=kept_an_ema(export), prompts=PROMPTS, guidance_scale=2.0
+    )
     for path, image in zip(written, expected):
         assert np.array_equal(np.asarray(Image.open(path)), (image[0].numpy() * 255).round().astype(np.uint8))
 
@@ -114,15 +152,23 @@ def test_a_class_conditional_latent_dit_loads_as_a_dit_pipeline_and_draws_prunep
     export = str(tmp_path / "export")
     task.export(task.model, None, export)
     pipe = DiTPipeline.from_pretrained(export)
-    drawn = pipe(class_labels=[1, 7], num_inference_steps=3, guidance_scale=1.0,
-                 generator=torch.Generator().manual_seed(3), output_type="np").images
+    drawn = pipe(
+        class_labels=[1, 7],
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).images
     ours = sample(export, 2, 3, torch.Generator().manual_seed(3), ema=False, class_labels=torch.tensor([1, 7]))
     np.testing.assert_allclose(drawn, ours.permute(0, 2, 3, 1).numpy(), rtol=0, atol=1e-5)
 
 
 def test_an_export_no_pipeline_samples_says_why_in_its_readme_and_its_error(tmp_path):
-    task = DiffusionTask(diffusion_config(backbone="dit", objective="flow", dit__depth=1, dit__width=32, dit__heads=2),
-                         image_size=8, channels=1)
+    task = DiffusionTask(
+        diffusion_config(backbone="dit", objective="flow", dit__depth=1, dit__width=32, dit__heads=2),
+        image_size=8,
+        channels=1,
+    )
     export = str(tmp_path / "export")
     task.export(task.model, None, export)
     assert not os.path.exists(os.path.join(export, "model_index.json"))

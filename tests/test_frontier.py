@@ -7,14 +7,24 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from pipelines.report.frontier import (AT_LEAST, AT_MOST, EXACT, IsoQuality, fit_frontier, iso_quality,
-                                       paired_difference, saving_summary, savings_over_seeds, seeds_needed,
-                                       summarise_savings, t_interval)
-from tools.benchmarks.interval_coverage import coverage
+from prunepipe.pipelines.report.frontier import (
+    AT_LEAST,
+    AT_MOST,
+    EXACT,
+    IsoQuality,
+    fit_frontier,
+    iso_quality,
+    paired_difference,
+    saving_summary,
+    savings_over_seeds,
+    seeds_needed,
+    summarise_savings,
+    t_interval,
+)
+from prunepipe.tools.benchmarks.interval_coverage import coverage
 
 # Full of one seed: masked MSE (lower is better) at 50..100% of the schedule, improving throughout
 FRONTIER = [(0.5, 0.30), (0.6, 0.27), (0.7, 0.25), (0.8, 0.235), (0.9, 0.225), (1.0, 0.22)]
@@ -189,7 +199,9 @@ def test_a_pruned_run_equal_to_the_cheapest_full_is_not_a_saving_when_longer_tra
     # better than the best Full measured: every Full is beaten, and a longer Full would be worse still
     better = {seed: (0.77, model.curve(seed)[0][1] - 0.01) for seed in frontiers}
     beaten = saving_summary(frontiers, better, True)
-    assert beaten["verdict"].startswith("not resolved: better than every Full measured") and "[" not in beaten["verdict"]
+    assert (
+        beaten["verdict"].startswith("not resolved: better than every Full measured") and "[" not in beaten["verdict"]
+    )
     assert "extend the frontier down" in beaten["verdict"] and "extend the frontier down" in beaten["note"]
 
 
@@ -229,8 +241,9 @@ def test_a_longest_full_that_ties_the_best_is_not_training_longer_hurting():
     # held-out probe accuracy counts correct answers out of 270: Full at 75% and 100% tie on every
     # seed, and the least-squares fit leaves them 1e-16 apart; training longer did not hurt
     offsets = {0: 0, 1: 3, 2: -2}
-    frontiers = {s: [(0.5, (160 + d) / 270), (0.75, (189 + d) / 270), (1.0, (189 + d) / 270)]
-                 for s, d in offsets.items()}
+    frontiers = {
+        s: [(0.5, (160 + d) / 270), (0.75, (189 + d) / 270), (1.0, (189 + d) / 270)] for s, d in offsets.items()
+    }
     model = fit_frontier(frontiers, lower_is_better=False)
     assert model.monotone and not model.hurts
     better = saving_summary(frontiers, {s: (0.7, (192 + d) / 270) for s, d in offsets.items()}, False)
@@ -241,14 +254,19 @@ def test_a_longest_full_that_ties_the_best_is_not_training_longer_hurting():
 def test_a_longest_full_worse_only_within_seed_noise_is_not_training_longer_hurting():
     # the fitted Full is best at 73%, but one seed falls at 100%, one rises and one holds: the seeds'
     # paired differences do not show a worse longest Full, so nothing is claimed and the reading is the usual
-    frontiers = {0: [(0.7, 0.689), (0.733, 0.689), (1.0, 0.656)], 1: [(0.7, 0.711), (0.733, 0.722), (1.0, 0.733)],
-                 2: [(0.7, 0.656), (0.733, 0.667), (1.0, 0.667)]}
+    frontiers = {
+        0: [(0.7, 0.689), (0.733, 0.689), (1.0, 0.656)],
+        1: [(0.7, 0.711), (0.733, 0.722), (1.0, 0.733)],
+        2: [(0.7, 0.656), (0.733, 0.667), (1.0, 0.667)],
+    }
     model = fit_frontier(frontiers, lower_is_better=False)
     assert model.best_compute == 0.733 and model.rise["reading"] == "no difference detected"
     assert not model.hurts
     summary = saving_summary(frontiers, {s: (0.7, 0.80) for s in frontiers}, lower_is_better=False)
     assert summary["hurts"] == "" and "extend the frontier up" in summary["verdict"]
     # the same shape with every seed worse at 100% by the same amount is shown
-    shown = {s: [(x, y - (0.04 if x == 1.0 else 0.0) + 0.01 * s) for x, y in ((0.7, 0.68), (0.733, 0.69), (1.0, 0.69))]
-             for s in range(3)}
+    shown = {
+        s: [(x, y - (0.04 if x == 1.0 else 0.0) + 0.01 * s) for x, y in ((0.7, 0.68), (0.733, 0.69), (1.0, 0.69))]
+        for s in range(3)
+    }
     assert fit_frontier(shown, lower_is_better=False).hurts

@@ -15,17 +15,17 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from pipelines.config import ConfigError, load_config
-from pipelines.data.group_table import group_table_path, open_group_table, write_group_table
-from pipelines.data.shards import ShardIndex
-from pipelines.training.loop import train
-from pruning import Dedup, build_pruner, uniform_coin
-from pruning.groups import fill_group_sizes
-from pruning.pass_plan import PassPlan
 from test_accumulation import run_two_ranks  # pytest puts tests/ on the path
 from test_trainer import assert_states_equal, final_state
-from tools.fixtures.known_groups import known_groups, original_key, split_keys, write_known_groups
+
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.group_table import group_table_path, open_group_table, write_group_table
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.training.loop import train
+from prunepipe.pruning import Dedup, build_pruner, uniform_coin
+from prunepipe.pruning.groups import fill_group_sizes
+from prunepipe.pruning.pass_plan import PassPlan
+from prunepipe.tools.fixtures.known_groups import known_groups, original_key, split_keys, write_known_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUP_SIZES = (2, 5, 13, 40)  # 100 groups of each, beside 2,000 samples without near-duplicates
@@ -39,8 +39,10 @@ SINGLES, PER_SIZE = 2000, 100
 
 def spread_groups(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(group id per sample: its group's smallest id, group size per sample) of the layout above."""
-    labels = np.concatenate([np.arange(SINGLES)] + [
-        SINGLES + i * PER_SIZE + np.repeat(np.arange(PER_SIZE), size) for i, size in enumerate(GROUP_SIZES)])
+    labels = np.concatenate(
+        [np.arange(SINGLES)]
+        + [SINGLES + i * PER_SIZE + np.repeat(np.arange(PER_SIZE), size) for i, size in enumerate(GROUP_SIZES)]
+    )
     labels = labels[np.random.default_rng(seed).permutation(len(labels))]
     first: dict[int, int] = {}
     group_of = np.array([first.setdefault(label, i) for i, label in enumerate(labels.tolist())], dtype=np.int32)
@@ -90,8 +92,9 @@ def test_each_group_gives_per_group_members_a_pass_in_expectation(per_group):
     assert kept[:, sizes == 1].all(), "a sample without near-duplicates is always kept by its group"
     for size in GROUP_SIZES:
         members = sizes == size
-        per_pass = np.array([np.bincount(group_of[members][row[members]], minlength=N)[np.unique(group_of[members])]
-                             for row in kept])  # [passes, groups]: members kept per group
+        per_pass = np.array(
+            [np.bincount(group_of[members][row[members]], minlength=N)[np.unique(group_of[members])] for row in kept]
+        )  # [passes, groups]: members kept per group
         expected = min(size, per_group)
         assert abs(per_pass.mean() - expected) < 0.03 * expected, (size, per_pass.mean())
         assert per_pass.std() > 0 or size <= per_group  # a rotation per member, not a fixed choice
@@ -110,15 +113,18 @@ def test_over_ceil_n_over_m_passes_every_member_is_kept(per_group):
         window = math.ceil(size / per_group)
         members = np.flatnonzero(sizes == size)
         for start in range(passes - window + 1):
-            assert kept[start:start + window, members].any(axis=0).all(), (size, start)
-            independent_missed += int((~coins[start:start + window, members].any(axis=0)).sum())
+            assert kept[start : start + window, members].any(axis=0).all(), (size, start)
+            independent_missed += int((~coins[start : start + window, members].any(axis=0)).sum())
     assert independent_missed > 0, "independent coins at the same probabilities miss members in such windows"
 
 
 def test_static_keeps_the_same_members_every_pass_and_never_the_others():
     group_of, sizes = spread_groups()
     rotating, static = (grouped(sizes=sizes, keep=0.01, static=flag) for flag in (False, True))
-    kept = {name: kept_over_passes(pruner, range(max(GROUP_SIZES))) for name, pruner in (("rotating", rotating), ("static", static))}
+    kept = {
+        name: kept_over_passes(pruner, range(max(GROUP_SIZES)))
+        for name, pruner in (("rotating", rotating), ("static", static))
+    }
     assert (kept["static"] == kept["static"][0]).all(), "a static deduplication keeps one fixed subset"
     np.testing.assert_array_equal(kept["static"][0], kept["rotating"][0])  # the rotation's pass 0, frozen
     grouped_members = sizes > 1
@@ -302,7 +308,7 @@ def test_then_and_its_hyper_parameters_are_checked():
 @pytest.fixture(scope="module")
 def redundant(tmp_path_factory) -> str:
     """Redundant shards at 16 px (216 train samples, 124 of them in 16 groups) with their known groups."""
-    from tools.commands.shards import write_shards
+    from prunepipe.tools.commands.shards import write_shards
 
     out = tmp_path_factory.mktemp("redundant")
     write_shards("redundant", str(out), size=16, shard_size=100, crops_per_photo=8, redundant_originals=16)
@@ -328,15 +334,36 @@ def test_known_groups_put_each_original_with_its_copies(redundant):
     assert table.header["index"]["num_samples"] == 216 and table.header["grouped_samples"] == 124
 
 
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32", "mae.decoder_depth=1",
-            "mae.decoder_num_heads=2", "data.batch_size=32", "data.val=", "data.num_workers=0", "data.resolution=16",
-            "data.channels=3", "log_every=5"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=32",
+    "data.val=",
+    "data.num_workers=0",
+    "data.resolution=16",
+    "data.channels=3",
+    "log_every=5",
+]
 
 
 def dedup_cfg(redundant, tmp_path, name, extra=()):
-    return load_config(os.path.join(ROOT, "configs", "mae_tiny_importance.yaml"), [
-        f"data.train={redundant}/train", f"runs_dir={tmp_path}", f"name={name}", "pruner.name=dedup",
-        "pruner.groups=known", "pruner.keep=0.6", *TINY_MAE, *extra])
+    return load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_importance.yaml"),
+        [
+            f"data.train={redundant}/train",
+            f"runs_dir={tmp_path}",
+            f"name={name}",
+            "pruner.name=dedup",
+            "pruner.groups=known",
+            "pruner.keep=0.6",
+            *TINY_MAE,
+            *extra,
+        ],
+    )
 
 
 def test_the_loop_trains_dedup_and_resumes_bitwise(redundant, tmp_path):
@@ -345,7 +372,10 @@ def test_the_loop_trains_dedup_and_resumes_bitwise(redundant, tmp_path):
     stop_at = 10
     train(dedup_cfg(redundant, tmp_path, "resumed", [*base, f"max_steps={stop_at}"]))
     train(dedup_cfg(redundant, tmp_path, "resumed", [*base, "checkpoint.resume=latest"]))
-    (_, weights_a, pruner_a), (_, weights_b, pruner_b) = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+    (_, weights_a, pruner_a), (_, weights_b, pruner_b) = (
+        final_state(tmp_path / "straight"),
+        final_state(tmp_path / "resumed"),
+    )
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert_states_equal(pruner_a, pruner_b)
     table = open_group_table(group_table_path("known", f"{redundant}/train"), 216)
@@ -357,11 +387,17 @@ def test_the_loop_trains_dedup_and_resumes_bitwise(redundant, tmp_path):
 
 def test_resuming_with_another_group_table_is_refused_naming_both(redundant, tmp_path):
     train(dedup_cfg(redundant, tmp_path, "run", ["passes=2", "max_steps=3", "checkpoint.every_steps=3"]))
-    other = write_group_table(os.path.join(redundant, "train", "groups", "singles.npy"), np.arange(216, dtype=np.int32),
-                              {"made_by": "test: every sample its own group"})
+    other = write_group_table(
+        os.path.join(redundant, "train", "groups", "singles.npy"),
+        np.arange(216, dtype=np.int32),
+        {"made_by": "test: every sample its own group"},
+    )
     resumed = dedup_cfg(redundant, tmp_path, "run", ["passes=2", "pruner.groups=singles", "checkpoint.resume=latest"])
-    with pytest.raises(ValueError, match=rf"group table {os.path.join(redundant, 'train', 'groups', 'known.npy')}.*"
-                                         rf"this run has {other}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"group table {os.path.join(redundant, 'train', 'groups', 'known.npy')}.*"
+        rf"this run has {other}",
+    ):
         train(resumed)
 
 
@@ -372,7 +408,9 @@ def test_group_table_mistakes_name_the_field_or_the_file(redundant, tmp_path):
         dedup_cfg(redundant, tmp_path, "x", ["pruner.groups="])
     with pytest.raises(ConfigError, match=r"no group table at .*groups/missing.npy"):
         dedup_cfg(redundant, tmp_path, "x", ["pruner.groups=missing"])
-    short = write_group_table(os.path.join(redundant, "train", "groups", "short.npy"), np.arange(215, dtype=np.int32), {})
+    short = write_group_table(
+        os.path.join(redundant, "train", "groups", "short.npy"), np.arange(215, dtype=np.int32), {}
+    )
     with pytest.raises(ValueError, match=rf"{short}: 215 group ids, but .*index.json indexes 216 samples"):
         train(dedup_cfg(redundant, tmp_path, "x", ["pruner.groups=groups/short.npy"]))
 
@@ -396,10 +434,10 @@ TWO_RANKS = """
 import hashlib, json, os, sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch.distributed as dist
-from pipelines.data.shards import ShardIndex
-from pipelines.training.groups import use_group_table
-from pipelines.training.node_tables import local_rank_and_size, run_token
-from pruning import build_pruner, gather_batch
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.training.groups import use_group_table
+from prunepipe.pipelines.training.node_tables import local_rank_and_size, run_token
+from prunepipe.pruning import build_pruner, gather_batch
 
 TRAIN, OTHER = {train!r}, {other!r}
 dist.init_process_group("gloo")
@@ -459,10 +497,22 @@ def test_two_ranks_share_one_group_table_plan_alike_and_refuse_different_tables(
 def test_two_ranks_train_dedup_through_the_loop_with_one_plan(redundant, tmp_path):
     from test_distributed import debug_file, launch, passes_of
 
-    output = launch(2, "mae_tiny_importance.yaml", [
-        f"data.train={redundant}/train", "data.val=''", f"runs_dir={tmp_path}", "name=ddp", "passes=2",
-        "debug_sync=true", "pruner.name=dedup", "pruner.groups=known", "pruner.keep=0.6",
-        *[o for o in TINY_MAE if not o.startswith(("data.val=", "log_every"))]])
+    output = launch(
+        2,
+        "mae_tiny_importance.yaml",
+        [
+            f"data.train={redundant}/train",
+            "data.val=''",
+            f"runs_dir={tmp_path}",
+            "name=ddp",
+            "passes=2",
+            "debug_sync=true",
+            "pruner.name=dedup",
+            "pruner.groups=known",
+            "pruner.keep=0.6",
+            *[o for o in TINY_MAE if not o.startswith(("data.val=", "log_every"))],
+        ],
+    )
     run_dir = str(tmp_path / "ddp")
     assert output.count("near-duplicate groups: ") == 1 and "pruner tables: one copy per node" in output
     for record in passes_of(run_dir):

@@ -9,9 +9,9 @@ import os
 import pytest
 from eval_runs import tiny_vae
 
-from pipelines.config import latent_shard_notes, load_config
-from pipelines.training.loop import train
-from tools.commands.latents import encode_shards
+from prunepipe.pipelines.config import latent_shard_notes, load_config
+from prunepipe.pipelines.training.loop import train
+from prunepipe.tools.commands.latents import encode_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "ldm_tiny_full.yaml")
@@ -29,21 +29,35 @@ def latents(digits_shards, tmp_path_factory) -> str:
 
 
 def config(latents, tmp_path, *extra):
-    return load_config(CONFIG, [f"data.train={latents}", "data.val=", f"runs_dir={tmp_path}", "name=latents",
-                                "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]", *extra])
+    return load_config(
+        CONFIG,
+        [
+            f"data.train={latents}",
+            "data.val=",
+            f"runs_dir={tmp_path}",
+            "name=latents",
+            "ldm.autoencoder=latents",
+            "ldm.unet.block_out_channels=[16,32]",
+            *extra,
+        ],
+    )
 
 
-@pytest.mark.parametrize("settings", [["data.resolution=32"], ["data.resolution=16"],
-                                      ["data.resolution=32", "data.channels=4"]],
-                         ids=["the images' side", "the latents' side", "the latents' channels"])
+@pytest.mark.parametrize(
+    "settings",
+    [["data.resolution=32"], ["data.resolution=16"], ["data.resolution=32", "data.channels=4"]],
+    ids=["the images' side", "the latents' side", "the latents' channels"],
+)
 def test_settings_that_name_the_latents_or_their_images_say_nothing(latents, tmp_path, settings):
     assert latent_shard_notes(config(latents, tmp_path, *settings)) == []
 
 
 def test_a_recipe_for_other_latents_is_told_what_it_trains_on(latents, tmp_path):
     [note] = latent_shard_notes(config(latents, tmp_path, "data.resolution=256"))
-    assert note.startswith(f"data.resolution=256 is not what this run trains on: data.train={latents!r} holds "
-                           f"4x16x16 latents, encoded from 32 px images by ")
+    assert note.startswith(
+        f"data.resolution=256 is not what this run trains on: data.train={latents!r} holds "
+        f"4x16x16 latents, encoded from 32 px images by "
+    )
     assert "--resolution 256" in note and note.endswith("set data.resolution=32 or data.resolution=16")
     [note] = latent_shard_notes(config(latents, tmp_path, "data.resolution=32", "data.channels=1"))
     assert note.startswith("data.channels=1 is unused on precomputed latents") and "3-channel images" in note

@@ -14,15 +14,15 @@ import torch
 from diffusers import AutoencoderKL
 from eval_runs import tiny_vae
 
-from pipelines.config import ConfigError, load_config
-from pipelines.data.augment import flip_coin
-from pipelines.data.decode import FLIPPED_LATENT_FIELD, SampleDecoder
-from pipelines.data.shards import ShardIndex, read_shard
-from pipelines.data.stream import ShardStream
-from pipelines.tasks.diffusion.config import DiffusionConfig
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.tasks.diffusion.from_export import sample
-from tools.commands.latents import LATENT_FIELD, encode_shards
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.augment import flip_coin
+from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD, SampleDecoder
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig
+from prunepipe.pipelines.tasks.diffusion.from_export import sample
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+from prunepipe.tools.commands.latents import LATENT_FIELD, encode_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE = 32
@@ -58,7 +58,7 @@ def test_latent_shards_keep_counts_keys_and_labels_in_order(digits_shards, laten
     assert [s["cls"] for s in after] == [s["cls"] for s in before]
     assert all("png" not in s and LATENT_FIELD in s for s in after)
     for url, count in zip(latent.urls, latent.counts):  # each shard's stats, as shards write leaves them
-        with open(url[:-len(".tar")] + "_stats.json") as f:
+        with open(url[: -len(".tar")] + "_stats.json") as f:
             stats = json.load(f)
         assert stats["successes"] == stats["count"] == count and stats["tar_bytes"] == os.path.getsize(url)
 
@@ -123,8 +123,9 @@ def test_refuses_to_write_over_the_image_shards(digits_shards, vae_folder):
 def latent_val_with_flips(digits_shards, vae_folder, tmp_path_factory) -> str:
     """The digits val split encoded with `--flip`: each sample also holds its mirrored image's latent."""
     out = str(tmp_path_factory.mktemp("latents_flip") / "val")
-    encode_shards(os.path.join(digits_shards, "val"), vae_folder, out, resolution=IMAGE, batch_size=64,
-                  dtype="float32", flip=True)
+    encode_shards(
+        os.path.join(digits_shards, "val"), vae_folder, out, resolution=IMAGE, batch_size=64, dtype="float32", flip=True
+    )
     return out
 
 
@@ -150,8 +151,9 @@ def test_an_hflip_run_reads_the_mirrored_latent_where_the_flip_coin_says(latent_
         flips = flip_coin(9, 2, batch.ids.numpy())
         for sample_id, latent, flipped in zip(batch.ids.tolist(), batch.images, flips):
             field = FLIPPED_LATENT_FIELD if flipped else LATENT_FIELD
-            torch.testing.assert_close(latent, torch.from_numpy(np.load(io.BytesIO(by_id[sample_id][field]))),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                latent, torch.from_numpy(np.load(io.BytesIO(by_id[sample_id][field]))), rtol=0, atol=0
+            )
             seen_flipped.append(bool(flipped))
     assert 0.3 < np.mean(seen_flipped) < 0.7, "about half the latents are the mirrored image's"
 

@@ -13,6 +13,7 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pipelines", "pruning", "tools", "launch")
+NAMESPACE = "prunepipe"  # the installed name of the four folders (pyproject.toml's package-dir)
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 
 
@@ -24,7 +25,7 @@ def project_modules() -> dict[str, str]:
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.relpath(os.path.join(folder, name), ROOT)
-                    dotted = path[:-3].replace(os.sep, ".")
+                    dotted = NAMESPACE + "." + path[:-3].replace(os.sep, ".")  # as installed: prunepipe.X
                     found[dotted.removesuffix(".__init__")] = path.replace(os.sep, "/")
     return found
 
@@ -41,7 +42,7 @@ def imports_of(path: str, dotted: str, modules: dict[str, str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = dotted.split(".") if is_package else dotted.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module
@@ -76,7 +77,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
                       "transformers", "diffusers.training_utils", "diffusers.models", "diffusers.schedulers",
                       "diffusers.pipelines.ddpm"):
             importlib.import_module(heavy)
-        assert not [m for m in sys.modules if m.split(".")[0] in ("pipelines", "pruning", "tools", "launch")]
+        assert not [m for m in sys.modules if m.split(".")[0] == "prunepipe"]
         failed, running = [], {}
 
         def reap():
@@ -110,8 +111,14 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         print("\\n".join(sorted(failed)))
         sys.exit(1 if failed else 0)
     """)
-    done = subprocess.run([sys.executable, "-c", script, *modules], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    done = subprocess.run(
+        [sys.executable, "-c", script, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert done.returncode == 0, f"modules that do not import alone:\n{done.stdout}{done.stderr[-3000:]}"
 
 
@@ -125,7 +132,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(graph.get(node, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         path.pop()
@@ -177,8 +184,18 @@ def rule_of(path: str, rules: dict[str, list[str]]) -> str | None:
 
 def test_imports_follow_the_rules_of_docs_design():
     rules = import_rules()
-    assert {"pruning/", "pipelines/data/", "pipelines/tasks/", "pipelines/training/", "pipelines/evaluation/",
-            "pipelines/report/", "tools/commands/", "tools/fixtures/", "tools/benchmarks/", "launch/"} <= set(rules)
+    assert {
+        "pruning/",
+        "pipelines/data/",
+        "pipelines/tasks/",
+        "pipelines/training/",
+        "pipelines/evaluation/",
+        "pipelines/report/",
+        "tools/commands/",
+        "tools/fixtures/",
+        "tools/benchmarks/",
+        "launch/",
+    } <= set(rules)
     modules = project_modules()
     broken, unruled = [], []
     for dotted, targets in import_graph().items():
@@ -218,8 +235,11 @@ def test_no_module_is_named_with_its_folder_prefix():
     assert named_with_its_folder_prefix("pipelines/report/report_plots.py")
     assert named_with_its_folder_prefix("pipelines/evaluation/evaluate_fid.py")
     assert not named_with_its_folder_prefix("pipelines/report/plots.py")
-    offenders = [p for p in project_modules().values()
-                 if "/" in p and not p.endswith("__init__.py") and named_with_its_folder_prefix(p)]
+    offenders = [
+        p
+        for p in project_modules().values()
+        if "/" in p and not p.endswith("__init__.py") and named_with_its_folder_prefix(p)
+    ]
     assert not offenders, offenders
 
 
@@ -228,7 +248,7 @@ def test_the_loop_asks_of_a_task_only_what_the_task_protocol_declares_and_both_t
     its members, and MAETask and DiffusionTask have them all."""
     import typing
 
-    from pipelines.tasks.protocol import Task
+    from prunepipe.pipelines.tasks.protocol import Task
 
     declared = set(typing.get_type_hints(Task)) | {n for n in vars(Task) if not n.startswith("_")}
     used = {}
@@ -242,13 +262,26 @@ def test_the_loop_asks_of_a_task_only_what_the_task_protocol_declares_and_both_t
     undeclared = {name: where for name, where in used.items() if name not in declared}
     assert used and not undeclared, f"the loop uses task members the Task protocol does not declare: {undeclared}"
 
-    from pipelines.tasks.diffusion.config import DiffusionConfig
-    from pipelines.tasks.diffusion.task import DiffusionTask
-    from pipelines.tasks.mae import MAEConfig, MAETask
+    from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig
+    from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+    from prunepipe.pipelines.tasks.mae import MAEConfig, MAETask
 
-    tasks = [MAETask(MAEConfig(embed_dim=16, depth=1, num_heads=2, decoder_embed_dim=16, decoder_depth=1,
-                               decoder_num_heads=2, patch_size=4), image_size=8, channels=1),
-             DiffusionTask(DiffusionConfig(), image_size=8, channels=1)]
+    tasks = [
+        MAETask(
+            MAEConfig(
+                embed_dim=16,
+                depth=1,
+                num_heads=2,
+                decoder_embed_dim=16,
+                decoder_depth=1,
+                decoder_num_heads=2,
+                patch_size=4,
+            ),
+            image_size=8,
+            channels=1,
+        ),
+        DiffusionTask(DiffusionConfig(), image_size=8, channels=1),
+    ]
     for task in tasks:
         assert isinstance(task, Task), type(task).__name__
 
@@ -266,8 +299,51 @@ def test_the_layout_map_of_docs_design_names_every_module_and_only_modules_that_
             for name in names:
                 if name.endswith((".py", ".sh")) and name != "__init__.py" and "__pycache__" not in folder:
                     files.setdefault(name, []).append(os.path.relpath(os.path.join(folder, name), ROOT))
-    unnamed = sorted(path for name, paths in files.items() for path in paths
-                     if name not in named and name != "__main__.py")
+    unnamed = sorted(
+        path for name, paths in files.items() for path in paths if name not in named and name != "__main__.py"
+    )
     missing = sorted(name for name in named if name not in files)
     assert not unnamed, f"modules the map of docs/design.md does not name: {unnamed}"
     assert not missing, f"files the map of docs/design.md names that do not exist: {missing}"
+
+
+def test_the_four_folders_install_as_the_prunepipe_namespace_and_are_imported_only_by_it():
+    """pyproject.toml maps every package under `prunepipe.` (no generic top-level names in a user's
+    environment), and no module or test imports a folder by its bare name (which would load a second
+    copy of it from the working directory)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    packages = {
+        path[: -len("/__init__.py")].replace("/", ".")
+        for path in project_modules().values()
+        if path.endswith("__init__.py")
+    }
+    assert set(setuptools["packages"]) == {f"{NAMESPACE}.{p}" for p in packages}
+    assert setuptools["package-dir"] == {f"{NAMESPACE}.{p}": p for p in PACKAGES}
+    bare = []
+    sources = list(project_modules().values()) + [
+        os.path.join("tests", n) for n in os.listdir(os.path.join(ROOT, "tests")) if n.endswith(".py")
+    ]
+    for path in sources:
+        with open(os.path.join(ROOT, path)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                else []
+            )
+            bare += [f"{path}: {name}" for name in names if name.split(".")[0] in PACKAGES]
+    assert not bare, f"imports of a folder by its bare name, not {NAMESPACE}.: {bare}"
+
+
+def test_the_code_is_as_the_formatter_writes_it():
+    """One layout for every file: `make format` (ruff: its format and its import order, pyproject.toml)."""
+    ruff = os.path.join(os.path.dirname(sys.executable), "ruff")
+    for command in ([ruff, "format", "--check", "--quiet", "."], [ruff, "check", "--quiet", "."]):
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(command[1:])}: run `make format`\n{done.stdout}{done.stderr}"

@@ -11,11 +11,11 @@ import scipy.stats
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from pipelines.data.batch import Batch
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import ShardIndex
-from pipelines.data.stream import ShardStream
-from pipelines.tasks.mae import (
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pipelines.tasks.mae import (
     ENCODER_CONFIG,
     ENCODER_WEIGHTS,
     MAEConfig,
@@ -105,8 +105,13 @@ def test_gradients_reach_encoder_and_decoder_but_not_the_fixed_positions():
     for name, param in named.items():
         if param.requires_grad:
             assert param.grad is not None and torch.isfinite(param.grad).all(), name
-    for name in ("encoder.patch_embed.proj.weight", "encoder.cls_token", "encoder.blocks.0.attn.qkv.weight",
-                 "mask_token", "decoder_pred.weight"):
+    for name in (
+        "encoder.patch_embed.proj.weight",
+        "encoder.cls_token",
+        "encoder.blocks.0.attn.qkv.weight",
+        "mask_token",
+        "decoder_pred.weight",
+    ):
         assert named[name].grad.abs().sum() > 0, name
 
 
@@ -287,7 +292,7 @@ def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
     background (it predicts 0 everywhere): how much of the busy half a mask hides moves the raw loss
     of one image from draw to draw; its score normalised within the hidden share moves much less
     with it, and still ranks the images as their mean raw loss does."""
-    from pruning import ScoreNormaliser
+    from prunepipe.pruning import ScoreNormaliser
 
     torch.manual_seed(0)
     task = MAETask(MAEConfig(), image_size=IMAGE, channels=CHANNELS, strata=True)
@@ -308,8 +313,12 @@ def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
             normalised[draw] = normaliser(batch.ids.numpy(), out.loss.numpy(), out.stratum.numpy())
             raw[draw], shares[draw] = out.loss.numpy(), out.stratum.numpy()
     settled = slice(10, None)  # once the bucket means have settled
-    per_image = lambda scores: np.mean([scipy.stats.spearmanr(shares[settled, i], scores[settled, i])[0]  # noqa: E731
-                                        for i in range(n)])
+    per_image = lambda scores: np.mean(
+        [
+            scipy.stats.spearmanr(shares[settled, i], scores[settled, i])[0]  # noqa: E731
+            for i in range(n)
+        ]
+    )
     with_raw, with_normalised = per_image(raw), per_image(normalised)
     assert with_raw > 0.5 and abs(with_normalised) < with_raw / 2, (with_raw, with_normalised)
     ranking = scipy.stats.spearmanr(raw[settled].mean(0), normalised[settled].mean(0))[0]
@@ -317,8 +326,8 @@ def test_stratum_normalised_mae_scores_forget_which_patches_the_mask_hid():
 
 
 def test_a_run_reports_mask_strata_only_when_it_normalises_scores(digits_shards):
-    from pipelines.config import load_config
-    from pipelines.tasks.build import build_task
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.tasks.build import build_task
 
     base = ["task=mae", f"data.train={digits_shards}/train", "data.resolution=16", "mae.patch_size=4"]
     assert build_task(load_config(None, base)).num_strata == 0

@@ -14,11 +14,11 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipelines.data.layout import pass_layout
-from pipelines.data.shards import ShardIndex
-from pipelines.training.node_tables import SHM, NodeTables, local_rank_and_size
-from pruning import build_pruner, gather_batch
-from pruning.pass_plan import PassPlan
+from prunepipe.pipelines.data.layout import pass_layout
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.training.node_tables import SHM, NodeTables, local_rank_and_size
+from prunepipe.pruning import build_pruner, gather_batch
+from prunepipe.pruning.pass_plan import PassPlan
 
 N, PASSES, BATCH = 3001, 5, 64
 
@@ -37,10 +37,20 @@ def one_rank(rank: int, port: int, name: str, token: str, out: str) -> None:
         for pruner, steps in ((shared, report["steps"]), (alone, report["steps_alone"])):
             pruner.plan(epoch)
             plan = PassPlan.from_pruner(pruner)
-            steps.append(pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=1,
-                                     epoch=epoch, world_size=2, num_workers=1, batch_size=8).steps)
-        report["same_plans"] &= bool(np.array_equal(PassPlan.from_pruner(shared).kept_mask(),
-                                                    PassPlan.from_pruner(alone).kept_mask()))
+            steps.append(
+                pass_layout(
+                    index,
+                    plan.kept_per_shard(index.first_ids, index.counts),
+                    seed=1,
+                    epoch=epoch,
+                    world_size=2,
+                    num_workers=1,
+                    batch_size=8,
+                ).steps
+            )
+        report["same_plans"] &= bool(
+            np.array_equal(PassPlan.from_pruner(shared).kept_mask(), PassPlan.from_pruner(alone).kept_mask())
+        )
         for _ in range(N // (2 * BATCH)):
             ids, losses, _ = gather_batch(rng.integers(0, N, BATCH), rng.exponential(1.0, BATCH).astype(np.float32))
             for pruner in (shared, alone):
@@ -65,8 +75,9 @@ def free_port() -> int:
 @pytest.mark.parametrize("name", ["infobatch", "ted"])
 def test_two_ranks_on_one_node_share_one_table_and_plan_as_with_their_own(name, tmp_path):
     token = f"test{os.getpid()}{name}"
-    mp.start_processes(one_rank, args=(free_port(), name, token, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        one_rank, args=(free_port(), name, token, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
     reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert [r["writer"] for r in reports] == [True, False] and all(r["shared"] for r in reports)
     for report in reports:

@@ -6,16 +6,24 @@ from __future__ import annotations
 import os
 import re
 
-from pipelines.config import load_config
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.runner import evaluate_checkpoint
-from pipelines.progress import pass_label, position_label
-from pipelines.report.runs import read_metrics
-from pipelines.training.loop import train
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.pipelines.progress import pass_label, position_label
+from prunepipe.pipelines.report.runs import read_metrics
+from prunepipe.pipelines.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val_batches=1",
+]
 
 
 def test_labels_are_one_based():
@@ -27,8 +35,15 @@ def test_labels_are_one_based():
 
 def test_the_resume_line_and_the_pass_line_name_the_same_pass(digits_shards, tmp_path, capsys):
     config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
-    base = [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}",
-            "name=run", "passes=2", "checkpoint.every_steps=20", *TINY_MAE]  # 25 steps a pass
+    base = [
+        f"data.train={digits_shards}/train",
+        f"data.val={digits_shards}/val",
+        f"runs_dir={tmp_path}",
+        "name=run",
+        "passes=2",
+        "checkpoint.every_steps=20",
+        *TINY_MAE,
+    ]  # 25 steps a pass
     train(load_config(config, [*base, "max_steps=20"]))
     capsys.readouterr()
     train(load_config(config, [*base, "checkpoint.resume=latest"]))
@@ -40,8 +55,11 @@ def test_the_resume_line_and_the_pass_line_name_the_same_pass(digits_shards, tmp
 
     # the final checkpoint is between passes (2 done): its eval record is after pass 2/2, epoch 1
     # (0-based), as the pass record of the same step
-    record = evaluate_checkpoint(str(tmp_path / "run"), eval_cfg=load_eval_config(
-        overrides=["probe.enabled=false", "val_samples=64"]), write=False)
+    record = evaluate_checkpoint(
+        str(tmp_path / "run"),
+        eval_cfg=load_eval_config(overrides=["probe.enabled=false", "val_samples=64"]),
+        write=False,
+    )
     [last] = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "pass"][-1:]
     assert record["pass"] == "after pass 2/2"
     assert record["epoch"] == last["epoch"] == 1 and record["optimizer_steps"] == last["optimizer_steps"]

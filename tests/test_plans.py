@@ -5,21 +5,22 @@ bitmaps instead of receiving a copy."""
 
 from __future__ import annotations
 
+from multiprocessing.reduction import ForkingPickler
+
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 
-from pipelines.checkpoint.position import TrainingPosition
-from pipelines.data.layout import pass_layout
-from pipelines.data.shards import ShardIndex
-from pipelines.data.stream import ShardStream
-from pruning import PRUNERS, FrozenPlan, build_pruner, uniform_coin
-from pruning.bitmap import Bitmap
-from pruning.infobatch import float32_strictly_below
-from pruning.pass_plan import PassPlan
-from pruning.ted import SCORED
+from prunepipe.pipelines.checkpoint.position import TrainingPosition
+from prunepipe.pipelines.data.layout import pass_layout
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pruning import PRUNERS, FrozenPlan, build_pruner, uniform_coin
+from prunepipe.pruning.bitmap import Bitmap
+from prunepipe.pruning.infobatch import float32_strictly_below
+from prunepipe.pruning.pass_plan import PassPlan
+from prunepipe.pruning.ted import SCORED
 
 N = 5003  # not a multiple of 8: the last byte of every bitmap is partly padding
 
@@ -48,8 +49,9 @@ def dense_weights(plan: FrozenPlan, candidates: np.ndarray | None) -> np.ndarray
     ids = np.arange(plan.num_samples)
     coin = uniform_coin(plan.seed, plan.epoch, ids)
     if plan.keep_probs is not None:
-        return np.where(coin < plan.keep_probs, np.float32(1) / plan.keep_probs if plan.rescale else np.float32(1),
-                        np.float32(0)).astype(np.float32)
+        return np.where(
+            coin < plan.keep_probs, np.float32(1) / plan.keep_probs if plan.rescale else np.float32(1), np.float32(0)
+        ).astype(np.float32)
     if plan.keep_prob >= 1.0:
         return np.ones(plan.num_samples, np.float32)
     mask = np.ones(plan.num_samples, bool) if candidates is None else candidates
@@ -76,10 +78,18 @@ def test_packed_plans_give_the_dense_weights_kept_counts_and_steps_of_before(nam
         np.testing.assert_array_equal(plan.kept_per_shard(index.first_ids, index.counts), dense_per_shard)
         assert pruner.stats()["skipped_this_pass"] == N - kept.sum()
         for world, workers in ((2, 3), (64 * 8, 1)):
-            packed = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=4, epoch=epoch,
-                                 world_size=world, num_workers=workers, batch_size=4)
-            dense = pass_layout(index, dense_per_shard, seed=4, epoch=epoch, world_size=world, num_workers=workers,
-                                batch_size=4)
+            packed = pass_layout(
+                index,
+                plan.kept_per_shard(index.first_ids, index.counts),
+                seed=4,
+                epoch=epoch,
+                world_size=world,
+                num_workers=workers,
+                batch_size=4,
+            )
+            dense = pass_layout(
+                index, dense_per_shard, seed=4, epoch=epoch, world_size=world, num_workers=workers, batch_size=4
+            )
             assert packed.steps == dense.steps and packed.slices == dense.slices
         visit = rng.permutation(N)[: N * 3 // 4]  # not every sample each pass: unseen ones stay unseen
         pruner.update(visit, rng.exponential(1.0, len(visit)).astype(np.float32))
@@ -105,7 +115,9 @@ def test_a_plan_of_another_sample_count_is_refused():
     pruner.plan(1)
     state = pruner.state_dict()
     state["plan"]["candidate_bits"] = torch.zeros((N + 7) // 8 - 1, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"plan candidate_bits have shape \(625,\), expected \(626,\) for 5003 samples"):
+    with pytest.raises(
+        ValueError, match=r"plan candidate_bits have shape \(625,\), expected \(626,\) for 5003 samples"
+    ):
         build_pruner("infobatch", N, 12, seed=2).load_state_dict(state)
 
 
@@ -126,7 +138,11 @@ def test_bitmap_agrees_with_a_bool_array():
 
 def test_consumed_flags_are_bits_in_memory_and_load_from_checkpoints_of_before():
     flags = np.random.default_rng(4).random(N) < 0.5
-    old_state = {"epoch": 2, "consumed": torch.from_numpy(np.packbits(flags)), "consumed_len": N}  # as a checkpoint holds it
+    old_state = {
+        "epoch": 2,
+        "consumed": torch.from_numpy(np.packbits(flags)),
+        "consumed_len": N,
+    }  # as a checkpoint holds it
     position = TrainingPosition()
     position.load_state_dict(old_state)
     assert isinstance(position.consumed, Bitmap) and position.consumed.packed.nbytes == (N + 7) // 8

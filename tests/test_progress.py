@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import os
 
-from pipelines.progress import EveryFewSeconds, PlainProgress, progress, tracked, writes_to_terminal
+from prunepipe.pipelines.progress import EveryFewSeconds, PlainProgress, progress, tracked, writes_to_terminal
 
 
 def test_a_log_file_gets_plain_lines_with_the_rate(capsys):

@@ -9,8 +9,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pipelines.checkpoint.pruner_state import TABLES, CheckpointedPruner, read_npy_into
-from pruning import build_pruner
+from prunepipe.pipelines.checkpoint.pruner_state import TABLES, CheckpointedPruner, read_npy_into
+from prunepipe.pruning import build_pruner
 
 N = 4_000_000  # 20 MB of InfoBatch tables
 

@@ -14,7 +14,18 @@ import pytest
 import scipy.stats
 import torch
 
-from pruning import PRUNERS, TED, FrozenPlan, Full, Importance, InfoBatch, Pruner, Random, build_pruner, uniform_coin
+from prunepipe.pruning import (
+    PRUNERS,
+    TED,
+    FrozenPlan,
+    Full,
+    Importance,
+    InfoBatch,
+    Pruner,
+    Random,
+    build_pruner,
+    uniform_coin,
+)
 
 ALPHA = 1e-3  # significance level of every binomial / goodness-of-fit check in this file
 
@@ -319,11 +330,14 @@ def test_loaded_state_is_a_copy():
     assert original.score_of(np.array([0]))[0][0] != 123.0
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("seed", dict(seed=4)),
-    ("hparams", dict(seed=3, prune_ratio=0.4)),
-    ("num_samples", dict(seed=3, num_samples=4999)),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("seed", dict(seed=4)),
+        ("hparams", dict(seed=3, prune_ratio=0.4)),
+        ("num_samples", dict(seed=3, num_samples=4999)),
+    ],
+)
 def test_loading_a_state_saved_with_another_config_names_the_field(field, kwargs):
     state = trained("infobatch").state_dict()
     num_samples = kwargs.pop("num_samples", 5000)
@@ -416,8 +430,12 @@ def test_padding_ids_are_ignored_and_repeated_ids_keep_their_last_loss():
 def test_build_pruner_by_config_name():
     assert isinstance(build_pruner("full", 10, 2), Full)
     pruner = build_pruner("InfoBatch", 10, 2, seed=4, prune_ratio=0.25, delta=0.5)
-    assert isinstance(pruner, InfoBatch) and pruner.hparams == {"prune_ratio": 0.25, "delta": 0.5, "rescale": True,
-                                                          "momentum": 0.0}
+    assert isinstance(pruner, InfoBatch) and pruner.hparams == {
+        "prune_ratio": 0.25,
+        "delta": 0.5,
+        "rescale": True,
+        "momentum": 0.0,
+    }
     assert pruner.seed == 4 and pruner.first_full_pass == 1
 
 
@@ -427,21 +445,26 @@ def test_unknown_pruner_name_lists_the_accepted_names():
 
 
 def test_unknown_hyper_parameter_lists_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta, rescale, momentum"):
+    with pytest.raises(
+        ValueError, match=r"no hyper-parameter 'prune_rate'; accepted: prune_ratio, delta, rescale, momentum"
+    ):
         build_pruner("infobatch", 10, 2, prune_rate=0.5)
     with pytest.raises(ValueError, match="accepted: none"):
         build_pruner("full", 10, 2, keep=0.5)
 
 
-@pytest.mark.parametrize("name,hparams,field", [
-    ("infobatch", dict(prune_ratio=1.0), "prune_ratio"),
-    ("infobatch", dict(delta=1.5), "delta"),
-    ("random", dict(keep=0.0), "keep"),
-    ("ted", dict(explore=0.0), "explore"),
-    ("ted", dict(target=float("nan")), "target"),
-    ("importance", dict(p_min=0.0), "p_min"),
-    ("importance", dict(keep=1.5), "keep"),
-])
+@pytest.mark.parametrize(
+    "name,hparams,field",
+    [
+        ("infobatch", dict(prune_ratio=1.0), "prune_ratio"),
+        ("infobatch", dict(delta=1.5), "delta"),
+        ("random", dict(keep=0.0), "keep"),
+        ("ted", dict(explore=0.0), "explore"),
+        ("ted", dict(target=float("nan")), "target"),
+        ("importance", dict(p_min=0.0), "p_min"),
+        ("importance", dict(keep=1.5), "keep"),
+    ],
+)
 def test_out_of_range_hyper_parameter_names_field_and_range(name, hparams, field):
     with pytest.raises(ValueError, match=rf"{name}: {field} must be in"):
         build_pruner(name, 10, 2, **hparams)
@@ -457,8 +480,9 @@ def test_a_flag_hyper_parameter_must_be_true_or_false():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, hparams", [("infobatch", {}), ("random", {"keep": 0.6}), ("ted", {}),
-                                           ("importance", {})])
+@pytest.mark.parametrize(
+    "name, hparams", [("infobatch", {}), ("random", {"keep": 0.6}), ("ted", {}), ("importance", {})]
+)
 def test_without_rescaling_the_same_samples_are_kept_at_weight_one(name, hparams):
     rescaled, plain = trained(name, **hparams), trained(name, rescale=False, **hparams)
     ids = np.arange(5000)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pruning import gather_ids_losses
+from prunepipe.pruning import gather_ids_losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ RANK_PROGRAM = textwrap.dedent("""
     import datetime, json, sys
     import torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[3])
-    from pruning import gather_batch, gather_ids_losses
+    from prunepipe.pruning import gather_batch, gather_ids_losses
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -62,8 +62,16 @@ def test_two_gloo_ranks_gather_large_ids_exactly(tmp_path):
     program.write_text(RANK_PROGRAM)
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(program), str(rank), port, REPO], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(program), str(rank), port, REPO],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
     outputs = []
     try:
         for process in ranks:

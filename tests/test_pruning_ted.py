@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pruning import TED
+from prunepipe.pruning import TED
 
 ALPHA = 1e-3
 

@@ -9,14 +9,15 @@ import pytest
 import scipy.stats
 import torch
 
-from pipelines.tasks.randomness import SampleRandomness, hash_bits, per_sample_seeded
-from pruning.base import _GOLDEN_GAMMA, _MIX_1, _MIX_2
+from prunepipe.pipelines.tasks.randomness import SampleRandomness, hash_bits, per_sample_seeded
+from prunepipe.pruning.base import _GOLDEN_GAMMA, _MIX_1, _MIX_2
 
 ALPHA = 1e-3  # KS tests on fixed seeds: a false alarm is 1 in 1000 if they were random
 
 
 def splitmix_reference(key: int, ids: np.ndarray, elements: int) -> np.ndarray:
     """The same hash in numpy uint64, where wraparound is defined: the spec the tensor code must meet."""
+
     def mix(z):
         z = z.copy()
         with np.errstate(over="ignore"):

@@ -10,20 +10,29 @@ import os
 
 import pytest
 
-from pipelines.config import load_config
-from pipelines.data.shards import ShardIndex
-from pipelines.training.loop import learning_rate, train, with_peak_learning_rate
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.training.loop import learning_rate, train, with_peak_learning_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 # A MAE small enough for a pass in seconds on 2 CPU cores.
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+]
 
 
 def tiny(digits_shards, *overrides: str):
-    return load_config(os.path.join(CONFIGS, "mae_tiny_full.yaml"),
-                       [f"data.train={digits_shards}/train", "data.val=", "passes=10", *overrides])
+    return load_config(
+        os.path.join(CONFIGS, "mae_tiny_full.yaml"),
+        [f"data.train={digits_shards}/train", "data.val=", "passes=10", *overrides],
+    )
 
 
 def test_a_constant_schedule_holds_the_peak_rate_after_its_warmup(digits_shards):
@@ -35,8 +44,19 @@ def test_a_constant_schedule_holds_the_peak_rate_after_its_warmup(digits_shards)
 
 
 def test_blr_sets_the_peak_rate_from_the_effective_batch_once_and_records_it(digits_shards, tmp_path, capsys):
-    cfg = tiny(digits_shards, *TINY_MAE, "passes=1", "optim.blr=0.04", "optim.lr=5.0", "optim.grad_accum=2",
-               "optim.warmup_passes=0", "optim.schedule=constant", f"runs_dir={tmp_path}", "name=blr", "log_every=1")
+    cfg = tiny(
+        digits_shards,
+        *TINY_MAE,
+        "passes=1",
+        "optim.blr=0.04",
+        "optim.lr=5.0",
+        "optim.grad_accum=2",
+        "optim.warmup_passes=0",
+        "optim.schedule=constant",
+        f"runs_dir={tmp_path}",
+        "name=blr",
+        "log_every=1",
+    )
     peak = 0.04 * (1 * 64 * 2) / 256  # world x data.batch_size x optim.grad_accum, over 256
     assert with_peak_learning_rate(cfg, 1, announce=False).optim.lr == pytest.approx(peak)
     assert with_peak_learning_rate(cfg, 8, announce=False).optim.lr == pytest.approx(8 * peak)
@@ -55,12 +75,22 @@ def test_the_ema_warmup_follows_pass_progress_so_pruned_and_full_runs_average_al
     """InfoBatch takes fewer steps per pass; at each pass end its EMA decay is still the full run's."""
     passes = {}
     for name in ("mae_tiny_full", "mae_tiny_infobatch"):
-        cfg = load_config(os.path.join(CONFIGS, f"{name}.yaml"),
-                          [f"data.train={digits_shards}/train", "data.val=", f"runs_dir={tmp_path}", f"name={name}",
-                           "passes=3", "ema_decay=0.9999", *TINY_MAE])
+        cfg = load_config(
+            os.path.join(CONFIGS, f"{name}.yaml"),
+            [
+                f"data.train={digits_shards}/train",
+                "data.val=",
+                f"runs_dir={tmp_path}",
+                f"name={name}",
+                "passes=3",
+                "ema_decay=0.9999",
+                *TINY_MAE,
+            ],
+        )
         train(cfg)
-        passes[name] = [line for line in map(json.loads, open(os.path.join(cfg.run_dir, "metrics.jsonl")))
-                        if line["kind"] == "pass"]
+        passes[name] = [
+            line for line in map(json.loads, open(os.path.join(cfg.run_dir, "metrics.jsonl"))) if line["kind"] == "pass"
+        ]
     full, pruned = passes["mae_tiny_full"], passes["mae_tiny_infobatch"]
     assert sum(p["steps_in_pass"] for p in pruned) < sum(p["steps_in_pass"] for p in full), "InfoBatch pruned"
     assert [p["ema_decay"] for p in pruned] == [p["ema_decay"] for p in full]
@@ -71,9 +101,19 @@ def test_the_ema_warmup_follows_pass_progress_so_pruned_and_full_runs_average_al
 
 
 def test_without_ema_warmup_the_decay_is_constant_from_the_first_step(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(CONFIGS, "mae_tiny_infobatch.yaml"),
-                      [f"data.train={digits_shards}/train", "data.val=", f"runs_dir={tmp_path}", "name=dit_ema",
-                       "passes=1", "ema_decay=0.9999", "ema_warmup=none", *TINY_MAE])
+    cfg = load_config(
+        os.path.join(CONFIGS, "mae_tiny_infobatch.yaml"),
+        [
+            f"data.train={digits_shards}/train",
+            "data.val=",
+            f"runs_dir={tmp_path}",
+            "name=dit_ema",
+            "passes=1",
+            "ema_decay=0.9999",
+            "ema_warmup=none",
+            *TINY_MAE,
+        ],
+    )
     assert train(cfg)["ema_decay"] == 0.9999
 
 
@@ -85,8 +125,14 @@ def load_config_text(name: str) -> str:
 def real_configs(family: str) -> list[str]:
     """configs/{family}_base.yaml and every real-scale file that inherits it (not the tiny ones)."""
     names = sorted(os.listdir(CONFIGS))
-    found = [n for n in names if n.startswith(f"{family}_") and "tiny" not in n and n.endswith(".yaml")
-             and (n == f"{family}_base.yaml" or load_config_text(n).startswith(f"base: {family}_base.yaml"))]
+    found = [
+        n
+        for n in names
+        if n.startswith(f"{family}_")
+        and "tiny" not in n
+        and n.endswith(".yaml")
+        and (n == f"{family}_base.yaml" or load_config_text(n).startswith(f"base: {family}_base.yaml"))
+    ]
     assert f"{family}_base.yaml" in found and len(found) >= 5, found
     return found
 
@@ -123,14 +169,26 @@ def test_the_mae_configs_train_as_the_mae_paper(name, digits_shards):
 
 
 def test_the_text_to_image_config_trains_as_pixart_alpha(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(CONFIGS, "ldm_t2i_base.yaml"),
-                      [f"data.train={digits_shards}/train", f"ldm.text.encoder={tmp_path}"])
-    assert (cfg.ldm.backbone, cfg.ldm.dit.preset, cfg.ldm.conditioning, cfg.ldm.autoencoder) == ("dit", "DiT-B/2", "text",
-                                                                                           "latents")
-    assert (cfg.ldm.text.max_length, cfg.ldm.text.caption_dropout) == (120, 0.1), "120 T5 tokens, 10% to the empty caption"
+    cfg = load_config(
+        os.path.join(CONFIGS, "ldm_t2i_base.yaml"),
+        [f"data.train={digits_shards}/train", f"ldm.text.encoder={tmp_path}"],
+    )
+    assert (cfg.ldm.backbone, cfg.ldm.dit.preset, cfg.ldm.conditioning, cfg.ldm.autoencoder) == (
+        "dit",
+        "DiT-B/2",
+        "text",
+        "latents",
+    )
+    assert (cfg.ldm.text.max_length, cfg.ldm.text.caption_dropout) == (120, 0.1), (
+        "120 T5 tokens, 10% to the empty caption"
+    )
     # AdamW at a constant 2e-5 after a short warmup, weight decay 0.03, gradient clip 0.01, whatever the GPUs
-    assert (cfg.optim.schedule, cfg.optim.blr, cfg.optim.weight_decay, cfg.optim.grad_clip) == ("constant", 0, 0.03,
-                                                                                                 0.01)
+    assert (cfg.optim.schedule, cfg.optim.blr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (
+        "constant",
+        0,
+        0.03,
+        0.01,
+    )
     for world in (8, 64):
         at_scale = with_peak_learning_rate(cfg, world, announce=False)
         assert learning_rate(at_scale, cfg.optim.warmup_passes / 2) == pytest.approx(1e-5)

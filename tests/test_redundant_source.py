@@ -16,11 +16,11 @@ import PIL
 import pytest
 from PIL import Image
 
-from launch.cli import build_parser, main
-from pipelines.data.shards import ShardIndex, read_shard
-from tools.benchmarks.dedup_quality import check_written_as_asked, found_with_original, known_families
-from tools.fixtures.known_groups import known_groups, original_key, split_keys
-from tools.commands.sources import COPY_KEY, copies_by_kind, copy_kind, heavy_copy_counts, redundant_splits
+from prunepipe.launch.cli import build_parser, main
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+from prunepipe.tools.benchmarks.dedup_quality import check_written_as_asked, found_with_original, known_families
+from prunepipe.tools.commands.sources import COPY_KEY, copies_by_kind, copy_kind, heavy_copy_counts, redundant_splits
+from prunepipe.tools.fixtures.known_groups import known_groups, original_key, split_keys
 
 WEB_KINDS = {"exact": 0.25, "jpeg": 0.25, "near": 0.25, "crop": 0.25}
 
@@ -50,11 +50,13 @@ def test_default_set_is_the_first_versions_bit_for_bit():
             digest.update(key.encode())
             digest.update(str(label).encode())
             digest.update(np.asarray(image).tobytes())
-    assert digest.hexdigest() == "60ec4ee95461eb27ad5c247714a81e99c58cd9adcf91538d720ffa8500d658d0", \
+    assert digest.hexdigest() == "60ec4ee95461eb27ad5c247714a81e99c58cd9adcf91538d720ffa8500d658d0", (
         f"the default redundant set changed (Pillow {PIL.__version__}, numpy {np.__version__})"
+    )
     explicit = redundant_splits(size=16, crops_per_photo=8, originals=16, copy_counts="even", copy_kinds={"near": 1.0})
-    assert [k for k, _, _ in explicit["train"]] == [k for k, _, _ in redundant_splits(16, crops_per_photo=8,
-                                                                                      originals=16)["train"]]
+    assert [k for k, _, _ in explicit["train"]] == [
+        k for k, _, _ in redundant_splits(16, crops_per_photo=8, originals=16)["train"]
+    ]
 
 
 def test_heavy_copy_counts_follow_zipfs_law_and_sum_to_the_duplicates():
@@ -86,11 +88,14 @@ def test_copies_are_made_as_their_kind_names(web_splits):
         kind = copy_kind(key)
         if kind is not None:
             differences[kind].append(np.abs(pixels(image) - pixels(image_of[original_key(key)])).mean())
-    others = [np.abs(pixels(a) - pixels(b)).mean() for a, b in zip(list(image_of.values())[::2],
-                                                                   list(image_of.values())[1::2])]
+    others = [
+        np.abs(pixels(a) - pixels(b)).mean()
+        for a, b in zip(list(image_of.values())[::2], list(image_of.values())[1::2])
+    ]
     assert max(differences["exact"]) == 0.0, "an exact copy has its original's pixels"
-    assert min(differences["jpeg"]) > 0 and np.median(differences["jpeg"]) < 0.1 * np.median(others), \
+    assert min(differences["jpeg"]) > 0 and np.median(differences["jpeg"]) < 0.1 * np.median(others), (
         "a re-encoded copy differs, slightly"
+    )
     for kind in ("near", "crop"):
         assert min(differences[kind]) > 0 and np.median(differences[kind]) < 0.5 * np.median(others)
 
@@ -115,9 +120,33 @@ def test_val_mix_and_train_dedup_follow_the_same_rules(web_splits):
 def web_shards(tmp_path_factory) -> str:
     """`prunepipe shards write --source redundant` at --resolution 32 with heavy counts and mixed kinds."""
     out = str(tmp_path_factory.mktemp("redundant_web"))
-    assert main(["shards", "write", "--source", "redundant", "--out", out, "--resolution", "32",
-                 "--crops-per-photo", "8", "--redundant-originals", "40", "--redundant-copies", "heavy",
-                 "--redundant-exact", "0.2", "--redundant-jpeg", "0.3", "--redundant-crop", "0.25"]) == 0
+    assert (
+        main(
+            [
+                "shards",
+                "write",
+                "--source",
+                "redundant",
+                "--out",
+                out,
+                "--resolution",
+                "32",
+                "--crops-per-photo",
+                "8",
+                "--redundant-originals",
+                "40",
+                "--redundant-copies",
+                "heavy",
+                "--redundant-exact",
+                "0.2",
+                "--redundant-jpeg",
+                "0.3",
+                "--redundant-crop",
+                "0.25",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -135,8 +164,11 @@ def test_shards_write_records_the_copy_rules_and_keys_lead_to_every_original(web
     for i, key in enumerate(keys):
         assert groups[i] == groups[id_of[original_key(key)]] and families[i] == id_of[original_key(key)]
     assert len(set(groups)) == len(keys) - 108  # every copy joins its original's group, nothing else merges
-    decoded = {s["__key__"]: np.asarray(Image.open(io.BytesIO(s["png"])).convert("RGB"))
-               for url in ShardIndex.load(train).urls for _, s in read_shard(url)}
+    decoded = {
+        s["__key__"]: np.asarray(Image.open(io.BytesIO(s["png"])).convert("RGB"))
+        for url in ShardIndex.load(train).urls
+        for _, s in read_shard(url)
+    }
     exact = [key for key in keys if copy_kind(key) == "exact"]
     assert all(np.array_equal(decoded[key], decoded[original_key(key)]) for key in exact), "PNG keeps them exact"
 
@@ -144,32 +176,51 @@ def test_shards_write_records_the_copy_rules_and_keys_lead_to_every_original(web
 def test_dedup_quality_counts_each_kind_of_copy_found_with_its_original(web_shards):
     keys = split_keys(os.path.join(web_shards, "train"))
     families, kinds = known_families(keys), np.array([copy_kind(key) or "" for key in keys])
-    assert found_with_original(families, families, kinds) == {"all": 1.0, "exact": 1.0, "jpeg": 1.0, "near": 1.0,
-                                                              "crop": 1.0}
+    assert found_with_original(families, families, kinds) == {
+        "all": 1.0,
+        "exact": 1.0,
+        "jpeg": 1.0,
+        "near": 1.0,
+        "crop": 1.0,
+    }
     alone = np.arange(len(keys))
     exact_only = np.where(kinds == "exact", families, alone)  # only the exact copies joined to their original
-    assert found_with_original(exact_only, families, kinds) == {"all": round(22 / 108, 4), "exact": 1.0, "jpeg": 0.0,
-                                                                "near": 0.0, "crop": 0.0}
+    assert found_with_original(exact_only, families, kinds) == {
+        "all": round(22 / 108, 4),
+        "exact": 1.0,
+        "jpeg": 0.0,
+        "near": 0.0,
+        "crop": 0.0,
+    }
 
 
 def test_dedup_quality_refuses_a_folder_written_with_other_flags(web_shards):
     train = os.path.join(web_shards, "train")
-    check_written_as_asked(train, {"size": 32, "redundant_copies": "heavy",
-                                   "redundant_kinds": {"exact": 0.2, "jpeg": 0.3, "crop": 0.25, "near": 0.25}})
+    check_written_as_asked(
+        train,
+        {
+            "size": 32,
+            "redundant_copies": "heavy",
+            "redundant_kinds": {"exact": 0.2, "jpeg": 0.3, "crop": 0.25, "near": 0.25},
+        },
+    )
     with pytest.raises(ValueError, match="--redundant-copies asks for even"):
         check_written_as_asked(train, {"redundant_copies": "even"})
     with pytest.raises(ValueError, match="--redundant-exact"):
         check_written_as_asked(train, {"redundant_kinds": {"near": 1.0}})
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--redundant-copies", "zipf"], "--redundant-copies"),
-    (["--redundant-exact", "1.5"], "--redundant-exact"),
-    (["--redundant-jpeg", "x"], "--redundant-jpeg"),
-    (["--redundant-crop", "-0.1"], "--redundant-crop"),
-    (["--redundant-fraction", "1"], "--redundant-fraction"),
-    (["--redundant-originals", "0"], "--redundant-originals"),
-])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--redundant-copies", "zipf"], "--redundant-copies"),
+        (["--redundant-exact", "1.5"], "--redundant-exact"),
+        (["--redundant-jpeg", "x"], "--redundant-jpeg"),
+        (["--redundant-crop", "-0.1"], "--redundant-crop"),
+        (["--redundant-fraction", "1"], "--redundant-fraction"),
+        (["--redundant-originals", "0"], "--redundant-originals"),
+    ],
+)
 def test_bad_flag_values_are_refused_naming_the_flag(flags, named, tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["shards", "write", "--source", "redundant", "--out", str(tmp_path), *flags])
@@ -180,8 +231,10 @@ def test_shares_over_one_and_impossible_heavy_counts_are_refused_naming_the_flag
     write = ["shards", "write", "--source", "redundant", "--out", str(tmp_path), "--crops-per-photo", "8"]
     assert main([*write, "--redundant-exact", "0.6", "--redundant-jpeg", "0.6"]) == 2
     assert "--redundant-exact 0.6, --redundant-jpeg 0.6" in capsys.readouterr().err
-    assert main([*write, "--redundant-copies", "heavy", "--redundant-originals", "100",
-                 "--redundant-fraction", "0.3"]) == 2  # 46 copies of 108 unique crops cannot copy 100 of them
+    assert (
+        main([*write, "--redundant-copies", "heavy", "--redundant-originals", "100", "--redundant-fraction", "0.3"])
+        == 2
+    )  # 46 copies of 108 unique crops cannot copy 100 of them
     assert "--redundant-originals" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "train"), "nothing written"
 

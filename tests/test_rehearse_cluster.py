@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools.benchmarks.rehearse_cluster import rehearse
+from prunepipe.tools.benchmarks.rehearse_cluster import rehearse
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,9 @@ def test_surviving_node_exits_by_itself_and_the_requeue_resumes_mid_pass(rehears
     assert rehearsal["killed_after_step"] > rehearsal["resume_checkpoint"]["step"], "the kill lost steps"
     counted = ("steps_in_pass", "kept_samples", "samples_forwarded", "optimizer_steps", "tail")
     assert not [p for p in rehearsal["problems"] if any(f" {field}:" in p for field in counted)], rehearsal["problems"]
-    assert any(r["kept_samples"] < rehearsal["pass_summaries"][0]["kept_samples"]
-               for r in rehearsal["pass_summaries"][1:]), "InfoBatch pruned"
+    assert any(
+        r["kept_samples"] < rehearsal["pass_summaries"][0]["kept_samples"] for r in rehearsal["pass_summaries"][1:]
+    ), "InfoBatch pruned"
 
 
 @pytest.mark.slow

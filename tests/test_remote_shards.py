@@ -18,16 +18,24 @@ import pytest
 from eval_runs import digit_shards
 from safetensors.torch import load_file
 
-from pipelines.checkpoint.store import latest_checkpoint
-from pipelines.config import ConfigError, load_config
-from pipelines.data.remote import ReadRetry
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from tools.benchmarks.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.remote import ReadRetry
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.tools.benchmarks.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val=", "data.shuffle_buffer=16"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.val=",
+    "data.shuffle_buffer=16",
+]
 QUICK = ReadRetry(retries=2, timeout_seconds=5.0, backoff_seconds=0.0)
 
 
@@ -41,7 +49,9 @@ def pipe_index(local: str, folder, command) -> str:
     """index.json in `folder` naming each shard of `local` as `pipe:` + command(tar path)."""
     index = ShardIndex.load(local)
     os.makedirs(folder, exist_ok=True)
-    ShardIndex.write(str(folder), [(f"pipe:{command(url)}", int(count)) for url, count in zip(index.urls, index.counts)])
+    ShardIndex.write(
+        str(folder), [(f"pipe:{command(url)}", int(count)) for url, count in zip(index.urls, index.counts)]
+    )
     return str(folder)
 
 
@@ -54,11 +64,23 @@ def test_a_command_that_dies_mid_stream_once_per_shard_trains_to_the_same_weight
     script.write_text(FLAKY)
     markers = tmp_path / "failed"
     markers.mkdir()
-    flaky = pipe_index(local_shards, tmp_path / "flaky", lambda url: " ".join(map(shlex.quote, (
-        sys.executable, str(script), url, str(markers / os.path.basename(url))))))
-    common = [f"runs_dir={tmp_path}", "passes=2", "data.batch_size=16", "data.num_workers=1",
-              "data.remote.backoff_seconds=0", "checkpoint.every_steps=1000", *TINY_MAE]
-    from pipelines.training.loop import train
+    flaky = pipe_index(
+        local_shards,
+        tmp_path / "flaky",
+        lambda url: " ".join(
+            map(shlex.quote, (sys.executable, str(script), url, str(markers / os.path.basename(url))))
+        ),
+    )
+    common = [
+        f"runs_dir={tmp_path}",
+        "passes=2",
+        "data.batch_size=16",
+        "data.num_workers=1",
+        "data.remote.backoff_seconds=0",
+        "checkpoint.every_steps=1000",
+        *TINY_MAE,
+    ]
+    from prunepipe.pipelines.training.loop import train
 
     train(load_config(CONFIG, [*common, "name=clean", f"data.train={local_shards}"]))
     train(load_config(CONFIG, [*common, "name=flaky", f"data.train={flaky}"]))
@@ -72,7 +94,9 @@ def test_a_command_that_dies_mid_stream_once_per_shard_trains_to_the_same_weight
 
 def test_a_command_that_always_fails_stops_naming_url_offset_status_and_stderr(local_shards, tmp_path):
     url = ShardIndex.load(local_shards).urls[0]
-    command = f"pipe:head -c 5000 {shlex.quote(url)}; echo 'curl: (56) Recv failure: Connection reset by peer' >&2; exit 56"
+    command = (
+        f"pipe:head -c 5000 {shlex.quote(url)}; echo 'curl: (56) Recv failure: Connection reset by peer' >&2; exit 56"
+    )
     with pytest.raises(BadInputError) as caught:
         keys_of(command)
     message = str(caught.value)
@@ -127,8 +151,10 @@ def test_a_command_that_ends_short_of_an_earlier_read_is_not_retried(local_shard
     url = ShardIndex.load(local_shards).urls[0]
     marker = tmp_path / "second"
     # the first run dies after 8000 bytes, the next ones send a shorter (changed) object
-    command = (f"pipe:if [ -e {marker} ]; then head -c 1000 {shlex.quote(url)}; "
-               f"else touch {marker}; head -c 8000 {shlex.quote(url)}; exit 7; fi")
+    command = (
+        f"pipe:if [ -e {marker} ]; then head -c 1000 {shlex.quote(url)}; "
+        f"else touch {marker}; head -c 8000 {shlex.quote(url)}; exit 7; fi"
+    )
     with pytest.raises(BadInputError, match="changed between attempts") as caught:
         keys_of(command)
     assert len(re.findall(r"attempt \d+ at byte", str(caught.value))) == 2, "no retry can read a shard that changed"
@@ -149,7 +175,7 @@ class _FlakyHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.path not in self.dropped:
             self.dropped.add(self.path)
-            self.wfile.write(data[start:start + (len(data) - start) // 2])
+            self.wfile.write(data[start : start + (len(data) - start) // 2])
             self.close_connection = True
             return
         self.wfile.write(data[start:])
@@ -173,22 +199,36 @@ def test_an_http_shard_whose_connection_drops_resumes_with_a_range_request(local
 
 
 def test_skipping_stops_once_more_samples_are_lost_than_the_budget(digits_shards, tmp_path):
-    broken = digit_shards(digits_shards, tmp_path / "broken", shards=2, per_shard=48,
-                          broken=lambda shard, position: position % 8 == 0)  # 6 bad samples a shard
-    from pipelines.training.loop import train
+    broken = digit_shards(
+        digits_shards, tmp_path / "broken", shards=2, per_shard=48, broken=lambda shard, position: position % 8 == 0
+    )  # 6 bad samples a shard
+    from prunepipe.pipelines.training.loop import train
 
-    common = [f"runs_dir={tmp_path}", f"data.train={broken}", "passes=1", "data.batch_size=16",
-              "data.num_workers=0", "data.on_bad_sample=skip", *TINY_MAE]
+    common = [
+        f"runs_dir={tmp_path}",
+        f"data.train={broken}",
+        "passes=1",
+        "data.batch_size=16",
+        "data.num_workers=0",
+        "data.on_bad_sample=skip",
+        *TINY_MAE,
+    ]
     train(load_config(CONFIG, [*common, "name=within", "data.max_bad_samples=12"]))
-    with pytest.raises(BadInputError, match=r"more than data.max_bad_samples=5; the latest: shard .* key .*cannot decode"):
+    with pytest.raises(
+        BadInputError, match=r"more than data.max_bad_samples=5; the latest: shard .* key .*cannot decode"
+    ):
         train(load_config(CONFIG, [*common, "name=beyond", "data.max_bad_samples=5"]))
 
 
 def test_a_retry_budget_longer_than_the_collective_timeout_is_refused_for_remote_shards(local_shards, tmp_path):
     remote = pipe_index(local_shards, tmp_path / "remote", lambda url: f"cat {shlex.quote(url)}")
-    with pytest.raises(ConfigError, match=r"data.remote lets one shard read stall for up to 422 s .* "
-                                          r"dist_timeout_seconds=400"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.remote lets one shard read stall for up to 422 s .* "
+        r"dist_timeout_seconds=400",
+    ):
         load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400"])
-    load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400",
-                         "data.remote.timeout_seconds=30"])
+    load_config(
+        CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400", "data.remote.timeout_seconds=30"]
+    )
     load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])  # nothing retried

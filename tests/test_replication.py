@@ -18,15 +18,15 @@ from eval_runs import ROOT, TINY_LDM, one_torch_thread
 from PIL import Image
 from test_evaluate_ranks import join_group, leave, results_of, run_ranks
 
-from pipelines.config import load_config
-from pipelines.data.shards import ShardIndex
-from pipelines.data.splits import read_split
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.fid import to_uint8
-from pipelines.evaluation.replication import NearestTrain, measure_replication, save_pairs_picture
-from pipelines.evaluation.runner import Evaluator
-from pipelines.tasks.build import build_task
-from tools.commands.perceptual_hash import PerceptualHash
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.fid import to_uint8
+from prunepipe.pipelines.evaluation.replication import NearestTrain, measure_replication, save_pairs_picture
+from prunepipe.pipelines.evaluation.runner import Evaluator
+from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.tools.commands.perceptual_hash import PerceptualHash
 
 HELD_OUT = 90  # the first 90 val digits are the baseline; the other 90 are what a non-copying model draws
 COPIED = np.arange(0, 1600, 40)  # the 40 train ids the copying model reproduces
@@ -62,8 +62,9 @@ def copied_samples(train: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def copying(splits):
     train, val = splits
-    return measure_replication(copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT,
-                               picture_pairs=8)
+    return measure_replication(
+        copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT, picture_pairs=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def test_noise_is_no_copy_of_anything(splits):
 
 def test_a_model_that_copies_some_images_is_reported_for_exactly_those(splits):
     train, val = splits
-    new, originals = images_of(val)[HELD_OUT:HELD_OUT + 30], images_of(train, 300)
+    new, originals = images_of(val)[HELD_OUT : HELD_OUT + 30], images_of(train, 300)
     samples = new.clone()
     copies = {3: 17, 11: 250, 12: 0, 29: 299}  # sample index -> the train id it reproduces
     for index, train_id in copies.items():
@@ -134,8 +135,9 @@ def test_the_pairs_picture_shows_each_flagged_sample_beside_its_train_image(copy
 def test_a_share_of_the_samples_is_measured_as_among_all_of_them(splits, copying):
     # what a rank holds (every other sample, indices 1, 3, ...) gets the numbers those samples get among all
     train, val = splits
-    odd = measure_replication(copied_samples(train)[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2),
-                              held_out_samples=HELD_OUT)
+    odd = measure_replication(
+        copied_samples(train)[1::2], train, val, sample_ids=np.arange(1, len(COPIED), 2), held_out_samples=HELD_OUT
+    )
     np.testing.assert_array_equal(odd.sample_ids, np.arange(1, len(COPIED), 2))
     np.testing.assert_array_equal(odd.nearest_train, COPIED[1::2])
     # faiss sums squared distances in float32 by another route for fewer queries: equal to ~1e-5
@@ -146,12 +148,28 @@ def _replicate_on_ranks(rank, world, init_file, splits, out):
     join_group(rank, world, init_file)
     train, val = splits
     mine = copied_samples(train)[rank::world]  # rank r holds samples r, r + world, ...
-    found = measure_replication(mine, train, val, feature=phash, sample_ids=np.arange(rank, len(COPIED), world),
-                                held_out_samples=HELD_OUT, max_train=1000, picture_pairs=8)
+    found = measure_replication(
+        mine,
+        train,
+        val,
+        feature=phash,
+        sample_ids=np.arange(rank, len(COPIED), world),
+        held_out_samples=HELD_OUT,
+        max_train=1000,
+        picture_pairs=8,
+    )
     dist.destroy_process_group()
-    leave(rank, out, {"numbers": found.numbers, "flagged": [[f.sample, f.train_id] for f in found.flagged],
-                      "ratios": found.ratios.tolist(), "similar": found.similar_train.tolist(),
-                      "pairs": found.pairs.flatten().tolist()})
+    leave(
+        rank,
+        out,
+        {
+            "numbers": found.numbers,
+            "flagged": [[f.sample, f.train_id] for f in found.flagged],
+            "ratios": found.ratios.tolist(),
+            "similar": found.similar_train.tolist(),
+            "pairs": found.pairs.flatten().tolist(),
+        },
+    )
 
 
 @pytest.mark.slow  # ~20 s on a loaded 2-core machine: two spawned processes import torch and faiss
@@ -159,8 +177,9 @@ def test_two_ranks_find_what_one_process_finds(splits, tmp_path):
     # each rank holds half the samples and reads half of each split; the k nearest merged over ranks
     train, val = splits
     run_ranks(_replicate_on_ranks, 2, str(tmp_path / "init"), splits, str(tmp_path))
-    one = measure_replication(copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT,
-                              max_train=1000, picture_pairs=8)
+    one = measure_replication(
+        copied_samples(train), train, val, feature=phash, held_out_samples=HELD_OUT, max_train=1000, picture_pairs=8
+    )
     for rank in results_of(str(tmp_path), 2):
         assert rank["flagged"] == [[f.sample, f.train_id] for f in one.flagged]
         assert rank["similar"] == one.similar_train.tolist()
@@ -180,19 +199,33 @@ def tiny_features(weights=None) -> nn.Module:
 
 def untrained(digits_shards, tmp_path, config: str, extra=()):
     """(run config, task) of a tiny diffusion run's initial model: it draws noise, copies nothing."""
-    cfg = load_config(os.path.join(ROOT, "configs", config),
-                      [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val",
-                       f"runs_dir={tmp_path}", "name=replication", *extra])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", config),
+        [
+            f"data.train={digits_shards}/train",
+            f"data.val={digits_shards}/val",
+            f"runs_dir={tmp_path}",
+            "name=replication",
+            *extra,
+        ],
+    )
     torch.manual_seed(0)
     return cfg, build_task(cfg)
 
 
-REPLICATION = ["fid.sampler_steps=2", "val_samples=16", "replication.enabled=true", "replication.num_samples=6",
-               "replication.max_train=300", "replication.held_out_samples=60"]
+REPLICATION = [
+    "fid.sampler_steps=2",
+    "val_samples=16",
+    "replication.enabled=true",
+    "replication.num_samples=6",
+    "replication.max_train=300",
+    "replication.held_out_samples=60",
+]
 
 
-@pytest.mark.parametrize("config,extra", [("ldm_tiny_full.yaml", TINY_LDM), ("ldm_dit_tiny_full.yaml", ())],
-                         ids=["unet", "dit"])
+@pytest.mark.parametrize(
+    "config,extra", [("ldm_tiny_full.yaml", TINY_LDM), ("ldm_dit_tiny_full.yaml", ())], ids=["unet", "dit"]
+)
 def test_the_evaluator_records_replication_of_a_diffusion_run(digits_shards, tmp_path, config, extra):
     cfg, task = untrained(digits_shards, tmp_path, config, extra)
     eval_cfg = load_eval_config(overrides=["fid.enabled=false", *REPLICATION])
@@ -212,8 +245,9 @@ def test_the_evaluator_records_replication_of_a_diffusion_run(digits_shards, tmp
 def test_the_evaluator_draws_the_flagged_pairs_beside_its_record(digits_shards, tmp_path):
     cfg, task = untrained(digits_shards, tmp_path, "ldm_tiny_full.yaml", TINY_LDM)
     # d_1 / mean(d_1..d_k) <= 1 always: a threshold just below 1 flags every sample, so there are pairs to draw
-    eval_cfg = load_eval_config(overrides=["fid.enabled=false", *REPLICATION, "replication.threshold=0.999",
-                                           "replication.picture_pairs=4"])
+    eval_cfg = load_eval_config(
+        overrides=["fid.enabled=false", *REPLICATION, "replication.threshold=0.999", "replication.picture_pairs=4"]
+    )
     record = Evaluator(cfg, eval_cfg, run_dir=str(tmp_path)).evaluate(task, task.model, at={"optimizer_steps": 7})
     details = record["details"]
     assert details["replication_picture"] == str(tmp_path / "eval" / "step_000007_replication.png")
@@ -225,12 +259,20 @@ def test_the_evaluator_draws_the_flagged_pairs_beside_its_record(digits_shards, 
 
 def test_the_evaluator_reuses_fid_samples_for_replication(digits_shards, tmp_path):
     cfg, task = untrained(digits_shards, tmp_path, "ldm_tiny_full.yaml", TINY_LDM)
-    apart = load_eval_config(overrides=["fid.enabled=false", *REPLICATION, "replication.feature=module:"
-                                        "test_replication:tiny_features"])
-    shared = load_eval_config(overrides=[*REPLICATION, "fid.feature=module:test_replication:tiny_features",
-                                         "fid.num_samples=8", "fid.reference=val", "fid.reference_samples=60",
-                                         f"fid.stats_dir={tmp_path / 'stats'}",
-                                         "replication.feature=module:test_replication:tiny_features"])
+    apart = load_eval_config(
+        overrides=["fid.enabled=false", *REPLICATION, "replication.feature=module:test_replication:tiny_features"]
+    )
+    shared = load_eval_config(
+        overrides=[
+            *REPLICATION,
+            "fid.feature=module:test_replication:tiny_features",
+            "fid.num_samples=8",
+            "fid.reference=val",
+            "fid.reference_samples=60",
+            f"fid.stats_dir={tmp_path / 'stats'}",
+            "replication.feature=module:test_replication:tiny_features",
+        ]
+    )
     alone = Evaluator(cfg, apart, run_dir=str(tmp_path)).evaluate(task, task.model, write=False)["details"]
     with_fid = Evaluator(cfg, shared, run_dir=str(tmp_path)).evaluate(task, task.model, write=False)["details"]
     assert with_fid["replication_reused_fid_samples"] is True and with_fid["fid_samples"] == 8
@@ -253,12 +295,16 @@ def test_an_empty_train_split_is_an_error_naming_it(splits, tmp_path):
         measure_replication(torch.rand(2, 3, 32, 32), str(empty), val)
 
 
-@pytest.mark.parametrize("images,message", [
-    (torch.rand(2, 3, 32, 16), r"generated samples: images are 32x16"),
-    (torch.rand(2, 2, 32, 32), r"generated samples: images have 2 channels; accepted: 1 \(grey\) or 3 \(RGB\)"),
-    (torch.rand(3, 32, 32), r"generated samples: expected images \[N, C, H, W\], got .* \[3, 32, 32\]"),
-    (torch.rand(2, 3, 32, 32) * 2 - 1, r"generated samples: expected float images in \[0, 1\].*\(x \+ 1\) / 2"),
-], ids=["not-square", "channels", "not-a-batch", "range"])
+@pytest.mark.parametrize(
+    "images,message",
+    [
+        (torch.rand(2, 3, 32, 16), r"generated samples: images are 32x16"),
+        (torch.rand(2, 2, 32, 32), r"generated samples: images have 2 channels; accepted: 1 \(grey\) or 3 \(RGB\)"),
+        (torch.rand(3, 32, 32), r"generated samples: expected images \[N, C, H, W\], got .* \[3, 32, 32\]"),
+        (torch.rand(2, 3, 32, 32) * 2 - 1, r"generated samples: expected float images in \[0, 1\].*\(x \+ 1\) / 2"),
+    ],
+    ids=["not-square", "channels", "not-a-batch", "range"],
+)
 def test_samples_of_the_wrong_shape_or_range_are_errors_naming_the_fault(splits, images, message):
     train, val = splits
     with pytest.raises(ValueError, match=message):
@@ -267,8 +313,11 @@ def test_samples_of_the_wrong_shape_or_range_are_errors_naming_the_fault(splits,
 
 def test_train_rows_of_another_size_than_the_samples_are_an_error():
     search = NearestTrain(np.zeros((2, 3 * 16 * 16), np.float32), None, k=5)
-    with pytest.raises(ValueError, match=r"train rows have 3072 pixel values, the queries 768: train and generated "
-                                         r"images differ in size or channels"):
+    with pytest.raises(
+        ValueError,
+        match=r"train rows have 3072 pixel values, the queries 768: train and generated "
+        r"images differ in size or channels",
+    ):
         search.add(np.arange(4), np.zeros((4, 3 * 32 * 32), np.float32), None)
 
 
@@ -278,20 +327,25 @@ def test_the_train_split_as_its_own_baseline_is_an_error(splits):
         measure_replication(torch.rand(2, 3, 32, 32), train, train + "/")
 
 
-@pytest.mark.parametrize("override,message", [
-    ("replication.feature=inception", r"replication.feature='inception' is not accepted"),
-    ("replication.threshold=1.5", r"replication.threshold is a ratio of distances, in \(0, 1\)"),
-    ("replication.neighbours=1", r"replication.neighbours must be >= 2"),
-    ("replication.num_samples=0", r"replication.num_samples must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("replication.feature=inception", r"replication.feature='inception' is not accepted"),
+        ("replication.threshold=1.5", r"replication.threshold is a ratio of distances, in \(0, 1\)"),
+        ("replication.neighbours=1", r"replication.neighbours must be >= 2"),
+        ("replication.num_samples=0", r"replication.num_samples must be >= 1"),
+    ],
+)
 def test_bad_replication_settings_are_errors_naming_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         load_eval_config(overrides=[override])
 
 
 def test_replication_of_an_mae_run_is_an_error(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                      [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}"],
+    )
     eval_cfg = load_eval_config(overrides=["replication.enabled=true"])
     with pytest.raises(ValueError, match="replication.enabled measures copies among diffusion samples; .* mae run"):
         Evaluator(cfg, eval_cfg, run_dir=str(tmp_path)).evaluate(None, nn.Linear(1, 1))

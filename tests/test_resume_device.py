@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from pipelines.training.ema import PassProgressEMA
+from prunepipe.pipelines.training.ema import PassProgressEMA
 
 
 def test_a_resumed_ema_stays_on_the_device_of_the_weights_it_follows(tmp_path):

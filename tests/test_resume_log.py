@@ -8,14 +8,22 @@ import json
 import os
 import shutil
 
-from pipelines.config import load_config
-from pipelines.report.runs import load_run, read_metrics
-from pipelines.training.loop import train
-from pipelines.training.metrics import MetricsLog
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.report.runs import load_run, read_metrics
+from prunepipe.pipelines.training.loop import train
+from prunepipe.pipelines.training.metrics import MetricsLog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val_batches=1",
+]
 
 
 def raw_lines(run_dir) -> list[dict]:
@@ -25,8 +33,17 @@ def raw_lines(run_dir) -> list[dict]:
 
 def test_a_resumed_run_marks_the_resume_and_readers_keep_the_latest_record_per_step(digits_shards, tmp_path):
     config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
-    base = [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}",
-            "name=run", "passes=2", "log_every=5", "checkpoint.every_steps=10", "checkpoint.keep=3", *TINY_MAE]
+    base = [
+        f"data.train={digits_shards}/train",
+        f"data.val={digits_shards}/val",
+        f"runs_dir={tmp_path}",
+        "name=run",
+        "passes=2",
+        "log_every=5",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep=3",
+        *TINY_MAE,
+    ]
     train(load_config(config, [*base, "max_steps=30"]))  # pass 1 ends before step 30: its record is logged
     run_dir = tmp_path / "run"
     # killed after logging step 30 but before its checkpoint was sealed: the run resumes from step 20
@@ -68,5 +85,9 @@ def test_the_marker_drops_what_the_stopped_process_logged_after_the_checkpoint_a
         assert f.read().splitlines()[3] == '{"kind": "train", "optimizer_st'  # the marker has a line of its own
     kept = read_metrics(log.path)
     assert [(r["kind"], r["optimizer_steps"]) for r in kept] == [
-        ("train", 10), ("resume", 20), ("pass", 20), ("train", 25)]
+        ("train", 10),
+        ("resume", 20),
+        ("pass", 20),
+        ("train", 25),
+    ]
     assert kept[2]["train_loss"] == 0.7

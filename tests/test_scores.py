@@ -10,7 +10,7 @@ import pytest
 import scipy.stats
 import torch
 
-from pruning import InfoBatch, ScoreNormaliser
+from prunepipe.pruning import InfoBatch, ScoreNormaliser
 
 T = 1000
 
@@ -57,8 +57,9 @@ def test_the_pruner_then_prunes_easy_samples_not_late_timesteps():
 
 def test_padding_and_nonfinite_losses_do_not_move_the_statistics():
     normaliser = ScoreNormaliser("stratum_mean", T, buckets=10)
-    scores = normaliser(np.array([0, 1, -1, 2]), np.array([2.0, 4.0, 100.0, np.nan], np.float32),
-                        np.array([5, 6, 7, 8]))
+    scores = normaliser(
+        np.array([0, 1, -1, 2]), np.array([2.0, 4.0, 100.0, np.nan], np.float32), np.array([5, 6, 7, 8])
+    )
     assert normaliser.mean[0] == pytest.approx(3.0)  # padding (-1) and NaN left out
     np.testing.assert_allclose(scores[:3], [2 / 3, 4 / 3, 100 / 3], rtol=1e-6)
     assert np.isnan(scores[3])  # still refused, and counted, by the pruner
@@ -93,7 +94,7 @@ def test_score_reliability_measures_the_share_of_variance_between_samples():
     """tools/benchmarks/score_noise.py: scores that are half sample and half draw have a between-sample
     share near 0.5, pure draw noise near 0; normalising within strata recovers a sample effect that
     a strong stratum effect hides."""
-    from tools.benchmarks.score_noise import normalised, reliability
+    from prunepipe.tools.benchmarks.score_noise import normalised, reliability
 
     rng = np.random.default_rng(0)
     draws, n = 8, 4000

@@ -10,11 +10,11 @@ import random
 import tarfile
 
 import pytest
-
-import pipelines.data.shards as shards
-import pipelines.data.tar_reader as tar_reader
-from pipelines.data.shards import BadInputError, count_plain_archive, count_samples, read_shard
 from test_shards import jpeg_bytes, write_tar, write_tarwriter_shard  # pytest puts tests/ on the path
+
+import prunepipe.pipelines.data.shards as shards
+import prunepipe.pipelines.data.tar_reader as tar_reader
+from prunepipe.pipelines.data.shards import BadInputError, count_plain_archive, count_samples, read_shard
 
 
 def at_once(path: str):
@@ -46,8 +46,11 @@ def read_whole(path: str):
 
 def ordinary(n: int = 12, prefix: str = "n") -> list[tuple[str, bytes]]:
     """Small members of `n` two-field samples: enough headers that the shard is read whole."""
-    return [member for i in range(n) for member in ((f"{prefix}{i:03d}.jpg", b"j" * (40 + i)),
-                                                     (f"{prefix}{i:03d}.cls", str(i % 3).encode()))]
+    return [
+        member
+        for i in range(n)
+        for member in ((f"{prefix}{i:03d}.jpg", b"j" * (40 + i)), (f"{prefix}{i:03d}.cls", str(i % 3).encode()))
+    ]
 
 
 def with_pax_records(path: str, members: list[tuple[str, bytes, dict]]) -> str:
@@ -61,9 +64,18 @@ def with_pax_records(path: str, members: list[tuple[str, bytes, dict]]) -> str:
 
 
 # ---------------------------------------------------------------------------- what writers write
-MIXED = [(f"train/a/k{i:03d}.{field}", payload) for i in range(10)
-         for field, payload in (("jpg", jpeg_bytes(i)), ("seg.png", b"s" * 512), ("JSON", b'{"i": %d}' % i),
-                                ("txt", b""), ("bin", b"b" * 513), ("annotation.json", b"{}"))]
+MIXED = [
+    (f"train/a/k{i:03d}.{field}", payload)
+    for i in range(10)
+    for field, payload in (
+        ("jpg", jpeg_bytes(i)),
+        ("seg.png", b"s" * 512),
+        ("JSON", b'{"i": %d}' % i),
+        ("txt", b""),
+        ("bin", b"b" * 513),
+        ("annotation.json", b"{}"),
+    )
+]
 
 
 @pytest.mark.parametrize("writer", ["tarwriter", "ustar", "gnu", "pax"])
@@ -72,8 +84,9 @@ def test_writers_shards_are_counted_at_once_as_the_walk_counts_them(tmp_path, mo
     if writer == "tarwriter":  # a pax header with a float mtime before every member
         write_tarwriter_shard(path, 40)
     else:
-        write_tar(path, MIXED, {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT,
-                                "pax": tarfile.PAX_FORMAT}[writer])
+        write_tar(
+            path, MIXED, {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}[writer]
+        )
     counted = at_once(path)
     assert counted is not None, "a plain shard of small members is counted at once"
     assert counted == walked(path, monkeypatch) == read_whole(path) == count_samples(path)
@@ -157,12 +170,12 @@ def test_a_number_written_otherwise_is_left_to_the_walk(tmp_path, monkeypatch):
     with tarfile.open(path) as archive:
         at = archive.getmember("n001.jpg").offset
     data = bytearray(open(path, "rb").read())
-    header = data[at:at + 512]
+    header = data[at : at + 512]
     assert header[124:136] == b"%011o\0" % 41
     header[124:136] = b"%11o\0" % 41  # leading spaces, as some writers pad: the walk reads it
     header[148:156] = b"        "
     header[148:156] = b"%06o\0 " % sum(header)
-    data[at:at + 512] = header
+    data[at : at + 512] = header
     open(path, "wb").write(bytes(data))
     assert at_once(path) is None
     assert count_samples(path) == walked(path, monkeypatch) == read_whole(path) == (12, ["cls", "jpg"])
@@ -175,21 +188,22 @@ def damaged(tmp_path, damage: str) -> str:
     with tarfile.open(path) as archive:
         last = archive.getmembers()[-1]
     if damage == "truncated":
-        data = data[:len(data) // 2]
+        data = data[: len(data) // 2]
     elif damage == "no_end_blocks":  # cut at a header boundary: no header is broken
-        data = data[:last.offset]
+        data = data[: last.offset]
     elif damage == "after_a_pax_header":  # the last member's pax header, and nothing after
-        data = data[:last.offset_data - 512]
+        data = data[: last.offset_data - 512]
     elif damage == "checksum":
-        data = data[:512 * 9 + 3] + bytes([data[512 * 9 + 3] ^ 0xFF]) + data[512 * 9 + 4:]
+        data = data[: 512 * 9 + 3] + bytes([data[512 * 9 + 3] ^ 0xFF]) + data[512 * 9 + 4 :]
     elif damage == "ends_inside_a_member":
-        data = data[:last.offset_data + 1]
+        data = data[: last.offset_data + 1]
     open(path, "wb").write(data)
     return path
 
 
-@pytest.mark.parametrize("damage", ["truncated", "no_end_blocks", "after_a_pax_header", "checksum",
-                                    "ends_inside_a_member"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "no_end_blocks", "after_a_pax_header", "checksum", "ends_inside_a_member"]
+)
 def test_a_damaged_shard_is_left_to_the_walk_and_raises_its_error(tmp_path, monkeypatch, damage):
     path = damaged(tmp_path, damage)
     assert at_once(path) is None
@@ -229,12 +243,13 @@ def random_shard(path: str, rng: random.Random) -> str:
     damage = rng.random()
     if damage < 0.3:
         for _ in range(rng.randint(1, 3)):
-            data[rng.randrange(len(data) // 512) * 512 + rng.choice([0, 100, 124, 135, 148, 155, 156, 257, 345])] = \
+            data[rng.randrange(len(data) // 512) * 512 + rng.choice([0, 100, 124, 135, 148, 155, 156, 257, 345])] = (
                 rng.getrandbits(8)
+            )
     elif damage < 0.45:
-        data = data[:rng.randrange(len(data))]
+        data = data[: rng.randrange(len(data))]
     elif damage < 0.5:
-        data = data[:rng.randrange(len(data)) // 512 * 512]
+        data = data[: rng.randrange(len(data)) // 512 * 512]
     elif damage < 0.55:
         data += rng.randbytes(rng.randint(1, 2000))
     open(path, "wb").write(bytes(data))

@@ -22,12 +22,12 @@ from eval_runs import tiny_vae
 from PIL import Image
 from test_distributed import free_port
 
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from pipelines.data.side_tables import open_embeddings
-from tools.commands.embed import embed_shards
-from tools.commands.latents import SKIPPED_FILE, encode_shards
-from tools.commands.shards import write_shards
-from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.side_tables import open_embeddings
+from prunepipe.tools.commands.embed import embed_shards
+from prunepipe.tools.commands.latents import SKIPPED_FILE, encode_shards
+from prunepipe.tools.commands.shards import write_shards
+from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300
@@ -72,23 +72,49 @@ def one_process(images, vae, tmp_path_factory) -> str:
 
 
 def tars(folder: str) -> dict[str, bytes]:
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
-            if name.endswith(".tar")}
+    return {
+        name: open(os.path.join(folder, name), "rb").read()
+        for name in sorted(os.listdir(folder))
+        if name.endswith(".tar")
+    }
 
 
 def seals(folder: str) -> dict[str, dict]:
-    return {name: json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))
-            if name.endswith("_stats.json")}
+    return {
+        name: json.load(open(os.path.join(folder, name)))
+        for name in sorted(os.listdir(folder))
+        if name.endswith("_stats.json")
+    }
 
 
 def encode_command(images, vae, out, *extra) -> list[str]:
-    return ["-m", "launch.cli", "latents", "encode", images, "--vae", vae, "--out", out, "--batch-size", "16", *extra]
+    return [
+        "-m",
+        "prunepipe.launch.cli",
+        "latents",
+        "encode",
+        images,
+        "--vae",
+        vae,
+        "--out",
+        out,
+        "--batch-size",
+        "16",
+        *extra,
+    ]
 
 
 def test_two_torchrun_ranks_write_each_shard_once_and_one_index(images, vae, one_process, tmp_path):
     out = str(tmp_path / "two")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", *encode_command(images, vae, out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *encode_command(images, vae, out),
+    ]
     result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -119,14 +145,14 @@ def test_a_killed_encode_resumes_without_redoing_sealed_shards(digits_shards, va
     before = seals(out)
     assert 1 <= len(before) < 12, f"{len(before)} shards sealed when killed"
     assert not os.path.exists(os.path.join(out, "index.json"))
-    stamps = {name: os.stat(os.path.join(out, name[:-len("_stats.json")] + ".tar")).st_mtime_ns for name in before}
+    stamps = {name: os.stat(os.path.join(out, name[: -len("_stats.json")] + ".tar")).st_mtime_ns for name in before}
 
     result = subprocess.run(run, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"{len(before)} sealed earlier" in result.stdout
     assert result.stdout.count("sealed (") == 12 - len(before), "only the unsealed shards were encoded"
     for name, stamp in stamps.items():
-        assert os.stat(os.path.join(out, name[:-len("_stats.json")] + ".tar")).st_mtime_ns == stamp, f"{name} redone"
+        assert os.stat(os.path.join(out, name[: -len("_stats.json")] + ".tar")).st_mtime_ns == stamp, f"{name} redone"
     clean = str(tmp_path / "clean")
     encode_on_one_thread(images, vae, clean, resolution=16, batch_size=1)
     assert tars(out) == tars(clean)
@@ -153,7 +179,7 @@ def jpeg(seed: int) -> bytes:
 def messy(tmp_path_factory) -> tuple[str, str]:
     """Two img2dataset shards of 6: key 000003's JPEG is cut off, 000004 has no caption at all, and
     000008 has its caption only in its json. Returns (the indexed folder, a tiny text encoder)."""
-    from tools.commands.shards import index_shards
+    from prunepipe.tools.commands.shards import index_shards
 
     folder = tmp_path_factory.mktemp("messy")
     words = ["a", "photo", "of", "noise"]
@@ -162,7 +188,7 @@ def messy(tmp_path_factory) -> tuple[str, str]:
         key, caption = f"{i:09d}", f"a photo of noise {i}"
         data, meta, text = jpeg(i), {"key": f"{i:09d}", "status": "success", "caption": caption}, caption
         if i == 3:
-            data = data[:len(data) // 3]
+            data = data[: len(data) // 3]
         if i == 4:
             meta, text = {"key": key, "status": "success"}, None
         if i == 8:
@@ -170,10 +196,11 @@ def messy(tmp_path_factory) -> tuple[str, str]:
         samples.append((key, data, meta, text))
         words.append(str(i))
     for shard in range(2):
-        img2dataset_shard(str(folder / f"{shard:05d}.tar"), samples[shard * 6:(shard + 1) * 6])
+        img2dataset_shard(str(folder / f"{shard:05d}.tar"), samples[shard * 6 : (shard + 1) * 6])
     index_shards([str(folder)], str(folder), workers=1)
-    encoder = write_tiny_text_encoder(str(tmp_path_factory.mktemp("encoder")), [" ".join(words)], hidden_size=16,
-                                      layers=1, max_length=8)
+    encoder = write_tiny_text_encoder(
+        str(tmp_path_factory.mktemp("encoder")), [" ".join(words)], hidden_size=16, layers=1, max_length=8
+    )
     return str(folder), encoder
 
 
@@ -199,8 +226,9 @@ def test_skipped_samples_are_recorded_and_counted_and_stop_names_shard_and_key(m
 def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(images, tmp_path, capsys):
     whole = embed_shards(images, "phash", name="whole", batch_size=16)
     capsys.readouterr()
-    assert embed_shards(images, "phash", name="split", batch_size=16, rank=1, world=2) is None, \
+    assert embed_shards(images, "phash", name="split", batch_size=16, rank=1, world=2) is None, (
         "shard 0 and 2 are rank 0's and unsealed: the table waits"
+    )
     said = capsys.readouterr().out
     assert "2 of 3 shard(s) not sealed yet (shard-000000.npy, shard-000002.npy)" in said, said
     assert "written by the task that seals the last one" in said
@@ -221,7 +249,7 @@ def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(image
 
 
 def test_an_array_element_running_several_srun_tasks_gives_each_a_share(monkeypatch):
-    from tools.commands.shard_jobs import job_rank
+    from prunepipe.tools.commands.shard_jobs import job_rank
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -249,17 +277,20 @@ def test_embed_stops_on_a_bad_sample_when_asked(tmp_path):
 
 
 def test_a_rerun_removes_the_partials_of_writers_that_are_gone_and_only_those(tmp_path):
-    from tools.commands.shard_jobs import JobRank, ShardJob
+    from prunepipe.tools.commands.shard_jobs import JobRank, ShardJob
 
     gone = subprocess.Popen(["true"])
     gone.wait()
     host = socket.gethostname()
-    left = {"gone": f"shard-000001.tar.{host}.{gone.pid}.partial",
-            "alive": f"shard-000002.tar.{host}.{os.getpid()}.partial",
-            "elsewhere": f"shard-000003.tar.other.host.{gone.pid}.partial"}
+    left = {
+        "gone": f"shard-000001.tar.{host}.{gone.pid}.partial",
+        "alive": f"shard-000002.tar.{host}.{os.getpid()}.partial",
+        "elsewhere": f"shard-000003.tar.other.host.{gone.pid}.partial",
+    }
     for name in left.values():
         (tmp_path / name).write_bytes(b"half a tar")
     ShardJob(str(tmp_path), {"vae": "v"}, JobRank(0, 1), what="latents encode", command="prunepipe latents encode")
     assert not (tmp_path / left["gone"]).exists(), "a killed writer's leftover on this host is removed"
-    assert (tmp_path / left["alive"]).exists() and (tmp_path / left["elsewhere"]).exists(), \
+    assert (tmp_path / left["alive"]).exists() and (tmp_path / left["elsewhere"]).exists(), (
         "a live writer's, and another host's (whose writers this host cannot see), are left"
+    )

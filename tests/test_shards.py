@@ -19,10 +19,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
-from pipelines.data.stream import ShardStream
-from tools.commands.shards import describe_counting, index_shards, inspect_shards
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.tools.commands.shards import describe_counting, index_shards, inspect_shards
 
 
 def jpeg_bytes(seed: int, size: int = 16) -> bytes:
@@ -44,8 +44,9 @@ def write_tarwriter_shard(path: str, n: int, start: int = 0, broken: dict | None
 
 
 def read_all(index: ShardIndex, policy: str, batch_size: int = 1):
-    stream = ShardStream(index, batch_size=batch_size, decoder=SampleDecoder(resolution=16),
-                         on_bad_sample=policy, shuffle_buffer=1)
+    stream = ShardStream(
+        index, batch_size=batch_size, decoder=SampleDecoder(resolution=16), on_bad_sample=policy, shuffle_buffer=1
+    )
     return list(stream.pass_loader(0))
 
 
@@ -187,14 +188,24 @@ def webdataset_samples(url: str) -> list[dict]:
 # and empty payloads, directories, webdataset's __meta__ members and names without an extension.
 DEEP = "d" * 60 + "/" + "e" * 60
 MEMBERS = [
-    ("__meta__", b"skipped"), ("dir", None), (f"{DEEP}/a.JPG", jpeg_bytes(1, 40)), (f"{DEEP}/a.cls", b"3"),
-    ("noext", b"x"), ("b.jpg", b""), ("b.json", b'{"k": 1}'), ("ümlaut/c.tar.gz", bytes(range(256)) * 7),
-    ("ümlaut/c.txt", b"t" * 511), ("d.png", b"p" * 512), ("d.seg.png", b"q" * 513),
+    ("__meta__", b"skipped"),
+    ("dir", None),
+    (f"{DEEP}/a.JPG", jpeg_bytes(1, 40)),
+    (f"{DEEP}/a.cls", b"3"),
+    ("noext", b"x"),
+    ("b.jpg", b""),
+    ("b.json", b'{"k": 1}'),
+    ("ümlaut/c.tar.gz", bytes(range(256)) * 7),
+    ("ümlaut/c.txt", b"t" * 511),
+    ("d.png", b"p" * 512),
+    ("d.seg.png", b"q" * 513),
 ]
 
 
-@pytest.mark.parametrize("fmt,mode", [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"),
-                                      (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")])
+@pytest.mark.parametrize(
+    "fmt,mode",
+    [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"), (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")],
+)
 def test_shards_are_read_exactly_as_webdataset_reads_them(tmp_path, fmt, mode):
     members = MEMBERS if fmt != tarfile.USTAR_FORMAT else [(n.replace("ü", "u"), p) for n, p in MEMBERS]
     url = write_tar(str(tmp_path / "s.tar"), members, fmt, mode)
@@ -231,9 +242,9 @@ def test_damaged_headers_and_members_name_the_shard(tmp_path, damage, skip_last)
     elif damage == "inside_member":
         with tarfile.open(path) as archive:
             last_image = [m for m in archive.getmembers() if m.name.endswith(".jpg")][-1]
-        data = data[:last_image.offset_data + last_image.size // 2]
+        data = data[: last_image.offset_data + last_image.size // 2]
     else:
-        data = data[:512 * 9 + 100]
+        data = data[: 512 * 9 + 100]
     open(path, "wb").write(bytes(data))
     with pytest.raises(BadInputError, match=r"a\.tar: corrupt or truncated tar"):
         list(read_shard(path, lambda position: position != (3 if skip_last else 1)))
@@ -246,12 +257,12 @@ def test_archives_that_end_early_or_hold_what_shards_cannot_are_errors(tmp_path)
         last = archive.getmembers()[-1]
     data = open(path, "rb").read()
     assert last.offset_data - 512 > last.offset, "TarWriter gave the member a pax header"
-    open(path, "wb").write(data[:last.offset_data - 512])  # cut between the pax header and its member
+    open(path, "wb").write(data[: last.offset_data - 512])  # cut between the pax header and its member
     with pytest.raises(BadInputError, match="ends after an extended header"):
         list(read_shard(path))
     # Cut at a header boundary inside the last sample (before its second member): no header is
     # broken, but the end-of-archive blocks are missing, so the sample is not handed out partial.
-    open(path, "wb").write(data[:last.offset])
+    open(path, "wb").write(data[: last.offset])
     with pytest.raises(BadInputError, match="without its end-of-archive blocks"):
         list(read_shard(path))
     empty = tmp_path / "empty.tar"
@@ -272,18 +283,20 @@ def test_pax_records_that_name_or_size_a_member_are_read_and_sparse_ones_refused
     # renamed by pax, or sized only there, must still read as webdataset reads it.
     url = str(tmp_path / "pax.tar")
     with tarfile.open(url, "w", format=tarfile.PAX_FORMAT) as archive:
-        for name, payload, records in [("s1.jpg", b"j" * 700, {"comment": "no size= nor path= here"}),
-                                       ("ignored.txt", b"t" * 30, {"path": "s1.txt"}),
-                                       ("s2.jpg", b"k" * 1500, {"size": "1500"})]:
+        for name, payload, records in [
+            ("s1.jpg", b"j" * 700, {"comment": "no size= nor path= here"}),
+            ("ignored.txt", b"t" * 30, {"path": "s1.txt"}),
+            ("s2.jpg", b"k" * 1500, {"size": "1500"}),
+        ]:
             info = tarfile.TarInfo(name)
             info.size, info.pax_headers = len(payload), records
             archive.addfile(info, io.BytesIO(payload))
     with tarfile.open(url) as archive:
         last = archive.getmembers()[-1].offset_data - 512  # s2.jpg's own header, after its pax header
     data = bytearray(open(url, "rb").read())
-    data[last + 124:last + 136] = b"00000000000\0"  # its ustar size field now says 0: pax alone sizes it
-    data[last + 148:last + 156] = b"        "
-    data[last + 148:last + 156] = b"%06o\0 " % sum(data[last:last + 512])
+    data[last + 124 : last + 136] = b"00000000000\0"  # its ustar size field now says 0: pax alone sizes it
+    data[last + 148 : last + 156] = b"        "
+    data[last + 148 : last + 156] = b"%06o\0 " % sum(data[last : last + 512])
     open(url, "wb").write(bytes(data))
     ours = [sample for _, sample in read_shard(url)]
     assert ours == webdataset_samples(url)
@@ -304,8 +317,13 @@ def test_pax_records_that_name_or_size_a_member_are_read_and_sparse_ones_refused
 def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_path):
     path = str(tmp_path / "links.tar")
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
-        for name, kind in (("a.jpg", tarfile.REGTYPE), ("dir", tarfile.DIRTYPE), ("b.lnk", tarfile.SYMTYPE),
-                           ("b.jpg", tarfile.REGTYPE), ("b.cls", tarfile.REGTYPE)):
+        for name, kind in (
+            ("a.jpg", tarfile.REGTYPE),
+            ("dir", tarfile.DIRTYPE),
+            ("b.lnk", tarfile.SYMTYPE),
+            ("b.jpg", tarfile.REGTYPE),
+            ("b.cls", tarfile.REGTYPE),
+        ):
             info = tarfile.TarInfo(name)
             info.type = kind
             payload = name.encode() * 3 if kind == tarfile.REGTYPE else b""
@@ -313,27 +331,36 @@ def test_a_size_on_a_link_or_directory_header_is_ignored_as_tarfile_does(tmp_pat
             archive.addfile(info, io.BytesIO(payload))
     data = bytearray(open(path, "rb").read())
     for offset in range(0, len(data), 512):  # give the directory and link headers a size
-        block = data[offset:offset + 512]
+        block = data[offset : offset + 512]
         if block[156:157] in (b"5", b"2"):
             block[124:136] = b"%011o\0" % 700
             block[148:156] = b"%06o\0 " % (sum(block[:148]) + sum(block[156:]) + 8 * 32)
-            data[offset:offset + 512] = block
+            data[offset : offset + 512] = block
     open(path, "wb").write(bytes(data))
     assert [sample for _, sample in read_shard(path)] == webdataset_samples(path)
     assert [sorted(k for k in s if not k.startswith("__")) for _, s in read_shard(path)] == [["jpg"], ["cls", "jpg"]]
 
 
 def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clean_val(tmp_path):
-    from pipelines.data.splits import read_split
-    from tools.commands.shards import write_shards
+    from prunepipe.pipelines.data.splits import read_split
+    from prunepipe.tools.commands.shards import write_shards
 
-    paths = write_shards("redundant", str(tmp_path), size=16, shard_size=200, crops_per_photo=20,
-                         redundant_fraction=0.5, redundant_originals=8)
+    paths = write_shards(
+        "redundant",
+        str(tmp_path),
+        size=16,
+        shard_size=200,
+        crops_per_photo=20,
+        redundant_fraction=0.5,
+        redundant_originals=8,
+    )
     assert set(paths) == {"train", "val", "val_mix", "train_dedup"}
     train, val, mix = (ShardIndex.load(str(tmp_path / split)) for split in ("train", "val", "val_mix"))
     assert train.meta["redundant_fraction"] == 0.5 and train.meta["redundant_originals"] == 8
-    keys = {split: [s["__key__"] for url in ShardIndex.load(str(tmp_path / split)).urls for _, s in read_shard(url)]
-            for split in ("train", "val", "val_mix", "train_dedup")}
+    keys = {
+        split: [s["__key__"] for url in ShardIndex.load(str(tmp_path / split)).urls for _, s in read_shard(url)]
+        for split in ("train", "val", "val_mix", "train_dedup")
+    }
     duplicates = [k for k in keys["train"] if "_dup" in k]
     kept = [k for k in keys["train_dedup"] if "_dup" in k]  # the oracle keeps 2 in 5 copies, every unique crop
     assert set(keys["train_dedup"]) - set(kept) == {k for k in keys["train"] if "_dup" not in k}
@@ -347,8 +374,11 @@ def test_redundant_shards_hold_the_stated_fraction_of_near_duplicates_and_a_clea
     assert abs(mix.num_samples - 2 * val.num_samples) <= 1
 
     # a near-duplicate is near its original, and unlike another crop
-    images = {b.ids[i].item(): b.images[i] for b in read_split(str(tmp_path / "train"), resolution=16, channels=3,
-                                                                batch_size=500) for i in range(len(b.ids))}
+    images = {
+        b.ids[i].item(): b.images[i]
+        for b in read_split(str(tmp_path / "train"), resolution=16, channels=3, batch_size=500)
+        for i in range(len(b.ids))
+    }
     ids = {k: i for i, k in enumerate(keys["train"])}
     first = duplicates[0]
     original = ids[first.split("_dup")[0]]
@@ -372,20 +402,32 @@ def make_image_folder(root, classes: int = 6, per_class: int = 20) -> dict[str, 
 
 def written_samples(out) -> dict[str, list[tuple[str, int]]]:
     """(key, class) of every sample of each split, in id order."""
-    return {split: [(s["__key__"], int(s["cls"])) for url in ShardIndex.load(str(out / split)).urls
-                    for _, s in read_shard(url)]
-            for split in ("train", "val")}
+    return {
+        split: [
+            (s["__key__"], int(s["cls"])) for url in ShardIndex.load(str(out / split)).urls for _, s in read_shard(url)
+        ]
+        for split in ("train", "val")
+    }
 
 
 def test_folder_is_written_in_a_seeded_global_shuffle_with_every_image_once(tmp_path):
-    from tools.commands.shards import write_shards
-    from tools.commands.sources import folder_key, list_image_folder
+    from prunepipe.tools.commands.shards import write_shards
+    from prunepipe.tools.commands.sources import folder_key, list_image_folder
 
     made = make_image_folder(tmp_path / "images")
     runs = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        write_shards("folder", str(tmp_path / name), folder=str(tmp_path / "images"), size=8, shard_size=25,
-                     val_fraction=0.25, seed=seed, workers=0, chunk=7)
+        write_shards(
+            "folder",
+            str(tmp_path / name),
+            folder=str(tmp_path / "images"),
+            size=8,
+            shard_size=25,
+            val_fraction=0.25,
+            seed=seed,
+            workers=0,
+            chunk=7,
+        )
         runs[name] = written_samples(tmp_path / name)
     a = runs["a"]
     keys = [k for split in ("train", "val") for k, _ in a[split]]
@@ -404,12 +446,12 @@ def test_folder_is_written_in_a_seeded_global_shuffle_with_every_image_once(tmp_
 def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch):
     """What write_folder holds at once: at any time at most `chunk` images are decoded and not yet
     handed to the shard writer (with every image in memory, all 120 would be)."""
-    import tools.commands.shards
-    from tools.commands.shards import write_shards
+    import prunepipe.tools.commands.shards
+    from prunepipe.tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images")
     decoded, handed, waiting = [0], [0], []
-    load_image, shard_sample = tools.commands.shards.load_image, tools.commands.shards.shard_sample
+    load_image, shard_sample = prunepipe.tools.commands.shards.load_image, prunepipe.tools.commands.shards.shard_sample
 
     def counting_load(path, size):
         decoded[0] += 1
@@ -420,32 +462,50 @@ def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch)
         handed[0] += 1
         return shard_sample(key, png, label)
 
-    monkeypatch.setattr(tools.commands.shards, "load_image", counting_load)
-    monkeypatch.setattr(tools.commands.shards, "shard_sample", counting_sample)
-    write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, shard_size=50,
-                 val_fraction=0.1, workers=0, chunk=16)
+    monkeypatch.setattr(prunepipe.tools.commands.shards, "load_image", counting_load)
+    monkeypatch.setattr(prunepipe.tools.commands.shards, "shard_sample", counting_sample)
+    write_shards(
+        "folder",
+        str(tmp_path / "out"),
+        folder=str(tmp_path / "images"),
+        size=8,
+        shard_size=50,
+        val_fraction=0.1,
+        workers=0,
+        chunk=16,
+    )
     assert decoded[0] == handed[0] == 120
     assert max(waiting) == 16, "decoded but not yet written: one chunk at most"
 
 
 def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
-    from tools.commands.shards import write_shards
+    from prunepipe.tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images", classes=3, per_class=10)
     for name, workers in (("one", 0), ("two", 2)):
-        write_shards("folder", str(tmp_path / name), folder=str(tmp_path / "images"), size=8, shard_size=8,
-                     val_fraction=0.2, seed=1, workers=workers, chunk=5)
+        write_shards(
+            "folder",
+            str(tmp_path / name),
+            folder=str(tmp_path / "images"),
+            size=8,
+            shard_size=8,
+            val_fraction=0.2,
+            seed=1,
+            workers=workers,
+            chunk=5,
+        )
     one, two = (written_samples(tmp_path / name) for name in ("one", "two"))
     assert one == two
     for split in ("train", "val"):
-        for url_one, url_two in zip(ShardIndex.load(str(tmp_path / "one" / split)).urls,
-                                    ShardIndex.load(str(tmp_path / "two" / split)).urls):
+        for url_one, url_two in zip(
+            ShardIndex.load(str(tmp_path / "one" / split)).urls, ShardIndex.load(str(tmp_path / "two" / split)).urls
+        ):
             assert [s["png"] for _, s in read_shard(url_one)] == [s["png"] for _, s in read_shard(url_two)]
 
 
 def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path):
-    from tools.commands.shards import write_shards
-    from tools.commands.sources import list_image_folder
+    from prunepipe.tools.commands.shards import write_shards
+    from prunepipe.tools.commands.sources import list_image_folder
 
     made = make_image_folder(tmp_path / "storage", classes=3, per_class=4)
     (tmp_path / "images").mkdir()
@@ -453,14 +513,15 @@ def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path
         os.symlink(tmp_path / "storage" / f"class_{c}", tmp_path / "images" / f"class_{c}")
     os.symlink(tmp_path / "images", tmp_path / "storage" / "class_0" / "back_up")  # a link back up the tree
     paths, labels = list_image_folder(str(tmp_path / "images"))
-    assert [made[os.path.relpath(p, tmp_path / "images")] for p in paths] == labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
-    write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, val_fraction=0.25,
-                 workers=0)
+    assert (
+        [made[os.path.relpath(p, tmp_path / "images")] for p in paths] == labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    )
+    write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8, val_fraction=0.25, workers=0)
     assert sum(len(split) for split in written_samples(tmp_path / "out").values()) == 12
 
 
 def test_an_unreadable_folder_image_names_the_file(tmp_path):
-    from tools.commands.shards import write_shards
+    from prunepipe.tools.commands.shards import write_shards
 
     make_image_folder(tmp_path / "images", classes=2, per_class=3)
     (tmp_path / "images" / "class_1" / "broken.png").write_bytes(b"not a png")
@@ -469,11 +530,13 @@ def test_an_unreadable_folder_image_names_the_file(tmp_path):
 
 
 def test_shards_write_and_latents_encode_take_resolution(tmp_path):
-    from launch.cli import build_parser
+    from prunepipe.launch.cli import build_parser
 
     args = build_parser().parse_args(["shards", "write", "--out", str(tmp_path), "--resolution", "24"])
     assert args.resolution == 24
-    encode = build_parser().parse_args(["latents", "encode", "shards", "--vae", "v", "--out", "o", "--resolution", "24"])
+    encode = build_parser().parse_args(
+        ["latents", "encode", "shards", "--vae", "v", "--out", "o", "--resolution", "24"]
+    )
     assert encode.resolution == 24
 
 
@@ -487,14 +550,15 @@ def full_read_index(urls: list[str]) -> list[tuple[int, list[str]]]:
     return counted
 
 
-@pytest.mark.parametrize("fmt,mode", [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"),
-                                      (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")])
+@pytest.mark.parametrize(
+    "fmt,mode",
+    [(tarfile.PAX_FORMAT, "w"), (tarfile.GNU_FORMAT, "w"), (tarfile.USTAR_FORMAT, "w"), (tarfile.PAX_FORMAT, "w:gz")],
+)
 def test_header_only_count_equals_a_full_read(tmp_path, fmt, mode):
-    from pipelines.data.shards import count_samples
+    from prunepipe.pipelines.data.shards import count_samples
 
     members = MEMBERS if fmt != tarfile.USTAR_FORMAT else [(n.replace("ü", "u"), p) for n, p in MEMBERS]
-    urls = [write_tar(str(tmp_path / "s.tar"), members, fmt, mode),
-            write_tarwriter_shard(str(tmp_path / "w.tar"), 7)]
+    urls = [write_tar(str(tmp_path / "s.tar"), members, fmt, mode), write_tarwriter_shard(str(tmp_path / "w.tar"), 7)]
     assert [count_samples(url) for url in urls] == full_read_index(urls)
     index = ShardIndex.load(index_shards(urls, str(tmp_path), workers=2))
     assert index.counts.tolist() == [n for n, _ in full_read_index(urls)]
@@ -503,7 +567,7 @@ def test_header_only_count_equals_a_full_read(tmp_path, fmt, mode):
 
 @pytest.mark.parametrize("damage", ["truncated", "duplicate_field"])
 def test_header_only_count_refuses_what_a_full_read_refuses(tmp_path, damage):
-    from pipelines.data.shards import count_samples
+    from prunepipe.pipelines.data.shards import count_samples
 
     path = str(tmp_path / "bad.tar")
     if damage == "truncated":
@@ -534,11 +598,24 @@ def write_img2dataset_shard(folder, shard_id: int, n: int, successes: int | None
     with wds.TarWriter(str(tar)) as sink:
         for i in range(n):
             key = f"{shard_id:05d}{i:04d}"
-            sink.write({"__key__": key, "jpg": jpeg_bytes(i), "txt": f"caption {i}",
-                        "json": json.dumps({"key": key, "status": "success", "width": 16})})
-    stats = {"count": n + 3, "successes": n if successes is None else successes, "failed_to_download": 2,
-             "failed_to_resize": 1, "duration": 1.5, "start_time": 1700000000.0, "end_time": 1700000001.5,
-             "status_dict": {"success": n, "failed to download": 2, "failed to resize": 1}}
+            sink.write(
+                {
+                    "__key__": key,
+                    "jpg": jpeg_bytes(i),
+                    "txt": f"caption {i}",
+                    "json": json.dumps({"key": key, "status": "success", "width": 16}),
+                }
+            )
+    stats = {
+        "count": n + 3,
+        "successes": n if successes is None else successes,
+        "failed_to_download": 2,
+        "failed_to_resize": 1,
+        "duration": 1.5,
+        "start_time": 1700000000.0,
+        "end_time": 1700000001.5,
+        "status_dict": {"success": n, "failed to download": 2, "failed to resize": 1},
+    }
     (folder / f"{shard_id:05d}_stats.json").write_text(json.dumps(stats, indent=4))
     return str(tar)
 
@@ -552,8 +629,12 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
     index = ShardIndex.load(index_shards([str(shards)], str(shards), workers=2))
     assert index.counts.tolist() == [5, 4, 6, 3]
     # the first shard's count is its headers' (checked against its stats), the last has no stats
-    assert index.meta["counted"] == {"shards": 4, "img2dataset_stats": 2, "tar_headers_read": 2,
-                                     "checked_against_stats": 1}
+    assert index.meta["counted"] == {
+        "shards": 4,
+        "img2dataset_stats": 2,
+        "tar_headers_read": 2,
+        "checked_against_stats": 1,
+    }
     assert index.meta["keys"] == ["cls", "jpg", "json", "txt"]
 
     # A stats file that disagrees is believed without --verify (only the first shard is checked) ...
@@ -564,7 +645,7 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
         index_shards([str(shards)], str(shards), verify=True)
     # img2dataset records no tar size: a tar cut short is told by its end, which lacks the two zero blocks
     whole = (shards / "00001.tar").read_bytes()
-    (shards / "00001.tar").write_bytes(whole[:len(whole) // 1024 * 512])  # half, in whole blocks
+    (shards / "00001.tar").write_bytes(whole[: len(whole) // 1024 * 512])  # half, in whole blocks
     with pytest.raises(BadInputError, match=r"00001\.tar"):
         index_shards([str(shards)], str(shards))
     (shards / "00001.tar").write_bytes(whole)
@@ -576,15 +657,24 @@ def test_img2dataset_stats_give_the_counts_and_verify_checks_them(tmp_path):
 def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_opened(tmp_path, monkeypatch):
     """shards write leaves img2dataset's NNNNN_stats.json beside each tar: a copy of the folder is indexed
     again from them, reading only the first shard's headers, unless a tar's size says it changed."""
-    from tools.commands import shards as shard_tools
+    from prunepipe.tools.commands import shards as shard_tools
 
     make_image_folder(tmp_path / "images")
-    shard_tools.write_shards("folder", str(tmp_path / "out"), folder=str(tmp_path / "images"), size=8,
-                             shard_size=25, val_fraction=0.25, seed=0, workers=0)
+    shard_tools.write_shards(
+        "folder",
+        str(tmp_path / "out"),
+        folder=str(tmp_path / "images"),
+        size=8,
+        shard_size=25,
+        val_fraction=0.25,
+        seed=0,
+        workers=0,
+    )
     train = tmp_path / "out" / "train"
     written = ShardIndex.load(str(train))
     assert sorted(p.name for p in train.glob("*_stats.json")) == [
-        os.path.basename(url)[:-4] + "_stats.json" for url in written.urls]
+        os.path.basename(url)[:-4] + "_stats.json" for url in written.urls
+    ]
 
     moved = tmp_path / "moved"
     shutil.copytree(train, moved)
@@ -608,7 +698,7 @@ def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_o
 
 
 def test_cli_index_says_how_it_counted(tmp_path, capsys):
-    from launch.cli import main
+    from prunepipe.launch.cli import main
 
     for shard_id, n in enumerate((4, 2, 3)):
         write_img2dataset_shard(tmp_path, shard_id, n)
@@ -619,12 +709,15 @@ def test_cli_index_says_how_it_counted(tmp_path, capsys):
     assert ", 1 from their tar headers" in said and "--verify" in said
     counted = ShardIndex.load(str(tmp_path)).meta["counted"]
     assert counted["img2dataset_stats"] + counted["tar_headers_read"] == counted["shards"] == 3
-    assert describe_counting(counted) == ("of 3 shard(s), 2 counted from img2dataset's *_stats.json (--verify reads "
-                                          "their tar headers too), 1 from their tar headers (1 of them checked "
-                                          "against their *_stats.json)")
+    assert describe_counting(counted) == (
+        "of 3 shard(s), 2 counted from img2dataset's *_stats.json (--verify reads "
+        "their tar headers too), 1 from their tar headers (1 of them checked "
+        "against their *_stats.json)"
+    )
 
     assert main(["shards", "index", str(tmp_path), "--out", str(tmp_path), "--workers", "1", "--verify"]) == 0
     counted = ShardIndex.load(str(tmp_path)).meta["counted"]
     assert (counted["img2dataset_stats"], counted["tar_headers_read"], counted["checked_against_stats"]) == (0, 3, 3)
     assert describe_counting(counted, verify=True) == (
-        "of 3 shard(s), 3 from their tar headers (3 of them checked against their *_stats.json)")
+        "of 3 shard(s), 3 from their tar headers (3 of them checked against their *_stats.json)"
+    )

@@ -10,13 +10,13 @@ import os
 from eval_runs import tiny_vae
 from test_text_to_image import captioned  # noqa: F401 (fixture)
 
-from pipelines.config import load_config
-from pipelines.tasks.build import build_task
-from pipelines.tasks.diffusion.text import PrecomputedText
-from pipelines.training.loop import train
-from tools.commands.captioned import digit_caption
-from tools.commands.latents import encode_shards
-from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.pipelines.tasks.diffusion.text import PrecomputedText
+from prunepipe.pipelines.training.loop import train
+from prunepipe.tools.commands.captioned import digit_caption
+from prunepipe.tools.commands.latents import encode_shards
+from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny_latents.yaml")
@@ -28,10 +28,24 @@ def test_the_tiny_t2i_latents_config_trains_on_latent_and_text_feature_shards(ca
     vae = str(tmp_path / "vae")
     tiny_vae(1, 8).save_pretrained(vae)
     for split in ("train", "val"):
-        encode_shards(f"{captioned}/{split}", vae, str(tmp_path / "latents" / split), resolution=8, batch_size=64,
-                      text_encoder=encoder)
-    cfg = load_config(CONFIG, [f"data.train={tmp_path}/latents/train", f"data.val={tmp_path}/latents/val",
-                               f"runs_dir={tmp_path}/runs", "passes=1", "data.batch_size=256"])  # 512 pairs: 2 steps
+        encode_shards(
+            f"{captioned}/{split}",
+            vae,
+            str(tmp_path / "latents" / split),
+            resolution=8,
+            batch_size=64,
+            text_encoder=encoder,
+        )
+    cfg = load_config(
+        CONFIG,
+        [
+            f"data.train={tmp_path}/latents/train",
+            f"data.val={tmp_path}/latents/val",
+            f"runs_dir={tmp_path}/runs",
+            "passes=1",
+            "data.batch_size=256",
+        ],
+    )  # 512 pairs: 2 steps
     assert (cfg.ldm.autoencoder, cfg.ldm.text.encoder, cfg.ldm.backbone) == ("latents", "precomputed", "dit")
     task = build_task(cfg)
     assert isinstance(task.text_encoder, PrecomputedText) and not task.reads_captions

@@ -19,16 +19,16 @@ from test_evaluate_ranks import join_group, leave, results_of, run_ranks
 from test_text_to_image import CONFIG, captioned, config, encoder  # noqa: F401 (fixtures)
 from torchmetrics.multimodal.clip_score import CLIPScore
 
-from pipelines.config import ConfigError, load_config
-from pipelines.data.splits import read_captions
-from pipelines.evaluation.clip_score import clip_score_metric, load_clip, scoring
-from pipelines.evaluation.config import load_eval_config
-from pipelines.evaluation.fid import uint8_rgb
-from pipelines.evaluation.runner import Evaluator, evaluate_checkpoint
-from pipelines.evaluation.sampling import generate_images
-from pipelines.training.loop import train
-from tools.commands.captioned import digit_caption
-from tools.fixtures.tiny_text_encoder import write_tiny_clip
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.splits import read_captions
+from prunepipe.pipelines.evaluation.clip_score import clip_score_metric, load_clip, scoring
+from prunepipe.pipelines.evaluation.config import load_eval_config
+from prunepipe.pipelines.evaluation.fid import uint8_rgb
+from prunepipe.pipelines.evaluation.runner import Evaluator, evaluate_checkpoint
+from prunepipe.pipelines.evaluation.sampling import generate_images
+from prunepipe.pipelines.training.loop import train
+from prunepipe.tools.commands.captioned import digit_caption
+from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_clip
 
 SAMPLES = 12  # generated images (and held-out captions) per evaluation
 
@@ -53,8 +53,15 @@ def grey_features(weights=None) -> nn.Module:
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory) -> str:
     """A tiny random CLIPModel (both towers) and its processor, saved by path as a downloaded CLIP is."""
-    return write_tiny_clip(str(tmp_path_factory.mktemp("clip")), [digit_caption(label) for label in range(10)],
-                           image_size=16, patch_size=4, hidden_size=16, projection_dim=8, max_length=8)
+    return write_tiny_clip(
+        str(tmp_path_factory.mktemp("clip")),
+        [digit_caption(label) for label in range(10)],
+        image_size=16,
+        patch_size=4,
+        hidden_size=16,
+        projection_dim=8,
+        max_length=8,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +72,27 @@ def text_run(captioned, encoder, tmp_path_factory) -> str:  # noqa: F811
 
 
 def settings(clip: str, stats: str, *extra: str) -> list[str]:
-    return ["fid.feature=module:test_text_eval:grey_features", f"fid.num_samples={SAMPLES}", "fid.sampler_steps=2",
-            "fid.guidance_scale=2.0", "fid.batch_size=5", "val_samples=32", f"clip_score.model={clip}",
-            *([f"fid.stats_dir={stats}"] if stats else []), *extra]
+    return [
+        "fid.feature=module:test_text_eval:grey_features",
+        f"fid.num_samples={SAMPLES}",
+        "fid.sampler_steps=2",
+        "fid.guidance_scale=2.0",
+        "fid.batch_size=5",
+        "val_samples=32",
+        f"clip_score.model={clip}",
+        *([f"fid.stats_dir={stats}"] if stats else []),
+        *extra,
+    ]
 
 
 # ----------------------------------------------------------------------------- FID and CLIPScore
 def test_a_text_runs_checkpoint_gets_fid_against_its_captions_images_and_clip_score(text_run, clip, tmp_path):
     record = evaluate_checkpoint(text_run, eval_cfg=load_eval_config(overrides=settings(clip, str(tmp_path))))
     metrics, details = record["metrics"], record["details"]
-    print(f"text run after 2 passes: fid {metrics['fid']:.3f}, clip_score {metrics['clip_score']:.3f}, "
-          f"denoise_mse {metrics['denoise_mse']:.4f}")
+    print(
+        f"text run after 2 passes: fid {metrics['fid']:.3f}, clip_score {metrics['clip_score']:.3f}, "
+        f"denoise_mse {metrics['denoise_mse']:.4f}"
+    )
     assert set(metrics) == {"denoise_mse", "fid", "clip_score"}
     assert all(math.isfinite(v) for v in metrics.values()) and metrics["fid"] > 0
     # the real set is the held-out images of the captions sampled: the first SAMPLES of val
@@ -95,8 +112,13 @@ def test_clip_score_is_torchmetrics_value_of_the_samples_against_their_captions(
     evaluated = Evaluator(cfg, eval_cfg, run_dir=text_run).evaluate(task, model, write=False)["metrics"]
     assert "fid" not in evaluated  # CLIPScore alone draws the samples itself
 
-    images = torch.cat(list(generate_images(task, model, num_images=SAMPLES, steps=2, seed=0, batch_size=5,
-                                            guidance_scale=2.0, captions=captions)))
+    images = torch.cat(
+        list(
+            generate_images(
+                task, model, num_images=SAMPLES, steps=2, seed=0, batch_size=5, guidance_scale=2.0, captions=captions
+            )
+        )
+    )
     direct = CLIPScore(model_name_or_path=lambda: load_clip(clip))
     direct.update(uint8_rgb(images), captions)
     assert evaluated["clip_score"] == pytest.approx(float(direct.compute()), rel=1e-5)
@@ -138,17 +160,27 @@ def _cosines(clip: str, images: torch.Tensor, captions: list[str]) -> torch.Tens
 def _val_labels(count: int) -> list[int]:
     from sklearn.datasets import load_digits
 
-    return [int(label) for label in load_digits().target[512:512 + count]]
+    return [int(label) for label in load_digits().target[512 : 512 + count]]
 
 
 def test_replication_of_a_text_run_is_capped_at_its_held_out_captions(text_run, tmp_path):
     # sample i is drawn from held-out caption i: val's 64 captions cap replication.num_samples=100 at 64
     task, model, cfg = trained_task(text_run)
-    overrides = ["fid.enabled=false", "fid.sampler_steps=2", "fid.batch_size=32", "val_samples=8",
-                 "replication.enabled=true", "replication.num_samples=100", "replication.max_train=64",
-                 "replication.held_out_samples=16", "replication.neighbours=5", "replication.picture_pairs=0"]
+    overrides = [
+        "fid.enabled=false",
+        "fid.sampler_steps=2",
+        "fid.batch_size=32",
+        "val_samples=8",
+        "replication.enabled=true",
+        "replication.num_samples=100",
+        "replication.max_train=64",
+        "replication.held_out_samples=16",
+        "replication.neighbours=5",
+        "replication.picture_pairs=0",
+    ]
     details = Evaluator(cfg, load_eval_config(overrides=overrides), run_dir=text_run).evaluate(
-        task, model, write=False)["details"]
+        task, model, write=False
+    )["details"]
     assert details["held_out_captions"] == details["replication_samples"] == 64
     assert details["replication_reused_fid_samples"] is False
 
@@ -158,7 +190,8 @@ def _evaluate_on_ranks(rank, world, init_file, run_dir, overrides, out):
     join_group(rank, world, init_file)
     task, model, cfg = trained_task(run_dir)
     record = Evaluator(cfg, load_eval_config(overrides=list(overrides)), run_dir=run_dir).evaluate(
-        task, model, write=False)
+        task, model, write=False
+    )
     leave(rank, out, record["metrics"])
 
 
@@ -186,7 +219,8 @@ def test_a_missing_clip_folder_is_named_by_its_setting(text_run, tmp_path):
 
 
 def test_a_text_run_evaluates_fid_and_clip_score_every_pass_and_its_config_mistakes_are_named(
-        captioned, encoder, clip, tmp_path):  # noqa: F811
+    captioned, encoder, clip, tmp_path
+):  # noqa: F811
     every = ["eval.every_passes=1", "eval.replication.enabled=true"]
     cfg = config(captioned, encoder, tmp_path, "ok", *every, f"eval.clip_score.model={clip}")
     assert cfg.eval.fid.enabled and cfg.eval.clip_score.model == clip
@@ -196,5 +230,6 @@ def test_a_text_run_evaluates_fid_and_clip_score_every_pass_and_its_config_mista
         config(captioned, encoder, tmp_path, "bad", *every, "data.val=")
     digits = os.path.join(os.path.dirname(CONFIG), "ldm_dit_tiny_full.yaml")
     with pytest.raises(ConfigError, match=r"eval\.clip_score\.model=.*ldm\.conditioning is class"):
-        load_config(digits, [f"data.train={captioned}/train", f"data.val={captioned}/val",
-                             f"eval.clip_score.model={clip}"])
+        load_config(
+            digits, [f"data.train={captioned}/train", f"data.val={captioned}/val", f"eval.clip_score.model={clip}"]
+        )

@@ -10,16 +10,17 @@ import shutil
 import pytest
 from eval_runs import tiny_vae
 
-from pipelines.tasks.diffusion.text import TextEncoder
-from tools.commands.latents import encode_shards
-from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
+from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
+from prunepipe.tools.commands.latents import encode_shards
+from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 
 @pytest.fixture(scope="module")
 def model_only(tmp_path_factory) -> str:
     """A tiny CLIP text model's folder without its tokenizer (as a repo's text_encoder/ is)."""
-    full = write_tiny_text_encoder(str(tmp_path_factory.mktemp("encoder")), ["a digit"], hidden_size=16, layers=1,
-                                   max_length=8)
+    full = write_tiny_text_encoder(
+        str(tmp_path_factory.mktemp("encoder")), ["a digit"], hidden_size=16, layers=1, max_length=8
+    )
     folder = str(tmp_path_factory.mktemp("text_encoder"))
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(full, name), folder)
@@ -55,6 +56,9 @@ def test_latents_encode_names_its_flags_and_gives_the_whole_reason(digits_shards
 
 
 def test_a_run_names_its_config_keys(model_only):
-    with pytest.raises(FileNotFoundError, match=r"^ldm\.text\.encoder='.*': no tokenizer beside the encoder.*"
-                                                r"give its folder with ldm\.text\.tokenizer"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^ldm\.text\.encoder='.*': no tokenizer beside the encoder.*"
+        r"give its folder with ldm\.text\.tokenizer",
+    ):
         TextEncoder(model_only, max_length=8)

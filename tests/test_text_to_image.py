@@ -17,23 +17,27 @@ import torch
 import webdataset as wds
 from eval_runs import one_torch_thread
 from PIL import Image
-from test_distributed import (assert_held_out_flow_loss_fell, passes_of, trained_from_its_first_model,
-                              two_ranks_of_32_and_one_of_64)
+from test_distributed import (
+    assert_held_out_flow_loss_fell,
+    passes_of,
+    trained_from_its_first_model,
+    two_ranks_of_32_and_one_of_64,
+)
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
-from pipelines.config import ConfigError, load_config
-from pipelines.data.batch import Batch
-from pipelines.data.shards import BadInputError
-from pipelines.tasks.build import build_task
-from pipelines.tasks.diffusion.export import TEXT_ENCODER_INFO
-from pipelines.tasks.diffusion.from_export import sample
-from pipelines.tasks.randomness import SampleRandomness
-from pipelines.tasks.diffusion.sampler import denoise
-from pipelines.tasks.diffusion.text import caption_dropped
-from pipelines.training.loop import train
-from tools.commands.captioned import digit_caption
-from tools.commands.shards import index_shards
-from tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
+from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.data.shards import BadInputError
+from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.pipelines.tasks.diffusion.export import TEXT_ENCODER_INFO
+from prunepipe.pipelines.tasks.diffusion.from_export import sample
+from prunepipe.pipelines.tasks.diffusion.sampler import denoise
+from prunepipe.pipelines.tasks.diffusion.text import caption_dropped
+from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.training.loop import train
+from prunepipe.tools.commands.captioned import digit_caption
+from prunepipe.tools.commands.shards import index_shards
+from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny.yaml")
 PROMPTS = ["a handwritten digit three", "a handwritten digit eight"]
@@ -44,8 +48,9 @@ def _one_thread():
     yield from one_torch_thread()
 
 
-def write_img2dataset_shards(folder, images, labels, *, per_shard: int, first_key: int = 0,
-                             no_caption: tuple[int, ...] = ()) -> str:
+def write_img2dataset_shards(
+    folder, images, labels, *, per_shard: int, first_key: int = 0, no_caption: tuple[int, ...] = ()
+) -> str:
     """Shards as img2dataset lays them out: NNNNN.tar of KEY.jpg, KEY.txt, KEY.json, and NNNNN_stats.json
     beside each; the samples at positions `no_caption` have no txt. Indexed; returns the folder."""
     folder = str(folder)
@@ -85,18 +90,36 @@ def captioned(tmp_path_factory) -> str:
 def encoder(tmp_path_factory) -> str:
     """A tiny random CLIP text model and a word-level tokenizer of the digit captions, saved by path."""
     captions = [digit_caption(label) for label in range(10)]
-    return write_tiny_text_encoder(str(tmp_path_factory.mktemp("encoder")), captions, hidden_size=16, layers=1,
-                                   max_length=8)
+    return write_tiny_text_encoder(
+        str(tmp_path_factory.mktemp("encoder")), captions, hidden_size=16, layers=1, max_length=8
+    )
 
 
 def tiny(encoder: str) -> list[str]:
-    return ["data.resolution=8", "data.batch_size=32", "data.val_batches=2", "data.shuffle_buffer=64",
-            "ldm.dit.width=32", f"ldm.text.encoder={encoder}", "ldm.text.max_length=8", "log_every=4"]
+    return [
+        "data.resolution=8",
+        "data.batch_size=32",
+        "data.val_batches=2",
+        "data.shuffle_buffer=64",
+        "ldm.dit.width=32",
+        f"ldm.text.encoder={encoder}",
+        "ldm.text.max_length=8",
+        "log_every=4",
+    ]
 
 
 def config(captioned, encoder, tmp_path, name, *extra):
-    return load_config(CONFIG, [f"data.train={captioned}/train", f"data.val={captioned}/val", f"runs_dir={tmp_path}",
-                                f"name={name}", *tiny(encoder), *extra])
+    return load_config(
+        CONFIG,
+        [
+            f"data.train={captioned}/train",
+            f"data.val={captioned}/val",
+            f"runs_dir={tmp_path}",
+            f"name={name}",
+            *tiny(encoder),
+            *extra,
+        ],
+    )
 
 
 def text_task(captioned, encoder, tmp_path, *extra):
@@ -113,15 +136,27 @@ def text_task(captioned, encoder, tmp_path, *extra):
 
 def digit_batch(count: int, captions: list[str], first_id: int = 0) -> Batch:
     images = torch.randn(count, 1, 8, 8, generator=torch.Generator().manual_seed(count)).clamp(-1, 1)
-    return Batch(torch.arange(first_id, first_id + count), torch.ones(count), images, torch.full((count,), -1),
-                 captions=tuple(captions))
+    return Batch(
+        torch.arange(first_id, first_id + count),
+        torch.ones(count),
+        images,
+        torch.full((count,), -1),
+        captions=tuple(captions),
+    )
 
 
 # ----------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def trained_run(captioned, encoder, tmp_path_factory):
-    cfg = config(captioned, encoder, tmp_path_factory.mktemp("runs"), "t2i", "passes=8",
-                 "pruner.name=infobatch", "score.normalise=stratum_mean")
+    cfg = config(
+        captioned,
+        encoder,
+        tmp_path_factory.mktemp("runs"),
+        "t2i",
+        "passes=8",
+        "pruner.name=infobatch",
+        "score.normalise=stratum_mean",
+    )
     return (cfg, *trained_from_its_first_model(cfg))
 
 
@@ -138,10 +173,16 @@ def test_a_tiny_text_conditional_dit_trains_from_img2dataset_shards_and_its_held
 
 def test_a_text_run_stopped_at_a_checkpoint_resumes_bitwise(captioned, encoder, tmp_path):
     # InfoBatch on scores normalised within strata that tell dropped captions from kept ones
-    base = [*tiny(encoder), "passes=3", "checkpoint.every_steps=5", "pruner.name=infobatch",
-            "score.normalise=stratum_mean"]
+    base = [
+        *tiny(encoder),
+        "passes=3",
+        "checkpoint.every_steps=5",
+        "pruner.name=infobatch",
+        "score.normalise=stratum_mean",
+    ]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
-        CONFIG, captioned, tmp_path, base, stop_at=20, end_at=35)  # step 20 is inside pass 2 (16 a pass)
+        CONFIG, captioned, tmp_path, base, stop_at=20, end_at=35
+    )  # step 20 is inside pass 2 (16 a pass)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner, resumed_pruner)
 
@@ -149,8 +190,14 @@ def test_a_text_run_stopped_at_a_checkpoint_resumes_bitwise(captioned, encoder, 
 def test_two_ranks_of_batch_b_train_the_text_dit_like_one_rank_of_batch_2b(captioned, encoder, tmp_path):
     # 64 samples: every step sees the whole set on 2 x 32 or 1 x 64; noise, s and caption drops are keyed
     # by sample id, and captions are padded to a fixed length, so the averaged gradients agree
-    common = [f"data.train={captioned}/val", "data.val=", f"runs_dir={tmp_path}", "passes=3",
-              "optim.warmup_passes=0", *tiny(encoder)]
+    common = [
+        f"data.train={captioned}/val",
+        "data.val=",
+        f"runs_dir={tmp_path}",
+        "passes=3",
+        "optim.warmup_passes=0",
+        *tiny(encoder),
+    ]
     two, one = two_ranks_of_32_and_one_of_64("ldm_t2i_tiny.yaml", common, tmp_path)
     moved = 0
     for key in one:
@@ -174,8 +221,7 @@ def test_captions_are_dropped_once_per_sample_at_the_configured_rate():
     assert not torch.equal(caption_dropped(SampleRandomness(0, 4, ids), rate, "cpu"), dropped)
 
 
-def test_a_dropped_caption_trains_on_the_empty_captions_features_and_its_stratum_says_so(captioned, encoder,
-                                                                                         tmp_path):
+def test_a_dropped_caption_trains_on_the_empty_captions_features_and_its_stratum_says_so(captioned, encoder, tmp_path):
     task = text_task(captioned, encoder, tmp_path, "ldm.text.caption_dropout=0.25")
     count, T = 400, task.cfg.num_train_timesteps
     ones = digit_batch(count, [digit_caption(1)] * count)
@@ -198,8 +244,9 @@ def test_a_sample_without_a_caption_follows_on_bad_sample_and_is_counted(encoder
 
     digits = load_digits()
     pixels = np.round(digits.images[:64] * (255.0 / 16.0)).astype(np.uint8)
-    data = write_img2dataset_shards(tmp_path / "data" / "train", pixels, digits.target[:64], per_shard=64,
-                                    no_caption=(5,))
+    data = write_img2dataset_shards(
+        tmp_path / "data" / "train", pixels, digits.target[:64], per_shard=64, no_caption=(5,)
+    )
     common = [f"data.train={data}", "data.val=", f"runs_dir={tmp_path}", "passes=1", *tiny(encoder)]
     with pytest.raises(BadInputError, match=r"key '000000005': no caption \(field 'txt'"):
         train(load_config(CONFIG, [*common, "name=stops"]))
@@ -213,8 +260,10 @@ def guided_and_unguided(task, scale: float) -> tuple[torch.Tensor, torch.Tensor]
     null = task.text_encoder.null()
     start = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        return (denoise(task.model, start, task.sampler(), 4, prompts, null_label=null, guidance_scale=scale),
-                denoise(task.model, start, task.sampler(), 4, prompts, null_label=null, guidance_scale=1.0))
+        return (
+            denoise(task.model, start, task.sampler(), 4, prompts, null_label=null, guidance_scale=scale),
+            denoise(task.model, start, task.sampler(), 4, prompts, null_label=null, guidance_scale=1.0),
+        )
 
 
 def test_guidance_changes_samples_and_a_model_that_ignores_text_is_not_guided(captioned, encoder, tmp_path):
@@ -241,40 +290,50 @@ def test_the_export_reloads_in_diffusers_and_samples_the_same_images(captioned, 
 
     start = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        expected = denoise(task.model, start, task.sampler(), 4, task.text_encoder.encode(PROMPTS),
-                           null_label=task.text_encoder.null(), guidance_scale=2.0)
+        expected = denoise(
+            task.model,
+            start,
+            task.sampler(),
+            4,
+            task.text_encoder.encode(PROMPTS),
+            null_label=task.text_encoder.null(),
+            guidance_scale=2.0,
+        )
     images = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=False, prompts=PROMPTS, guidance_scale=2.0)
     torch.testing.assert_close(images, (expected / task.scaling_factor / 2 + 0.5).clamp(0, 1), rtol=0, atol=1e-6)
-    other = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=False, prompts=PROMPTS[::-1],
-                   guidance_scale=2.0)
+    other = sample(export, 2, 4, torch.Generator().manual_seed(7), ema=False, prompts=PROMPTS[::-1], guidance_scale=2.0)
     assert not torch.equal(images, other), "the prompt chooses the image"
 
 
 def test_an_export_refuses_a_text_encoder_other_than_its_runs(captioned, encoder, tmp_path):
     task = text_task(captioned, encoder, tmp_path)
     task.export(task.model, None, str(tmp_path / "export"))
-    other = write_tiny_text_encoder(str(tmp_path / "other"), ["a different vocabulary"], hidden_size=16, layers=1,
-                                    max_length=8)
+    other = write_tiny_text_encoder(
+        str(tmp_path / "other"), ["a different vocabulary"], hidden_size=16, layers=1, max_length=8
+    )
     with pytest.raises(ValueError, match="another model or tokenizer"):
         sample(str(tmp_path / "export"), 1, 2, torch.Generator(), ema=False, text_encoder=other)
 
 
 # ----------------------------------------------------------------------------- configuration and data
-@pytest.mark.parametrize("setting, named", [
-    ("ldm.backbone=unet", "ldm.backbone=dit"),
-    ("ldm.text.encoder=", "needs ldm.text.encoder"),
-    ("ldm.num_classes=10", "ldm.num_classes=10"),
-    ("ldm.text.caption_dropout=1.0", "ldm.text.caption_dropout"),
-    ("ldm.conditioning=words", "accepted: none, class, text"),
-])
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("ldm.backbone=unet", "ldm.backbone=dit"),
+        ("ldm.text.encoder=", "needs ldm.text.encoder"),
+        ("ldm.num_classes=10", "ldm.num_classes=10"),
+        ("ldm.text.caption_dropout=1.0", "ldm.text.caption_dropout"),
+        ("ldm.conditioning=words", "accepted: none, class, text"),
+    ],
+)
 def test_a_text_config_mistake_names_its_field(captioned, encoder, tmp_path, setting, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         config(captioned, encoder, tmp_path, "bad", setting)
 
 
 def test_shards_write_captions_writes_img2dataset_pairs_captioned_from_what_is_known(tmp_path):
-    from pipelines.data.shards import ShardIndex, read_shard
-    from tools.commands.shards import write_shards
+    from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+    from prunepipe.tools.commands.shards import write_shards
 
     paths = write_shards("photos", str(tmp_path), size=16, shard_size=50, crops_per_photo=2, captions=True)
     index = ShardIndex.load(paths["train"])
@@ -293,8 +352,8 @@ def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(cap
     (a text DiT on precomputed VAE latents) reads the same txt it would read from the images."""
     from eval_runs import tiny_vae
 
-    from pipelines.data.shards import ShardIndex, read_shard
-    from tools.commands.latents import encode_shards
+    from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+    from prunepipe.tools.commands.latents import encode_shards
 
     vae = str(tmp_path / "vae")
     tiny_vae(1, 8).save_pretrained(vae)
@@ -305,9 +364,18 @@ def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(cap
     originals = {key: s["txt"] for url in ShardIndex.load(f"{captioned}/train").urls for key, s in read_shard(url)}
     encoded = {key: s["txt"] for url in index.urls for key, s in read_shard(url)}
     assert encoded == originals
-    cfg = load_config(CONFIG, [f"data.train={tmp_path}/latents/train", f"data.val={tmp_path}/latents/val",
-                               f"runs_dir={tmp_path}", "name=on_latents", *tiny(encoder), "passes=2",
-                               "ldm.autoencoder=latents"])
+    cfg = load_config(
+        CONFIG,
+        [
+            f"data.train={tmp_path}/latents/train",
+            f"data.val={tmp_path}/latents/val",
+            f"runs_dir={tmp_path}",
+            "name=on_latents",
+            *tiny(encoder),
+            "passes=2",
+            "ldm.autoencoder=latents",
+        ],
+    )
     train(cfg)
     records = passes_of(cfg.run_dir)
     assert records[-1]["bad_samples"] == 0 and np.isfinite(records[-1]["held_out"]["denoise_mse"])

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-
 from eval_runs import diffusion_config
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
+
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+from prunepipe.pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
 
 T = 50
 
@@ -49,7 +49,7 @@ def test_weighted_losses_keep_the_uniform_expectation():
     losses = rng.exponential(1.0, T)
     sampler = warmed(losses)
     t, weights = sampler.draw(torch.rand(400_000, generator=torch.Generator().manual_seed(3)))
-    estimate = (weights.double().numpy() * losses[t.numpy()])
+    estimate = weights.double().numpy() * losses[t.numpy()]
     standard_error = estimate.std() / np.sqrt(len(estimate))
     assert abs(estimate.mean() - losses.mean()) < 4 * standard_error
     assert estimate.std() < (losses[rng.integers(0, T, 400_000)]).std()  # and with less variance
@@ -74,12 +74,20 @@ def test_state_round_trip_gives_the_same_draws():
 
 
 def test_a_task_weights_the_loss_and_scores_without_the_weight():
-    task = DiffusionTask(diffusion_config(unet__block_out_channels=[16, 32], unet__norm_num_groups=8, num_train_timesteps=T,
-                                         ddpm__timestep_sampling="loss_second_moment"), image_size=16, channels=1)
+    task = DiffusionTask(
+        diffusion_config(
+            unet__block_out_channels=[16, 32],
+            unet__norm_num_groups=8,
+            num_train_timesteps=T,
+            ddpm__timestep_sampling="loss_second_moment",
+        ),
+        image_size=16,
+        channels=1,
+    )
     sampler = task.timestep_sampler
     for _ in range(10):
         sampler.update(np.arange(T), np.arange(T), np.linspace(0.1, 5.0, T))
-    from pipelines.data.batch import Batch
+    from prunepipe.pipelines.data.batch import Batch
 
     batch = Batch(torch.arange(8), torch.ones(8), torch.rand(8, 1, 16, 16) * 2 - 1, torch.full((8,), -1))
     out = task.per_sample(task.model, batch, torch.Generator().manual_seed(5))

@@ -18,32 +18,58 @@ import torch
 import webdataset as wds
 from safetensors.torch import load_file
 
-from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states, resolve_resume
-from pipelines.config import load_config
-from pipelines.data.shards import ShardIndex
-from pipelines.tasks.build import build_task
-from pipelines.tasks.diffusion.from_export import load_pipeline, sample
-from pipelines.tasks.mae import load_exported_encoder
-from pipelines.training.loop import NonFiniteLossError, learning_rate, train
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states, resolve_resume
+from prunepipe.pipelines.config import load_config
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.pipelines.tasks.diffusion.from_export import load_pipeline, sample
+from prunepipe.pipelines.tasks.mae import load_exported_encoder
+from prunepipe.pipelines.training.loop import NonFiniteLossError, learning_rate, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Small enough for seconds per run on 2 CPU cores, large enough that InfoBatch prunes.
-TINY_MAE = ["mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.batch_size=64", "data.val_batches=1"]
-TINY_LDM = ["ldm.unet.block_out_channels=[16,32]", "ldm.unet.norm_num_groups=8", "data.batch_size=64",
-            "data.val_batches=1", "data.resolution=16"]
+TINY_MAE = [
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.batch_size=64",
+    "data.val_batches=1",
+]
+TINY_LDM = [
+    "ldm.unet.block_out_channels=[16,32]",
+    "ldm.unet.norm_num_groups=8",
+    "data.batch_size=64",
+    "data.val_batches=1",
+    "data.resolution=16",
+]
 
 
 def overrides(digits_shards, tmp_path, name, extra):
-    return [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val", f"runs_dir={tmp_path}",
-            f"name={name}", "log_every=5", *extra]
+    return [
+        f"data.train={digits_shards}/train",
+        f"data.val={digits_shards}/val",
+        f"runs_dir={tmp_path}",
+        f"name={name}",
+        "log_every=5",
+        *extra,
+    ]
 
 
 def run_cli(config, args, **kw) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "train", config, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "prunepipe.launch.cli", "train", config, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def final_state(run_dir):
@@ -68,10 +94,12 @@ def assert_states_equal(a, b, path=""):
 
 @pytest.mark.parametrize(
     "config, extra",
-    [("mae_tiny_infobatch.yaml", TINY_MAE),
-     # slow: the kill and the requeue are mae-infobatch's; TED's state resumes bitwise in-process below
-     pytest.param("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"], marks=pytest.mark.slow),
-     pytest.param("ldm_dit_tiny_infobatch.yaml", ["data.val_batches=1"], marks=pytest.mark.slow)],
+    [
+        ("mae_tiny_infobatch.yaml", TINY_MAE),
+        # slow: the kill and the requeue are mae-infobatch's; TED's state resumes bitwise in-process below
+        pytest.param("ldm_tiny_ted.yaml", TINY_LDM + ["pruner.ramp=0.5"], marks=pytest.mark.slow),
+        pytest.param("ldm_dit_tiny_infobatch.yaml", ["data.val_batches=1"], marks=pytest.mark.slow),
+    ],
     ids=["mae-infobatch", "ldm-ted", "dit-flow-infobatch"],
 )
 def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra, digits_shards, tmp_path):
@@ -116,9 +144,10 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra
 
 
 def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                      overrides(digits_shards, tmp_path, "torn", TINY_MAE + ["passes=2", "max_steps=10",
-                                                                          "checkpoint.every_steps=5"]))
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        overrides(digits_shards, tmp_path, "torn", TINY_MAE + ["passes=2", "max_steps=10", "checkpoint.every_steps=5"]),
+    )
     train(cfg)
     good = latest_checkpoint(cfg.run_dir)
     # What a kill during a save leaves: the temporary folder with a truncated file.
@@ -137,8 +166,10 @@ def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_
 def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path):
     runs = {}
     for name in ("mae_tiny_full", "mae_tiny_infobatch"):
-        cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"),
-                          overrides(digits_shards, tmp_path, name, TINY_MAE + ["passes=4"]))
+        cfg = load_config(
+            os.path.join(ROOT, "configs", f"{name}.yaml"),
+            overrides(digits_shards, tmp_path, name, TINY_MAE + ["passes=4"]),
+        )
         train(cfg)
         runs[name] = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     full = [r for r in runs["mae_tiny_full"] if r["kind"] == "pass"]
@@ -155,9 +186,10 @@ def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path)
 
 
 def test_learning_rate_follows_pass_progress(digits_shards):
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-                      [f"data.train={digits_shards}/train", "data.val=''", "passes=10", "optim.warmup_passes=2",
-                       "optim.lr=1.0"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        [f"data.train={digits_shards}/train", "data.val=''", "passes=10", "optim.warmup_passes=2", "optim.lr=1.0"],
+    )
     assert learning_rate(cfg, 0.0) == 0.0 and learning_rate(cfg, 1.0) == pytest.approx(0.5)
     assert learning_rate(cfg, 2.0) == pytest.approx(1.0) and learning_rate(cfg, 10.0) == pytest.approx(0.0)
     assert learning_rate(cfg, 6.0) == pytest.approx(0.5)
@@ -183,11 +215,20 @@ def write_latent_shards(folder, n: int, nan_at: int) -> str:
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, policy):
     shards = write_latent_shards(str(tmp_path / "latents"), 64, nan_at=37)
-    cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"), [
-        f"data.train={shards}", "data.val=''", f"runs_dir={tmp_path}", f"name={policy}", "passes=2",
-        "data.batch_size=8", "ldm.autoencoder=latents", "ldm.unet.block_out_channels=[16,32]",
-        f"on_nonfinite_loss={policy}",
-    ])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "ldm_tiny_full.yaml"),
+        [
+            f"data.train={shards}",
+            "data.val=''",
+            f"runs_dir={tmp_path}",
+            f"name={policy}",
+            "passes=2",
+            "data.batch_size=8",
+            "ldm.autoencoder=latents",
+            "ldm.unet.block_out_channels=[16,32]",
+            f"on_nonfinite_loss={policy}",
+        ],
+    )
     if policy == "stop":
         with pytest.raises(NonFiniteLossError, match=r"step \d+ \(pass 1/2, batch \d+\).*sample ids \[37\]"):
             train(cfg)
@@ -200,16 +241,24 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
 
 def test_latent_shards_tell_the_unet_their_shape(tmp_path):
     shards = write_latent_shards(str(tmp_path / "latents"), 8, nan_at=-1)
-    cfg = load_config(os.path.join(ROOT, "configs", "ldm_full.yaml"),
-                      [f"data.train={shards}", "ldm.unet.block_out_channels=[16,32,32,32]", "ldm.unet.norm_num_groups=8"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "ldm_full.yaml"),
+        [f"data.train={shards}", "ldm.unet.block_out_channels=[16,32,32,32]", "ldm.unet.norm_num_groups=8"],
+    )
     task = build_task(cfg)
     assert (task.in_channels, task.sample_size) == (4, 8), "data.resolution=256 describes images, not latents"
 
 
 def test_periodic_evaluation_is_logged_every_e_passes(digits_shards, tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml"),
-                      overrides(digits_shards, tmp_path, "evaluated", TINY_MAE + [
-                          "passes=3", "eval.every_passes=2", "eval.val_samples=64", "eval.probe.train_samples=200"]))
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml"),
+        overrides(
+            digits_shards,
+            tmp_path,
+            "evaluated",
+            TINY_MAE + ["passes=3", "eval.every_passes=2", "eval.val_samples=64", "eval.probe.train_samples=200"],
+        ),
+    )
     train(cfg)
     records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -226,11 +275,20 @@ def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards
     shards = tmp_path / "shards"
     digit_shards(digits_shards, shards, shards=3, per_shard=64, broken=lambda shard, position: position % 16 == 3)
     cut = shards / "1.tar"  # and one shard cut short after indexing: its lost samples are met while reading
-    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 3])
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])
     config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
-    common = [f"data.train={shards}", "data.val=''", f"runs_dir={tmp_path}", "passes=2", "data.batch_size=16",
-              f"data.num_workers={workers}", "data.on_bad_sample=skip", "data.shuffle_buffer=8",
-              "checkpoint.every_steps=1000", *TINY_MAE[:-2]]
+    common = [
+        f"data.train={shards}",
+        "data.val=''",
+        f"runs_dir={tmp_path}",
+        "passes=2",
+        "data.batch_size=16",
+        f"data.num_workers={workers}",
+        "data.on_bad_sample=skip",
+        "data.shuffle_buffer=8",
+        "checkpoint.every_steps=1000",
+        *TINY_MAE[:-2],
+    ]
     straight = train(load_config(config, common + ["name=straight"]))
     steps_per_pass = straight["steps_in_pass"]
     stop_at = steps_per_pass + steps_per_pass // 2 + 1  # well into the second pass
@@ -249,9 +307,15 @@ def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards
 def test_normalised_scores_reach_the_pruner_and_leave_the_training_loss_alone(digits_shards, tmp_path):
     runs = {}
     for normalise in ("none", "stratum_mean"):
-        cfg = load_config(os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml"),
-                          overrides(digits_shards, tmp_path, normalise, [*TINY_LDM, "passes=4", "max_steps=25",
-                                                                         f"score.normalise={normalise}"]))
+        cfg = load_config(
+            os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml"),
+            overrides(
+                digits_shards,
+                tmp_path,
+                normalise,
+                [*TINY_LDM, "passes=4", "max_steps=25", f"score.normalise={normalise}"],
+            ),
+        )
         train(cfg)
         runs[normalise] = final_state(cfg.run_dir)
     (_, raw_weights, raw_pruner), (checkpoint, weights, pruner) = runs["none"], runs["stratum_mean"]
@@ -271,8 +335,12 @@ def straight_and_resumed(config, digits_shards, tmp_path, base, *, stop_at: int,
     checkpoint must fall there) and resumed from it to `end_at`, in-process."""
     train(load_config(config, overrides(digits_shards, tmp_path, "straight", [*base, f"max_steps={end_at}"])))
     train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, f"max_steps={stop_at}"])))
-    train(load_config(config, overrides(digits_shards, tmp_path, "resumed", [*base, f"max_steps={end_at}",
-                                                                             "checkpoint.resume=latest"])))
+    train(
+        load_config(
+            config,
+            overrides(digits_shards, tmp_path, "resumed", [*base, f"max_steps={end_at}", "checkpoint.resume=latest"]),
+        )
+    )
     return final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
 
 
@@ -283,7 +351,8 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
     # run of 45 steps never gets there, so this schedule has 20 timesteps
     base = [*TINY_LDM, "passes=4", setting, "ldm.num_train_timesteps=20", "checkpoint.every_steps=10"]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
-        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45
+    )
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])  # pass 2 pruned on the same scores
 
@@ -292,17 +361,27 @@ def test_a_ted_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_pa
     config = os.path.join(ROOT, "configs", "ldm_tiny_ted.yaml")
     base = [*TINY_LDM, "passes=4", "pruner.ramp=0.5", "checkpoint.every_steps=10"]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
-        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45
+    )
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert_states_equal(straight_pruner["tables"], resumed_pruner["tables"])
 
 
 def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
-    from pipelines.training.loop import format_pass
+    from prunepipe.pipelines.training.loop import format_pass
 
     held = {"denoise_mse": 0.25, **{f"flow_mse_s{s:03d}": 0.1 for s in range(5, 100, 10)}, "num_samples": 64}
-    line = format_pass({"epoch": 0, "kept_fraction": 1.0, "steps_in_pass": 3, "train_loss": 0.5,
-                        "wall_seconds": 1.0, "held_out": held}, passes=2)
+    line = format_pass(
+        {
+            "epoch": 0,
+            "kept_fraction": 1.0,
+            "steps_in_pass": 3,
+            "train_loss": 0.5,
+            "wall_seconds": 1.0,
+            "held_out": held,
+        },
+        passes=2,
+    )
     assert "denoise_mse 0.2500" in line and "flow_mse_s" not in line
 
 
@@ -311,7 +390,8 @@ def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, wa
     config = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
     base = [*TINY_MAE, "passes=3", f"ema_warmup={warmup}", "checkpoint.every_steps=10"]
     (straight_at, straight, _), (resumed_at, resumed, _) = straight_and_resumed(
-        config, digits_shards, tmp_path, base, stop_at=30, end_at=45)  # step 30 is inside the pruned pass 2
+        config, digits_shards, tmp_path, base, stop_at=30, end_at=45
+    )  # step 30 is inside the pruned pass 2
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
     ema_a = load_checkpoint_states(straight_at, read_model=False)["ema"]
     ema_b = load_checkpoint_states(resumed_at, read_model=False)["ema"]

@@ -9,7 +9,7 @@ import textwrap
 
 from test_accumulation import run_two_ranks
 
-from pipelines.data.workers import loader_workers, sharing_processes
+from prunepipe.pipelines.data.workers import loader_workers, sharing_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,9 +33,9 @@ AGREE_PROGRAM = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     import torch.distributed as dist
     from accelerate import Accelerator
-    from pipelines.data.workers import agree_worker_count, agreed_loader_workers, usable_cpus
-    from pipelines.data.layout import pass_layout
-    from pipelines.data.shards import ShardIndex
+    from prunepipe.pipelines.data.workers import agree_worker_count, agreed_loader_workers, usable_cpus
+    from prunepipe.pipelines.data.layout import pass_layout
+    from prunepipe.pipelines.data.shards import ShardIndex
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index

@@ -43,34 +43,34 @@ TESTS=$(tail -n 1 "$OUT_DIR/cuda_tests.log")
 say "tests (exit $TESTS_RC): $TESTS"
 
 say "2/4 throughput, size $SIZE"
-timeout 330 "$PY" -m launch.cli bench throughput --task all --size "$SIZE" --passes "$PASSES" \
+timeout 330 "$PY" -m prunepipe.launch.cli bench throughput --task all --size "$SIZE" --passes "$PASSES" \
   --repeats "$REPEATS" --json "$OUT_DIR/throughput.json" "${BENCH_SIZE[@]}" > "$OUT_DIR/throughput.log" 2>&1 \
   || say "throughput FAILED (exit $?)"
 grep -E "repeat|project/bare" "$OUT_DIR/throughput.log" || tail -n 20 "$OUT_DIR/throughput.log"
 
 say "3/4 kill-and-resume with InfoBatch (weights, EMA, pruner)"
 DATA="$OUT_DIR/digits"
-[ -f "$DATA/train/index.json" ] || "$PY" -m launch.cli shards write --out "$DATA" > /dev/null
-timeout 240 "$PY" -m tools.benchmarks.resume_check configs/mae_tiny_infobatch.yaml --out "$OUT_DIR/resume" \
+[ -f "$DATA/train/index.json" ] || "$PY" -m prunepipe.launch.cli shards write --out "$DATA" > /dev/null
+timeout 240 "$PY" -m prunepipe.tools.benchmarks.resume_check configs/mae_tiny_infobatch.yaml --out "$OUT_DIR/resume" \
   --json "$OUT_DIR/resume.json" "data.train=$DATA/train" "data.val=$DATA/val" "${RESUME_SIZE[@]}" \
   > "$OUT_DIR/resume.log" 2>&1 || { cat "$OUT_DIR/resume.log"; say "resume check FAILED"; }
 say "resume: $(grep -o '"bitwise_equal": [a-z]*' "$OUT_DIR/resume.json" || echo 'no verdict')"
 
 say "4/4 gradient all-reduces per optimizer step, grad_accum 4"
 set +e
-timeout 120 "$PY" -m tools.benchmarks.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce.json" \
+timeout 120 "$PY" -m prunepipe.tools.benchmarks.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce.json" \
   > "$OUT_DIR/allreduce.log" 2>&1
 ALLREDUCE_RC=$?
 # two ranks on one device: gloo on a CPU; on a GPU, NCCL usually refuses two ranks on one device
 timeout 120 "$PY" -m torch.distributed.run --nproc-per-node=2 --master-addr=127.0.0.1 --master-port=29517 \
-  -m tools.benchmarks.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce_two.json" \
+  -m prunepipe.tools.benchmarks.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce_two.json" \
   > "$OUT_DIR/allreduce_two.log" 2>&1
 echo $? > "$OUT_DIR/allreduce_two.rc"
 set -e
 say "all-reduce count: $(grep -o '"one_bucket_set_per_step": [a-z]*' "$OUT_DIR/allreduce.json" || echo 'no verdict') (exit $ALLREDUCE_RC);" \
   "two processes: exit $(cat "$OUT_DIR/allreduce_two.rc")"
 
-"$PY" -m tools.benchmarks.gpu_report --throughput "$OUT_DIR/throughput.json" --resume "$OUT_DIR/resume.json" \
+"$PY" -m prunepipe.tools.benchmarks.gpu_report --throughput "$OUT_DIR/throughput.json" --resume "$OUT_DIR/resume.json" \
   --allreduce "$OUT_DIR/allreduce.json" --allreduce-two "$OUT_DIR/allreduce_two.json" \
   --allreduce-two-log "$OUT_DIR/allreduce_two.log" \
   --tests "$TESTS (exit $TESTS_RC)" --command "tools/gpu_check.sh${1:+ $1}" --seconds $(( $(date +%s) - START )) \

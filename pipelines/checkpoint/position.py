@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pruning.bitmap import Bitmap
+from prunepipe.pruning.bitmap import Bitmap
 
 
 @dataclass
@@ -57,8 +57,9 @@ class TrainingPosition:
                 packed = state.get(f.name)  # np.packbits order, as state_dict writes it
                 if isinstance(packed, torch.Tensor):
                     packed = packed.numpy()
-                value = None if packed is None else Bitmap(np.array(packed, dtype=np.uint8),
-                                                           int(state[f.name + "_len"]))
+                value = (
+                    None if packed is None else Bitmap(np.array(packed, dtype=np.uint8), int(state[f.name + "_len"]))
+                )
                 setattr(self, f.name, value)
             elif f.name == "undecodable":
                 value = state.get(f.name)

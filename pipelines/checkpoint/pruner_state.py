@@ -43,8 +43,10 @@ class CheckpointedPruner:
         """Stream the tables of the state just loaded from `folder` into the pruner's own."""
         if self._pending is None:
             return
-        readers = {name: partial(read_npy_into, os.path.join(folder, relative))
-                   for name, relative in self._pending["tables"].items()}
+        readers = {
+            name: partial(read_npy_into, os.path.join(folder, relative))
+            for name, relative in self._pending["tables"].items()
+        }
         self.pruner.load_state_dict({**self._pending, "tables": readers})
         self._pending = None
 
@@ -57,11 +59,13 @@ def read_npy_into(path: str, out: np.ndarray) -> None:
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, _, dtype = read_header(f)
         if shape != out.shape or dtype != out.dtype:
-            raise ValueError(f"{path}: pruner table is {dtype}{list(shape)}, this pruner expects "
-                             f"{out.dtype}{list(out.shape)} (a checkpoint of another data set or pruner?)")
+            raise ValueError(
+                f"{path}: pruner table is {dtype}{list(shape)}, this pruner expects "
+                f"{out.dtype}{list(out.shape)} (a checkpoint of another data set or pruner?)"
+            )
         step = max(1, _CHUNK_BYTES // max(1, out.itemsize))
         for start in range(0, len(out), step):
-            view = out[start:start + step].data.cast("B")
+            view = out[start : start + step].data.cast("B")
             if f.readinto(view) != len(view):
                 raise ValueError(f"{path}: ends early, at sample {start} of {len(out)}")
 

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from pipelines.checkpoint.manifest import verify, write_manifest
-from pipelines.checkpoint.pruner_state import resolve_tables
+from prunepipe.pipelines.checkpoint.manifest import verify, write_manifest
+from prunepipe.pipelines.checkpoint.pruner_state import resolve_tables
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step_"
@@ -61,8 +61,11 @@ def newest_intact(run_dir: str, say: Callable[[str], None] = print, doing: str =
             return folder
         skipped.append(verdict.describe())
     if found:
-        raise CheckpointError(f"{checkpoints_dir(run_dir)}: no intact checkpoint (" + "; ".join(skipped) +
-                              "); `prunepipe checkpoints verify RUN` lists them, checkpoint.resume= starts afresh")
+        raise CheckpointError(
+            f"{checkpoints_dir(run_dir)}: no intact checkpoint ("
+            + "; ".join(skipped)
+            + "); `prunepipe checkpoints verify RUN` lists them, checkpoint.resume= starts afresh"
+        )
     return None
 
 
@@ -111,12 +114,15 @@ def load_resume(accelerator, folder: str) -> None:
         accelerator.load_state(folder)
     except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise their own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{folder}: cannot be loaded ({type(e).__name__}: {first}); resume from an older "
-                              f"checkpoint with checkpoint.resume=PATH") from e
+        raise CheckpointError(
+            f"{folder}: cannot be loaded ({type(e).__name__}: {first}); resume from an older "
+            f"checkpoint with checkpoint.resume=PATH"
+        ) from e
 
 
-def save_checkpoint(accelerator, run_dir: str, step: int, keep: int,
-                    write_main: Callable[[str], None] | None = None) -> str:
+def save_checkpoint(
+    accelerator, run_dir: str, step: int, keep: int, write_main: Callable[[str], None] | None = None
+) -> str:
     """Every rank calls this (each saves its RNG state); rank 0 writes `write_main(folder)`'s files
     (the pruner's tables), the manifest, renames and prunes.
     A failure on any rank raises on every rank, removes the partial folder and touches no older one."""
@@ -171,9 +177,11 @@ def _raise_on_any_rank(accelerator, failure: BaseException | None, final: str, t
         shutil.rmtree(tmp, ignore_errors=True)
     previous = latest_checkpoint(run_dir)
     cause = f"{type(failure).__name__}: {failure}" if failure is not None else "another rank failed to write its part"
-    raise CheckpointError(f"saving checkpoint {final} failed ({cause}); the previous checkpoints are untouched"
-                          f"{' (newest: ' + previous + ')' if previous else ''}; check free space, quota and "
-                          f"permissions of {os.path.dirname(final)}") from failure
+    raise CheckpointError(
+        f"saving checkpoint {final} failed ({cause}); the previous checkpoints are untouched"
+        f"{' (newest: ' + previous + ')' if previous else ''}; check free space, quota and "
+        f"permissions of {os.path.dirname(final)}"
+    ) from failure
 
 
 def _fsync_dir(path: str) -> None:

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from pruning.base import uniform_coin
+from prunepipe.pruning.base import uniform_coin
 
 CROPS = ("center", "random_resized")
 CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's default aspect range, which MAE keeps
@@ -38,8 +38,9 @@ def crop_uniforms(seed: int, epoch: int, sample_id: int) -> np.ndarray:
     return uniform_coin(seed ^ _CROP_SALT, epoch, draws).reshape(CROP_ATTEMPTS, 4)
 
 
-def random_resized_crop_box(width: int, height: int, scale: tuple[float, float], uniforms: np.ndarray,
-                            ratio: tuple[float, float] = CROP_RATIO) -> tuple[int, int, int, int]:
+def random_resized_crop_box(
+    width: int, height: int, scale: tuple[float, float], uniforms: np.ndarray, ratio: tuple[float, float] = CROP_RATIO
+) -> tuple[int, int, int, int]:
     """(top, left, crop height, crop width) as torchvision's `RandomResizedCrop.get_params` chooses
     them, with its random numbers replaced by `uniforms` ([attempts, 4] in [0, 1)): up to ten tries
     of an area fraction in `scale` and a log-uniform aspect ratio, else a centre crop at the nearest

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipelines.data.shards import BadInput
+from prunepipe.pipelines.data.shards import BadInput
 
 PADDING_ID = -1  # id of a padding sample: weight 0, never recorded by a pruner
 
@@ -34,12 +34,14 @@ class Batch:
     text_lengths: torch.Tensor | None = None
 
     def _tensors(self) -> tuple[str, ...]:
-        return ("ids", "weights", "images", "labels") + (("text_tokens", "text_lengths")
-                                                         if self.text_tokens is not None else ())
+        return ("ids", "weights", "images", "labels") + (
+            ("text_tokens", "text_lengths") if self.text_tokens is not None else ()
+        )
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return dataclasses.replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
-                                            for name in self._tensors()})
+        return dataclasses.replace(
+            self, **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self._tensors()}
+        )
 
     def pin_memory(self) -> "Batch":
         """The DataLoader's pin_memory=True calls this: pinned tensors copy to CUDA without a host wait."""
@@ -48,10 +50,21 @@ class Batch:
     def __reduce__(self):
         # From a loader worker: the small per-sample fields travel inside the message as numpy
         # arrays; only the images and text features take shared-memory segments, which the receiver maps.
-        small = [t.numpy() if t is not None and t.device.type == "cpu" else t
-                 for t in (self.ids, self.weights, self.labels, self.text_lengths)]
-        return _rebuild, (small[0], small[1], self.images, small[2], self.bad, self.worker, self.captions,
-                          self.text_tokens, small[3])
+        small = [
+            t.numpy() if t is not None and t.device.type == "cpu" else t
+            for t in (self.ids, self.weights, self.labels, self.text_lengths)
+        ]
+        return _rebuild, (
+            small[0],
+            small[1],
+            self.images,
+            small[2],
+            self.bad,
+            self.worker,
+            self.captions,
+            self.text_tokens,
+            small[3],
+        )
 
     def undecodable(self) -> int:
         """Samples read for this batch but not decodable."""
@@ -62,8 +75,17 @@ class Batch:
 
 
 def _rebuild(ids, weights, images, labels, bad, worker, captions=(), text_tokens=None, text_lengths=None) -> Batch:
-    return Batch(torch.as_tensor(ids), torch.as_tensor(weights), images, torch.as_tensor(labels), bad, worker,
-                 captions, text_tokens, None if text_lengths is None else torch.as_tensor(text_lengths))
+    return Batch(
+        torch.as_tensor(ids),
+        torch.as_tensor(weights),
+        images,
+        torch.as_tensor(labels),
+        bad,
+        worker,
+        captions,
+        text_tokens,
+        None if text_lengths is None else torch.as_tensor(text_lengths),
+    )
 
 
 def text_fields(texts: list, *, captions: bool = False, width: int = 0) -> dict:
@@ -88,6 +110,12 @@ def real_samples(batches) -> Iterator[Batch]:
         elif bool(keep.any()):
             captions = tuple(c for c, k in zip(batch.captions, keep.tolist()) if k)
             lengths = batch.text_lengths[keep] if batch.text_lengths is not None else None  # padding holds no tokens
-            yield dataclasses.replace(batch, ids=batch.ids[keep], weights=batch.weights[keep],
-                                      images=batch.images[keep], labels=batch.labels[keep], captions=captions,
-                                      text_lengths=lengths)
+            yield dataclasses.replace(
+                batch,
+                ids=batch.ids[keep],
+                weights=batch.weights[keep],
+                images=batch.images[keep],
+                labels=batch.labels[keep],
+                captions=captions,
+                text_lengths=lengths,
+            )

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipelines.data.augment import CROPS, crop_uniforms, flip_coin, random_resized_crop_box
-from pipelines.data.resize import resize_center_crop, resize_crop
-from pipelines.data.shards import BadInputError
+from prunepipe.pipelines.data.augment import CROPS, crop_uniforms, flip_coin, random_resized_crop_box
+from prunepipe.pipelines.data.resize import resize_center_crop, resize_crop
+from prunepipe.pipelines.data.shards import BadInputError
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg); PIL decodes all where it is gone
     from torchvision.io import ImageReadMode, decode_image
@@ -75,8 +75,10 @@ class SampleDecoder:
         latent_field = next((f for f in LATENT_FIELDS if f in sample), None)
         if latent_field is not None:
             if self.crop != "center":
-                raise ValueError(f"{_where(sample)}: data.crop={self.crop} crops images, and this shard holds "
-                                 f"latents; use data.crop=center (crop before encoding instead)")
+                raise ValueError(
+                    f"{_where(sample)}: data.crop={self.crop} crops images, and this shard holds "
+                    f"latents; use data.crop=center (crop before encoding instead)"
+                )
             if self.hflip:
                 latent_field = self._latent_flip_choice(sample, latent_field, sample_id, epoch)
             tensor = self._latent(sample, latent_field)
@@ -111,9 +113,11 @@ class SampleDecoder:
     def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, epoch: int) -> str:
         """The field of the plain latent or, where the flip coin says, of the mirrored image's."""
         if FLIPPED_LATENT_FIELD not in sample:
-            raise ValueError(f"{_where(sample)}: data.hflip=true on latent shards needs the latent of the mirrored "
-                             f"image ({FLIPPED_LATENT_FIELD}): encode with `prunepipe latents encode --flip`, "
-                             f"or set data.hflip=false")
+            raise ValueError(
+                f"{_where(sample)}: data.hflip=true on latent shards needs the latent of the mirrored "
+                f"image ({FLIPPED_LATENT_FIELD}): encode with `prunepipe latents encode --flip`, "
+                f"or set data.hflip=false"
+            )
         return FLIPPED_LATENT_FIELD if flip_coin(self.seed, epoch, [sample_id])[0] else plain_field
 
     def _image(self, sample: dict, field: str, sample_id: int, epoch: int) -> torch.Tensor:
@@ -153,8 +157,10 @@ class SampleDecoder:
         except (ValueError, UnicodeDecodeError) as e:
             raise BadInputError(f"{_where(sample)}: field {field!r} is not an integer class label") from e
         if self.num_classes and not -1 <= label < self.num_classes:
-            raise BadInputError(f"{_where(sample)}: label {label} is out of range for {self.num_classes} classes "
-                                f"(ldm.num_classes; -1 = no label)")
+            raise BadInputError(
+                f"{_where(sample)}: label {label} is out of range for {self.num_classes} classes "
+                f"(ldm.num_classes; -1 = no label)"
+            )
         return label
 
 
@@ -176,8 +182,10 @@ def caption(sample: dict) -> str:
 
 def _json_caption(sample: dict) -> str:
     """img2dataset's `json` metadata's `caption`, for a sample without a `txt` field."""
-    missing = (f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}, or a 'caption' in field {METADATA_FIELD!r}; "
-               f"has: {_fields(sample)})")
+    missing = (
+        f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}, or a 'caption' in field {METADATA_FIELD!r}; "
+        f"has: {_fields(sample)})"
+    )
     raw = sample.get(METADATA_FIELD)
     if raw is None:
         raise BadInputError(missing)
@@ -194,14 +202,22 @@ def text_features(sample: dict, width: int, max_length: int) -> np.ndarray:
     """The features of the sample's caption's real tokens, [n, width] (1 <= n <= max_length), as stored
     (float16 or float32). Missing or malformed is bad input, never a silently unconditional sample."""
     if TEXT_FEATURES_FIELD not in sample:
-        raise BadInputError(f"{_where(sample)}: no text features (field {TEXT_FEATURES_FIELD!r}, written by "
-                            f"`prunepipe latents encode --text-encoder`; has: {_fields(sample)})")
+        raise BadInputError(
+            f"{_where(sample)}: no text features (field {TEXT_FEATURES_FIELD!r}, written by "
+            f"`prunepipe latents encode --text-encoder`; has: {_fields(sample)})"
+        )
     array = _npy(sample, TEXT_FEATURES_FIELD)
-    if array.ndim != 2 or array.shape[1] != width or not 1 <= array.shape[0] <= max_length \
-            or array.dtype not in (np.float16, np.float32):
-        raise BadInputError(f"{_where(sample)}: field {TEXT_FEATURES_FIELD!r} holds {array.dtype} {list(array.shape)}; "
-                            f"expected float16 or float32 [tokens, {width}] with 1 to {max_length} tokens, as the "
-                            f"shards' index.json records")
+    if (
+        array.ndim != 2
+        or array.shape[1] != width
+        or not 1 <= array.shape[0] <= max_length
+        or array.dtype not in (np.float16, np.float32)
+    ):
+        raise BadInputError(
+            f"{_where(sample)}: field {TEXT_FEATURES_FIELD!r} holds {array.dtype} {list(array.shape)}; "
+            f"expected float16 or float32 [tokens, {width}] with 1 to {max_length} tokens, as the "
+            f"shards' index.json records"
+        )
     return array
 
 

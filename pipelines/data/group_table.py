@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.data.shards import INDEX_NAME
-from pipelines.data.side_tables import FORMAT, KINDS, check_made_for, existing_table, index_fingerprint
+from prunepipe.pipelines.data.shards import INDEX_NAME
+from prunepipe.pipelines.data.side_tables import FORMAT, KINDS, check_made_for, existing_table, index_fingerprint
 
 GROUPS_FOLDER = "groups"
 _CHUNK = 1 << 22
@@ -73,8 +73,14 @@ def open_groups(shards_dir: str, name: str) -> GroupTable:
     return open_group_table(array_path, shards_dir=shards_dir, side_table=True)
 
 
-def open_group_table(path: str, num_samples: int | None = None, index_path: str | None = None,
-                     shards_dir: str | None = None, *, side_table: bool = False) -> GroupTable:
+def open_group_table(
+    path: str,
+    num_samples: int | None = None,
+    index_path: str | None = None,
+    shards_dir: str | None = None,
+    *,
+    side_table: bool = False,
+) -> GroupTable:
     """The table at `path`, checked to hold one group id in 0..N-1 per sample of the index (read once
     in chunks, which also makes its digest) and, when its header is a side table's and `shards_dir`
     is given, to have been made for that folder's shard list; errors name the file and the index.
@@ -88,18 +94,24 @@ def open_group_table(path: str, num_samples: int | None = None, index_path: str 
         index_path = index_path or os.path.join(shards_dir, INDEX_NAME)
     index_path = index_path or "data.train"
     if not os.path.exists(path):
-        raise FileNotFoundError(f"pruner.groups: no group table at {path} (an int32 [N] .npy of group ids per "
-                                f"sample of {index_path}; a bare name means groups/NAME.npy beside it)")
+        raise FileNotFoundError(
+            f"pruner.groups: no group table at {path} (an int32 [N] .npy of group ids per "
+            f"sample of {index_path}; a bare name means groups/NAME.npy beside it)"
+        )
     try:
         group_of = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as e:
         raise ValueError(f"{path}: not a .npy group table: {e}") from e
     if group_of.ndim != 1 or not np.issubdtype(group_of.dtype, np.integer):
-        raise ValueError(f"{path}: a group table is one integer group id per sample (int32 [N]), got "
-                         f"{group_of.dtype}{list(group_of.shape)}")
+        raise ValueError(
+            f"{path}: a group table is one integer group id per sample (int32 [N]), got "
+            f"{group_of.dtype}{list(group_of.shape)}"
+        )
     if len(group_of) != num_samples:
-        raise ValueError(f"{path}: {len(group_of)} group ids, but {index_path} indexes {num_samples} samples "
-                         f"(a table of another split, or of shards written since)")
+        raise ValueError(
+            f"{path}: {len(group_of)} group ids, but {index_path} indexes {num_samples} samples "
+            f"(a table of another split, or of shards written since)"
+        )
     header = {}
     if os.path.exists(header_path(path)):
         with open(header_path(path)) as f:
@@ -109,18 +121,21 @@ def open_group_table(path: str, num_samples: int | None = None, index_path: str 
     if header:
         made_for = header.get("index", {}).get("num_samples", num_samples)
         if made_for != num_samples:
-            raise ValueError(f"{header_path(path)}: made for an index of {made_for} samples, {index_path} "
-                             f"indexes {num_samples}")
+            raise ValueError(
+                f"{header_path(path)}: made for an index of {made_for} samples, {index_path} indexes {num_samples}"
+            )
         if header.get("format") == FORMAT and shards_dir is not None:
             check_made_for(header, len(group_of), shards_dir, path, header_path(path), "groups")
     digest = hashlib.blake2b(f"{group_of.dtype.str}{list(group_of.shape)}".encode(), digest_size=16)
     for start in range(0, num_samples, _CHUNK):
-        chunk = np.ascontiguousarray(group_of[start:start + _CHUNK])
+        chunk = np.ascontiguousarray(group_of[start : start + _CHUNK])
         bad = (chunk < 0) | (chunk >= num_samples)
         if bad.any():
             at = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{path}: sample {start + at} has group id {int(chunk[at])}; group ids must be in "
-                             f"0..{num_samples - 1} (a group's smallest sample id)")
+            raise ValueError(
+                f"{path}: sample {start + at} has group id {int(chunk[at])}; group ids must be in "
+                f"0..{num_samples - 1} (a group's smallest sample id)"
+            )
         digest.update(chunk.data)
     return GroupTable(path, group_of, header, digest.hexdigest())
 
@@ -128,13 +143,16 @@ def open_group_table(path: str, num_samples: int | None = None, index_path: str 
 def check_side_header(path: str, group_of: np.ndarray, header: dict) -> None:
     """A side table's header (side_tables.py) of kind groups that describes the array: its dtype and shape."""
     if header.get("format") != FORMAT or header.get("kind") != "groups":
-        raise ValueError(f"{header_path(path)}: not a groups header (format {header.get('format')!r}, kind "
-                         f"{header.get('kind')!r}; expected {FORMAT!r}, 'groups')")
+        raise ValueError(
+            f"{header_path(path)}: not a groups header (format {header.get('format')!r}, kind "
+            f"{header.get('kind')!r}; expected {FORMAT!r}, 'groups')"
+        )
     if group_of.dtype != KINDS["groups"]:
         raise ValueError(f"{path}: dtype {group_of.dtype}, groups are stored as {KINDS['groups'].name}")
     if list(group_of.shape) != header.get("shape"):
-        raise ValueError(f"{path}: shape {list(group_of.shape)}, its header {header_path(path)} says "
-                         f"{header.get('shape')}")
+        raise ValueError(
+            f"{path}: shape {list(group_of.shape)}, its header {header_path(path)} says {header.get('shape')}"
+        )
 
 
 def write_group_table(path: str, group_of: np.ndarray, header: dict) -> str:

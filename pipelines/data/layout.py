@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.shards import ShardIndex
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,10 @@ def pass_layout(
     else:
         kept_per_shard = np.asarray(kept_per_shard, dtype=np.int64)
         if kept_per_shard.shape != (len(index),) or (kept_per_shard > index.counts).any():
-            raise ValueError(f"plan gives kept counts for {len(kept_per_shard)} shards but {index.path} "
-                             f"indexes {len(index)} (or more kept than a shard holds)")
+            raise ValueError(
+                f"plan gives kept counts for {len(kept_per_shard)} shards but {index.path} "
+                f"indexes {len(index)} (or more kept than a shard holds)"
+            )
     order = np.random.default_rng([seed, epoch]).permutation(len(index)).astype(np.int64)
     ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
     total = int(ordered_cum[-1])

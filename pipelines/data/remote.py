@@ -111,23 +111,35 @@ class RetryingStream(io.RawIOBase):
                 if failure.final or stalled > self.retry.retries:
                     raise ShardReadError(self._story(stalled)) from None
                 wait = self.retry.backoff(stalled)
-                log.warning("shard %s: read failed at byte %d (%s); reopening in %.1f s (retry %d of %d)",
-                            self.url, self.offset, failure.describe(), wait, stalled, self.retry.retries)
+                log.warning(
+                    "shard %s: read failed at byte %d (%s); reopening in %.1f s (retry %d of %d)",
+                    self.url,
+                    self.offset,
+                    failure.describe(),
+                    wait,
+                    stalled,
+                    self.retry.retries,
+                )
                 time.sleep(wait)
         if not data:
             self._ended = True
             self._drop_source()
             return 0
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self.offset += len(data)
         return len(data)
 
     def _story(self, stalled: int) -> str:
-        lines = [f"attempt {k + 1} at byte {offset}: {failure.describe()}"
-                 for k, (offset, failure) in enumerate(self.failures)]
+        lines = [
+            f"attempt {k + 1} at byte {offset}: {failure.describe()}"
+            for k, (offset, failure) in enumerate(self.failures)
+        ]
         final = self.failures[-1][1]
-        why = "not retried: another try cannot help" if final.final and stalled <= self.retry.retries else \
-            f"gave up after {stalled} attempt(s) at this byte (data.remote.retries={self.retry.retries})"
+        why = (
+            "not retried: another try cannot help"
+            if final.final and stalled <= self.retry.retries
+            else f"gave up after {stalled} attempt(s) at this byte (data.remote.retries={self.retry.retries})"
+        )
         return f"reading failed at byte {self.offset}, {why}: " + "; ".join(lines)
 
     def _drop_source(self) -> None:
@@ -141,13 +153,16 @@ class RetryingStream(io.RawIOBase):
 
 
 def _open(url: str, offset: int, timeout: float) -> "_Command | _Http":
-    source = _Command(url[len("pipe:"):], timeout) if url.startswith("pipe:") else _Http(url, offset, timeout)
+    source = _Command(url[len("pipe:") :], timeout) if url.startswith("pipe:") else _Http(url, offset, timeout)
     try:
         # a pipe cannot seek, and a server may ignore the Range header: drop what an earlier attempt read
         while source.position < offset:
             if not source.read(min(offset - source.position, BUFFER)):
-                raise _Failed(f"the shard ended at byte {source.position}, short of the {offset} bytes an earlier "
-                              f"attempt read: it changed between attempts", final=True)
+                raise _Failed(
+                    f"the shard ended at byte {source.position}, short of the {offset} bytes an earlier "
+                    f"attempt read: it changed between attempts",
+                    final=True,
+                )
     except BaseException:
         source.close()
         raise
@@ -162,8 +177,9 @@ class _Command:
         self.stderr = tempfile.TemporaryFile()
         # its own process group: a hung `aws s3 cp ... -` under `sh -c` is stopped with its shell
         try:
-            self.process = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                command, shell=True, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0, start_new_session=True
+            )
         except OSError as e:  # out of processes or descriptors for a moment: worth another try
             self.stderr.close()
             raise _Failed(f"cannot start the command: {e}") from None
@@ -175,8 +191,9 @@ class _Command:
     def read(self, size: int) -> bytes:
         # poll, not select: a rank of a large gloo or NCCL job holds descriptors past select's 1024
         if not self.poller.poll(self.timeout * 1000):
-            raise _Failed(f"no byte for {self.timeout:g} s (data.remote.timeout_seconds): the command hangs",
-                          self._stderr_tail())
+            raise _Failed(
+                f"no byte for {self.timeout:g} s (data.remote.timeout_seconds): the command hangs", self._stderr_tail()
+            )
         data = os.read(self.fd, size)
         if data:
             self.position += len(data)
@@ -184,8 +201,9 @@ class _Command:
         try:  # the output ended: only a zero exit status says it is the shard's end
             status = self.process.wait(self.timeout)
         except subprocess.TimeoutExpired:
-            raise _Failed(f"the command closed its output but had not exited {self.timeout:g} s later",
-                          self._stderr_tail()) from None
+            raise _Failed(
+                f"the command closed its output but had not exited {self.timeout:g} s later", self._stderr_tail()
+            ) from None
         if status != 0:
             raise _Failed(_status_text(status), self._stderr_tail())
         return b""

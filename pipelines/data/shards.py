@@ -20,8 +20,8 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from pipelines.data.remote import ReadRetry, ShardReadError, is_retried, open_retrying
-from pipelines.data.tar_reader import TarMembers, plain_member_names
+from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError, is_retried, open_retrying
+from prunepipe.pipelines.data.tar_reader import TarMembers, plain_member_names
 
 INDEX_NAME = "index.json"
 DEFAULT_RETRY = ReadRetry()
@@ -78,9 +78,7 @@ class ShardIndex:
             urls = tuple(_resolve(s["url"], os.path.dirname(os.path.abspath(path))) for s in shards)
             counts = np.array([int(s["num_samples"]) for s in shards], dtype=np.int64)
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"{path}: expected {{'shards': [{{'url': str, 'num_samples': int}}, ...]}}: {e!r}"
-            ) from e
+            raise ValueError(f"{path}: expected {{'shards': [{{'url': str, 'num_samples': int}}, ...]}}: {e!r}") from e
         if len(urls) == 0 or (counts < 0).any():
             raise ValueError(f"{path}: an index needs at least one shard and non-negative counts")
         return cls(urls, counts, path, {k: v for k, v in raw.items() if k != "shards"})
@@ -117,8 +115,9 @@ def _resolve(url: str, base: str) -> str:
     return url
 
 
-def read_shard(url: str, wanted: Callable[[int], bool] | None = None, *,
-               retry: ReadRetry = DEFAULT_RETRY) -> Iterator[tuple[int, dict | None]]:
+def read_shard(
+    url: str, wanted: Callable[[int], bool] | None = None, *, retry: ReadRetry = DEFAULT_RETRY
+) -> Iterator[tuple[int, dict | None]]:
     """Yield (position, sample) for each sample of one shard, members grouped by key as webdataset
     groups them.
 
@@ -178,7 +177,7 @@ def _sample_field(name: str) -> tuple[str, str] | None:
     start = name.rfind("/") + 1
     dot = name.find(".", start)
     if dot > start and "\n" not in name:
-        return name[:dot], name[dot + 1:].lower()
+        return name[:dot], name[dot + 1 :].lower()
     prefix, suffix = base_plus_ext(name)
     return None if prefix is None else (prefix, suffix.lower())
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.data.shards import INDEX_NAME
+from prunepipe.pipelines.data.shards import INDEX_NAME
 
 FORMAT = "prunepipe-side-table"
 KINDS = {"embeddings": np.dtype("float16"), "groups": np.dtype("int32")}
@@ -42,8 +42,10 @@ def index_fingerprint(shards_dir: str) -> dict:
     if not isinstance(shards, list):
         raise ValueError(f"{path}: expected a 'shards' list")
     canonical = json.dumps([[s.get("url"), int(s.get("num_samples", -1))] for s in shards], separators=(",", ":"))
-    return {"num_samples": sum(int(s["num_samples"]) for s in shards),
-            "shards_sha256": hashlib.sha256(canonical.encode()).hexdigest()}
+    return {
+        "num_samples": sum(int(s["num_samples"]) for s in shards),
+        "shards_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+    }
 
 
 def table_paths(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
@@ -69,8 +71,14 @@ def write_json(path: str, data: dict) -> None:
 
 def make_header(shards_dir: str, kind: str, shape: tuple[int, ...], **made_by) -> dict:
     """The header every side table starts from: format, kind, dtype, shape, the index it describes."""
-    return {"format": FORMAT, "kind": kind, "dtype": KINDS[kind].name, "shape": [int(n) for n in shape],
-            "index": index_fingerprint(shards_dir), **made_by}
+    return {
+        "format": FORMAT,
+        "kind": kind,
+        "dtype": KINDS[kind].name,
+        "shape": [int(n) for n in shape],
+        "index": index_fingerprint(shards_dir),
+        **made_by,
+    }
 
 
 @dataclass(frozen=True)
@@ -112,8 +120,11 @@ def available(shards_dir: str, kind: str) -> list[str]:
     folder = os.path.join(shards_dir, kind)
     if not os.path.isdir(folder):
         return []
-    return sorted(f[:-5] for f in os.listdir(folder)
-                  if f.endswith(".json") and os.path.exists(os.path.join(folder, f[:-5] + ".npy")))
+    return sorted(
+        f[:-5]
+        for f in os.listdir(folder)
+        if f.endswith(".json") and os.path.exists(os.path.join(folder, f[:-5] + ".npy"))
+    )
 
 
 def existing_table(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
@@ -123,8 +134,10 @@ def existing_table(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
     for path in (header_path, array_path):
         if not os.path.exists(path):
             others = available(shards_dir, kind)
-            raise FileNotFoundError(f"{path}: no {kind} named {name!r} beside {shards_dir}/{INDEX_NAME} (make them "
-                                    f"with {HOW_TO_MAKE[kind]}; there: {', '.join(others) or 'none'})")
+            raise FileNotFoundError(
+                f"{path}: no {kind} named {name!r} beside {shards_dir}/{INDEX_NAME} (make them "
+                f"with {HOW_TO_MAKE[kind]}; there: {', '.join(others) or 'none'})"
+            )
     return array_path, header_path
 
 
@@ -133,8 +146,10 @@ def _open(shards_dir: str, kind: str, name: str) -> tuple[np.ndarray, dict, str]
     with open(header_path) as f:
         header = json.load(f)
     if header.get("format") != FORMAT or header.get("kind") != kind:
-        raise ValueError(f"{header_path}: not a {kind} header (format {header.get('format')!r}, kind "
-                         f"{header.get('kind')!r}; expected {FORMAT!r}, {kind!r})")
+        raise ValueError(
+            f"{header_path}: not a {kind} header (format {header.get('format')!r}, kind "
+            f"{header.get('kind')!r}; expected {FORMAT!r}, {kind!r})"
+        )
     rows = np.load(array_path, mmap_mode="r")
     if rows.dtype != KINDS[kind]:
         raise ValueError(f"{array_path}: dtype {rows.dtype}, {kind} are stored as {KINDS[kind].name}")
@@ -149,10 +164,14 @@ def check_made_for(header: dict, rows: int, shards_dir: str, array_path: str, he
     count or shard list: its ids may name other samples)."""
     index, made_for = index_fingerprint(shards_dir), header.get("index", {})
     if rows != index["num_samples"] or made_for.get("num_samples") != index["num_samples"]:
-        raise ValueError(f"{array_path}: {rows} rows, made for an index of {made_for.get('num_samples')} "
-                         f"samples, but {shards_dir}/{INDEX_NAME} lists {index['num_samples']}: the shards changed "
-                         f"since; make the {kind} again")
+        raise ValueError(
+            f"{array_path}: {rows} rows, made for an index of {made_for.get('num_samples')} "
+            f"samples, but {shards_dir}/{INDEX_NAME} lists {index['num_samples']}: the shards changed "
+            f"since; make the {kind} again"
+        )
     if made_for.get("shards_sha256") != index["shards_sha256"]:
-        raise ValueError(f"{header_path}: made for another shard list (sha256 {made_for.get('shards_sha256')}, "
-                         f"{shards_dir}/{INDEX_NAME} has {index['shards_sha256']}): the ids may not match; make "
-                         f"the {kind} again")
+        raise ValueError(
+            f"{header_path}: made for another shard list (sha256 {made_for.get('shards_sha256')}, "
+            f"{shards_dir}/{INDEX_NAME} has {index['shards_sha256']}): the ids may not match; make "
+            f"the {kind} again"
+        )

@@ -11,10 +11,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pipelines.data.batch import Batch, text_fields
-from pipelines.data.decode import SampleDecoder, caption, text_features
-from pipelines.data.shards import ShardIndex, index_file, read_shard
-from pipelines.progress import progress
+from prunepipe.pipelines.data.batch import Batch, text_fields
+from prunepipe.pipelines.data.decode import SampleDecoder, caption, text_features
+from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_shard
+from prunepipe.pipelines.progress import progress
 
 
 def read_split(
@@ -41,8 +41,9 @@ def read_split(
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
-    decoder = SampleDecoder(resolution, channels, captions=captions, text_width=text_width,
-                            text_max_length=text_max_length)
+    decoder = SampleDecoder(
+        resolution, channels, captions=captions, text_width=text_width, text_max_length=text_max_length
+    )
     ids, images, labels, texts = [], [], [], []
     ordinal = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
@@ -107,16 +108,21 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
                 found[first + position] = text_features(sample, width, max_length)
     missing = sorted(wanted - found.keys())
     if missing:
-        raise ValueError(f"{index.path}: lists {index.num_samples} samples, but its shards held no sample "
-                         f"{missing[0]} ({len(missing)} of the {len(wanted)} asked for missing)")
+        raise ValueError(
+            f"{index.path}: lists {index.num_samples} samples, but its shards held no sample "
+            f"{missing[0]} ({len(missing)} of the {len(wanted)} asked for missing)"
+        )
     return found
 
 
 def _batch(decoder: SampleDecoder, ids, images, labels, texts) -> Batch:
-    return Batch(torch.tensor(ids, dtype=torch.int64), torch.ones(len(ids)),
-                 decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
-                 torch.tensor(labels, dtype=torch.int64),
-                 **text_fields(texts, captions=decoder.captions, width=decoder.text_width))
+    return Batch(
+        torch.tensor(ids, dtype=torch.int64),
+        torch.ones(len(ids)),
+        decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
+        torch.tensor(labels, dtype=torch.int64),
+        **text_fields(texts, captions=decoder.captions, width=decoder.text_width),
+    )
 
 
 def index_metadata(folder: str) -> dict:

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipelines.data.batch import PADDING_ID, Batch, text_fields
-from pipelines.data.decode import NO_LABEL, SampleDecoder
-from pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
-from pipelines.data.remote import ReadRetry
-from pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
-from pruning.pass_plan import PassPlan
+from prunepipe.pipelines.data.batch import PADDING_ID, Batch, text_fields
+from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder
+from prunepipe.pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
+from prunepipe.pipelines.data.remote import ReadRetry
+from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
+from prunepipe.pruning.pass_plan import PassPlan
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +59,18 @@ class ShardStream:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self._reader = _PartReader(index, batch_size, decoder or SampleDecoder(), seed, rank, shuffle_buffer,
-                                   on_bad_sample, retry)
+        self._reader = _PartReader(
+            index, batch_size, decoder or SampleDecoder(), seed, rank, shuffle_buffer, on_bad_sample, retry
+        )
         self._loader: DataLoader | None = None
         self._loader_settings: tuple | None = None
         self._passes_posted = 0
 
     def layout(self, epoch: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
         if plan is not None and plan.num_samples != self.index.num_samples:
-            raise ValueError(f"plan covers {plan.num_samples} samples but {self.index.path} indexes "
-                             f"{self.index.num_samples}")
+            raise ValueError(
+                f"plan covers {plan.num_samples} samples but {self.index.path} indexes {self.index.num_samples}"
+            )
         return pass_layout(
             self.index,
             None if plan is None else plan.kept_per_shard(self.index.first_ids, self.index.counts),
@@ -112,9 +114,18 @@ class ShardStream:
         parts = []
         for loader_worker in range(workers):  # resuming rotates which part loader worker 0 plays
             part = (loader_worker + first_worker) % workers
-            parts.append(PartOfPass(self._passes_posted, epoch, plan, part,
-                                    layout.slices[self.rank * workers + part], int(mine[part]),
-                                    int(skipped[part]), int(extra[part])))
+            parts.append(
+                PartOfPass(
+                    self._passes_posted,
+                    epoch,
+                    plan,
+                    part,
+                    layout.slices[self.rank * workers + part],
+                    int(mine[part]),
+                    int(skipped[part]),
+                    int(extra[part]),
+                )
+            )
         loader = self._loader_for(num_workers, pin_memory, start_method)
         self._reader.post(parts, self._passes_posted)
         return PassLoader(loader, layout, layout.steps - skip_batches)
@@ -128,9 +139,15 @@ class ShardStream:
         if num_workers > 0:
             context = multiprocessing.get_context(start_method)
             self._reader.open_mailbox(num_workers, context)
-            self._loader = DataLoader(self._reader, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                                      multiprocessing_context=context, persistent_workers=True,
-                                      worker_init_fn=_start_worker)
+            self._loader = DataLoader(
+                self._reader,
+                batch_size=None,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                multiprocessing_context=context,
+                persistent_workers=True,
+                worker_init_fn=_start_worker,
+            )
         else:
             self._reader.close_mailbox()
             self._loader = DataLoader(self._reader, batch_size=None, pin_memory=pin_memory)
@@ -195,8 +212,17 @@ class _Mailbox:
 class _PartReader(IterableDataset):
     """The worker side: reads, prunes before decoding, decodes and batches one part of one pass."""
 
-    def __init__(self, index: ShardIndex, batch_size: int, decoder: SampleDecoder, seed: int, rank: int,
-                 shuffle_buffer: int, on_bad_sample: str, retry: ReadRetry):
+    def __init__(
+        self,
+        index: ShardIndex,
+        batch_size: int,
+        decoder: SampleDecoder,
+        seed: int,
+        rank: int,
+        shuffle_buffer: int,
+        on_bad_sample: str,
+        retry: ReadRetry,
+    ):
         self.index = index
         self.batch_size = batch_size
         self.decoder = decoder
@@ -235,8 +261,9 @@ class _PartReader(IterableDataset):
         events.clear()  # met while replaying: counted by the run that trained those batches
         template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
         for k in range(part.skip, part.batches):
-            yield self._next_batch(samples, part.epoch, events, template, replayed, part.part,
-                                   last=k == part.batches - 1)
+            yield self._next_batch(
+                samples, part.epoch, events, template, replayed, part.part, last=k == part.batches - 1
+            )
 
     def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
         """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
@@ -245,7 +272,7 @@ class _PartReader(IterableDataset):
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
             count = int(self.index.counts[piece.shard])
             weights = np.ones(count) if plan is None else plan.weights_between(first, first + count)
-            mine = np.flatnonzero(weights)[piece.kept_start:piece.kept_end]  # positions this slot delivers
+            mine = np.flatnonzero(weights)[piece.kept_start : piece.kept_end]  # positions this slot delivers
             want = np.zeros(count, dtype=bool)
             want[mine] = True
             if len(mine) == 0 and not piece.to_shard_end:
@@ -275,8 +302,9 @@ class _PartReader(IterableDataset):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
                 self._bad(events, BadInput(message, len(mine) - delivered))
 
-    def _next_batch(self, samples, epoch: int, events: list, template: list, replayed, worker: int,
-                    last: bool) -> Batch:
+    def _next_batch(
+        self, samples, epoch: int, events: list, template: list, replayed, worker: int, last: bool
+    ) -> Batch:
         ids, weights, pixels, labels, texts = [], [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
@@ -303,8 +331,9 @@ class _PartReader(IterableDataset):
             if not template:  # a resumed worker that has decoded nothing yet: shape it like a replayed sample
                 template[:] = self._first_decodable(reversed(replayed), epoch)
             if not template:
-                raise BadInputError(f"rank {self.rank}: no decodable sample in pass {epoch + 1} (counted from 1) to "
-                                    f"shape padding")
+                raise BadInputError(
+                    f"rank {self.rank}: no decodable sample in pass {epoch + 1} (counted from 1) to shape padding"
+                )
             missing = self.batch_size - len(ids)
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
             images = torch.cat([images, padding]) if pixels else padding

@@ -23,8 +23,8 @@ import stat
 import struct
 import tarfile
 import threading
-from zlib import adler32
 from typing import BinaryIO, Iterator
+from zlib import adler32
 
 import numpy as np
 
@@ -71,7 +71,7 @@ def _pax_records(data: bytes) -> dict[str, str]:
             raise TarFormatError("malformed pax extended header") from None
         if length <= space - position:
             raise TarFormatError("malformed pax extended header")
-        key, _, value = data[space + 1:position + length - 1].partition(b"=")
+        key, _, value = data[space + 1 : position + length - 1].partition(b"=")
         records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         position += length
     return records
@@ -144,7 +144,7 @@ class TarMembers:
         data = self.stream.read(n)
         if len(data) < n:
             data += self._read(n - len(data), "a member")
-        return data[:self._size]
+        return data[: self._size]
 
     # ------------------------------------------------------------------ headers
     def members(self) -> Iterator[tuple[str, int]]:
@@ -164,8 +164,11 @@ class TarMembers:
         while True:
             if len(header) < BLOCK:
                 if not header:  # every tar writer ends with zero blocks; tarfile would stop quietly
-                    raise TarFormatError("the archive ends after an extended header, before its member" if extended
-                                         else "the archive ends without its end-of-archive blocks")
+                    raise TarFormatError(
+                        "the archive ends after an extended header, before its member"
+                        if extended
+                        else "the archive ends without its end-of-archive blocks"
+                    )
                 header += self._read(BLOCK - len(header), "a header")
             if header == ZERO_BLOCK:
                 if extended:
@@ -174,8 +177,9 @@ class TarMembers:
             name, size_field, checksum, kind, magic, prefix = unpack(header)
             # the checksum: the header's byte sum with its checksum field read as spaces (Adler-32's
             # low half is 1 + the byte sum mod 65521, exact for 256 bytes: C speed, not a Python sum)
-            if _number(checksum) != ((adler32(header[:256]) & 0xFFFF) + (adler32(header[256:]) & 0xFFFF) - 2
-                                     - sum(checksum) + 256):
+            if _number(checksum) != (
+                (adler32(header[:256]) & 0xFFFF) + (adler32(header[256:]) & 0xFFFF) - 2 - sum(checksum) + 256
+            ):
                 raise TarFormatError("bad checksum in a tar header: not a tar archive, or a damaged one")
             if kind == b"S":
                 raise TarFormatError("sparse members are not supported in shards")
@@ -228,7 +232,6 @@ def _advise_scattered(stream: BinaryIO) -> None:
         os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
         pass
-
 
 
 # ---------------------------------------------------------------------------- plain local archives at once
@@ -308,15 +311,21 @@ class _HeaderChain:
         # checksum (6 digits, then NULs or spaces); less "0", a digit is 0..7 and an end ORed with a
         # space is END (a byte below "0" wraps above 7)
         numbers = headers[:, 124:156] - np.uint8(ord("0"))
-        if numbers[:, :11].max() > 7 or numbers[:, 24:30].max() > 7 or \
-                not ((numbers[:, 11] | SPACE) == END).all() or not ((numbers[:, 30:32] | SPACE) == END).all():
+        if (
+            numbers[:, :11].max() > 7
+            or numbers[:, 24:30].max() > 7
+            or not ((numbers[:, 11] | SPACE) == END).all()
+            or not ((numbers[:, 30:32] | SPACE) == END).all()
+        ):
             return None  # a number written otherwise (base-256, fewer digits): the walk parses it
         sizes = (numbers[:, :11] @ SIZE_DIGITS).astype(np.int64)  # exact: below 2**53
         # the checksum: the header's byte sum with its checksum field read as spaces (each half's
         # sum fits 16 bits, which numpy sums without a full-size temporary)
         headers[:, 148:156] = ord(" ")
-        if (numbers[:, 24:30] @ CHECKSUM_DIGITS
-                != headers[:, :256].sum(1, dtype=np.uint16).astype(np.int64) + headers[:, 256:].sum(1, dtype=np.uint16)).any():
+        if (
+            numbers[:, 24:30] @ CHECKSUM_DIGITS
+            != headers[:, :256].sum(1, dtype=np.uint16).astype(np.int64) + headers[:, 256:].sum(1, dtype=np.uint16)
+        ).any():
             return None
         kind = KINDS[headers[:, 156]]
         regular, pax = kind == REGULAR_FILE, kind == PAX_HEADER
@@ -329,16 +338,18 @@ class _HeaderChain:
             if final or found[cut] == 0:  # the file ends there, or records larger than a chunk
                 return None
             done = int(found[cut])
-            found, headers, sizes, after, regular, pax = (part[:cut] for part in (found, headers, sizes, after,
-                                                                                  regular, pax))
+            found, headers, sizes, after, regular, pax = (
+                part[:cut] for part in (found, headers, sizes, after, regular, pax)
+            )
         if pax.any():
             sizes, first, last = sizes[pax], found[pax] + 1, after[pax]
             if sizes.max() <= BLOCK:  # one block of records each: the usual
-                records = blocks[first, :int(sizes.max())].tobytes()
+                records = blocks[first, : int(sizes.max())].tobytes()
             else:
                 counts = last - first
-                records = blocks[np.repeat(first - np.cumsum(counts) + counts, counts)
-                                 + np.arange(counts.sum())].tobytes()
+                records = blocks[
+                    np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+                ].tobytes()
             # one byte looked for first (memchr): webdataset's mtime records hold neither a "p" nor a "z"
             if (b"p" in records or b"z" in records) and any(key in records for key in PAX_RECORDS_READ):
                 return None  # or a false alarm (a value, the padding): the walk decides
@@ -379,19 +390,19 @@ def plain_member_names(stream: BinaryIO) -> np.ndarray | None:
     filled = _pread(fd, view[:HEAD], 0)
     if filled < BLOCK or bytes(view[:6]).startswith(COMPRESSED_MAGIC):
         return None
-    if len(_magic_blocks(buffer[:filled // BLOCK * BLOCK].reshape(-1, BLOCK))) < SMALL_MEMBERS:
+    if len(_magic_blocks(buffer[: filled // BLOCK * BLOCK].reshape(-1, BLOCK))) < SMALL_MEMBERS:
         return None
     chain, base, offset = _HeaderChain(), 0, filled
     while True:
         got = _pread(fd, view[filled:], offset)
         filled, offset = filled + got, offset + got
         final = filled < len(buffer)
-        blocks = buffer[:filled // BLOCK * BLOCK].reshape(-1, BLOCK)
+        blocks = buffer[: filled // BLOCK * BLOCK].reshape(-1, BLOCK)
         done = chain.add(blocks, base, final)
         if done is None:
             return None
         if final:
             return chain.names_if_chained()
         kept = filled - done * BLOCK  # a pax header cut off from what follows it starts the next
-        buffer[:kept] = buffer[done * BLOCK:filled]
+        buffer[:kept] = buffer[done * BLOCK : filled]
         base, filled = base + done, kept

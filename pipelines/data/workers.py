@@ -32,8 +32,14 @@ def check_num_workers(value) -> int | str:
     return workers
 
 
-def loader_workers(setting, processes_on_node: int | None = None, *, device_type: str = "cuda",
-                   compute_threads: int | None = None, cores: int | None = None) -> int:
+def loader_workers(
+    setting,
+    processes_on_node: int | None = None,
+    *,
+    device_type: str = "cuda",
+    compute_threads: int | None = None,
+    cores: int | None = None,
+) -> int:
     """Workers per rank: the integer setting, or for `auto` this rank's share of the cores it may use
     (`cores`, default its CPU affinity, divided by the `processes_on_node` that share them) minus
     what the training process computes with. On an accelerator that is one core (at most
@@ -78,7 +84,7 @@ def agreed_loader_workers(setting, *, device_type: str = "cuda") -> int:
     over all ranks, so that every rank lays out the pass alike. Every rank calls this at the same point."""
     import torch.distributed as dist
 
-    from pipelines.ranks import rank_and_world
+    from prunepipe.pipelines.ranks import rank_and_world
 
     setting = check_num_workers(setting)
     _, world = rank_and_world()
@@ -87,8 +93,7 @@ def agreed_loader_workers(setting, *, device_type: str = "cuda") -> int:
     mine = (socket.gethostname(), usable_cpus())
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
-    local = loader_workers(setting, sharing_processes(mine, everyone), device_type=device_type,
-                           cores=len(mine[1]))
+    local = loader_workers(setting, sharing_processes(mine, everyone), device_type=device_type, cores=len(mine[1]))
     return agree_worker_count(local)
 
 
@@ -98,7 +103,7 @@ def agree_worker_count(local: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from pipelines.ranks import collective_device
+    from prunepipe.pipelines.ranks import collective_device
 
     count = torch.tensor([local], dtype=torch.int64, device=collective_device())
     dist.all_reduce(count, op=dist.ReduceOp.MIN)

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 from torchmetrics.multimodal.clip_score import CLIPScore
 
-from pipelines.evaluation.fid import uint8_rgb
-from pipelines.tasks.diffusion.text import quiet_transformers, said_missing
+from prunepipe.pipelines.evaluation.fid import uint8_rgb
+from prunepipe.pipelines.tasks.diffusion.text import quiet_transformers, said_missing
 
 SETTING = "eval.clip_score.model"
 
@@ -53,25 +53,33 @@ def load_clip(path: str) -> tuple[TensorFeatures, object]:
 
     folder = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{SETTING}={path!r}: no such folder. Give the local folder of a transformers "
-                                f"CLIPModel and its processor; this machine never downloads (on a connected machine "
-                                f"`hf download openai/clip-vit-large-patch14` and copy the folder)")
+        raise FileNotFoundError(
+            f"{SETTING}={path!r}: no such folder. Give the local folder of a transformers "
+            f"CLIPModel and its processor; this machine never downloads (on a connected machine "
+            f"`hf download openai/clip-vit-large-patch14` and copy the folder)"
+        )
     with quiet_transformers():  # its bar and load report would sit among the evaluation's own lines
         try:
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"{SETTING}={path!r}: no transformers config.json there: "
-                                    f"{str(e).splitlines()[0]}") from None
+            raise FileNotFoundError(
+                f"{SETTING}={path!r}: no transformers config.json there: {str(e).splitlines()[0]}"
+            ) from None
         if config.model_type != "clip":
-            raise ValueError(f"{SETTING}={path!r} holds a {config.model_type!r} model; CLIPScore needs a CLIPModel "
-                             f"(vision and text towers)")
+            raise ValueError(
+                f"{SETTING}={path!r} holds a {config.model_type!r} model; CLIPScore needs a CLIPModel "
+                f"(vision and text towers)"
+            )
         try:
-            model, info = transformers.CLIPModel.from_pretrained(folder, config=config, local_files_only=True,
-                                                                 output_loading_info=True)
+            model, info = transformers.CLIPModel.from_pretrained(
+                folder, config=config, local_files_only=True, output_loading_info=True
+            )
             processor = transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise FileNotFoundError(f"{SETTING}={path!r}: cannot load the CLIP and its processor (tokenizer and "
-                                    f"image processor files) there: {str(e).splitlines()[0]}") from None
+            raise FileNotFoundError(
+                f"{SETTING}={path!r}: cannot load the CLIP and its processor (tokenizer and "
+                f"image processor files) there: {str(e).splitlines()[0]}"
+            ) from None
     said_missing(SETTING, path, "CLIPModel", info)
     return TensorFeatures(model.eval().requires_grad_(False)), processor
 
@@ -88,7 +96,7 @@ def scoring(batches: Iterable[torch.Tensor], metric: CLIPScore, captions: Sequen
     processor rescales by 1/255 and resizes to its own side)."""
     seen = 0
     for images in batches:
-        metric.update(uint8_rgb(images.to(metric.device)), list(captions[seen:seen + len(images)]))
+        metric.update(uint8_rgb(images.to(metric.device)), list(captions[seen : seen + len(images)]))
         seen += len(images)
         yield images
     if seen != len(captions):

@@ -30,7 +30,7 @@ class FIDConfig:
     guidance_scale: float = 1.0  # classifier-free guidance of class- and text-conditional models; 1 = none
     batch_size: int = 64  # images per generation and feature batch, per rank
     # inception: Inception-v3 (torch-fidelity's port of the TF FID graph) from `weights`;
-    # classifier: a small-domain classifier written by `python -m tools.commands.feature_net` (not
+    # classifier: a small-domain classifier written by `python -m prunepipe.tools.commands.feature_net` (not
     # comparable to Inception FID); module:pkg.mod:factory: factory(weights) -> nn.Module mapping
     # float images in [0, 1] to [N, D] features
     feature: str = "inception"
@@ -141,9 +141,12 @@ def _names_a_feature(value: str, accepted: tuple[str, ...]) -> bool:
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Values the type system cannot check; each message names the field and what it accepts."""
+
     def choice(name, value, accepted):
         if value not in accepted:
-            raise ValueError(f"eval config: {name}={value!r} is not accepted; accepted: {', '.join(map(str, accepted))}")
+            raise ValueError(
+                f"eval config: {name}={value!r} is not accepted; accepted: {', '.join(map(str, accepted))}"
+            )
 
     choice("weights", cfg.weights, WEIGHTS)
     choice("precision", cfg.precision, PRECISIONS)
@@ -151,22 +154,35 @@ def validate_eval_config(cfg: EvalConfig) -> None:
     choice("fid.resize", cfg.fid.resize, INCEPTION_RESIZE)
     choice("probe.pool", cfg.probe.pool, PROBE_POOLS)
     if not _names_a_feature(cfg.fid.feature, FID_FEATURES):
-        raise ValueError(f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
-                         f"{', '.join(FID_FEATURES)}, module:package.module:factory")
+        raise ValueError(
+            f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
+            f"{', '.join(FID_FEATURES)}, module:package.module:factory"
+        )
     rep = cfg.replication
     if not _names_a_feature(rep.feature, REPLICATION_FEATURES):
-        raise ValueError(f"eval config: replication.feature={rep.feature!r} is not accepted; accepted: '' (pixels "
-                         f"only), classifier, module:package.module:factory")
+        raise ValueError(
+            f"eval config: replication.feature={rep.feature!r} is not accepted; accepted: '' (pixels "
+            f"only), classifier, module:package.module:factory"
+        )
     if not 0 < rep.threshold < 1:
         raise ValueError(f"eval config: replication.threshold is a ratio of distances, in (0, 1); got {rep.threshold}")
-    at_least = {"fid.num_samples": (cfg.fid.num_samples, 2), "fid.sampler_steps": (cfg.fid.sampler_steps, 1),
-                "fid.batch_size": (cfg.fid.batch_size, 1), "batch_size": (cfg.batch_size, 1),
-                "every_passes": (cfg.every_passes, 0), "val_samples": (cfg.val_samples, 0),
-                "fid.reference_samples": (cfg.fid.reference_samples, 0), "probe.train_samples": (cfg.probe.train_samples, 0),
-                "probe.per_class": (cfg.probe.per_class, 0), "replication.num_samples": (rep.num_samples, 1),
-                "replication.max_train": (rep.max_train, 0), "replication.held_out_samples": (rep.held_out_samples, 0),
-                "replication.neighbours": (rep.neighbours, 2), "replication.pixel_size": (rep.pixel_size, 1),
-                "replication.picture_pairs": (rep.picture_pairs, 0)}
+    at_least = {
+        "fid.num_samples": (cfg.fid.num_samples, 2),
+        "fid.sampler_steps": (cfg.fid.sampler_steps, 1),
+        "fid.batch_size": (cfg.fid.batch_size, 1),
+        "batch_size": (cfg.batch_size, 1),
+        "every_passes": (cfg.every_passes, 0),
+        "val_samples": (cfg.val_samples, 0),
+        "fid.reference_samples": (cfg.fid.reference_samples, 0),
+        "probe.train_samples": (cfg.probe.train_samples, 0),
+        "probe.per_class": (cfg.probe.per_class, 0),
+        "replication.num_samples": (rep.num_samples, 1),
+        "replication.max_train": (rep.max_train, 0),
+        "replication.held_out_samples": (rep.held_out_samples, 0),
+        "replication.neighbours": (rep.neighbours, 2),
+        "replication.pixel_size": (rep.pixel_size, 1),
+        "replication.picture_pairs": (rep.picture_pairs, 0),
+    }
     for name, (value, low) in at_least.items():
         if value < low:
             raise ValueError(f"eval config: {name} must be >= {low}, got {value}")

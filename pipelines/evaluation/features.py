@@ -1,7 +1,7 @@
 """A small image classifier whose penultimate features stand in for Inception-v3 in FID on the
 bundled small domains (32 px digits), where Inception's ImageNet features say little and its
 weights cannot be downloaded. FID in these features is NOT comparable to Inception FID or to any
-published number. Trained by `python -m tools.commands.feature_net`; nothing here trains or downloads.
+published number. Trained by `python -m prunepipe.tools.commands.feature_net`; nothing here trains or downloads.
 """
 
 from __future__ import annotations
@@ -21,17 +21,23 @@ class SmallClassifier(nn.Module):
     [N, num_features] (`forward`, what FID uses) or class logits (`classify`). Inputs are resized to
     `resolution` (16 px: the digits are 8x8 scans, and it keeps training to seconds on a CPU)."""
 
-    def __init__(self, in_channels: int = 3, resolution: int = 16, widths: tuple[int, ...] = (16, 32, 64),
-                 num_classes: int = 10):
+    def __init__(
+        self, in_channels: int = 3, resolution: int = 16, widths: tuple[int, ...] = (16, 32, 64), num_classes: int = 10
+    ):
         super().__init__()
-        self.config = dict(in_channels=in_channels, resolution=resolution, widths=list(widths),
-                           num_classes=num_classes)
+        self.config = dict(in_channels=in_channels, resolution=resolution, widths=list(widths), num_classes=num_classes)
         self.in_channels, self.resolution = in_channels, resolution
         stages, channels = [], in_channels
         for k, width in enumerate(widths):
             # batch norm makes the short, fixed-seed training converge from any initialisation
-            stages += [nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-                       nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+            stages += [
+                nn.Conv2d(channels, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+                nn.Conv2d(width, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+            ]
             if k < len(widths) - 1:
                 stages.append(nn.MaxPool2d(2))
             channels = width
@@ -50,8 +56,9 @@ class SmallClassifier(nn.Module):
             else:
                 raise ValueError(f"SmallClassifier expects {self.in_channels} channels, got {x.shape[1]}")
         if x.shape[-2:] != (self.resolution, self.resolution):
-            x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True,
-                              align_corners=False)
+            x = F.interpolate(
+                x, size=(self.resolution, self.resolution), mode="bilinear", antialias=True, align_corners=False
+            )
         x = self.stages(x * 2.0 - 1.0)  # the [-1, 1] range the training shards decode to
         return x.mean(dim=(2, 3))
 
@@ -72,8 +79,10 @@ def load_classifier(path: str) -> SmallClassifier:
     with safe_open(path, "pt") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a classifier written by `python -m tools.commands.feature_net` (metadata format "
-                         f"{metadata.get('format')!r}, expected {FORMAT!r})")
+        raise ValueError(
+            f"{path}: not a classifier written by `python -m prunepipe.tools.commands.feature_net` (metadata format "
+            f"{metadata.get('format')!r}, expected {FORMAT!r})"
+        )
     model = SmallClassifier(**json.loads(metadata["config"]))
     model.load_state_dict(load_file(path), strict=True)
     return model.eval().requires_grad_(False)

@@ -19,14 +19,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
-from pipelines.data.shards import index_file
-from pipelines.data.splits import read_split
-from pipelines.evaluation.config import FIDConfig
-from pipelines.ranks import decided_on_rank0, on_every_rank, rank_and_world
+from prunepipe.pipelines.data.shards import index_file
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.config import FIDConfig
+from prunepipe.pipelines.ranks import decided_on_rank0, on_every_rank, rank_and_world
 
 # torch-fidelity's Inception-v3 (the TF FID graph of 2015-12-05, converted); torchmetrics loads it.
-INCEPTION_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"
-                 "weights-inception-2015-12-05-6726825d.pth")
+INCEPTION_URL = (
+    "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/weights-inception-2015-12-05-6726825d.pth"
+)
 INCEPTION_FILE = os.path.basename(INCEPTION_URL)
 # pytorch-fid's name for the same file (the same sha256 prefix, 6726825d, that torch.hub names carry)
 INCEPTION_FILE_PYTORCH_FID = "pt_inception-2015-12-05-6726825d.pth"
@@ -71,8 +72,13 @@ class FeatureNet:
     def metric(self) -> FrechetInceptionDistance:
         """A fresh metric whose real statistics survive `reset()` (they are installed once)."""
         if self.is_inception:
-            return FrechetInceptionDistance(feature=self.feature, feature_extractor_weights_path=self.weights_path,
-                                            antialias=self.antialias, normalize=False, reset_real_features=False)
+            return FrechetInceptionDistance(
+                feature=self.feature,
+                feature_extractor_weights_path=self.weights_path,
+                antialias=self.antialias,
+                normalize=False,
+                reset_real_features=False,
+            )
         return FrechetInceptionDistance(feature=self.feature, normalize=True, reset_real_features=False)
 
     def prepare(self, images: torch.Tensor) -> torch.Tensor:
@@ -88,23 +94,33 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
     classifier is looked for when `fid.weights` is empty (the folder holding train/ and val/)."""
     if cfg.feature == "inception":
         hub = os.path.join(torch.hub.get_dir(), "checkpoints")
-        found = [os.path.join(hub, n) for n in (INCEPTION_FILE, INCEPTION_FILE_PYTORCH_FID) if os.path.isfile(os.path.join(hub, n))]
+        found = [
+            os.path.join(hub, n)
+            for n in (INCEPTION_FILE, INCEPTION_FILE_PYTORCH_FID)
+            if os.path.isfile(os.path.join(hub, n))
+        ]
         path = cfg.weights or (found[0] if found else os.path.join(hub, INCEPTION_FILE))
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"fid.weights={cfg.weights!r}: no Inception-v3 weights at {path}. This machine never downloads: "
                 f"fetch {INCEPTION_URL} on a connected machine, copy it here and pass fid.weights=PATH (or put it "
-                f"at {path}); see docs/evaluation.md. For small domains use fid.feature=classifier")
-        return FeatureNet(cfg.inception_dim, f"inception{cfg.inception_dim}-{cfg.resize}-{file_digest(path)}", path,
-                          antialias=cfg.resize == "antialias")
+                f"at {path}); see docs/evaluation.md. For small domains use fid.feature=classifier"
+            )
+        return FeatureNet(
+            cfg.inception_dim,
+            f"inception{cfg.inception_dim}-{cfg.resize}-{file_digest(path)}",
+            path,
+            antialias=cfg.resize == "antialias",
+        )
     if cfg.feature == "classifier":
-        from pipelines.evaluation.features import load_classifier
+        from prunepipe.pipelines.evaluation.features import load_classifier
 
         path = cfg.weights or os.path.join(shards_root, CLASSIFIER_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"fid.weights={cfg.weights!r}: no small-domain classifier at {path}; write one with "
-                f"`python -m tools.commands.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU) or pass fid.weights=PATH")
+                f"`python -m prunepipe.tools.commands.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU) or pass fid.weights=PATH"
+            )
         return FeatureNet(load_classifier(path), f"classifier-{file_digest(path)}", path)
     _, module_name, factory_name = cfg.feature.split(":")
     try:
@@ -165,7 +181,7 @@ def reference_statistics(
     looks for the cache and hands what it read to every rank: ranks that looked for themselves could
     disagree (a file written between their checks, a node-local `stats_dir`) and then one would wait
     in the all-reduce below that another never joins."""
-    from pipelines.data.shards import ShardIndex
+    from prunepipe.pipelines.data.shards import ShardIndex
 
     count = ShardIndex.load(folder).num_samples
     count = count if max_samples <= 0 else min(count, max_samples)
@@ -176,12 +192,22 @@ def reference_statistics(
     rank, world = rank_and_world()
     extractor = metric.inception  # the network torchmetrics built (for Inception: from the weights file)
     dim = int(metric.real_features_sum.shape[0])
-    sums = [torch.zeros(dim, dtype=torch.float64, device=metric.device),
-            torch.zeros(dim, dim, dtype=torch.float64, device=metric.device),
-            torch.zeros((), dtype=torch.int64, device=metric.device)]
+    sums = [
+        torch.zeros(dim, dtype=torch.float64, device=metric.device),
+        torch.zeros(dim, dim, dtype=torch.float64, device=metric.device),
+        torch.zeros((), dtype=torch.int64, device=metric.device),
+    ]
     with torch.no_grad():
-        for batch in read_split(folder, resolution=resolution, channels=channels, batch_size=batch_size,
-                                max_samples=count, rank=rank, world_size=world, desc=f"FID reference {folder}"):
+        for batch in read_split(
+            folder,
+            resolution=resolution,
+            channels=channels,
+            batch_size=batch_size,
+            max_samples=count,
+            rank=rank,
+            world_size=world,
+            desc=f"FID reference {folder}",
+        ):
             # the same sums FrechetInceptionDistance.update accumulates
             features = extractor(net.prepare((batch.images.to(metric.device) + 1) / 2)).double()
             sums[0] += features.sum(dim=0)
@@ -196,9 +222,15 @@ def reference_statistics(
     if rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, features_sum=stats.features_sum.numpy(), cov_sum=stats.cov_sum.numpy(),
-                 num_samples=stats.num_samples, identity=net.identity, resolution=resolution,
-                 folder=os.path.abspath(folder))
+        np.savez(
+            tmp,
+            features_sum=stats.features_sum.numpy(),
+            cov_sum=stats.cov_sum.numpy(),
+            num_samples=stats.num_samples,
+            identity=net.identity,
+            resolution=resolution,
+            folder=os.path.abspath(folder),
+        )
         os.replace(tmp, path)
     return stats, path, False
 
@@ -208,8 +240,9 @@ def _read_cache(path: str) -> ReferenceStats | None:
     if not os.path.isfile(path):
         return None
     with np.load(path) as saved:
-        return ReferenceStats(torch.from_numpy(saved["features_sum"]), torch.from_numpy(saved["cov_sum"]),
-                              int(saved["num_samples"]))
+        return ReferenceStats(
+            torch.from_numpy(saved["features_sum"]), torch.from_numpy(saved["cov_sum"]), int(saved["num_samples"])
+        )
 
 
 # ----------------------------------------------------------------------------- the evaluator
@@ -221,22 +254,53 @@ class FIDEvaluator:
     counts them once.
     """
 
-    def __init__(self, net: FeatureNet, reference_folder: str, *, resolution: int, channels: int,
-                 max_reference: int = 0, batch_size: int = 64, stats_dir: str = "", device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        net: FeatureNet,
+        reference_folder: str,
+        *,
+        resolution: int,
+        channels: int,
+        max_reference: int = 0,
+        batch_size: int = 64,
+        stats_dir: str = "",
+        device: str | torch.device = "cpu",
+    ):
         self.net = net
         self.metric = net.metric().to(device)
         self.reference, self.cache_path, self.cached = reference_statistics(
-            reference_folder, net, self.metric, resolution=resolution, channels=channels,
-            max_samples=max_reference, batch_size=batch_size, stats_dir=stats_dir)
+            reference_folder,
+            net,
+            self.metric,
+            resolution=resolution,
+            channels=channels,
+            max_samples=max_reference,
+            batch_size=batch_size,
+            stats_dir=stats_dir,
+        )
         self._install_reference()
 
     @classmethod
-    def from_config(cls, cfg: FIDConfig, reference_folder: str, *, resolution: int, channels: int,
-                    device: str | torch.device = "cpu") -> "FIDEvaluator":
+    def from_config(
+        cls,
+        cfg: FIDConfig,
+        reference_folder: str,
+        *,
+        resolution: int,
+        channels: int,
+        device: str | torch.device = "cpu",
+    ) -> "FIDEvaluator":
         net = load_feature_net(cfg, reference_folder)
-        return cls(net, reference_folder, resolution=resolution,
-                   channels=channels, max_reference=cfg.reference_samples, batch_size=cfg.batch_size,
-                   stats_dir=cfg.stats_dir, device=device)
+        return cls(
+            net,
+            reference_folder,
+            resolution=resolution,
+            channels=channels,
+            max_reference=cfg.reference_samples,
+            batch_size=cfg.batch_size,
+            stats_dir=cfg.stats_dir,
+            device=device,
+        )
 
     def _install_reference(self) -> None:
         rank, _ = rank_and_world()
@@ -257,5 +321,10 @@ class FIDEvaluator:
         rank, world = rank_and_world()
         if world > 1:
             dist.all_reduce(fake)
-        return {"fid": fid, "fid_samples": int(fake), "fid_reference_samples": self.reference.num_samples,
-                "fid_feature": self.net.identity, "fid_reference_cache": self.cache_path}
+        return {
+            "fid": fid,
+            "fid_samples": int(fake),
+            "fid_reference_samples": self.reference.num_samples,
+            "fid_feature": self.net.identity,
+            "fid_reference_cache": self.cache_path,
+        }

@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn as nn
 
-from pipelines.evaluation.config import PRECISIONS
+from prunepipe.pipelines.evaluation.config import PRECISIONS
 
 
 @contextmanager

@@ -16,13 +16,14 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from pipelines.evaluation.config import ProbeConfig
-from pipelines.evaluation.precision import forward_precision
+from prunepipe.pipelines.evaluation.config import ProbeConfig
+from prunepipe.pipelines.evaluation.precision import forward_precision
 
 
 @torch.no_grad()
-def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg", precision: str = "fp32"
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encoder_features(
+    encoder: nn.Module, batches: Iterable, pool: str = "avg", precision: str = "fp32"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids int64 [N], features float64 [N, D], labels int64 [N]) of a timm VisionTransformer
     (MaskedAutoencoder.encoder or the exported encoder) on every image, no masking. `pool`: avg = mean
     of the patch tokens after the final norm, token = the class token. Padding (id < 0) is dropped.
@@ -45,12 +46,21 @@ def encoder_features(encoder: nn.Module, batches: Iterable, pool: str = "avg", p
         encoder.train(was_training)
     # a rank whose share is empty still returns [0, D] features, so the gather sees one shape
     dim = features[0].shape[1] if features else int(getattr(encoder, "num_features", getattr(encoder, "embed_dim", 0)))
-    return (np.concatenate(ids).astype(np.int64), np.concatenate([np.zeros((0, dim)), *features]),
-            np.concatenate(labels).astype(np.int64))
+    return (
+        np.concatenate(ids).astype(np.int64),
+        np.concatenate([np.zeros((0, dim)), *features]),
+        np.concatenate(labels).astype(np.int64),
+    )
 
 
-def linear_probe(encoder: nn.Module, train_batches: Iterable, val_batches: Iterable, cfg: ProbeConfig | None = None,
-                 seed: int = 0, precision: str = "fp32") -> dict:
+def linear_probe(
+    encoder: nn.Module,
+    train_batches: Iterable,
+    val_batches: Iterable,
+    cfg: ProbeConfig | None = None,
+    seed: int = 0,
+    precision: str = "fp32",
+) -> dict:
     """Accuracy on val of a logistic regression on the encoder's standardised train features (all of
     them, or `cfg.per_class` per class), in one process: `fit_probe` on `encoder_features` of both."""
     cfg = cfg or ProbeConfig()
@@ -59,8 +69,14 @@ def linear_probe(encoder: nn.Module, train_batches: Iterable, val_batches: Itera
     return fit_probe(train_x, train_y, val_x, val_y, cfg, seed)
 
 
-def fit_probe(train_x: np.ndarray, train_y: np.ndarray, val_x: np.ndarray, val_y: np.ndarray,
-              cfg: ProbeConfig | None = None, seed: int = 0) -> dict:
+def fit_probe(
+    train_x: np.ndarray,
+    train_y: np.ndarray,
+    val_x: np.ndarray,
+    val_y: np.ndarray,
+    cfg: ProbeConfig | None = None,
+    seed: int = 0,
+) -> dict:
     """The probe on features in index order (train [N, D], val [M, D]) and their labels. Samples
     without a class label (-1) are left out; with fewer than two classes the probe is skipped and
     says why. Deterministic: the same arrays give the same numbers on every rank."""
@@ -69,11 +85,13 @@ def fit_probe(train_x: np.ndarray, train_y: np.ndarray, val_x: np.ndarray, val_y
     val_x, val_y = val_x[val_y >= 0], val_y[val_y >= 0]
     classes = np.unique(train_y)
     if len(classes) < 2 or len(val_y) == 0:  # most web data: an image folder without class subfolders
-        return {"probe_skipped": f"the train shards carry {len(classes)} class(es) and the val shards {len(val_y)} "
-                                 f"labelled image(s) (fields cls/label/class); the probe needs two classes and "
-                                 f"labelled val images (set probe.enabled=false to leave it out)"}
+        return {
+            "probe_skipped": f"the train shards carry {len(classes)} class(es) and the val shards {len(val_y)} "
+            f"labelled image(s) (fields cls/label/class); the probe needs two classes and "
+            f"labelled val images (set probe.enabled=false to leave it out)"
+        }
     if cfg.per_class > 0:  # few-shot: the first `per_class` images of each class, in index order
-        pick = np.sort(np.concatenate([np.flatnonzero(train_y == c)[:cfg.per_class] for c in classes]))
+        pick = np.sort(np.concatenate([np.flatnonzero(train_y == c)[: cfg.per_class] for c in classes]))
         train_x, train_y = train_x[pick], train_y[pick]
     classifier = make_pipeline(StandardScaler(), LogisticRegression(C=cfg.C, max_iter=cfg.max_iter, random_state=seed))
     classifier.fit(train_x, train_y)

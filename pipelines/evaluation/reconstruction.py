@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-from pipelines.data.batch import real_samples
-from pipelines.evaluation.precision import forward_precision
-from pipelines.tasks.mae import MAETask, MaskedAutoencoder
-from pipelines.tasks.randomness import per_sample_seeded
-from pipelines.tasks.wrappers import unwrap
+from prunepipe.pipelines.data.batch import real_samples
+from prunepipe.pipelines.evaluation.precision import forward_precision
+from prunepipe.pipelines.tasks.mae import MAETask, MaskedAutoencoder
+from prunepipe.pipelines.tasks.randomness import per_sample_seeded
+from prunepipe.pipelines.tasks.wrappers import unwrap
 
 
 def fixed_mask_noise(ids: np.ndarray, num_patches: int, seed: int) -> torch.Tensor:
@@ -24,8 +24,9 @@ def fixed_mask_noise(ids: np.ndarray, num_patches: int, seed: int) -> torch.Tens
 
 
 @torch.no_grad()
-def reconstruct(model: MaskedAutoencoder, images: torch.Tensor, noise: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reconstruct(
+    model: MaskedAutoencoder, images: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """images [N, C, H, W] in [-1, 1], noise [N, L] -> (reconstruction [N, C, H, W], mask [N, L]
     with 1 = masked, masked-patch MSE [N] exactly as the training loss computes it).
 

@@ -10,8 +10,15 @@ import os
 EVAL_DIR = "eval"
 
 # Metrics `prunepipe compare` judges, and whether higher is better; the rest is detail.
-PRIMARY_METRICS = {"masked_mse": False, "psnr": True, "ssim": True, "probe_accuracy": True,
-                   "denoise_mse": False, "fid": False, "clip_score": True}
+PRIMARY_METRICS = {
+    "masked_mse": False,
+    "psnr": True,
+    "ssim": True,
+    "probe_accuracy": True,
+    "denoise_mse": False,
+    "fid": False,
+    "clip_score": True,
+}
 
 
 def lower_is_better(metric: str) -> bool:
@@ -45,4 +52,6 @@ def resolve_run_dir(run: str, runs_dir: str = "runs") -> str:
     for candidate in (run, os.path.join(runs_dir, run)):
         if os.path.isfile(os.path.join(candidate, "config.yaml")):
             return candidate
-    raise FileNotFoundError(f"run {run!r}: neither {run}/config.yaml nor {os.path.join(runs_dir, run)}/config.yaml exists")
+    raise FileNotFoundError(
+        f"run {run!r}: neither {run}/config.yaml nor {os.path.join(runs_dir, run)}/config.yaml exists"
+    )

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipelines.data.splits import index_metadata, read_split
-from pipelines.evaluation.fid import to_uint8
-from pipelines.ranks import gather_in_index_order, gather_rows, rank_and_world
+from prunepipe.pipelines.data.splits import index_metadata, read_split
+from prunepipe.pipelines.evaluation.fid import to_uint8
+from prunepipe.pipelines.ranks import gather_in_index_order, gather_rows, rank_and_world
 
 NEIGHBOURS = 50  # Carlini et al.'s n
 THRESHOLD = 0.2  # flagged when d_1 / mean(d_1..d_k) <= this (their l <= 0.4 at alpha = 0.5)
@@ -82,9 +82,18 @@ class Replication:
 
     def details(self) -> dict:
         """The numbers and the flagged samples, for an eval record (JSON)."""
-        return {**self.numbers, "replication_flagged_samples": [
-            {"sample": f.sample, "train_id": f.train_id, "ratio": round(f.ratio, 6), "distance": round(f.distance, 6)}
-            for f in self.flagged]}
+        return {
+            **self.numbers,
+            "replication_flagged_samples": [
+                {
+                    "sample": f.sample,
+                    "train_id": f.train_id,
+                    "ratio": round(f.ratio, 6),
+                    "distance": round(f.distance, 6),
+                }
+                for f in self.flagged
+            ],
+        }
 
 
 # ----------------------------------------------------------------------------- rows
@@ -96,12 +105,16 @@ def check_images(images: torch.Tensor, what: str) -> None:
     if c not in (1, 3):
         raise ValueError(f"{what}: images have {c} channels; accepted: 1 (grey) or 3 (RGB)")
     if h != w:
-        raise ValueError(f"{what}: images are {h}x{w}; the splits are read as squares (data.resolution), "
-                         f"so the samples must be square too")
+        raise ValueError(
+            f"{what}: images are {h}x{w}; the splits are read as squares (data.resolution), "
+            f"so the samples must be square too"
+        )
     if n and (not images.is_floating_point() or float(images.min()) < 0 or float(images.max()) > 1):
         low, high = float(images.min()), float(images.max())
-        raise ValueError(f"{what}: expected float images in [0, 1] (what generate_images yields), got values in "
-                         f"[{low:.3g}, {high:.3g}]; map [-1, 1] images with (x + 1) / 2")
+        raise ValueError(
+            f"{what}: expected float images in [0, 1] (what generate_images yields), got values in "
+            f"[{low:.3g}, {high:.3g}]; map [-1, 1] images with (x + 1) / 2"
+        )
 
 
 def eight_bit(images: torch.Tensor) -> torch.Tensor:
@@ -125,13 +138,16 @@ def feature_rows(feature: FeatureFunction, images: torch.Tensor) -> np.ndarray:
         out = feature(images)
     rows = np.asarray(out.detach().cpu().float() if isinstance(out, torch.Tensor) else out, dtype=np.float32)
     if rows.ndim != 2 or len(rows) != len(images):
-        raise ValueError(f"replication feature {getattr(feature, '__name__', type(feature).__name__)}: expected "
-                         f"[{len(images)}, D] rows for {len(images)} images, got shape {list(rows.shape)}")
+        raise ValueError(
+            f"replication feature {getattr(feature, '__name__', type(feature).__name__)}: expected "
+            f"[{len(images)}, D] rows for {len(images)} images, got shape {list(rows.shape)}"
+        )
     return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
 
-def _query_rows(batches: Iterable[tuple[np.ndarray, torch.Tensor]], side: int, feature: FeatureFunction | None,
-                channels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _query_rows(
+    batches: Iterable[tuple[np.ndarray, torch.Tensor]], side: int, feature: FeatureFunction | None, channels: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(ids, pixel rows, feature rows or None) of every rank's images, in index order on every rank."""
     ids, pixels, features = [np.zeros(0, dtype=np.int64)], [np.zeros((0, channels * side * side), np.float32)], []
     for batch_ids, images in batches:
@@ -154,8 +170,7 @@ class NearestTrain:
     """Each query's k nearest train rows in pixels (l2) and most similar one in features (cosine),
     exactly, over train rows added a chunk at a time (faiss flat indexes)."""
 
-    def __init__(self, pixel_queries: np.ndarray, feature_queries: np.ndarray | None, k: int,
-                 keep_rows_of: int = 0):
+    def __init__(self, pixel_queries: np.ndarray, feature_queries: np.ndarray | None, k: int, keep_rows_of: int = 0):
         self.pixel_queries, self.feature_queries, self.k = pixel_queries, feature_queries, k
         q = len(pixel_queries)
         self.distances = np.full((q, k), np.inf, dtype=np.float32)  # l2, ascending
@@ -171,8 +186,10 @@ class NearestTrain:
         import faiss
 
         if pixels.shape[1] != self.pixel_queries.shape[1]:
-            raise ValueError(f"train rows have {pixels.shape[1]} pixel values, the queries "
-                             f"{self.pixel_queries.shape[1]}: train and generated images differ in size or channels")
+            raise ValueError(
+                f"train rows have {pixels.shape[1]} pixel values, the queries "
+                f"{self.pixel_queries.shape[1]}: train and generated images differ in size or channels"
+            )
         self.count += len(ids)
         index = faiss.IndexFlatL2(pixels.shape[1])
         index.add(np.ascontiguousarray(pixels))
@@ -180,7 +197,7 @@ class NearestTrain:
         found = np.sqrt(np.maximum(squared, 0))  # faiss gives squared l2, a hair below 0 for equal rows
         distances = np.concatenate([self.distances, found], axis=1)
         candidates = np.concatenate([self.ids, ids[where]], axis=1)
-        best = _nearest_first(distances, candidates)[:, :self.k]
+        best = _nearest_first(distances, candidates)[:, : self.k]
         self.distances = np.take_along_axis(distances, best, axis=1)
         self.ids = np.take_along_axis(candidates, best, axis=1)
         if len(self.nearest_rows):
@@ -217,7 +234,7 @@ class NearestTrain:
         if len(self.nearest_rows):
             # read_split gives rank r the ids congruent to r: the nearest row lives on rank id % world
             rows = gather_rows(torch.from_numpy(self.nearest_rows)).numpy().reshape(world, len(self.nearest_rows), -1)
-            owner = self.ids[:len(self.nearest_rows), 0] % world
+            owner = self.ids[: len(self.nearest_rows), 0] % world
             self.nearest_rows = rows[owner, np.arange(len(self.nearest_rows))]
         self.count = int(gather_rows(torch.tensor([self.count])).sum())
 
@@ -238,11 +255,21 @@ def _nearest_first(distances: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def _split_batches(folder: str, what: str, *, size: int, channels: int, max_samples: int, batch_size: int):
     """(ids, images in [0, 1]) of this rank's share of the first `max_samples` images of `folder`."""
     if "latent_shape" in index_metadata(folder):
-        raise ValueError(f"replication {what} split {folder} holds latents; replication compares images: name "
-                         f"the image shards the latents were encoded from")
+        raise ValueError(
+            f"replication {what} split {folder} holds latents; replication compares images: name "
+            f"the image shards the latents were encoded from"
+        )
     rank, world = rank_and_world()
-    for batch in read_split(folder, resolution=size, channels=channels, batch_size=batch_size,
-                            max_samples=max_samples, rank=rank, world_size=world, desc=f"replication {what}"):
+    for batch in read_split(
+        folder,
+        resolution=size,
+        channels=channels,
+        batch_size=batch_size,
+        max_samples=max_samples,
+        rank=rank,
+        world_size=world,
+        desc=f"replication {what}",
+    ):
         yield batch.ids.numpy(), (batch.images.float() + 1) / 2
 
 
@@ -285,23 +312,28 @@ def measure_replication(
     and gets the same result. `picture_pairs` > 0 keeps that many flagged pairs' pixels for a picture."""
     check_images(generated, "generated samples")
     if os.path.abspath(train.rstrip("/")) == os.path.abspath(held_out.rstrip("/")):
-        raise ValueError(f"replication: the held-out split {held_out} is the train split; the baseline needs "
-                         f"images the model never saw (data.val)")
+        raise ValueError(
+            f"replication: the held-out split {held_out} is the train split; the baseline needs "
+            f"images the model never saw (data.val)"
+        )
     if neighbours < 2:
-        raise ValueError(f"replication: neighbours must be >= 2 (the ratio compares the nearest with the k nearest), "
-                         f"got {neighbours}")
+        raise ValueError(
+            f"replication: neighbours must be >= 2 (the ratio compares the nearest with the k nearest), "
+            f"got {neighbours}"
+        )
     size, channels = generated.shape[-1], generated.shape[1]
     indices = np.arange(len(generated)) if sample_ids is None else np.asarray(sample_ids, dtype=np.int64)
     if len(indices) != len(generated):
         raise ValueError(f"replication: {len(indices)} sample_ids for {len(generated)} generated images")
     side = min(pixel_size, size)
 
-    mine = [(indices[i:i + batch_size], generated[i:i + batch_size]) for i in range(0, len(generated), batch_size)]
+    mine = [(indices[i : i + batch_size], generated[i : i + batch_size]) for i in range(0, len(generated), batch_size)]
     sample_ids, sample_pixels, sample_features = _query_rows(mine, side, feature, channels)
     if len(sample_ids) == 0:
         raise ValueError("replication: no generated samples on any rank")
-    held = _split_batches(held_out, "held-out", size=size, channels=channels, max_samples=held_out_samples,
-                          batch_size=batch_size)
+    held = _split_batches(
+        held_out, "held-out", size=size, channels=channels, max_samples=held_out_samples, batch_size=batch_size
+    )
     held_ids, held_pixels, held_features = _query_rows(held, side, feature, channels)
     if len(held_ids) == 0:
         raise ValueError(f"replication: the held-out split {held_out} holds no images; the baseline needs some")
@@ -310,23 +342,31 @@ def measure_replication(
     queries = np.concatenate([sample_pixels, held_pixels])
     feature_queries = None if feature is None else np.concatenate([sample_features, held_features])
     search = NearestTrain(queries, feature_queries, neighbours, keep_rows_of=g if picture_pairs else 0)
-    train_batches = _split_batches(train, "train", size=size, channels=channels, max_samples=max_train,
-                                   batch_size=batch_size)
+    train_batches = _split_batches(
+        train, "train", size=size, channels=channels, max_samples=max_train, batch_size=batch_size
+    )
     for chunk_ids, images in _chunks(train_batches, TRAIN_ROWS_AT_ONCE):
         images = eight_bit(images)
         search.add(chunk_ids, pixel_rows(images, side), None if feature is None else feature_rows(feature, images))
     search.merge_ranks()
     if search.count < 2:
-        raise ValueError(f"replication: the train split {train} gave {search.count} images (max_train={max_train}); "
-                         f"the nearest-neighbour ratio needs at least 2")
+        raise ValueError(
+            f"replication: the train split {train} gave {search.count} images (max_train={max_train}); "
+            f"the nearest-neighbour ratio needs at least 2"
+        )
     k = min(neighbours, search.count)
     search.distances, search.ids = search.distances[:, :k], search.ids[:, :k]
 
     ratios = search.ratios()
     sample_ratios, held_ratios = ratios[:g], ratios[g:]
     copies = np.flatnonzero(sample_ratios <= threshold)
-    flagged = sorted((Flagged(int(sample_ids[i]), int(search.ids[i, 0]), float(sample_ratios[i]),
-                              float(search.distances[i, 0])) for i in copies), key=lambda f: (f.ratio, f.sample))
+    flagged = sorted(
+        (
+            Flagged(int(sample_ids[i]), int(search.ids[i, 0]), float(sample_ratios[i]), float(search.distances[i, 0]))
+            for i in copies
+        ),
+        key=lambda f: (f.ratio, f.sample),
+    )
     numbers = {
         "replication_rate": len(copies) / g,
         "replication_rate_held_out": float(np.mean(held_ratios <= threshold)),
@@ -347,19 +387,30 @@ def measure_replication(
     if feature is not None:
         similarity, held_similarity = search.similarity[:g], search.similarity[g:]
         at = {"q50": 0.5, "q95": 0.95, "q99": 0.99, "max": 1.0}
-        numbers.update({
-            "replication_feature_above_held_out_p95": float(np.mean(similarity > np.quantile(held_similarity, 0.95))),
-            "replication_feature_above_held_out_p99": float(np.mean(similarity > np.quantile(held_similarity, 0.99))),
-            **_quantiles(similarity, "replication_similarity", at),
-            **_quantiles(held_similarity, "replication_similarity_held_out", at),
-        })
+        numbers.update(
+            {
+                "replication_feature_above_held_out_p95": float(
+                    np.mean(similarity > np.quantile(held_similarity, 0.95))
+                ),
+                "replication_feature_above_held_out_p99": float(
+                    np.mean(similarity > np.quantile(held_similarity, 0.99))
+                ),
+                **_quantiles(similarity, "replication_similarity", at),
+                **_quantiles(held_similarity, "replication_similarity_held_out", at),
+            }
+        )
         result.similarities, result.held_out_similarities = similarity, held_similarity
         result.similar_train = search.similar_ids[:g].copy()
     if picture_pairs and len(copies):
         shown = [int(np.searchsorted(sample_ids, f.sample)) for f in flagged[:picture_pairs]]
         shape = (len(shown), channels, side, side)
-        result.pairs = torch.stack([torch.from_numpy(sample_pixels[shown]).reshape(shape),
-                                    torch.from_numpy(search.nearest_rows[shown]).reshape(shape)], dim=1)
+        result.pairs = torch.stack(
+            [
+                torch.from_numpy(sample_pixels[shown]).reshape(shape),
+                torch.from_numpy(search.nearest_rows[shown]).reshape(shape),
+            ],
+            dim=1,
+        )
     return result
 
 

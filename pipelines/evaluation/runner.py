@@ -23,19 +23,26 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
-from pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
-from pipelines.evaluation.fid import FIDEvaluator, load_feature_net
-from pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
-from pipelines.evaluation.records import PRIMARY_METRICS, record_path, write_record
-from pipelines.evaluation.replication import save_pairs_picture
-from pipelines.progress import position_label
-from pipelines.ranks import (counts_by_rank, decided_on_rank0, gather_in_index_order, mean_over_ranks, on_every_rank,
-                             rank0_value, rank_and_world)
-from pipelines.tasks.build import text_reading
-from pipelines.trained import load_trained
-from pipelines.tasks.diffusion.text import stored_identity
-from pipelines.tasks.wrappers import unwrap, weights_module
+from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
+from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
+from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
+from prunepipe.pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, record_path, write_record
+from prunepipe.pipelines.evaluation.replication import save_pairs_picture
+from prunepipe.pipelines.progress import position_label
+from prunepipe.pipelines.ranks import (
+    counts_by_rank,
+    decided_on_rank0,
+    gather_in_index_order,
+    mean_over_ranks,
+    on_every_rank,
+    rank0_value,
+    rank_and_world,
+)
+from prunepipe.pipelines.tasks.build import text_reading
+from prunepipe.pipelines.tasks.diffusion.text import stored_identity
+from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
+from prunepipe.pipelines.trained import load_trained
 
 # why a text-conditional run's evaluation needs the held-out shards
 SAMPLED_FROM_CAPTIONS = "a text-conditional model is sampled from held-out captions for FID, CLIPScore and replication"
@@ -68,8 +75,14 @@ def held_out_over_ranks(task, model: nn.Module, batches, cfg: EvalConfig) -> dic
 class Evaluator:
     """Every evaluator of one run's task; `evaluate(task, model, at=...)` on all ranks, each doing its share."""
 
-    def __init__(self, run_cfg, eval_cfg: EvalConfig | None = None, *, run_dir: str | None = None,
-                 device: str | torch.device | None = None):
+    def __init__(
+        self,
+        run_cfg,
+        eval_cfg: EvalConfig | None = None,
+        *,
+        run_dir: str | None = None,
+        device: str | torch.device | None = None,
+    ):
         self.run_cfg = run_cfg
         self.cfg = eval_cfg or eval_config_of(run_cfg)
         self.run_dir = run_dir or run_cfg.run_dir
@@ -85,21 +98,44 @@ class Evaluator:
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data
         folder = self._held_out_folder("the held-out evaluators need val shards")
-        return read_split(folder, resolution=data.resolution, channels=data.channels, batch_size=self.cfg.batch_size,
-                          max_samples=max_samples, rank=rank, world_size=world, desc="val", **text_reading(task))
+        return read_split(
+            folder,
+            resolution=data.resolution,
+            channels=data.channels,
+            batch_size=self.cfg.batch_size,
+            max_samples=max_samples,
+            rank=rank,
+            world_size=world,
+            desc="val",
+            **text_reading(task),
+        )
 
     def _mae(self, task, model: nn.Module, rank: int, world: int) -> dict:
-        from pipelines.evaluation.probe import encoder_features, fit_probe
-        from pipelines.evaluation.reconstruction import reconstruction_metrics
+        from prunepipe.pipelines.evaluation.probe import encoder_features, fit_probe
+        from prunepipe.pipelines.evaluation.reconstruction import reconstruction_metrics
 
         cfg = self.cfg
-        results = mean_over_ranks(reconstruction_metrics(task, model, self._val_batches(task, cfg.val_samples, rank, world),
-                                                         seed=cfg.seed, precision=cfg.precision))
+        results = mean_over_ranks(
+            reconstruction_metrics(
+                task,
+                model,
+                self._val_batches(task, cfg.val_samples, rank, world),
+                seed=cfg.seed,
+                precision=cfg.precision,
+            )
+        )
         if cfg.probe.enabled:
             data = self.run_cfg.data
-            train = read_split(data.train, resolution=data.resolution, channels=data.channels,
-                               batch_size=cfg.batch_size, max_samples=cfg.probe.train_samples, rank=rank,
-                               world_size=world, desc="probe train")
+            train = read_split(
+                data.train,
+                resolution=data.resolution,
+                channels=data.channels,
+                batch_size=cfg.batch_size,
+                max_samples=cfg.probe.train_samples,
+                rank=rank,
+                world_size=world,
+                desc="probe train",
+            )
             # the probe's val set is all of val, whatever val_samples caps reconstruction at
             val = self._val_batches(task, 0, rank, world)
             mine = [encoder_features(model.encoder, split, cfg.probe.pool, cfg.precision) for split in (train, val)]
@@ -110,14 +146,16 @@ class Evaluator:
         return results
 
     def _diffusion(self, task, model: nn.Module, rank: int, world: int) -> dict:
-        from pipelines.evaluation.clip_score import scoring
-        from pipelines.evaluation.sampling import generate_images, latent_decoder
+        from prunepipe.pipelines.evaluation.clip_score import scoring
+        from prunepipe.pipelines.evaluation.sampling import generate_images, latent_decoder
 
         fid_cfg, rep_cfg = self.cfg.fid, self.cfg.replication
         clip_on = bool(self.cfg.clip_score.model)
         if clip_on and not task.text_conditional:
-            raise ValueError(f"eval config: clip_score.model scores samples against the captions they were drawn "
-                             f"from; run {self.run_cfg.name} is not text-conditional (set clip_score.model=)")
+            raise ValueError(
+                f"eval config: clip_score.model scores samples against the captions they were drawn "
+                f"from; run {self.run_cfg.name} is not text-conditional (set clip_score.model=)"
+            )
         # CLIPScore measures FID's samples: it draws fid.num_samples of them with FID off too
         fid_count, rep_count = fid_cfg.num_samples, rep_cfg.num_samples
         self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
@@ -129,10 +167,16 @@ class Evaluator:
         decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
         captions = prompts = None
         if task.text_conditional:  # sample i is drawn from held-out caption i; a short val set caps the counts
-            captions = prompts = self._held_out_captions(max(fid_count if fid_cfg.enabled or clip_on else 0,
-                                                             rep_count if rep_cfg.enabled else 0))
-            self._say_capped(len(captions), {"fid.num_samples": fid_count if fid_cfg.enabled or clip_on else 0,
-                                             "replication.num_samples": rep_count if rep_cfg.enabled else 0})
+            captions = prompts = self._held_out_captions(
+                max(fid_count if fid_cfg.enabled or clip_on else 0, rep_count if rep_cfg.enabled else 0)
+            )
+            self._say_capped(
+                len(captions),
+                {
+                    "fid.num_samples": fid_count if fid_cfg.enabled or clip_on else 0,
+                    "replication.num_samples": rep_count if rep_cfg.enabled else 0,
+                },
+            )
             if fid_cfg.enabled or clip_on:
                 results["fid_samples_requested"] = fid_count
             fid_count, rep_count = min(fid_count, len(captions)), min(rep_count, len(captions))
@@ -142,10 +186,20 @@ class Evaluator:
                 prompts = self._held_out_features(task, len(captions), rank, world)
 
         def samples(count: int):
-            return generate_images(task, model, num_images=count, steps=fid_cfg.sampler_steps, seed=self.cfg.seed,
-                                   batch_size=fid_cfg.batch_size, rank=rank, world_size=world, decode=decode,
-                                   guidance_scale=fid_cfg.guidance_scale, precision=self.cfg.precision,
-                                   captions=prompts)
+            return generate_images(
+                task,
+                model,
+                num_images=count,
+                steps=fid_cfg.sampler_steps,
+                seed=self.cfg.seed,
+                batch_size=fid_cfg.batch_size,
+                rank=rank,
+                world_size=world,
+                decode=decode,
+                guidance_scale=fid_cfg.guidance_scale,
+                precision=self.cfg.precision,
+                captions=prompts,
+            )
 
         # sample i is keyed by (seed, i): FID's first replication.num_samples are the ones replication
         # would draw, so they are kept as FID streams past instead of being drawn twice
@@ -168,10 +222,15 @@ class Evaluator:
                 for _ in images:  # CLIPScore alone: its metric sees every sample as they stream past
                     pass
             if clip_on:
-                results.update({"clip_score": float(clip.compute()), "clip_score_samples": fid_count,
-                                "clip_score_model": os.path.abspath(self.cfg.clip_score.model),
-                                "clip_score_sampler_steps": fid_cfg.sampler_steps,
-                                "clip_score_guidance_scale": fid_cfg.guidance_scale})
+                results.update(
+                    {
+                        "clip_score": float(clip.compute()),
+                        "clip_score_samples": fid_count,
+                        "clip_score_model": os.path.abspath(self.cfg.clip_score.model),
+                        "clip_score_sampler_steps": fid_cfg.sampler_steps,
+                        "clip_score_guidance_scale": fid_cfg.guidance_scale,
+                    }
+                )
         if rep_cfg.enabled:
             generated = torch.cat(kept) if reuse else torch.cat([x.cpu() for x in samples(rep_count)])
             results.update(self._replication_of(generated, rep_count, rank, world))
@@ -187,27 +246,35 @@ class Evaluator:
             return
         folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
         asks = " and ".join(f"{name}={count}" for name, count in capped.items())
-        print(f"prunepipe: eval: {asks} asked for more samples than the {captions} held-out captions of {folder}: a "
-              f"text-conditional model draws sample i from caption i, so {captions} samples are drawn and scored (FID "
-              f"against those captions' own images). For more, point data.val (or the eval setting val=DIR) at "
-              f"captioned held-out shards with at least {max(capped.values())} samples; set "
-              f"{' and '.join(f'{name}={captions}' for name in capped)} to ask for what there is", flush=True)
+        print(
+            f"prunepipe: eval: {asks} asked for more samples than the {captions} held-out captions of {folder}: a "
+            f"text-conditional model draws sample i from caption i, so {captions} samples are drawn and scored (FID "
+            f"against those captions' own images). For more, point data.val (or the eval setting val=DIR) at "
+            f"captioned held-out shards with at least {max(capped.values())} samples; set "
+            f"{' and '.join(f'{name}={captions}' for name in capped)} to ask for what there is",
+            flush=True,
+        )
 
     @staticmethod
     def _check_counts(fid_on: bool, fid_count: int, rep_on: bool, rep_count: int, world: int) -> None:
         """Decided alike on every rank, before any collective: each rank generates num_samples / world images."""
-        for name, enabled, count in (("fid.num_samples", fid_on, fid_count),
-                                     ("replication.num_samples", rep_on, rep_count)):
+        for name, enabled, count in (
+            ("fid.num_samples", fid_on, fid_count),
+            ("replication.num_samples", rep_on, rep_count),
+        ):
             if enabled and count < world:
-                raise ValueError(f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
-                                 f"rank generates num_samples / world images); use at least {world}")
+                raise ValueError(
+                    f"eval config: {name}={count} is fewer than the {world} ranks evaluating (each "
+                    f"rank generates num_samples / world images); use at least {world}"
+                )
 
     def _held_out_folder(self, why: str) -> str:
         """The held-out shards (the eval setting val, else data.val); none is an error saying `why` they are needed."""
         folder = self.cfg.val or self.run_cfg.data.val
         if not folder:
-            raise ValueError(f"run {self.run_cfg.name}: {why}, and data.val is empty; set data.val=DIR or the eval "
-                             f"setting val=DIR")
+            raise ValueError(
+                f"run {self.run_cfg.name}: {why}, and data.val is empty; set data.val=DIR or the eval setting val=DIR"
+            )
         return folder
 
     def _held_out_captions(self, count: int) -> list[str]:
@@ -231,7 +298,7 @@ class Evaluator:
         """torchmetrics' CLIPScore on eval.clip_score.model, loaded once per run by every rank from its
         node's disk (a node without the folder stops every rank); reset for each evaluation."""
         if self._clip is None:
-            from pipelines.evaluation.clip_score import clip_score_metric
+            from prunepipe.pipelines.evaluation.clip_score import clip_score_metric
 
             path, device = self.cfg.clip_score.model, self.device or "cpu"
             self._clip = on_every_rank(lambda: clip_score_metric(path, device))
@@ -241,18 +308,28 @@ class Evaluator:
     def _replication_of(self, generated: torch.Tensor, count: int, rank: int, world: int) -> dict:
         """Replication numbers of this rank's samples (indices rank, rank + world, ... < count: the
         replication.num_samples drawn, fewer for a text run with fewer held-out captions) against train."""
-        from pipelines.evaluation.replication import measure_replication
+        from prunepipe.pipelines.evaluation.replication import measure_replication
 
         rep, data = self.cfg.replication, self.run_cfg.data
         train = rep.train or data.train
         held_out = rep.held_out or self._held_out_folder(
-            "replication needs held-out image shards as its baseline (or replication.held_out=DIR)")
+            "replication needs held-out image shards as its baseline (or replication.held_out=DIR)"
+        )
         feature, feature_name = self._replication_feature(train)
         self._replication = measure_replication(
-            generated, train, held_out, feature=feature, sample_ids=np.arange(rank, count, world),
-            max_train=rep.max_train, held_out_samples=rep.held_out_samples, neighbours=rep.neighbours,
-            threshold=rep.threshold, pixel_size=rep.pixel_size, batch_size=self.cfg.batch_size,
-            picture_pairs=rep.picture_pairs)
+            generated,
+            train,
+            held_out,
+            feature=feature,
+            sample_ids=np.arange(rank, count, world),
+            max_train=rep.max_train,
+            held_out_samples=rep.held_out_samples,
+            neighbours=rep.neighbours,
+            threshold=rep.threshold,
+            pixel_size=rep.pixel_size,
+            batch_size=self.cfg.batch_size,
+            picture_pairs=rep.picture_pairs,
+        )
         return {**self._replication.details(), "replication_feature": feature_name}
 
     def _replication_feature(self, train: str):
@@ -264,8 +341,10 @@ class Evaluator:
             try:
                 net = load_feature_net(FIDConfig(feature=rep.feature, weights=rep.weights), train)
             except (FileNotFoundError, ValueError, TypeError) as e:
-                raise type(e)(f"eval config: replication.feature={rep.feature!r} replication.weights={rep.weights!r} "
-                              f"(loaded as fid.feature / fid.weights would be): {e}") from e
+                raise type(e)(
+                    f"eval config: replication.feature={rep.feature!r} replication.weights={rep.weights!r} "
+                    f"(loaded as fid.feature / fid.weights would be): {e}"
+                ) from e
             self._replication_net = net
         net, device = self._replication_net, self.device or torch.device("cpu")
         module = net.feature.to(device)
@@ -282,12 +361,17 @@ class Evaluator:
             else:
                 folder = {"train": data.train, "val": data.val}.get(fid_cfg.reference, fid_cfg.reference)
             if not folder:
-                raise ValueError(f"eval config: fid.reference={fid_cfg.reference!r} names no shards (data.val is empty)")
+                raise ValueError(
+                    f"eval config: fid.reference={fid_cfg.reference!r} names no shards (data.val is empty)"
+                )
             if "latent_shape" in index_metadata(folder):
-                raise ValueError(f"eval config: fid.reference={fid_cfg.reference!r} ({folder}) holds latents; FID needs "
-                                 f"real images: set fid.reference to the image shards the latents were encoded from")
-            self._fid = FIDEvaluator.from_config(fid_cfg, folder, resolution=size, channels=channels,
-                                                 device=self.device or "cpu")
+                raise ValueError(
+                    f"eval config: fid.reference={fid_cfg.reference!r} ({folder}) holds latents; FID needs "
+                    f"real images: set fid.reference to the image shards the latents were encoded from"
+                )
+            self._fid = FIDEvaluator.from_config(
+                fid_cfg, folder, resolution=size, channels=channels, device=self.device or "cpu"
+            )
         return self._fid
 
     def _captioned_images(self) -> str:
@@ -296,9 +380,11 @@ class Evaluator:
         folder, reference = self._held_out_folder(SAMPLED_FROM_CAPTIONS), self.cfg.fid.reference
         if "latent_shape" in index_metadata(folder):
             if reference in ("train", "val"):
-                raise ValueError(f"eval config: the held-out shards {folder} hold latents; FID of a text-conditional "
-                                 f"run compares with its captions' images: set fid.reference to the image shards "
-                                 f"those latents were encoded from (in the same order)")
+                raise ValueError(
+                    f"eval config: the held-out shards {folder} hold latents; FID of a text-conditional "
+                    f"run compares with its captions' images: set fid.reference to the image shards "
+                    f"those latents were encoded from (in the same order)"
+                )
             return reference
         return folder
 
@@ -309,8 +395,10 @@ class Evaluator:
         0 writes to eval/step_XXXXXX.json."""
         rank, world = rank_and_world()
         if self.cfg.replication.enabled and self.run_cfg.task != "ldm":
-            raise ValueError(f"eval config: replication.enabled measures copies among diffusion samples; run "
-                             f"{self.run_cfg.name} is a {self.run_cfg.task} run (set replication.enabled=false)")
+            raise ValueError(
+                f"eval config: replication.enabled measures copies among diffusion samples; run "
+                f"{self.run_cfg.name} is a {self.run_cfg.task} run (set replication.enabled=false)"
+            )
         self._replication = None
         bare = unwrap(model)
         if self.device is None:
@@ -323,10 +411,19 @@ class Evaluator:
             else:
                 details = self._diffusion(task, bare, rank, world)
         metrics = {k: v for k, v in details.items() if k in PRIMARY_METRICS}
-        record = {"kind": "eval", "run": self.run_cfg.name, "task": self.run_cfg.task, **at,
-                  "weights": self.cfg.weights, "precision": self.cfg.precision, "ranks": world,
-                  "metrics": metrics, "details": details,
-                  "eval_seconds": time.perf_counter() - start, "eval_config": dataclasses.asdict(self.cfg)}
+        record = {
+            "kind": "eval",
+            "run": self.run_cfg.name,
+            "task": self.run_cfg.task,
+            **at,
+            "weights": self.cfg.weights,
+            "precision": self.cfg.precision,
+            "ranks": world,
+            "metrics": metrics,
+            "details": details,
+            "eval_seconds": time.perf_counter() - start,
+            "eval_config": dataclasses.asdict(self.cfg),
+        }
         if write and rank == 0:
             if self._replication is not None:
                 picture = save_pairs_picture(self._replication, record_path(self.run_dir, record, "_replication.png"))
@@ -346,7 +443,7 @@ def _keeping(batches, kept: list, count: int):
     held = sum(len(x) for x in kept)
     for images in batches:
         if held < count:
-            kept.append(images[:count - held].cpu())
+            kept.append(images[: count - held].cpu())
             held += len(kept[-1])
         yield images
 
@@ -362,9 +459,11 @@ def check_text_identity(checkpoint: str, trained_on: str, task, held_out: str) -
         found[f"the held-out shards {held_out}"] = stored_identity(index_metadata(held_out))
     for what, identity in found.items():
         if identity != trained_on:
-            raise ValueError(f"{checkpoint}: the run trained with text encoder {trained_on}, but {what} is "
-                             f"{identity or 'none'}: evaluate on shards encoded with the run's --text-encoder and "
-                             f"--text-max-length")
+            raise ValueError(
+                f"{checkpoint}: the run trained with text encoder {trained_on}, but {what} is "
+                f"{identity or 'none'}: evaluate on shards encoded with the run's --text-encoder and "
+                f"--text-max-length"
+            )
 
 
 class EvalRecordExistsError(FileExistsError, ValueError):
@@ -381,17 +480,30 @@ def refuse_to_overwrite(run_dir: str, optimizer_steps: int, weights: str) -> Non
     try:
         with open(path) as f:
             earlier = json.load(f)
-        what = (f" (the {earlier.get('weights', weights)} weights at {earlier.get('precision', '?')}: "
-                f"{', '.join(f'{k} {v:.4g}' for k, v in earlier.get('metrics', {}).items())})")
+        what = (
+            f" (the {earlier.get('weights', weights)} weights at {earlier.get('precision', '?')}: "
+            f"{', '.join(f'{k} {v:.4g}' for k, v in earlier.get('metrics', {}).items())})"
+        )
     except (OSError, ValueError, TypeError):
         what = ""
-    raise EvalRecordExistsError(f"{path} already holds an evaluation of this checkpoint{what}; `prunepipe eval` does "
-                          f"not replace it: add --overwrite to replace it, or move the file away to keep it")
+    raise EvalRecordExistsError(
+        f"{path} already holds an evaluation of this checkpoint{what}; `prunepipe eval` does "
+        f"not replace it: add --overwrite to replace it, or move the file away to keep it"
+    )
 
 
-def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConfig | None = None, *,
-                        config_path: str | None = None, overrides: list[str] = (), runs_dir: str = "runs",
-                        device: str | None = None, write: bool = True, overwrite: bool = True) -> dict:
+def evaluate_checkpoint(
+    run: str,
+    checkpoint: str = "latest",
+    eval_cfg: EvalConfig | None = None,
+    *,
+    config_path: str | None = None,
+    overrides: list[str] = (),
+    runs_dir: str = "runs",
+    device: str | None = None,
+    write: bool = True,
+    overwrite: bool = True,
+) -> dict:
     """Evaluate one checkpoint of a run (a folder, or a name under `runs_dir`; `latest` = its newest
     intact checkpoint) and write RUN/eval/step_XXXXXX.json; returns the record. Without `eval_cfg`
     the settings are the run config's `eval:` section (or the defaults) <- `config_path` <- `overrides`.
@@ -399,7 +511,13 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     replace a record already written for these weights at this step: the run's own evaluation, or an
     earlier one at other settings, is what `prunepipe compare` reads."""
     trained = load_trained(run, checkpoint, runs_dir=runs_dir)
-    run_dir, run_cfg, folder, task, model = trained.run_dir, trained.cfg, trained.checkpoint, trained.task, trained.model
+    run_dir, run_cfg, folder, task, model = (
+        trained.run_dir,
+        trained.cfg,
+        trained.checkpoint,
+        trained.task,
+        trained.model,
+    )
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
     if write and not overwrite:
         refuse_to_overwrite(run_dir, trained.position.get("optimizer_steps", 0), eval_cfg.weights)
@@ -411,8 +529,11 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(dev)
     position = trained.position
-    at = {key: position[key] for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
-          if key in position}
+    at = {
+        key: position[key]
+        for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
+        if key in position
+    }
     if "epoch" in position:
         # between passes a checkpoint's epoch counts the passes done; the record names the pass its
         # weights finished (0-based), as the training loop's own eval record of the same step does
@@ -421,4 +542,3 @@ def evaluate_checkpoint(run: str, checkpoint: str = "latest", eval_cfg: EvalConf
         at["pass"] = position_label(position["epoch"], position.get("batch_in_pass", 0), run_cfg.passes)
     at["checkpoint"] = os.path.abspath(folder)
     return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)
-

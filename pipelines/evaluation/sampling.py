@@ -12,17 +12,19 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from pipelines.evaluation.precision import forward_precision
-from pipelines.progress import progress
-from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-from pipelines.tasks.diffusion.task import DiffusionTask
-from pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from pipelines.tasks.randomness import per_sample_seeded
-from pipelines.tasks.diffusion.sampler import denoise
+
+from prunepipe.pipelines.evaluation.precision import forward_precision
+from prunepipe.pipelines.progress import progress
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from prunepipe.pipelines.tasks.diffusion.sampler import denoise
+from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+from prunepipe.pipelines.tasks.randomness import per_sample_seeded
 
 
-def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+def latent_decoder(
+    task: DiffusionTask, vae: str = "", vae_subfolder: str = "", latent_index: dict | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """What maps the UNet's output space to images in [-1, 1]: unscaling in pixel space, the task's
     VAE, or for runs on precomputed latents the VAE named by `vae` or by the latent shards' index."""
     cfg = task.cfg
@@ -32,8 +34,10 @@ def latent_decoder(task: DiffusionTask, vae: str = "", vae_subfolder: str = "", 
         info = latent_index or {}
         name = vae or info.get("vae", "")
         if not name:
-            raise ValueError("this run trained on precomputed latents and their index.json names no VAE: pass "
-                             "fid.vae=FOLDER_OR_REPO_ID (and fid.vae_subfolder) to decode samples for FID")
+            raise ValueError(
+                "this run trained on precomputed latents and their index.json names no VAE: pass "
+                "fid.vae=FOLDER_OR_REPO_ID (and fid.vae_subfolder) to decode samples for FID"
+            )
         autoencoder = load_autoencoder(name, vae_subfolder if vae else info.get("subfolder", ""), cfg.cache_dir)
         scale = task.scaling_factor or info.get("scaling_factor") or float(autoencoder.config.scaling_factor)
         shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
@@ -71,8 +75,10 @@ def generate_images(
     the null label or the empty caption's features. `precision`: that of the model's and the decoder's
     forwards, entered per batch (never across a yield, which would leak it into whatever consumes the images)."""
     if task.text_conditional and (captions is None or len(captions) < num_images):
-        raise ValueError(f"a text-conditional model is sampled from captions: {num_images} images need as many "
-                         f"captions, {0 if captions is None else len(captions)} given")
+        raise ValueError(
+            f"a text-conditional model is sampled from captions: {num_images} images need as many "
+            f"captions, {0 if captions is None else len(captions)} given"
+        )
     decode = decode or latent_decoder(task)
     device = next(model.parameters()).device
     # guidance steers away from the null label, or the empty caption's features
@@ -89,7 +95,7 @@ def generate_images(
     bar = progress(len(mine), desc=f"sampling ({name} {steps} steps)", unit="img", disable=rank != 0)
     try:
         for start in range(0, len(mine), batch_size):
-            indices = mine[start:start + batch_size]
+            indices = mine[start : start + batch_size]
             x = per_sample_seeded(shape, indices, seed, normal=True).to(device)
             labels = None
             if task.cfg.num_classes:

@@ -12,15 +12,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipelines.evaluation.records import PRIMARY_METRICS
-from pipelines.report.equal_quality import equal_quality
-from pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
-from pipelines.report.runs import RunSummary, held_out_metrics, load_run, trajectory_value
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
+from prunepipe.pipelines.report.equal_quality import equal_quality
+from prunepipe.pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
+from prunepipe.pipelines.report.runs import RunSummary, held_out_metrics, load_run, trajectory_value
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
-DEFAULT_TOLERANCES = {"fid": (0.05, True), "masked_mse": (0.02, True), "denoise_mse": (0.02, True),
-                      "psnr": (0.1, False), "ssim": (0.005, False), "probe_accuracy": (0.01, False),
-                      "clip_score": (0.01, True)}
+DEFAULT_TOLERANCES = {
+    "fid": (0.05, True),
+    "masked_mse": (0.02, True),
+    "denoise_mse": (0.02, True),
+    "psnr": (0.1, False),
+    "ssim": (0.005, False),
+    "probe_accuracy": (0.01, False),
+    "clip_score": (0.01, True),
+}
 DEFAULT_K = LOSSLESS_K  # tolerance = k x the baseline seeds' standard deviation when there are >= 2 of them
 
 
@@ -46,8 +52,10 @@ def parse_tolerances(items: list[str]) -> dict[str, Tolerance]:
     for item in items:
         name, _, text = item.partition("=")
         if name not in PRIMARY_METRICS or not text:
-            raise ValueError(f"--tolerance {item!r}: expected METRIC=VALUE or METRIC=VALUE%, METRIC one of "
-                             f"{', '.join(PRIMARY_METRICS)}")
+            raise ValueError(
+                f"--tolerance {item!r}: expected METRIC=VALUE or METRIC=VALUE%, METRIC one of "
+                f"{', '.join(PRIMARY_METRICS)}"
+            )
         relative = text.endswith("%")
         try:
             value = float(text.rstrip("%")) / (100 if relative else 1)
@@ -57,13 +65,16 @@ def parse_tolerances(items: list[str]) -> dict[str, Tolerance]:
     return parsed
 
 
-def tolerance_for(metric: str, baseline_values: list[float], k: float = DEFAULT_K,
-                  given: dict[str, Tolerance] | None = None) -> Tolerance:
+def tolerance_for(
+    metric: str, baseline_values: list[float], k: float = DEFAULT_K, given: dict[str, Tolerance] | None = None
+) -> Tolerance:
     """A given tolerance wins; else k x the sample std (ddof 1) of >= 2 baseline seeds; else the default."""
     if given and metric in given:
         return given[metric]
     if len(baseline_values) >= 2:
-        return Tolerance(k * float(np.std(baseline_values, ddof=1)), False, f"{k:g} x seed std, n={len(baseline_values)}")
+        return Tolerance(
+            k * float(np.std(baseline_values, ddof=1)), False, f"{k:g} x seed std, n={len(baseline_values)}"
+        )
     value, relative = DEFAULT_TOLERANCES.get(metric, (0.02, True))
     return Tolerance(value, relative, "default, single baseline run")
 
@@ -100,30 +111,41 @@ def equal_passes(baselines: list[RunSummary], pruned: RunSummary, given: dict, k
         reference = _mean(values)
         tolerance = tolerance_for(metric, values, k, given)
         delta, verdict = judge(metric, reference, pruned.metrics[metric], tolerance.absolute(reference))
-        metrics[metric] = {"baseline": reference, "baseline_values": values, "value": pruned.metrics[metric],
-                           "delta": delta, "tolerance": tolerance.absolute(reference),
-                           "tolerance_text": tolerance.describe(reference), "verdict": verdict}
+        metrics[metric] = {
+            "baseline": reference,
+            "baseline_values": values,
+            "value": pruned.metrics[metric],
+            "delta": delta,
+            "tolerance": tolerance.absolute(reference),
+            "tolerance_text": tolerance.describe(reference),
+            "verdict": verdict,
+        }
     failed = [m for m, row in metrics.items() if row["verdict"] != "lossless"]
     verdict = "no common metric" if not metrics else ("lossless" if not failed else "not lossless")
     return {"verdict": verdict, "failed": failed, "metrics": metrics}
 
 
-def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute: list[RunSummary], given: dict,
-                  k: float) -> dict:
+def equal_compute(
+    baselines: list[RunSummary], pruned: RunSummary, same_compute: list[RunSummary], given: dict, k: float
+) -> dict:
     """The pruned run against full training of the same samples forwarded: the closest of the given
     same-compute runs, else the baseline runs' own held-out curves read at that many samples."""
     if same_compute:
         # the pruned run's own seed first: same initialisation and draws, so the difference is the selection's
         paired = [r for r in same_compute if r.seed == pruned.seed] or same_compute
         match = min(paired, key=lambda r: abs(r.samples_forwarded - pruned.samples_forwarded))
-        source = (f"full run {match.name} ({match.samples_forwarded} samples forwarded vs "
-                  f"{pruned.samples_forwarded}; quality from {match.metrics_source})")
+        source = (
+            f"full run {match.name} ({match.samples_forwarded} samples forwarded vs "
+            f"{pruned.samples_forwarded}; quality from {match.metrics_source})"
+        )
         references = {m: [match.metrics[m]] for m in match.metrics}
         values = pruned.metrics
     else:
-        source = (f"the baseline runs' held-out curves at {pruned.samples_forwarded} samples forwarded, read from their "
-                  f"training logs mid-schedule (learning rate not yet decayed there, which favours the pruned run); "
-                  f"pass --same-compute with full runs trained for that many samples for the fair reference")
+        source = (
+            f"the baseline runs' held-out curves at {pruned.samples_forwarded} samples forwarded, read from their "
+            f"training logs mid-schedule (learning rate not yet decayed there, which favours the pruned run); "
+            f"pass --same-compute with full runs trained for that many samples for the fair reference"
+        )
         references, values = {}, held_out_metrics(pruned.trajectory[-1]) if pruned.trajectory else {}
         for metric in values:
             read = [trajectory_value(b, metric, pruned.samples_forwarded) for b in baselines]
@@ -135,13 +157,21 @@ def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute:
             continue
         reference = _mean(reference_values)
         # the seeds' spread of the very numbers compared: final evaluations, or final logged held-out
-        finals = [b.metrics for b in baselines] if same_compute else [held_out_metrics(b.trajectory[-1]) for b in baselines
-                                                                       if b.trajectory]
+        finals = (
+            [b.metrics for b in baselines]
+            if same_compute
+            else [held_out_metrics(b.trajectory[-1]) for b in baselines if b.trajectory]
+        )
         noise = [m[metric] for m in finals if metric in m]
         tolerance = tolerance_for(metric, noise, k, given)
         delta, verdict = judge_equal_compute(metric, reference, values[metric], tolerance.absolute(reference))
-        metrics[metric] = {"reference": reference, "value": values[metric], "delta": delta,
-                           "tolerance": tolerance.absolute(reference), "verdict": verdict}
+        metrics[metric] = {
+            "reference": reference,
+            "value": values[metric],
+            "delta": delta,
+            "tolerance": tolerance.absolute(reference),
+            "verdict": verdict,
+        }
     if not metrics:
         verdict = "not measured"
     elif all(row["verdict"] == "beats equal compute" for row in metrics.values()):
@@ -152,8 +182,12 @@ def equal_compute(baselines: list[RunSummary], pruned: RunSummary, same_compute:
 
 
 def cost(baselines: list[RunSummary], run: RunSummary) -> dict:
-    row = {"passes": run.passes_done, "samples_forwarded": run.samples_forwarded,
-           "optimizer_steps": run.optimizer_steps, "wall_seconds": run.wall_seconds}
+    row = {
+        "passes": run.passes_done,
+        "samples_forwarded": run.samples_forwarded,
+        "optimizer_steps": run.optimizer_steps,
+        "wall_seconds": run.wall_seconds,
+    }
     for key in ("samples_forwarded", "optimizer_steps", "wall_seconds"):
         reference = _mean([getattr(b, key) for b in baselines])
         row[f"saving_{key}"] = 1.0 - getattr(run, key) / reference if reference else float("nan")
@@ -164,20 +198,26 @@ def notes_on(baselines: list[RunSummary], pruned: list[RunSummary], given: dict,
     """What a reader must know before trusting the verdicts."""
     notes = []
     if len(baselines) < 2:
-        notes.append("The baseline is one run: the tolerances are defaults, not measured run-to-run noise. Train the "
-                      "full config with 2+ seeds and pass them as BASELINE (comma-separated) for k x seed-std tolerances.")
+        notes.append(
+            "The baseline is one run: the tolerances are defaults, not measured run-to-run noise. Train the "
+            "full config with 2+ seeds and pass them as BASELINE (comma-separated) for k x seed-std tolerances."
+        )
     for run in pruned:
         if baselines and run.passes_done != baselines[0].passes_done:
-            notes.append(f"{run.name} trained {run.passes_done} passes, the baseline {baselines[0].passes_done}: "
-                         f"the equal-passes table does not compare equal passes.")
+            notes.append(
+                f"{run.name} trained {run.passes_done} passes, the baseline {baselines[0].passes_done}: "
+                f"the equal-passes table does not compare equal passes."
+            )
     for b in baselines:
         for metric in held_out_metrics(b.trajectory[-1]) if len(b.trajectory) >= 2 else {}:
             before, after = b.trajectory[-2]["held_out"][metric], b.trajectory[-1]["held_out"][metric]
             tolerance = tolerance_for(metric, [], k, given).absolute(after)
             if (after - before) * (1 if PRIMARY_METRICS[metric] else -1) > tolerance:
-                notes.append(f"Baseline {b.name} still improved {metric} by {abs(after - before):.4g} in its last pass: "
-                             f"the schedule is short and unconverged, so the equal-passes verdict is sensitive to it "
-                             f"(such schedules usually fail it).")
+                notes.append(
+                    f"Baseline {b.name} still improved {metric} by {abs(after - before):.4g} in its last pass: "
+                    f"the schedule is short and unconverged, so the equal-passes verdict is sensitive to it "
+                    f"(such schedules usually fail it)."
+                )
     return notes
 
 
@@ -185,18 +225,25 @@ def equal_quality_notes(found: dict, pruned: list[RunSummary]) -> list[str]:
     """What limits the compute-at-equal-quality answer."""
     notes = []
     if found["missing"]:
-        notes.append(f"No Full run of seed(s) {', '.join(map(str, found['missing']))}: their pruned runs have no "
-                     f"frontier to be read against (train Full at that seed, or pass it as baseline or --frontier).")
-    few = sorted({r.name for r in pruned if 0 < max((len(a["frontier"]) for a in found["runs"][r.name].values()),
-                                                     default=0) < 3})
+        notes.append(
+            f"No Full run of seed(s) {', '.join(map(str, found['missing']))}: their pruned runs have no "
+            f"frontier to be read against (train Full at that seed, or pass it as baseline or --frontier)."
+        )
+    few = sorted(
+        {r.name for r in pruned if 0 < max((len(a["frontier"]) for a in found["runs"][r.name].values()), default=0) < 3}
+    )
     if few:
-        notes.append(f"{', '.join(few)}: fewer than 3 Full runs of their seed, so the frontier between them is a "
-                     f"straight line; pass Full runs of more schedule lengths with --frontier (e.g. 50% to 90% of the "
-                     f"passes) for a curve.")
+        notes.append(
+            f"{', '.join(few)}: fewer than 3 Full runs of their seed, so the frontier between them is a "
+            f"straight line; pass Full runs of more schedule lengths with --frontier (e.g. 50% to 90% of the "
+            f"passes) for a curve."
+        )
     for setting in found["settings"]:
         if setting["repeated_seeds"]:
-            notes.append(f"{setting['setting']}: several runs share a seed ({setting['seeds']}), so they are not "
-                         f"independent seeds; the interval over them is too narrow.")
+            notes.append(
+                f"{setting['setting']}: several runs share a seed ({setting['seeds']}), so they are not "
+                f"independent seeds; the interval over them is too narrow."
+            )
     return notes
 
 
@@ -210,22 +257,34 @@ def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     listing = "; ".join(f"{r.path} ({r.metrics_source}): {r.precision}" for r in evaluated)
     target = "fp32"  # an evaluation's default
     redo = [r for r in evaluated if r.precision != target]
-    raise ValueError(f"compare: the runs' eval records were measured at different precisions, which cannot be "
-                     f"judged against each other: {listing}. Re-evaluate "
-                     + ", ".join(f"`prunepipe eval {r.path} precision={target}"
-                                 f"{' --weights raw' if weights == 'raw' else ''}`" for r in redo)
-                     + " so that every record states one precision")
+    raise ValueError(
+        f"compare: the runs' eval records were measured at different precisions, which cannot be "
+        f"judged against each other: {listing}. Re-evaluate "
+        + ", ".join(
+            f"`prunepipe eval {r.path} precision={target}{' --weights raw' if weights == 'raw' else ''}`" for r in redo
+        )
+        + " so that every record states one precision"
+    )
 
 
-def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[str] = (), frontier: list[str] = (),
-                 tolerances: list[str] = (), k: float = DEFAULT_K, out: str | None = None, weights: str = "ema",
-                 plots: bool = True) -> dict:
+def compare_runs(
+    baselines: list[str],
+    pruned: list[str],
+    *,
+    same_compute: list[str] = (),
+    frontier: list[str] = (),
+    tolerances: list[str] = (),
+    k: float = DEFAULT_K,
+    out: str | None = None,
+    weights: str = "ema",
+    plots: bool = True,
+) -> dict:
     """Compare run folders and write report.md, report.json and the PNGs to `out` (default: the first
     pruned run's report/ folder); returns the report as a dict (its "markdown" key holds the table).
     `frontier`: Full runs of other schedule lengths; with the baseline and the same-compute runs they
     are each seed's Full frontier, from which the compute saved at equal quality is read."""
-    from pipelines.report.markdown import render_markdown
-    from pipelines.report.plots import write_plots
+    from prunepipe.pipelines.report.markdown import render_markdown
+    from prunepipe.pipelines.report.plots import write_plots
 
     if not baselines or not pruned:
         raise ValueError("compare needs at least one baseline run and one pruned run")
@@ -236,14 +295,22 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
     curve = [load_run(p, weights) for p in frontier]
     not_full = [r.path for r in curve if r.pruner != "full"]
     if not_full:
-        raise ValueError(f"compare --frontier: {', '.join(not_full)} pruned data (a frontier is Full trained for "
-                         f"several schedule lengths, each its own schedule)")
+        raise ValueError(
+            f"compare --frontier: {', '.join(not_full)} pruned data (a frontier is Full trained for "
+            f"several schedule lengths, each its own schedule)"
+        )
     other_weights = [r for r in base + runs + same + curve if not r.evals and r.evaluated_weights]
     if other_weights:  # falling back to the training log would compare other numbers than asked for
-        raise ValueError(f"compare --weights {weights}: " + "; ".join(
-            f"run {r.path} was evaluated with the {'/'.join(r.evaluated_weights)} weights only" for r in other_weights)
-            + ". Evaluate them with " + ", ".join(f"`prunepipe eval {r.path} --weights {weights}`" for r in other_weights)
-            + f", or compare the weights they were evaluated with (--weights {other_weights[0].evaluated_weights[0]})")
+        raise ValueError(
+            f"compare --weights {weights}: "
+            + "; ".join(
+                f"run {r.path} was evaluated with the {'/'.join(r.evaluated_weights)} weights only"
+                for r in other_weights
+            )
+            + ". Evaluate them with "
+            + ", ".join(f"`prunepipe eval {r.path} --weights {weights}`" for r in other_weights)
+            + f", or compare the weights they were evaluated with (--weights {other_weights[0].evaluated_weights[0]})"
+        )
     check_one_precision(base + runs + same + curve, weights)
     tasks = {r.task for r in base + runs + same + curve}
     if len(tasks) > 1:
@@ -251,16 +318,35 @@ def compare_runs(baselines: list[str], pruned: list[str], *, same_compute: list[
     out = out or os.path.join(runs[0].path, "report")
     os.makedirs(out, exist_ok=True)
     report = {
-        "baseline": [{"name": b.name, "path": b.path, "pruner": b.pruner, "seed": b.seed,
-                      "metrics": b.metrics, "metrics_source": b.metrics_source} for b in base],
-        "pruned": [{"name": r.name, "path": r.path, "pruner": r.pruner, "seed": r.seed,
-                    "metrics": r.metrics, "metrics_source": r.metrics_source} for r in runs],
+        "baseline": [
+            {
+                "name": b.name,
+                "path": b.path,
+                "pruner": b.pruner,
+                "seed": b.seed,
+                "metrics": b.metrics,
+                "metrics_source": b.metrics_source,
+            }
+            for b in base
+        ],
+        "pruned": [
+            {
+                "name": r.name,
+                "path": r.path,
+                "pruner": r.pruner,
+                "seed": r.seed,
+                "metrics": r.metrics,
+                "metrics_source": r.metrics_source,
+            }
+            for r in runs
+        ],
         "k": k,
         "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
         "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
         "cost": {r.name: cost(base, r) for r in base + runs},
-        "equal_quality": equal_quality(base + same + curve, runs,
-                                       unit=float(np.mean([b.samples_forwarded for b in base])) or 1.0),
+        "equal_quality": equal_quality(
+            base + same + curve, runs, unit=float(np.mean([b.samples_forwarded for b in base])) or 1.0
+        ),
         "notes": notes_on(base, runs, given, k),
     }
     report["notes"] += equal_quality_notes(report["equal_quality"], runs)

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import re
 
-from pipelines.evaluation.records import PRIMARY_METRICS
-from pipelines.report.frontier import IsoQuality, fit_frontier, saving_summary, savings_over_seeds, summarise_savings
-from pipelines.report.runs import RunSummary
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
+from prunepipe.pipelines.report.frontier import (
+    IsoQuality,
+    fit_frontier,
+    saving_summary,
+    savings_over_seeds,
+    summarise_savings,
+)
+from prunepipe.pipelines.report.runs import RunSummary
 
 
 def full_points(fulls: list[RunSummary], metric: str) -> dict[int, list[tuple[float, float]]]:
@@ -43,32 +49,46 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float
         lower = not PRIMARY_METRICS[metric]
         model = fit_frontier(frontiers, lower)
         for run in measured:  # runs of several settings may share a seed: each is read on its own
-            found = savings_over_seeds(frontiers, {run.seed: (run.samples_forwarded, run.metrics[metric])},
-                                       lower)[run.seed]
+            found = savings_over_seeds(frontiers, {run.seed: (run.samples_forwarded, run.metrics[metric])}, lower)[
+                run.seed
+            ]
             per_run[run.name][metric] = {
-                **found.as_dict(), "seed": run.seed, "value": run.metrics[metric],
+                **found.as_dict(),
+                "seed": run.seed,
+                "value": run.metrics[metric],
                 "frontier": [{"samples_forwarded": x, "value": y} for x, y in frontiers[run.seed]],
-                "curve": [{"samples_forwarded": x, "value": y} for x, y in model.curve(run.seed)]}
+                "curve": [{"samples_forwarded": x, "value": y} for x, y in model.curve(run.seed)],
+            }
     settings = []
     groups: dict[str, list[RunSummary]] = {}
     for run in pruned:
         groups.setdefault(run.setting, []).append(run)
     for runs in groups.values():
         seeds = [r.seed for r in runs]
-        entry = {"setting": setting_name(runs), "runs": [r.name for r in runs], "seeds": seeds,
-                 "repeated_seeds": len(set(seeds)) < len(seeds), "metrics": {}}
+        entry = {
+            "setting": setting_name(runs),
+            "runs": [r.name for r in runs],
+            "seeds": seeds,
+            "repeated_seeds": len(set(seeds)) < len(seeds),
+            "metrics": {},
+        }
         for metric in PRIMARY_METRICS:
-            measured = {r.seed: (float(r.samples_forwarded), float(r.metrics[metric])) for r in runs
-                        if metric in per_run[r.name]}
+            measured = {
+                r.seed: (float(r.samples_forwarded), float(r.metrics[metric]))
+                for r in runs
+                if metric in per_run[r.name]
+            }
             if measured and not entry["repeated_seeds"]:
-                entry["metrics"][metric] = saving_summary(full_points(full_runs, metric), measured,
-                                                          not PRIMARY_METRICS[metric], unit=unit)
+                entry["metrics"][metric] = saving_summary(
+                    full_points(full_runs, metric), measured, not PRIMARY_METRICS[metric], unit=unit
+                )
             elif measured:  # seeds repeated: no jackknife over seeds, the plain t interval (noted)
                 fields = IsoQuality.__dataclass_fields__
                 answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
                 where = fit_frontier(full_points(full_runs, metric), not PRIMARY_METRICS[metric]).where_best(unit)
-                entry["metrics"][metric] = {**summarise_savings([IsoQuality(**{k: a[k] for k in fields})
-                                                                for a in answers], **where),
-                                            "seeds": [a["seed"] for a in answers]}
+                entry["metrics"][metric] = {
+                    **summarise_savings([IsoQuality(**{k: a[k] for k in fields}) for a in answers], **where),
+                    "seeds": [a["seed"] for a in answers],
+                }
         settings.append(entry)
     return {"runs": per_run, "settings": settings, "missing": missing}

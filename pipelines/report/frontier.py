@@ -182,22 +182,27 @@ def fit_frontier(frontiers: dict[int, list[tuple[float, float]]], lower_is_bette
     for r, (seed, x, _) in enumerate(rows):
         design[r, column[x]] = 1.0
         design[r, len(computes) + seeds.index(seed)] = 1.0
-    design[-1, len(computes):] = 1.0  # levels sum to 0: the shape is the seeds' average
+    design[-1, len(computes) :] = 1.0  # levels sum to 0: the shape is the seeds' average
     solution = np.linalg.lstsq(design, np.append(values, 0.0), rcond=None)[0]
-    shape, levels = solution[:len(computes)], solution[len(computes):]
+    shape, levels = solution[: len(computes)], solution[len(computes) :]
     signed = shape if lower_is_better else -shape  # lower = better from here on
     tolerance = 1e-12 * max(1.0, float(np.abs(signed).max()))
     monotone = bool(np.all(np.diff(signed) <= tolerance))
     best, longest = computes[int(np.argmin(signed))], computes[-1]
     at = {seed: y for seed, x, y in rows if x == longest}
-    rise = paired_difference(at, {seed: y for seed, x, y in rows if x == best}, lower_is_better) \
-        if best != longest else None
-    return FrontierModel(computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own,
-                         lower_is_better, rise)
+    rise = (
+        paired_difference(at, {seed: y for seed, x, y in rows if x == best}, lower_is_better)
+        if best != longest
+        else None
+    )
+    return FrontierModel(
+        computes, shape, {s: float(u) for s, u in zip(seeds, levels)}, monotone, own, lower_is_better, rise
+    )
 
 
-def savings_over_seeds(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
-                       lower_is_better: bool) -> dict[int, IsoQuality]:
+def savings_over_seeds(
+    frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]], lower_is_better: bool
+) -> dict[int, IsoQuality]:
     """Per seed of `runs` (seed -> (compute, quality)) that has Full runs: its IsoQuality against its
     curve of the shape-plus-level model. `points` counts the seed's own Full runs."""
     model = fit_frontier(frontiers, lower_is_better)
@@ -225,8 +230,9 @@ def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float,
     return mean, mean - half, mean + half
 
 
-def bootstrap_interval(values: list[float], level: float = LEVEL, resamples: int = 10_000,
-                       seed: int = 0) -> tuple[float, float]:
+def bootstrap_interval(
+    values: list[float], level: float = LEVEL, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap of the mean over seeds (seeds resampled with replacement)."""
     array = np.asarray(values, dtype=float)
     if len(array) < 2:
@@ -253,8 +259,9 @@ def seeds_needed(mean: float, std: float, power: float = POWER, level: float = L
         critical = stats.t.ppf(0.5 + level / 2, n - 1)
         shift = effect * math.sqrt(n)
         # the far tail can come back nan from scipy where it is ~0
-        return float(np.nan_to_num(stats.nct.sf(critical, n - 1, shift))
-                     + np.nan_to_num(stats.nct.cdf(-critical, n - 1, shift)))
+        return float(
+            np.nan_to_num(stats.nct.sf(critical, n - 1, shift)) + np.nan_to_num(stats.nct.cdf(-critical, n - 1, shift))
+        )
 
     if power_at(MAX_SEEDS) < power:
         return None
@@ -272,17 +279,34 @@ def interval_summary(values: list[float], level: float = LEVEL) -> dict:
     """Mean, sample std, the t and the bootstrap intervals and the seeds needed, of per-seed numbers."""
     if not values:
         nan = float("nan")
-        return {"n": 0, "mean": nan, "std": nan, "low": nan, "high": nan, "bootstrap_low": nan,
-                "bootstrap_high": nan, "seeds_needed": None}
+        return {
+            "n": 0,
+            "mean": nan,
+            "std": nan,
+            "low": nan,
+            "high": nan,
+            "bootstrap_low": nan,
+            "bootstrap_high": nan,
+            "seeds_needed": None,
+        }
     mean, low, high = t_interval(values, level)
     boot = bootstrap_interval(values, level)
     std = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
-    return {"n": len(values), "mean": mean, "std": std, "low": low, "high": high,
-            "bootstrap_low": boot[0], "bootstrap_high": boot[1], "seeds_needed": seeds_needed(mean, std)}
+    return {
+        "n": len(values),
+        "mean": mean,
+        "std": std,
+        "low": low,
+        "high": high,
+        "bootstrap_low": boot[0],
+        "bootstrap_high": boot[1],
+        "seeds_needed": seeds_needed(mean, std),
+    }
 
 
-def jackknife_standard_error(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
-                             lower_is_better: bool) -> float:
+def jackknife_standard_error(
+    frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]], lower_is_better: bool
+) -> float:
     """Standard error of the mean saving with every seed left out in turn, the frontier refitted
     without it: the shape is fitted over all seeds, so their savings share its error, which the
     spread of the savings alone does not show (the plain t interval then covers too rarely)."""
@@ -298,8 +322,12 @@ def jackknife_standard_error(frontiers: dict[int, list[tuple[float, float]]], ru
     return float(math.sqrt((len(means) - 1) / len(means) * np.sum((means - means.mean()) ** 2)))
 
 
-def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, tuple[float, float]],
-                   lower_is_better: bool, unit: float = 1.0) -> dict | None:
+def saving_summary(
+    frontiers: dict[int, list[tuple[float, float]]],
+    runs: dict[int, tuple[float, float]],
+    lower_is_better: bool,
+    unit: float = 1.0,
+) -> dict | None:
     """The savings of one setting's seeds (`runs`: seed -> (compute, quality)) against the Full runs
     (`frontiers`: seed -> points), summed up with a jackknife t interval over the seeds whose saving
     is measured; None without a Full run of any of its seeds. `unit` is the compute that reads as
@@ -315,8 +343,12 @@ def saving_summary(frontiers: dict[int, list[tuple[float, float]]], runs: dict[i
     return summary
 
 
-def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None = None,
-                      best_full: float | None = None, best_is_cheapest: bool = False) -> dict:
+def summarise_savings(
+    per_seed: list[IsoQuality],
+    standard_error: float | None = None,
+    best_full: float | None = None,
+    best_is_cheapest: bool = False,
+) -> dict:
     """The seeds' savings as one answer: interval_summary of the measured (EXACT) savings only (with
     `standard_error`, the t interval is mean +- t x it: the jackknife's, when the frontier was
     fitted over the seeds); the bounds beside it (`bounded`, `bound`: EXACT when none, else AT_LEAST
@@ -331,23 +363,36 @@ def summarise_savings(per_seed: list[IsoQuality], standard_error: float | None =
     if standard_error is not None and math.isfinite(standard_error) and len(values) > 1:
         half = float(stats.t.ppf(0.5 + LEVEL / 2, len(values) - 1) * standard_error)
         effective_std = standard_error * math.sqrt(len(values))
-        summary.update(low=summary["mean"] - half, high=summary["mean"] + half, standard_error=standard_error,
-                       interval="jackknife t", seeds_needed=seeds_needed(summary["mean"], effective_std))
+        summary.update(
+            low=summary["mean"] - half,
+            high=summary["mean"] + half,
+            standard_error=standard_error,
+            interval="jackknife t",
+            seeds_needed=seeds_needed(summary["mean"], effective_std),
+        )
     else:
         summary["interval"] = "t"
     kinds = {s.kind for s in bounds}
     monotone = all(s.monotone for s in per_seed)
-    summary.update(per_seed=[s.as_dict() for s in per_seed], seeds_total=len(per_seed), bounded=len(bounds),
-                   bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",
-                   bound_values=[s.saving for s in bounds], monotone=monotone,
-                   best_full=best_full, best_is_cheapest=bool(best_full is not None and best_is_cheapest))
+    summary.update(
+        per_seed=[s.as_dict() for s in per_seed],
+        seeds_total=len(per_seed),
+        bounded=len(bounds),
+        bound=EXACT if not kinds else kinds.pop() if len(kinds) == 1 else "mixed",
+        bound_values=[s.saving for s in bounds],
+        monotone=monotone,
+        best_full=best_full,
+        best_is_cheapest=bool(best_full is not None and best_is_cheapest),
+    )
     summary["hurts"] = longer_hurts_text(summary)
     summary["verdict"], summary["note"] = saving_verdict(summary), bound_note(summary)
     return summary
 
 
 def percent(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{100 * value:.0f}%" if abs(value) >= 0.095 else f"{100 * value:.1f}%"
+    return (
+        "n/a" if not math.isfinite(value) else f"{100 * value:.0f}%" if abs(value) >= 0.095 else f"{100 * value:.1f}%"
+    )
 
 
 def longer_hurts_text(summary: dict) -> str:
@@ -363,8 +408,15 @@ def interval_text(summary: dict) -> str:
     seeds are added ('; 1 seed >= 40%')."""
     n, bounded = summary["n"], summary.get("bounded", 0)
     marks = {AT_LEAST: ">=", AT_MOST: "<="}
-    beside = "; " + ", ".join(f"{marks[s['kind']]}{percent(s['saving'])}" for s in summary.get("per_seed", [])
-                              if s["kind"] != EXACT) + " (bounds)" if bounded else ""
+    beside = (
+        "; "
+        + ", ".join(
+            f"{marks[s['kind']]}{percent(s['saving'])}" for s in summary.get("per_seed", []) if s["kind"] != EXACT
+        )
+        + " (bounds)"
+        if bounded
+        else ""
+    )
     if n >= 2:
         return f"{percent(summary['mean'])} [{percent(summary['low'])}, {percent(summary['high'])}]" + beside
     if n == 1:
@@ -387,13 +439,17 @@ def saving_verdict(summary: dict) -> str:
         if bound == AT_MOST:
             most = max(summary["bound_values"])
             if most < 0:
-                return (f"not a saving: Full trained for less compute is as good ({text}); extend the frontier "
-                        f"down to measure by how much")
+                return (
+                    f"not a saving: Full trained for less compute is as good ({text}); extend the frontier "
+                    f"down to measure by how much"
+                )
             return f"no saving shown: {text}; extend the frontier down (Full trained for less compute)"
         if bound == AT_LEAST:
             if summary.get("best_is_cheapest"):
-                return (f"not resolved: better than every Full measured, the cheapest best ({text}); extend the "
-                        f"frontier down (Full trained for less compute): training less may reach it")
+                return (
+                    f"not resolved: better than every Full measured, the cheapest best ({text}); extend the "
+                    f"frontier down (Full trained for less compute): training less may reach it"
+                )
             if summary.get("best_full") is not None:
                 return f"better than every Full measured: {text}; a longer Full gets worse here, not better"
             return f"saves {text}; extend the frontier up (Full trained longer) to measure it"
@@ -407,13 +463,16 @@ def saving_verdict(summary: dict) -> str:
     against = {s["kind"] for s in summary.get("per_seed", []) if s["kind"] != EXACT}
     if summary["low"] > 0:
         if AT_MOST in against:
-            return (f"not resolved: the measured seeds save {text}, but some seeds are no better than the cheapest "
-                    f"Full; extend the frontier down")
+            return (
+                f"not resolved: the measured seeds save {text}, but some seeds are no better than the cheapest "
+                f"Full; extend the frontier down"
+            )
         return f"saves {text} at equal quality"
     if summary["high"] < 0:
         if AT_LEAST in against:
-            return (f"not resolved: the measured seeds cost {text}, but some seeds beat every Full; extend the "
-                    f"frontier up")
+            return (
+                f"not resolved: the measured seeds cost {text}, but some seeds beat every Full; extend the frontier up"
+            )
         return f"costs more than training less: {text} at equal quality"
     return f"no saving detected (CI includes 0): {text}"
 
@@ -422,22 +481,31 @@ def bound_note(summary: dict) -> str:
     """What the seeds beyond the frontier's ends mean for the verdict ('' when there are none)."""
     if not summary["bounded"]:
         return ""
-    head = (f"{summary['bounded']} of {summary['seeds_total']} seeds beyond the frontier's ends, kept out of "
-            f"the interval")
+    head = (
+        f"{summary['bounded']} of {summary['seeds_total']} seeds beyond the frontier's ends, kept out of the interval"
+    )
     if summary["bound"] == AT_LEAST:
         if summary.get("best_is_cheapest"):
-            return (f"{head}: better than every Full of their seed, and the cheapest Full measured is the best, so "
-                    f"a shorter Full may reach them for less compute; extend the frontier down (Full trained for "
-                    f"less compute) to measure them")
+            return (
+                f"{head}: better than every Full of their seed, and the cheapest Full measured is the best, so "
+                f"a shorter Full may reach them for less compute; extend the frontier down (Full trained for "
+                f"less compute) to measure them"
+            )
         if summary.get("best_full") is not None:
-            return (f"{head}: better than every Full of their seed, and Full gets worse with compute here, so a "
-                    f"longer Full would not reach them; their savings are lower bounds over the compute measured")
-        return (f"{head}: better than the longest Full of their seed, so their savings are lower bounds; extend "
-                f"the frontier up (Full trained longer) to measure them")
+            return (
+                f"{head}: better than every Full of their seed, and Full gets worse with compute here, so a "
+                f"longer Full would not reach them; their savings are lower bounds over the compute measured"
+            )
+        return (
+            f"{head}: better than the longest Full of their seed, so their savings are lower bounds; extend "
+            f"the frontier up (Full trained longer) to measure them"
+        )
     if summary["bound"] == AT_MOST:
-        return (f"{head}: no better than the cheapest Full of their seed, so their savings are upper bounds; extend "
-                f"the frontier down (Full trained for less compute) to measure them: training less may reach the "
-                f"same quality")
+        return (
+            f"{head}: no better than the cheapest Full of their seed, so their savings are upper bounds; extend "
+            f"the frontier down (Full trained for less compute) to measure them: training less may reach the "
+            f"same quality"
+        )
     return f"{head}, on both sides: a frontier reaching lower and higher compute would place them"
 
 
@@ -448,9 +516,17 @@ def paired_difference(values: dict[int, float], references: dict[int, float], lo
     diffs = [values[s] - references[s] for s in seeds]
     summary = interval_summary(diffs)
     sign = 1.0 if lower_is_better else -1.0
-    summary.update(seeds=seeds, differences=diffs,
-                   reading=("n/a" if len(diffs) < 2 else
-                            "better" if sign * summary["high"] < 0 and sign * summary["low"] < 0 else
-                            "worse" if sign * summary["low"] > 0 and sign * summary["high"] > 0 else
-                            "no difference detected"))
+    summary.update(
+        seeds=seeds,
+        differences=diffs,
+        reading=(
+            "n/a"
+            if len(diffs) < 2
+            else "better"
+            if sign * summary["high"] < 0 and sign * summary["low"] < 0
+            else "worse"
+            if sign * summary["low"] > 0 and sign * summary["high"] > 0
+            else "no difference detected"
+        ),
+    )
     return summary

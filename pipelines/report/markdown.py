@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from pipelines.evaluation.records import PRIMARY_METRICS
-from pipelines.report.frontier import interval_text
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
+from prunepipe.pipelines.report.frontier import interval_text
 
 
 def _num(value) -> str:
@@ -23,48 +23,72 @@ def _signed(value: float) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def equal_quality_section(found: dict | None) -> list[str]:
     """The headline: per setting and metric, the compute saved at equal quality over its seeds."""
     if not found or not any(setting["metrics"] for setting in found["settings"]):
         return []
-    lines = ["## Compute saved at equal quality", "",
-             "Each pruned run against the Full curve of its own seed (baseline, same-compute and --frontier runs: "
-             "Full at several schedule lengths, fitted as one shape plus a level per seed): saving = 1 - its "
-             "samples forwarded / those at which that curve reaches its quality (linear between lengths; beyond "
-             "their ends a bound, >= or <=, kept out of the interval). The curve is read through its running best: "
-             "the best Full at or below each compute. Interval: 95% t over the measured seeds, standard error by "
-             "jackknife over seeds (docs/evaluation.md).", ""]
-    hurts = {f"**{metric}: {s['hurts']}**; each setting is read against the best Full at or below its compute"
-             for setting in found["settings"] for metric, s in setting["metrics"].items() if s.get("hurts")}
+    lines = [
+        "## Compute saved at equal quality",
+        "",
+        "Each pruned run against the Full curve of its own seed (baseline, same-compute and --frontier runs: "
+        "Full at several schedule lengths, fitted as one shape plus a level per seed): saving = 1 - its "
+        "samples forwarded / those at which that curve reaches its quality (linear between lengths; beyond "
+        "their ends a bound, >= or <=, kept out of the interval). The curve is read through its running best: "
+        "the best Full at or below each compute. Interval: 95% t over the measured seeds, standard error by "
+        "jackknife over seeds (docs/evaluation.md).",
+        "",
+    ]
+    hurts = {
+        f"**{metric}: {s['hurts']}**; each setting is read against the best Full at or below its compute"
+        for setting in found["settings"]
+        for metric, s in setting["metrics"].items()
+        if s.get("hurts")
+    }
     lines[2:2] = [*sorted(hurts), ""] if hurts else []  # what a reader must see first
     rows = []
     marks = {"at least": ">=", "at most": "<="}
     for setting in found["settings"]:
         for metric, s in setting["metrics"].items():
-            per_seed = ", ".join(f"s{seed}: {marks.get(a['kind'], '')}{100 * a['saving']:.1f}%"
-                                 for seed, a in zip(s["seeds"], s["per_seed"]))
-            rows.append([setting["setting"], metric, per_seed, interval_text(s), s["verdict"],
-                         str(s["seeds_needed"] or "-")])
+            per_seed = ", ".join(
+                f"s{seed}: {marks.get(a['kind'], '')}{100 * a['saving']:.1f}%"
+                for seed, a in zip(s["seeds"], s["per_seed"])
+            )
+            rows.append(
+                [setting["setting"], metric, per_seed, interval_text(s), s["verdict"], str(s["seeds_needed"] or "-")]
+            )
     lines += _table(["setting", "metric", "per seed", "saving [95% CI]", "verdict", "seeds needed"], rows) + [""]
-    notes = {f"- {setting['setting']}: {s['note']}" for setting in found["settings"] for s in setting["metrics"].values()
-             if s["note"]}
+    notes = {
+        f"- {setting['setting']}: {s['note']}"
+        for setting in found["settings"]
+        for s in setting["metrics"].values()
+        if s["note"]
+    }
     lines += sorted(notes) + ([""] if notes else [])
-    lines += ["Seeds needed: for a paired t test (5%, two-sided, 80% power) to tell a saving of the measured size "
-              "from 0.", ""]
+    lines += [
+        "Seeds needed: for a paired t test (5%, two-sided, 80% power) to tell a saving of the measured size from 0.",
+        "",
+    ]
     return lines
 
 
 def render_markdown(report: dict) -> str:
     base, pruned = report["baseline"], report["pruned"]
     names = [r["name"] for r in pruned]
-    lines = ["# Losslessness report: pruned against full", "",
-             f"Baseline: {', '.join(b['name'] for b in base)} (pruner {base[0]['pruner']}, {len(base)} run(s)). "
-             "Pruned: " + ", ".join(f"{r['name']} ({r['pruner']})" for r in pruned) + ".",
-             "Quality from: " + "; ".join(f"{r['name']}: {r['metrics_source']}" for r in base + pruned) + ".", ""]
+    lines = [
+        "# Losslessness report: pruned against full",
+        "",
+        f"Baseline: {', '.join(b['name'] for b in base)} (pruner {base[0]['pruner']}, {len(base)} run(s)). "
+        "Pruned: " + ", ".join(f"{r['name']} ({r['pruner']})" for r in pruned) + ".",
+        "Quality from: " + "; ".join(f"{r['name']}: {r['metrics_source']}" for r in base + pruned) + ".",
+        "",
+    ]
 
     lines += equal_quality_section(report.get("equal_quality"))
     lines += ["## Quality at equal passes", ""]
@@ -73,10 +97,17 @@ def render_markdown(report: dict) -> str:
     header.insert(3, "tolerance")
     rows = []
     for metric in metrics:
-        first = next(report["equal_passes"][n]["metrics"][metric] for n in names
-                     if metric in report["equal_passes"][n]["metrics"])
-        row = [metric, "higher" if PRIMARY_METRICS[metric] else "lower", _num(first["baseline"]),
-               _num(first["tolerance"])]
+        first = next(
+            report["equal_passes"][n]["metrics"][metric]
+            for n in names
+            if metric in report["equal_passes"][n]["metrics"]
+        )
+        row = [
+            metric,
+            "higher" if PRIMARY_METRICS[metric] else "lower",
+            _num(first["baseline"]),
+            _num(first["tolerance"]),
+        ]
         for n in names:
             cell = report["equal_passes"][n]["metrics"].get(metric)
             row += [_num(cell["value"]), _signed(cell["delta"]), cell["verdict"]] if cell else ["n/a"] * 3
@@ -84,7 +115,11 @@ def render_markdown(report: dict) -> str:
     lines += _table(header, rows) + [""]
     for n in names:
         verdict = report["equal_passes"][n]
-        why = f" ({', '.join(verdict['failed'])} worse than the baseline by more than the tolerance)" if verdict["failed"] else ""
+        why = (
+            f" ({', '.join(verdict['failed'])} worse than the baseline by more than the tolerance)"
+            if verdict["failed"]
+            else ""
+        )
         lines.append(f"- **{n} at equal passes: {verdict['verdict']}**{why}")
     lines.append("")
 
@@ -93,8 +128,17 @@ def render_markdown(report: dict) -> str:
     for n in names:
         result = report["equal_compute"][n]
         for metric, cell in result["metrics"].items():
-            rows.append([n, metric, _num(cell["value"]), _num(cell["reference"]), _signed(cell["delta"]),
-                         _num(cell["tolerance"]), cell["verdict"]])
+            rows.append(
+                [
+                    n,
+                    metric,
+                    _num(cell["value"]),
+                    _num(cell["reference"]),
+                    _signed(cell["delta"]),
+                    _num(cell["tolerance"]),
+                    cell["verdict"],
+                ]
+            )
     lines += _table(["run", "metric", "value", "full at equal compute", "delta", "tolerance", "verdict"], rows) + [""]
     for n in names:
         result = report["equal_compute"][n]
@@ -104,12 +148,34 @@ def render_markdown(report: dict) -> str:
     lines += ["## Cost", ""]
     rows = []
     for name, c in report["cost"].items():
-        saving = ["-"] * 3 if name not in names else [f"{c['saving_' + key]:.1%}" for key in
-                                                       ("samples_forwarded", "optimizer_steps", "wall_seconds")]
-        rows.append([name, _num(c["passes"]), _num(c["samples_forwarded"]), _num(c["optimizer_steps"]),
-                     f"{c['wall_seconds']:.1f}", *saving])
-    lines += _table(["run", "passes", "samples forwarded", "optimizer steps", "wall-clock s", "saving samples",
-                     "saving steps", "saving wall-clock"], rows) + [""]
+        saving = (
+            ["-"] * 3
+            if name not in names
+            else [f"{c['saving_' + key]:.1%}" for key in ("samples_forwarded", "optimizer_steps", "wall_seconds")]
+        )
+        rows.append(
+            [
+                name,
+                _num(c["passes"]),
+                _num(c["samples_forwarded"]),
+                _num(c["optimizer_steps"]),
+                f"{c['wall_seconds']:.1f}",
+                *saving,
+            ]
+        )
+    lines += _table(
+        [
+            "run",
+            "passes",
+            "samples forwarded",
+            "optimizer steps",
+            "wall-clock s",
+            "saving samples",
+            "saving steps",
+            "saving wall-clock",
+        ],
+        rows,
+    ) + [""]
     lines.append("Savings are against the baseline mean; wall-clock is training time only (evaluation excluded).")
     lines.append("")
 
@@ -120,8 +186,12 @@ def render_markdown(report: dict) -> str:
             if metric not in seen:
                 seen.add(metric)
                 lines.append(f"- {metric}: {cell['tolerance_text']}")
-    lines += ["", "A metric is lossless unless the pruned run is worse than the baseline mean by more than its "
-              "tolerance; a run is lossless at equal passes when every metric is. See docs/evaluation.md.", ""]
+    lines += [
+        "",
+        "A metric is lossless unless the pruned run is worse than the baseline mean by more than its "
+        "tolerance; a run is lossless at equal passes when every metric is. See docs/evaluation.md.",
+        "",
+    ]
 
     if report["notes"]:
         lines += ["## Notes", "", *(f"- {note}" for note in report["notes"]), ""]

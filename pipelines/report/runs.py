@@ -12,14 +12,23 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-from pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
-
+from prunepipe.pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 RESUME = "resume"  # a resume marker's kind in metrics.jsonl (pipelines/training/metrics.py)
 # config keys that name a run or say how it is operated, not what it trains: runs differing only in
 # these are seeds of one setting
-IDENTITY_KEYS = ("name", "runs_dir", "run_dir", "seed", "log_every", "checkpoint", "debug_sync", "debug_device_sync",
-                 "dist_timeout_seconds", "eval")
+IDENTITY_KEYS = (
+    "name",
+    "runs_dir",
+    "run_dir",
+    "seed",
+    "log_every",
+    "checkpoint",
+    "debug_sync",
+    "debug_device_sync",
+    "dist_timeout_seconds",
+    "eval",
+)
 
 
 @dataclass
@@ -54,9 +63,14 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"run {path!r}: no config.yaml (not a prunepipe run folder)")
     config = OmegaConf.to_container(OmegaConf.load(config_path))
-    run = RunSummary(path, str(config.get("name", os.path.basename(path))), config.get("task", "?"),
-                     str((config.get("pruner") or {}).get("name", "?")), int(config.get("seed", 0)),
-                     int(config.get("passes", 0)))
+    run = RunSummary(
+        path,
+        str(config.get("name", os.path.basename(path))),
+        config.get("task", "?"),
+        str((config.get("pruner") or {}).get("name", "?")),
+        int(config.get("seed", 0)),
+        int(config.get("passes", 0)),
+    )
     run.setting = json.dumps({k: v for k, v in config.items() if k not in IDENTITY_KEYS}, sort_keys=True, default=str)
     log_path = os.path.join(path, "metrics.jsonl")
     records = read_metrics(log_path) if os.path.isfile(log_path) else []
@@ -66,8 +80,10 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
         with open(eval_path) as f:
             evals.append({**json.load(f), "path": eval_path})
     run.evaluated_weights = tuple(sorted({e.get("weights", "ema") for e in evals}))
-    run.evals = sorted((e for e in evals if e.get("weights", "ema") == weights),
-                       key=lambda e: (e.get("optimizer_steps", 0), "path" in e))
+    run.evals = sorted(
+        (e for e in evals if e.get("weights", "ema") == weights),
+        key=lambda e: (e.get("optimizer_steps", 0), "path" in e),
+    )
     if run.trajectory:
         last = run.trajectory[-1]
         run.passes_done = int(last["epoch"]) + 1
@@ -125,8 +141,9 @@ def trajectory_value(run: RunSummary, metric: str, samples: float) -> float | No
     None outside the logged range."""
     import numpy as np
 
-    points = [(r["samples_forwarded"], r["held_out"][metric]) for r in run.trajectory
-              if metric in (r.get("held_out") or {})]
+    points = [
+        (r["samples_forwarded"], r["held_out"][metric]) for r in run.trajectory if metric in (r.get("held_out") or {})
+    ]
     if not points or samples < points[0][0] or samples > points[-1][0]:
         return None
     xs, ys = zip(*points)

@@ -4,7 +4,7 @@ export). Shared by the training loop and the evaluators, so neither imports the 
 
 from __future__ import annotations
 
-from pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.shards import ShardIndex
 
 
 def build_task(cfg, *, strata: bool | None = None):
@@ -12,12 +12,12 @@ def build_task(cfg, *, strata: bool | None = None):
     each draw's stratum (default: when the run normalises scores within strata); diffusion always
     does, its timestep costs nothing."""
     if cfg.task == "mae":
-        from pipelines.tasks.mae import MAETask
+        from prunepipe.pipelines.tasks.mae import MAETask
 
         wanted = cfg.score.normalise != "none" if strata is None else strata
         return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels, strata=wanted)
-    from pipelines.tasks.diffusion.config import PRECOMPUTED
-    from pipelines.tasks.diffusion.task import DiffusionTask
+    from prunepipe.pipelines.tasks.diffusion.config import PRECOMPUTED
+    from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
 
     size, channels = cfg.data.resolution, cfg.data.channels
     if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block, VisionTransformer
 
-from pipelines.data.batch import real_samples
-from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
-from pipelines.tasks.sample_losses import SampleLosses
-from pipelines.tasks.wrappers import unwrap, weights_module
+from prunepipe.pipelines.data.batch import real_samples
+from prunepipe.pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
+from prunepipe.pipelines.tasks.sample_losses import SampleLosses
+from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
 ENCODER_WEIGHTS = "encoder.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
@@ -328,7 +328,7 @@ class MAETask:
 
     def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
         """[B] float32 masked-patch MSE with a fresh random mask drawn from `generator` (a
-        torch.Generator, or per-sample draws such as pipelines.tasks.randomness.SampleRandomness).
+        torch.Generator, or per-sample draws such as prunepipe.pipelines.tasks.randomness.SampleRandomness).
 
         `model` is self.model or its DDP/accelerate wrapper: always call the one passed, so the
         wrapper's gradient hooks run.

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from pipelines.tasks.randomness import SampleDraws
-from pipelines.tasks.sample_losses import SampleLosses
+from prunepipe.pipelines.tasks.randomness import SampleDraws
+from prunepipe.pipelines.tasks.sample_losses import SampleLosses
 
 
 @runtime_checkable

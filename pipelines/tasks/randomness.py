@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pruning.base import _GOLDEN_GAMMA, _MASK64, _MIX_1, _MIX_2, _stream_key
+from prunepipe.pruning.base import _GOLDEN_GAMMA, _MASK64, _MIX_1, _MIX_2, _stream_key
 
 _UNIFORM_BITS = 24  # a float32 mantissa holds 24 bits exactly: every uniform is k / 2**24 < 1
 

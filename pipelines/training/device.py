@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from diffusers import DiTTransformer2DModel
 
-from pipelines.config import RunConfig
-from pipelines.tasks.diffusion.dit import compile_blocks
+from prunepipe.pipelines.config import RunConfig
+from prunepipe.pipelines.tasks.diffusion.dit import compile_blocks
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -47,5 +47,9 @@ def place_model(cfg: RunConfig, model: torch.nn.Module, device: torch.device) ->
 def build_optimizer(cfg: RunConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the decay / no-decay groups; the fused kernel on CUDA when cuda.fused_adamw."""
     fused = cfg.cuda.fused_adamw and device.type == "cuda"
-    return torch.optim.AdamW(parameter_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                             betas=tuple(cfg.optim.betas), fused=fused or None)
+    return torch.optim.AdamW(
+        parameter_groups(model, cfg.optim.weight_decay),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        fused=fused or None,
+    )

@@ -11,11 +11,11 @@ import os
 
 import numpy as np
 
-from pipelines.data.group_table import GroupTable, group_table_path, open_group_table
-from pipelines.data.shards import INDEX_NAME, ShardIndex
-from pipelines.ranks import same_on_every_rank
-from pipelines.training.node_tables import map_node_files
-from pruning.groups import fill_group_sizes
+from prunepipe.pipelines.data.group_table import GroupTable, group_table_path, open_group_table
+from prunepipe.pipelines.data.shards import INDEX_NAME, ShardIndex
+from prunepipe.pipelines.ranks import same_on_every_rank
+from prunepipe.pipelines.training.node_tables import map_node_files
+from prunepipe.pruning.groups import fill_group_sizes
 
 
 def agree_on_table(table: GroupTable) -> None:
@@ -28,19 +28,37 @@ def group_sizes(table: GroupTable, rank: int, local_rank: int, local_size: int, 
     has several ranks (its local rank 0 counts them), else in this process's memory."""
     num_samples = len(table.group_of)
     if local_size > 1:
+
         def fill(arrays):
             fill_group_sizes(table.group_of, arrays["group_size"])
 
-        return map_node_files({"group_size": ((num_samples,), np.int32)}, rank, local_rank, local_size, token,
-                              fill=fill, read_only=True, what="shared group-size table")["group_size"]
+        return map_node_files(
+            {"group_size": ((num_samples,), np.int32)},
+            rank,
+            local_rank,
+            local_size,
+            token,
+            fill=fill,
+            read_only=True,
+            what="shared group-size table",
+        )["group_size"]
     sizes = np.zeros(num_samples, dtype=np.int32)
     fill_group_sizes(table.group_of, sizes)
     sizes.flags.writeable = False
     return sizes
 
 
-def use_group_table(pruner, value: str, train: str, index: ShardIndex, *, rank: int = 0, local_rank: int = 0,
-                    local_size: int = 1, token: str = "") -> tuple[str, str]:
+def use_group_table(
+    pruner,
+    value: str,
+    train: str,
+    index: ShardIndex,
+    *,
+    rank: int = 0,
+    local_rank: int = 0,
+    local_size: int = 1,
+    token: str = "",
+) -> tuple[str, str]:
     """Give `pruner` the group table `value` (pruner.groups) of the split at `train`; collective when
     several ranks run. Returns the table's (path, digest); its mapping is closed (only the sizes stay)."""
     if not hasattr(pruner, "use_groups"):
@@ -52,8 +70,9 @@ def use_group_table(pruner, value: str, train: str, index: ShardIndex, *, rank: 
     return table.path, table.digest
 
 
-def give_groups(pruner, table: GroupTable, rank: int = 0, local_rank: int = 0, local_size: int = 1,
-                token: str = "") -> None:
+def give_groups(
+    pruner, table: GroupTable, rank: int = 0, local_rank: int = 0, local_size: int = 1, token: str = ""
+) -> None:
     """`table`, agreed on by every rank, as `pruner`'s group sizes (shared per node when it has several ranks)."""
     agree_on_table(table)
     pruner.use_groups(group_sizes(table, rank, local_rank, local_size, token), digest=table.digest, source=table.path)

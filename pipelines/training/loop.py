@@ -20,31 +20,31 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from pipelines.checkpoint.position import TrainingPosition
-from pipelines.checkpoint.pruner_state import CheckpointedPruner
-from pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
-from pipelines.config import RunConfig, latent_shard_notes, pruner_hparams, to_yaml
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import BadInputError, ShardIndex
-from pipelines.data.splits import read_split
-from pipelines.data.stream import ShardStream
-from pipelines.data.workers import agreed_loader_workers
-from pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
-from pipelines.progress import EveryFewSeconds, pass_label, position_label, progress
-from pipelines.ranks import on_every_rank, same_on_every_rank
-from pipelines.tasks.build import build_task, text_reading
-from pipelines.tasks.randomness import SampleRandomness
-from pipelines.training.device import build_optimizer, place_model, set_backend_flags
-from pipelines.training.accumulation import GradientAccumulation
-from pipelines.training.deferred import DeferredRecords, StepRecord, to_host
-from pipelines.training.ema import PassProgressEMA
-from pipelines.training.groups import use_group_table
-from pipelines.training.metrics import MetricsLog
-from pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
-from pipelines.training.sync_check import SyncDebug
-from pruning import ScoreNormaliser, build_pruner, gather_tensors
-from pruning.bitmap import Bitmap
-from pruning.pass_plan import PassPlan
+from prunepipe.pipelines.checkpoint.position import TrainingPosition
+from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
+from prunepipe.pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
+from prunepipe.pipelines.config import RunConfig, latent_shard_notes, pruner_hparams, to_yaml
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pipelines.data.workers import agreed_loader_workers
+from prunepipe.pipelines.evaluation.runner import Evaluator, held_out_over_ranks, weights_for_eval
+from prunepipe.pipelines.progress import EveryFewSeconds, pass_label, position_label, progress
+from prunepipe.pipelines.ranks import on_every_rank, same_on_every_rank
+from prunepipe.pipelines.tasks.build import build_task, text_reading
+from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.training.accumulation import GradientAccumulation
+from prunepipe.pipelines.training.deferred import DeferredRecords, StepRecord, to_host
+from prunepipe.pipelines.training.device import build_optimizer, place_model, set_backend_flags
+from prunepipe.pipelines.training.ema import PassProgressEMA
+from prunepipe.pipelines.training.groups import use_group_table
+from prunepipe.pipelines.training.metrics import MetricsLog
+from prunepipe.pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
+from prunepipe.pipelines.training.sync_check import SyncDebug
+from prunepipe.pruning import ScoreNormaliser, build_pruner, gather_tensors
+from prunepipe.pruning.bitmap import Bitmap
+from prunepipe.pruning.pass_plan import PassPlan
 
 
 class NonFiniteLossError(ValueError):
@@ -87,8 +87,11 @@ def with_peak_learning_rate(cfg: RunConfig, world: int, announce: bool) -> RunCo
     batch = world * cfg.data.batch_size * o.grad_accum
     peak = o.blr * batch / 256
     if announce:
-        print(f"peak lr {peak:.4g} = optim.blr {o.blr:g} x effective batch {batch} ({world} ranks x "
-              f"{cfg.data.batch_size} x {o.grad_accum} accumulated) / 256; optim.lr is not used", flush=True)
+        print(
+            f"peak lr {peak:.4g} = optim.blr {o.blr:g} x effective batch {batch} ({world} ranks x "
+            f"{cfg.data.batch_size} x {o.grad_accum} accumulated) / 256; optim.lr is not used",
+            flush=True,
+        )
     return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=peak))
 
 
@@ -126,9 +129,19 @@ def load_held_out(cfg: RunConfig, task, rank: int = 0, world: int = 1) -> list |
     run has no val shards."""
     if not cfg.data.val:
         return None
-    return list(read_split(cfg.data.val, resolution=cfg.data.resolution, channels=cfg.data.channels,
-                           batch_size=cfg.data.batch_size, max_samples=cfg.data.val_batches * cfg.data.batch_size,
-                           rank=rank, world_size=world, desc="held-out samples", **text_reading(task)))
+    return list(
+        read_split(
+            cfg.data.val,
+            resolution=cfg.data.resolution,
+            channels=cfg.data.channels,
+            batch_size=cfg.data.batch_size,
+            max_samples=cfg.data.val_batches * cfg.data.batch_size,
+            rank=rank,
+            world_size=world,
+            desc="held-out samples",
+            **text_reading(task),
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -136,8 +149,9 @@ def train(cfg: RunConfig) -> dict:
     """Train `cfg` to the end (or `max_steps`); returns the last pass summary."""
     # A collective that waits longer than dist_timeout_seconds fails the job instead of holding it
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_seconds))
-    accelerator = Accelerator(mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available(),
-                              kwargs_handlers=[timeout])
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout]
+    )
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     run_dir = cfg.run_dir
@@ -154,36 +168,57 @@ def train(cfg: RunConfig) -> dict:
     # that cannot stops every rank here, not only itself while the others wait in the next collective
     task = on_every_rank(lambda: build_task(cfg))
     if task.text_identity:  # each rank loaded the encoder (or its features' record) from its node
-        same_on_every_rank(task.text_identity, f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
-                           "text encoders (files and caption length)")
+        same_on_every_rank(
+            task.text_identity,
+            f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
+            "text encoders (files and caption length)",
+        )
     index = ShardIndex.load(cfg.data.train)
-    pruner = build_pruner(cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
+    pruner = build_pruner(
+        cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner)
+    )
     set_backend_flags(cfg, device)
     place_model(cfg, task.model, device)  # before the optimizer: the fused kernel checks the parameters' device
     optimizer = build_optimizer(cfg, task.model, device)
     model, optimizer = accelerator.prepare(task.model, optimizer)
     trained = list(accelerator.unwrap_model(model).parameters())  # what the EMA follows (unwrapped once)
-    ema = PassProgressEMA(trained, decay=cfg.ema_decay, warmup=cfg.ema_warmup,
-                          full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum))
+    ema = PassProgressEMA(
+        trained,
+        decay=cfg.ema_decay,
+        warmup=cfg.ema_warmup,
+        full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum),
+    )
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
     token = run_token() if world > 1 else ""
     node_tables = NodeTables(pruner, rank, local_rank, local_size, token)
     if main and node_tables.shared:
-        print(f"pruner tables: one copy per node in shared memory, written by local rank 0 "
-              f"({local_size} ranks per node)")
+        print(
+            f"pruner tables: one copy per node in shared memory, written by local rank 0 ({local_size} ranks per node)"
+        )
     if cfg.pruner.get("groups"):  # side data, before a resume: the checkpoint names the table it needs
-        path, digest = use_group_table(pruner, cfg.pruner["groups"], cfg.data.train, index, rank=rank,
-                                       local_rank=local_rank, local_size=local_size, token=token)
+        path, digest = use_group_table(
+            pruner,
+            cfg.pruner["groups"],
+            cfg.data.train,
+            index,
+            rank=rank,
+            local_rank=local_rank,
+            local_size=local_size,
+            token=token,
+        )
         if main:
             stats = pruner.stats()
-            print(f"near-duplicate groups: {path} (digest {digest}), {stats['grouped_samples']} "
-                  f"samples in groups of 2 or more, about {stats['per_group']:.3g} of each group a pass")
+            print(
+                f"near-duplicate groups: {path} (digest {digest}), {stats['grouped_samples']} "
+                f"samples in groups of 2 or more, about {stats['per_group']:.3g} of each group a pass"
+            )
     position = TrainingPosition()
     checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
     accelerator.register_for_checkpointing(checkpointed, ema, position)
-    scorer = ScoreNormaliser(cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets,
-                             momentum=cfg.score.momentum)
+    scorer = ScoreNormaliser(
+        cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets, momentum=cfg.score.momentum
+    )
     if cfg.score.normalise != "none":  # registered only when used: custom_checkpoint_3.pkl
         accelerator.register_for_checkpointing(scorer)
     if task.timestep_sampler is not None:
@@ -194,21 +229,38 @@ def train(cfg: RunConfig) -> dict:
         load_resume(accelerator, resume_from)
         checkpointed.finish_load(resume_from)
         if main:
-            print(f"resumed from {resume_from}: {position_label(position.epoch, position.batch_in_pass, cfg.passes)}, "
-                  f"step {position.optimizer_steps}")
+            print(
+                f"resumed from {resume_from}: {position_label(position.epoch, position.batch_in_pass, cfg.passes)}, "
+                f"step {position.optimizer_steps}"
+            )
     text_identity = task.text_identity  # "" unless text-conditional
     if position.text_identity and position.text_identity != text_identity:  # alike on every rank (agreed above)
-        raise ValueError(f"{resume_from}: the run trained on the features of text encoder {position.text_identity}; "
-                         f"this config's (ldm.text.encoder={cfg.ldm.text.encoder}) is {text_identity or 'none'}. "
-                         f"Resume with the run's encoder (or its features), or start a new run")
+        raise ValueError(
+            f"{resume_from}: the run trained on the features of text encoder {position.text_identity}; "
+            f"this config's (ldm.text.encoder={cfg.ldm.text.encoder}) is {text_identity or 'none'}. "
+            f"Resume with the run's encoder (or its features), or start a new run"
+        )
     position.text_identity = text_identity
 
     stream = ShardStream(
-        index, batch_size=cfg.data.batch_size, seed=cfg.seed, rank=rank, world_size=world,
-        decoder=SampleDecoder(cfg.data.resolution, cfg.data.channels, hflip=cfg.data.hflip, seed=cfg.seed,
-                              num_classes=task.label_classes, crop=cfg.data.crop,
-                              crop_scale=tuple(cfg.data.crop_scale), **text_reading(task)),
-        shuffle_buffer=cfg.data.shuffle_buffer, on_bad_sample=cfg.data.on_bad_sample, retry=cfg.data.remote,
+        index,
+        batch_size=cfg.data.batch_size,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        decoder=SampleDecoder(
+            cfg.data.resolution,
+            cfg.data.channels,
+            hflip=cfg.data.hflip,
+            seed=cfg.seed,
+            num_classes=task.label_classes,
+            crop=cfg.data.crop,
+            crop_scale=tuple(cfg.data.crop_scale),
+            **text_reading(task),
+        ),
+        shuffle_buffer=cfg.data.shuffle_buffer,
+        on_bad_sample=cfg.data.on_bad_sample,
+        retry=cfg.data.remote,
     )
     held_out = load_held_out(cfg, task, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
@@ -216,8 +268,12 @@ def train(cfg: RunConfig) -> dict:
     # every pass; the printed pass lines are thinned in a log file
     metrics = MetricsLog(run_dir, main, resumed_from_step=position.optimizer_steps if resume_from else None)
     if resume_from is not None:  # the steps after the checkpoint are logged again: say from where
-        metrics.resumed(resume_from, optimizer_steps=position.optimizer_steps, epoch=position.epoch,
-                        batch_in_pass=position.batch_in_pass)
+        metrics.resumed(
+            resume_from,
+            optimizer_steps=position.optimizer_steps,
+            epoch=position.epoch,
+            batch_in_pass=position.batch_in_pass,
+        )
     pass_lines = EveryFewSeconds()
     accumulation = GradientAccumulation(accelerator, model, cfg.optim.grad_accum)
     # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
@@ -238,15 +294,26 @@ def train(cfg: RunConfig) -> dict:
         if debug is not None:
             debug.begin_pass(plan, pruner)
         undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
-        loader = stream.pass_loader(epoch, plan, num_workers=workers,
-                                    skip_batches=position.batch_in_pass, skip_undecodable=undecodable_here.copy(),
-                                    pin_memory=device.type == "cuda")
+        loader = stream.pass_loader(
+            epoch,
+            plan,
+            num_workers=workers,
+            skip_batches=position.batch_in_pass,
+            skip_undecodable=undecodable_here.copy(),
+            pin_memory=device.type == "cuda",
+        )
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
         kept_fraction = loader.layout.kept / index.num_samples
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
-        bar = progress(total, initial=position.batch_in_pass, disable=not main, desc=pass_label(epoch, cfg.passes),
-                       unit="sample", unit_scale=cfg.data.batch_size * world)
+        bar = progress(
+            total,
+            initial=position.batch_in_pass,
+            disable=not main,
+            desc=pass_label(epoch, cfg.passes),
+            unit="sample",
+            unit_scale=cfg.data.batch_size * world,
+        )
 
         def consume(record: StepRecord) -> None:
             """What the host does with a step's gathered batch, in step order: the non-finite
@@ -266,9 +333,16 @@ def train(cfg: RunConfig) -> dict:
                 pruner.on_step(record.lr)
                 steps = record.step + 1
                 if main and steps % cfg.log_every == 0 and pass_losses:
-                    metrics.write({"kind": "train", "optimizer_steps": steps, "epoch": record.epoch,
-                                   "loss": pass_losses[-1], "lr": record.lr,
-                                   "samples_forwarded": position.samples_forwarded})
+                    metrics.write(
+                        {
+                            "kind": "train",
+                            "optimizer_steps": steps,
+                            "epoch": record.epoch,
+                            "loss": pass_losses[-1],
+                            "lr": record.lr,
+                            "samples_forwarded": position.samples_forwarded,
+                        }
+                    )
                     bar.set_postfix(loss=f"{pass_losses[-1]:.4f}", kept=f"{kept_fraction:.0%}")
 
         deferred = DeferredRecords(consume, lag=SCORE_LAG)
@@ -287,7 +361,8 @@ def train(cfg: RunConfig) -> dict:
             randomness = SampleRandomness(cfg.seed, epoch, batch.ids)
             if not accumulation.buckets_settled:  # DDP's bucket layout, the same in fresh and resumed processes
                 accumulation.settle_buckets(
-                    lambda: fresh_forward_losses(accelerator, task, model, batch, cfg.seed, epoch))
+                    lambda: fresh_forward_losses(accelerator, task, model, batch, cfg.seed, epoch)
+                )
             with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
                 with accelerator.autocast():
                     out = task.per_sample(model, batch, randomness)
@@ -297,8 +372,9 @@ def train(cfg: RunConfig) -> dict:
                 host, ready = to_host(ids, gathered, strata)
                 if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
                     # skipping needs the answer before backward: one host read per step, under this policy only
-                    report_nonfinite(cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch,
-                                     micro)
+                    report_nonfinite(
+                        cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch, micro
+                    )
                     position.skipped_nonfinite += 1
                     host = [None, None, None]
                     accumulation.skipped(is_step)  # every rank skips alike: average what the group holds
@@ -327,8 +403,9 @@ def train(cfg: RunConfig) -> dict:
                     lost_here = 0
                     position.wall_seconds += time.perf_counter() - pass_start
                     pass_start = time.perf_counter()
-                    save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
-                                    checkpointed.write_tables)
+                    save_checkpoint(
+                        accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep, checkpointed.write_tables
+                    )
                     last_saved = position.optimizer_steps
                 if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                     stop = True
@@ -343,8 +420,9 @@ def train(cfg: RunConfig) -> dict:
             debug.end_pass(epoch)
         if stop and position.batch_in_pass < total:
             break
-        summary = end_of_pass(cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out,
-                              pass_losses)
+        summary = end_of_pass(
+            cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out, pass_losses
+        )
         summary["ema_decay"] = ema.cur_decay_value  # at the pass end: pruned and full runs alike
         metrics.write(summary)
         if main and pass_lines.due(force=position.epoch + 1 == cfg.passes):
@@ -358,8 +436,7 @@ def train(cfg: RunConfig) -> dict:
 
     stream.close()  # the loader workers, kept from pass to pass
     if position.optimizer_steps != last_saved:
-        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep,
-                        checkpointed.write_tables)
+        save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep, checkpointed.write_tables)
     if main and position.epoch >= cfg.passes:
         ema_model = copy.deepcopy(accelerator.unwrap_model(model))
         ema.copy_to(ema_model.parameters())
@@ -393,14 +470,16 @@ class DeviceWaitCheck:
             torch.cuda.set_sync_debug_mode("default")
 
 
-def report_nonfinite(cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, epoch: int,
-                     micro: int) -> None:
+def report_nonfinite(
+    cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, epoch: int, micro: int
+) -> None:
     """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
     bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
     where = f"step {step} ({pass_label(epoch, cfg.passes)}, batch {micro})"
     if cfg.on_nonfinite_loss == "stop":
-        raise NonFiniteLossError(f"non-finite loss at {where} for sample ids {bad_ids}; "
-                                 f"set on_nonfinite_loss=skip to skip such batches")
+        raise NonFiniteLossError(
+            f"non-finite loss at {where} for sample ids {bad_ids}; set on_nonfinite_loss=skip to skip such batches"
+        )
     accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
 
 
@@ -410,7 +489,7 @@ def undecodable_of_rank(position: TrainingPosition, rank: int, world: int, worke
     table = position.undecodable
     if position.batch_in_pass == 0 or table is None or len(table) != world * workers:
         return np.zeros(workers, dtype=np.int64)
-    return table[rank * workers:(rank + 1) * workers].astype(np.int64)
+    return table[rank * workers : (rank + 1) * workers].astype(np.int64)
 
 
 def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad: tuple) -> None:
@@ -421,10 +500,12 @@ def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad
     if budget < 0 or position.bad_samples + lost_here <= budget:
         return
     last = bad[-1].message if bad else "see the warnings above"
-    raise BadInputError(f"{position.bad_samples + lost_here} samples lost to bad input by "
-                        f"{pass_label(position.epoch, cfg.passes)} "
-                        f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
-                        f"data.max_bad_samples={budget}; the latest: {last}")
+    raise BadInputError(
+        f"{position.bad_samples + lost_here} samples lost to bad input by "
+        f"{pass_label(position.epoch, cfg.passes)} "
+        f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
+        f"data.max_bad_samples={budget}; the latest: {last}"
+    )
 
 
 def settle_bad_input(accelerator, position: TrainingPosition, lost_here: int, undecodable_here: np.ndarray) -> None:
@@ -435,7 +516,7 @@ def settle_bad_input(accelerator, position: TrainingPosition, lost_here: int, un
     counts = torch.zeros(1 + accelerator.num_processes * workers, dtype=torch.int64, device=accelerator.device)
     counts[0] = lost_here
     start = 1 + accelerator.process_index * workers
-    counts[start:start + workers] = torch.from_numpy(undecodable_here)
+    counts[start : start + workers] = torch.from_numpy(undecodable_here)
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, reduction="sum")
     counts = counts.cpu().numpy()
@@ -471,8 +552,13 @@ GRID_POINT = re.compile(r"_(s\d{3}|t\d{4})$")  # flow_mse_s005, denoise_mse_t099
 
 
 def format_pass(summary: dict, passes: int) -> str:
-    held = " ".join(f"{k} {v:.4f}" for k, v in summary.get("held_out", {}).items()
-                    if isinstance(v, float) and not GRID_POINT.search(k))  # denoise_mse is the grid's mean
-    return (f"{pass_label(summary['epoch'], passes)}: kept {summary['kept_fraction']:.1%}, "
-            f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
-            f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total")
+    held = " ".join(
+        f"{k} {v:.4f}"
+        for k, v in summary.get("held_out", {}).items()
+        if isinstance(v, float) and not GRID_POINT.search(k)
+    )  # denoise_mse is the grid's mean
+    return (
+        f"{pass_label(summary['epoch'], passes)}: kept {summary['kept_fraction']:.1%}, "
+        f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
+        f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total"
+    )

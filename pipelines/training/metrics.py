@@ -57,10 +57,18 @@ class MetricsLog:
         `batch_in_pass` batches into pass `epoch` (0-based, as in every record)."""
         if not self.enabled:
             return
-        self._append({"kind": RESUME, "event": RESUME, "from_step": int(optimizer_steps),
-                      "optimizer_steps": int(optimizer_steps), "epoch": int(epoch),
-                      "batch_in_pass": int(batch_in_pass), "checkpoint": os.path.abspath(checkpoint),
-                      "time": time.time()})
+        self._append(
+            {
+                "kind": RESUME,
+                "event": RESUME,
+                "from_step": int(optimizer_steps),
+                "optimizer_steps": int(optimizer_steps),
+                "epoch": int(epoch),
+                "batch_in_pass": int(batch_in_pass),
+                "checkpoint": os.path.abspath(checkpoint),
+                "time": time.time(),
+            }
+        )
 
     def _append(self, record: dict) -> None:
         with open(self.path, "ab+") as f:  # appends always go to the end, wherever a read left off

@@ -18,7 +18,7 @@ import uuid
 import numpy as np
 import torch.distributed as dist
 
-from pipelines.ranks import rank0_value
+from prunepipe.pipelines.ranks import rank0_value
 
 SHM = "/dev/shm"
 
@@ -44,8 +44,9 @@ class NodeTables:
         if not self.shared:
             return
         # writable everywhere so that torch can wrap them for a checkpoint; only the writer records
-        tables = map_node_files(pruner.table_specs(), rank, local_rank, local_size, token, folder=folder,
-                                what="shared score table")
+        tables = map_node_files(
+            pruner.table_specs(), rank, local_rank, local_size, token, folder=folder, what="shared score table"
+        )
         pruner.share_tables(tables, writes=self.writer)
 
     def settle(self) -> None:
@@ -54,8 +55,18 @@ class NodeTables:
             dist.barrier()
 
 
-def map_node_files(specs: dict, rank: int, local_rank: int, local_size: int, token: str, *, folder: str = SHM,
-                   fill=None, read_only: bool = False, what: str = "shared table") -> dict[str, np.ndarray]:
+def map_node_files(
+    specs: dict,
+    rank: int,
+    local_rank: int,
+    local_size: int,
+    token: str,
+    *,
+    folder: str = SHM,
+    fill=None,
+    read_only: bool = False,
+    what: str = "shared table",
+) -> dict[str, np.ndarray]:
     """Arrays of `specs` (name -> (shape, dtype)) in files of this node's shared memory: local rank 0
     creates them (zero) and, with `fill`, writes them (`fill(arrays)`) before any other rank maps
     them; the names are unlinked once every rank of the node has mapped them. Collective over all ranks."""
@@ -66,8 +77,10 @@ def map_node_files(specs: dict, rank: int, local_rank: int, local_size: int, tok
             with open(paths[name], "wb") as f:  # a sparse file: pages cost memory once written
                 f.truncate(max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
         if fill is not None:
-            filled = {name: np.memmap(paths[name], dtype=dtype, mode="r+", shape=shape)
-                      for name, (shape, dtype) in specs.items()}
+            filled = {
+                name: np.memmap(paths[name], dtype=dtype, mode="r+", shape=shape)
+                for name, (shape, dtype) in specs.items()
+            }
             fill(filled)
             for array in filled.values():
                 array.flush()
@@ -75,9 +88,11 @@ def map_node_files(specs: dict, rank: int, local_rank: int, local_size: int, tok
     arrays = {}
     for name, (shape, dtype) in specs.items():
         if not os.path.exists(paths[name]):
-            raise RuntimeError(f"rank {rank}: {what} {paths[name]} is missing; local rank 0 of this node creates "
-                               f"it (is LOCAL_RANK / LOCAL_WORLD_SIZE={local_size} right, and is {folder} one file "
-                               f"system on the node?)")
+            raise RuntimeError(
+                f"rank {rank}: {what} {paths[name]} is missing; local rank 0 of this node creates "
+                f"it (is LOCAL_RANK / LOCAL_WORLD_SIZE={local_size} right, and is {folder} one file "
+                f"system on the node?)"
+            )
         arrays[name] = np.memmap(paths[name], dtype=dtype, mode="r" if read_only else "r+", shape=shape)
     dist.barrier()  # mapped everywhere: the names can go, the mappings stay
     if local_rank == 0:

@@ -12,17 +12,22 @@ import os
 import numpy as np
 import torch
 
-from pipelines.ranks import same_on_every_rank
-from pruning.pass_plan import PassPlan
+from prunepipe.pipelines.ranks import same_on_every_rank
+from prunepipe.pruning.pass_plan import PassPlan
 
 
 def plan_digest(plan: PassPlan, pruner) -> str:
     """A hash of the pass plan and the pruner's tables: equal on every rank when in sync."""
     frozen = plan.frozen  # the plan's compact form: equal compact forms give equal weights everywhere
-    digest = hashlib.sha256(repr((plan.epoch, frozen.seed, frozen.keep_prob, frozen.rescale,
-                                  frozen.group_rescale)).encode())
-    for array in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs,
-                  plan.excluded and plan.excluded.packed):
+    digest = hashlib.sha256(
+        repr((plan.epoch, frozen.seed, frozen.keep_prob, frozen.rescale, frozen.group_rescale)).encode()
+    )
+    for array in (
+        frozen.candidates and frozen.candidates.packed,
+        frozen.keep_probs,
+        frozen.group_probs,
+        plan.excluded and plan.excluded.packed,
+    ):
         digest.update(b"-" if array is None else np.asarray(array).tobytes())
     for name, table in sorted(pruner.tables().items()):
         digest.update(name.encode() + np.ascontiguousarray(table).tobytes())

@@ -6,8 +6,8 @@ an optimizer step), every bucket all-reduce counted by a DDP comm hook. Expected
 a micro-batch inside a group, one bucket set (every bucket once) for the one that ends it, the last
 short group of the pass included. NCCL on a GPU, gloo on a CPU; one process by itself (world size 1:
 DDP's reducer and the backend still run), or N under torchrun.
-Usage: python -m tools.benchmarks.allreduce_count [--grad-accum 4] [--micro-batches 10] [--json FILE]
-       torchrun --nproc-per-node=2 -m tools.benchmarks.allreduce_count ...      (exit 1 when a count is off)
+Usage: python -m prunepipe.tools.benchmarks.allreduce_count [--grad-accum 4] [--micro-batches 10] [--json FILE]
+       torchrun --nproc-per-node=2 -m prunepipe.tools.benchmarks.allreduce_count ...      (exit 1 when a count is off)
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from pipelines.data.batch import Batch
-from pipelines.tasks.mae import MAEConfig, MAETask
-from pipelines.tasks.randomness import SampleRandomness
-from pipelines.training.accumulation import GradientAccumulation
+from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.tasks.mae import MAEConfig, MAETask
+from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.training.accumulation import GradientAccumulation
 
 # The tiny MAE of configs/mae_tiny_base.yaml, narrowed as the distributed tests narrow it
-TINY_MAE = MAEConfig(patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32, decoder_depth=1,
-                     decoder_num_heads=2)
+TINY_MAE = MAEConfig(
+    patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2
+)
 SIZE, CHANNELS = 32, 3
 
 
@@ -83,8 +84,9 @@ def count(grad_accum: int, micro_batches: int, batch_size: int, bucket_mb: float
     rank, world, device = join_process_group()
     torch.manual_seed(0)
     task = MAETask(TINY_MAE, image_size=SIZE, channels=CHANNELS)
-    model = DistributedDataParallel(task.model.to(device), bucket_cap_mb=bucket_mb,
-                                    device_ids=[device.index] if device.type == "cuda" else None)
+    model = DistributedDataParallel(
+        task.model.to(device), bucket_cap_mb=bucket_mb, device_ids=[device.index] if device.type == "cuda" else None
+    )
     calls = {"all_reduces": 0}
 
     def counting_hook(state, bucket):
@@ -115,14 +117,24 @@ def count(grad_accum: int, micro_batches: int, batch_size: int, bucket_mb: float
         buckets_held.append(bucket_count(model))
     steps = sum(is_step_of)
     # no all-reduce inside a group; at its end each of DDP's buckets exactly once
-    ok = all(n == (held if step else 0) and (n > 0 or not step)
-             for n, held, step in zip(per_micro, buckets_held, is_step_of))
-    verdict = {"backend": dist.get_backend(), "world_size": world, "device": str(device),
-               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "grad_accum": grad_accum, "micro_batches": micro_batches, "optimizer_steps": steps,
-               "bucket_cap_mb": bucket_mb, "all_reduces_per_micro_batch": per_micro,
-               "steps_at": [i for i, s in enumerate(is_step_of) if s], "all_reduces_total": sum(per_micro),
-               "ddp_buckets_per_micro_batch": buckets_held, "one_bucket_set_per_step": ok}
+    ok = all(
+        n == (held if step else 0) and (n > 0 or not step) for n, held, step in zip(per_micro, buckets_held, is_step_of)
+    )
+    verdict = {
+        "backend": dist.get_backend(),
+        "world_size": world,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "grad_accum": grad_accum,
+        "micro_batches": micro_batches,
+        "optimizer_steps": steps,
+        "bucket_cap_mb": bucket_mb,
+        "all_reduces_per_micro_batch": per_micro,
+        "steps_at": [i for i, s in enumerate(is_step_of) if s],
+        "all_reduces_total": sum(per_micro),
+        "ddp_buckets_per_micro_batch": buckets_held,
+        "one_bucket_set_per_step": ok,
+    }
     dist.destroy_process_group()
     return verdict
 
@@ -132,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=10, help="of one pass; 10 with 4 ends in a short group")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=float, default=0.05,
-                        help="DDP's bucket_cap_mb, small so that the tiny model fills several buckets")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=0.05,
+        help="DDP's bucket_cap_mb, small so that the tiny model fills several buckets",
+    )
     parser.add_argument("--json", help="write the verdict here (rank 0)")
     args = parser.parse_args(argv)
     verdict = count(args.grad_accum, args.micro_batches, args.batch_size, args.bucket_mb)

@@ -9,8 +9,8 @@ the pairs of one original's family (the original and all its copies). Crops of o
 overlap are not copies, so a group joining two of them counts against precision. Beside them, for
 each kind of copy, the share of copies put in their original's group.
 
-    python -m tools.benchmarks.dedup_quality --data /tmp/redundant [--out docs/dedup_quality.json]
-    python -m tools.benchmarks.dedup_quality --data /tmp/redundant-web --embeddings phash-12 --redundant-copies heavy \
+    python -m prunepipe.tools.benchmarks.dedup_quality --data /tmp/redundant [--out docs/dedup_quality.json]
+    python -m prunepipe.tools.benchmarks.dedup_quality --data /tmp/redundant-web --embeddings phash-12 --redundant-copies heavy \
         --redundant-originals 1000 --redundant-exact 0.25 --redundant-jpeg 0.25 --redundant-crop 0.25
 """
 
@@ -24,14 +24,18 @@ import time
 
 import numpy as np
 
-from pipelines.data.shards import ShardIndex, read_keys
-from pipelines.data.side_tables import open_embeddings
-from tools.commands.embed import embed_shards
-from tools.commands.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall
-from tools.commands.perceptual_hash import threshold_for_hamming
-from tools.commands.redundant_options import COPY_KINDS, REDUNDANT_FLAGS, add_redundant_arguments, redundant_options
-from tools.commands.sources import COPY_KEY, check_copy_kinds, copies_by_kind, copy_kind
-
+from prunepipe.pipelines.data.shards import ShardIndex, read_keys
+from prunepipe.pipelines.data.side_tables import open_embeddings
+from prunepipe.tools.commands.embed import embed_shards
+from prunepipe.tools.commands.near_duplicates import group_stats, near_duplicate_groups, pair_precision_recall
+from prunepipe.tools.commands.perceptual_hash import threshold_for_hamming
+from prunepipe.tools.commands.redundant_options import (
+    COPY_KINDS,
+    REDUNDANT_FLAGS,
+    add_redundant_arguments,
+    redundant_options,
+)
+from prunepipe.tools.commands.sources import COPY_KEY, check_copy_kinds, copies_by_kind, copy_kind
 
 EMBEDDINGS = {  # name -> (model spec, thresholds on the inner product)
     "phash": ("phash", [threshold_for_hamming(h, 64) for h in (4, 6, 8, 10, 12, 14)]),
@@ -75,8 +79,10 @@ def check_written_as_asked(train: str, options: dict) -> None:
     for option, wanted in options.items():
         recorded = meta.get(option)
         if recorded is not None and not same_option(recorded, wanted):
-            raise ValueError(f"{train}: written with {option} {recorded}, but {OPTION_FLAGS[option]} asks for "
-                             f"{wanted}; give another --data folder, or the flags it was written with")
+            raise ValueError(
+                f"{train}: written with {option} {recorded}, but {OPTION_FLAGS[option]} asks for "
+                f"{wanted}; give another --data folder, or the flags it was written with"
+            )
 
 
 def prepare(data: str, options: dict | None = None, embeddings=tuple(EMBEDDINGS)) -> str:
@@ -85,13 +91,13 @@ def prepare(data: str, options: dict | None = None, embeddings=tuple(EMBEDDINGS)
     options = options or {}
     train = os.path.join(data, "train")
     if not os.path.exists(os.path.join(train, "index.json")):
-        from tools.commands.shards import write_shards
+        from prunepipe.tools.commands.shards import write_shards
 
         write_shards("redundant", data, **options)
     check_written_as_asked(train, options)
     net = os.path.join(data, "feature_net.safetensors")
     if "feature-net" in embeddings and not os.path.exists(net):
-        from tools.commands.feature_net import train_feature_net
+        from prunepipe.tools.commands.feature_net import train_feature_net
 
         train_feature_net(data, net)
     for name in embeddings:
@@ -105,8 +111,9 @@ def found_with_original(groups: np.ndarray, family: np.ndarray, kinds: np.ndarra
     kind present. Unlike pair recall, every copy counts once, whatever the size of its family."""
     together = groups == groups[family]
     shares = {"all": round(float(together[kinds != ""].mean()), 4) if (kinds != "").any() else 1.0}
-    return shares | {kind: round(float(together[kinds == kind].mean()), 4) for kind in COPY_KINDS
-                     if (kinds == kind).any()}
+    return shares | {
+        kind: round(float(together[kinds == kind].mean()), 4) for kind in COPY_KINDS if (kinds == kind).any()
+    }
 
 
 def known_copies(keys: list[str], family: np.ndarray) -> dict:
@@ -115,11 +122,17 @@ def known_copies(keys: list[str], family: np.ndarray) -> dict:
     is_copy = family != np.arange(len(family))
     copies_each = np.bincount(family[is_copy], minlength=len(family))
     copies_each = copies_each[copies_each > 0]
-    return {"samples": len(family), "copies": int(is_copy.sum()), "originals_copied": len(copies_each),
-            "copies_by_kind": {kind: n for kind, n in copies_by_kind(keys).items() if n},
-            "copies_per_original": {"largest": int(copies_each.max(initial=0)),
-                                    "median": float(np.median(copies_each)) if len(copies_each) else 0.0,
-                                    "one": int((copies_each == 1).sum())}}
+    return {
+        "samples": len(family),
+        "copies": int(is_copy.sum()),
+        "originals_copied": len(copies_each),
+        "copies_by_kind": {kind: n for kind, n in copies_by_kind(keys).items() if n},
+        "copies_per_original": {
+            "largest": int(copies_each.max(initial=0)),
+            "median": float(np.median(copies_each)) if len(copies_each) else 0.0,
+            "one": int((copies_each == 1).sum()),
+        },
+    }
 
 
 def measure(train: str, clusters: int | None = None, spill: bool = True, embeddings=tuple(EMBEDDINGS)) -> dict:
@@ -138,13 +151,23 @@ def measure(train: str, clusters: int | None = None, spill: bool = True, embeddi
             quality = pair_precision_recall(found.groups[t], family)
             stats = group_stats(found.groups[t])
             hamming = {"hamming": int(np.floor((1 - t) * table.dim / 2 + 1e-9))} if name.startswith("phash") else {}
-            rows.append({"threshold": round(t, 4), **hamming,
-                         "precision": round(quality["precision"], 4), "recall": round(quality["recall"], 4),
-                         "groups_with_copies": stats["groups_with_copies"],
-                         "redundant_fraction": round(stats["redundant_fraction"], 4),
-                         "found_by_kind": found_with_original(found.groups[t], family, kinds)})
-        results["embeddings"][name] = {"model": table.header["model"], "clusters": found.clusters,
-                                       "seconds": round(time.perf_counter() - start, 2), "rows": rows}
+            rows.append(
+                {
+                    "threshold": round(t, 4),
+                    **hamming,
+                    "precision": round(quality["precision"], 4),
+                    "recall": round(quality["recall"], 4),
+                    "groups_with_copies": stats["groups_with_copies"],
+                    "redundant_fraction": round(stats["redundant_fraction"], 4),
+                    "found_by_kind": found_with_original(found.groups[t], family, kinds),
+                }
+            )
+        results["embeddings"][name] = {
+            "model": table.header["model"],
+            "clusters": found.clusters,
+            "seconds": round(time.perf_counter() - start, 2),
+            "rows": rows,
+        }
     results["true_redundant_fraction"] = round(copies / len(family), 4)
     return results
 
@@ -154,28 +177,41 @@ def markdown(results: dict) -> str:
     all copies and, with more than one kind of copy, of each kind."""
     kinds = ["all"] + (list(results["copies_by_kind"]) if len(results["copies_by_kind"]) > 1 else [])
     spread = results["copies_per_original"]
-    lines = [f"{results['samples']} train samples, {results['copies']} of them known copies of "
-             f"{results['originals_copied']} originals (true redundant fraction "
-             f"{results['true_redundant_fraction']:.2%}); copies per original: largest {spread['largest']}, "
-             f"median {spread['median']:g}, {spread['one']} originals copied once; by kind: "
-             + ", ".join(f"{kind} {n}" for kind, n in results["copies_by_kind"].items()), "",
-             "| embedding | threshold | precision | recall | groups with copies | redundant fraction |"
-             + "".join(f" {'copies' if kind == 'all' else kind} found |" for kind in kinds),
-             "|---|---|---|---|---|---|" + "---|" * len(kinds)]
+    lines = [
+        f"{results['samples']} train samples, {results['copies']} of them known copies of "
+        f"{results['originals_copied']} originals (true redundant fraction "
+        f"{results['true_redundant_fraction']:.2%}); copies per original: largest {spread['largest']}, "
+        f"median {spread['median']:g}, {spread['one']} originals copied once; by kind: "
+        + ", ".join(f"{kind} {n}" for kind, n in results["copies_by_kind"].items()),
+        "",
+        "| embedding | threshold | precision | recall | groups with copies | redundant fraction |"
+        + "".join(f" {'copies' if kind == 'all' else kind} found |" for kind in kinds),
+        "|---|---|---|---|---|---|" + "---|" * len(kinds),
+    ]
     for name, result in results["embeddings"].items():
         for row in result["rows"]:
             threshold = f"{row['threshold']:g}" + (f" (hamming <= {row['hamming']:g})" if "hamming" in row else "")
-            lines.append(f"| {name} | {threshold} | {row['precision']:.3f} | {row['recall']:.3f} | "
-                         f"{row['groups_with_copies']} | {row['redundant_fraction']:.2%} |"
-                         + "".join(f" {row['found_by_kind'][kind]:.3f} |" for kind in kinds))
+            lines.append(
+                f"| {name} | {threshold} | {row['precision']:.3f} | {row['recall']:.3f} | "
+                f"{row['groups_with_copies']} | {row['redundant_fraction']:.2%} |"
+                + "".join(f" {row['found_by_kind'][kind]:.3f} |" for kind in kinds)
+            )
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True, help="folder of `prunepipe shards write --source redundant` "
-                                                     "(written there with the flags below when absent)")
-    parser.add_argument("--embeddings", nargs="+", choices=tuple(EMBEDDINGS), default=list(EMBEDDINGS),
-                        help="the embeddings to group by (feature-net trains a network first)")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="folder of `prunepipe shards write --source redundant` (written there with the flags below when absent)",
+    )
+    parser.add_argument(
+        "--embeddings",
+        nargs="+",
+        choices=tuple(EMBEDDINGS),
+        default=list(EMBEDDINGS),
+        help="the embeddings to group by (feature-net trains a network first)",
+    )
     parser.add_argument("--clusters", type=int, help="k-means clusters (default: sqrt of the samples)")
     parser.add_argument("--no-spill", action="store_true")
     parser.add_argument("--out", help="also write the results as JSON here")

@@ -1,6 +1,6 @@
 """docs/gpu.md from what tools/gpu_check.sh measured: the throughput rows, the kill-and-resume
 verdict, the gradient all-reduce counts under accumulation and the CUDA-only tests' summary line. Usage:
-python -m tools.benchmarks.gpu_report --throughput T.json --resume R.json [--allreduce A.json --allreduce-two A2.json
+python -m prunepipe.tools.benchmarks.gpu_report --throughput T.json --resume R.json [--allreduce A.json --allreduce-two A2.json
   --allreduce-two-log A2.log] --tests LINE --command CMD --out FILE"""
 
 from __future__ import annotations
@@ -15,21 +15,30 @@ import torch
 
 def render_allreduce(one: dict | None, two: dict | None, two_log: str) -> list[str]:
     """The all-reduce counts of tools/benchmarks/allreduce_count.py: one process, then two sharing the device."""
-    lines = ["## Gradient all-reduces under accumulation", "",
-             "DDP around the tiny MAE, micro-batches driven by the loop's GradientAccumulation, every bucket "
-             "all-reduce counted by a comm hook (tools/benchmarks/allreduce_count.py). Expected: none inside a group, "
-             "each of DDP's buckets once at the micro-batch that ends it (DDP rebuilds its buckets after the "
-             "first synchronised backward, so the first step may reduce fewer).", ""]
+    lines = [
+        "## Gradient all-reduces under accumulation",
+        "",
+        "DDP around the tiny MAE, micro-batches driven by the loop's GradientAccumulation, every bucket "
+        "all-reduce counted by a comm hook (tools/benchmarks/allreduce_count.py). Expected: none inside a group, "
+        "each of DDP's buckets once at the micro-batch that ends it (DDP rebuilds its buckets after the "
+        "first synchronised backward, so the first step may reduce fewer).",
+        "",
+    ]
     for label, verdict in (("one process", one), ("two processes on one device", two)):
         if verdict is None:
             lines.append(f"- {label}: no verdict" + (f" ({two_log})" if label.startswith("two") and two_log else ""))
             continue
-        lines.append(f"- {label}: {verdict['backend']}, world size {verdict['world_size']}, grad_accum "
-                     f"{verdict['grad_accum']}, {verdict['micro_batches']} micro-batches, {verdict['optimizer_steps']} "
-                     f"optimizer steps: all-reduces per micro-batch {verdict['all_reduces_per_micro_batch']}, DDP's "
-                     f"buckets {verdict['ddp_buckets_per_micro_batch']}: "
-                     + ("**one bucket set per optimizer step**." if verdict["one_bucket_set_per_step"]
-                        else "**not one bucket set per optimizer step**."))
+        lines.append(
+            f"- {label}: {verdict['backend']}, world size {verdict['world_size']}, grad_accum "
+            f"{verdict['grad_accum']}, {verdict['micro_batches']} micro-batches, {verdict['optimizer_steps']} "
+            f"optimizer steps: all-reduces per micro-batch {verdict['all_reduces_per_micro_batch']}, DDP's "
+            f"buckets {verdict['ddp_buckets_per_micro_batch']}: "
+            + (
+                "**one bucket set per optimizer step**."
+                if verdict["one_bucket_set_per_step"]
+                else "**not one bucket set per optimizer step**."
+            )
+        )
     return lines + [""]
 
 
@@ -42,32 +51,43 @@ def last_error(log: str) -> str:
     return errors[-1][:300] if errors else ""
 
 
-def render(throughput: list[dict], resume: dict | None, tests: str, command: str, seconds: float,
-           allreduce: list[str] = ()) -> str:
+def render(
+    throughput: list[dict], resume: dict | None, tests: str, command: str, seconds: float, allreduce: list[str] = ()
+) -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or 'cpu'})"
     lines = [
-        "# On a GPU", "",
-        f"Measured by `{command}` on {device}, torch {torch.__version__}, in {seconds:.0f} s.", "",
-        "## Throughput: the project loop against a bare loop", "",
+        "# On a GPU",
+        "",
+        f"Measured by `{command}` on {device}, torch {torch.__version__}, in {seconds:.0f} s.",
+        "",
+        "## Throughput: the project loop against a bare loop",
+        "",
         "Same model, batch, optimizer, EMA and precision; the bare loop holds the decoded images in memory "
-        "and draws from torch's global RNG (tools/benchmarks/throughput.py). Time ratio = project ms/step / bare ms/step.", "",
+        "and draws from torch's global RNG (tools/benchmarks/throughput.py). Time ratio = project ms/step / bare ms/step.",
+        "",
         "| task | batch | timed steps | project samples/s | bare samples/s | project ms/step | bare ms/step | ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in throughput:
-        lines.append(f"| {r['task']} | {r['batch_size']} | {r['steps']} | {r['project_samples_per_s']} | "
-                     f"{r['bare_samples_per_s']} | {r['project_ms_per_step']} | {r['bare_ms_per_step']} | "
-                     f"{r['ratio_project_over_bare_time']}x |")
+        lines.append(
+            f"| {r['task']} | {r['batch_size']} | {r['steps']} | {r['project_samples_per_s']} | "
+            f"{r['bare_samples_per_s']} | {r['project_ms_per_step']} | {r['bare_ms_per_step']} | "
+            f"{r['ratio_project_over_bare_time']}x |"
+        )
     lines += ["", "## Kill-and-resume exactness", ""]
     if resume is None:
         lines.append("No verdict: the check did not finish (see resume.log beside the script's other output).")
     else:
         lines.append(
-              f"`{resume['config']}` with {' '.join(resume['overrides'])} on {resume['device']}: {resume['steps']} "
-              f"steps, SIGKILLed after the checkpoint at step {resume['killed_at_step']} "
-              f"({'killed mid-run' if resume['killed_mid_run'] else 'the run ended before the kill'}), resumed: "
-              + (f"final weights, EMA ({resume.get('ema_tensors', '?')} tensors) and pruner state **bitwise equal**."
-                 if resume["bitwise_equal"] else f"**differs** in {', '.join(resume['differences'])}."))
+            f"`{resume['config']}` with {' '.join(resume['overrides'])} on {resume['device']}: {resume['steps']} "
+            f"steps, SIGKILLed after the checkpoint at step {resume['killed_at_step']} "
+            f"({'killed mid-run' if resume['killed_mid_run'] else 'the run ended before the kill'}), resumed: "
+            + (
+                f"final weights, EMA ({resume.get('ema_tensors', '?')} tensors) and pruner state **bitwise equal**."
+                if resume["bitwise_equal"]
+                else f"**differs** in {', '.join(resume['differences'])}."
+            )
+        )
     lines += ["", *allreduce, "## CUDA-only tests", "", f"`pytest -m 'not slow' -k cuda`: {tests}", ""]
     return "\n".join(lines)
 
@@ -95,9 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     throughput, resume = read_json(args.throughput, []), read_json(args.resume, None)
     allreduce = []
     if args.allreduce:
-        allreduce = render_allreduce(read_json(args.allreduce, None),
-                                     read_json(args.allreduce_two, None) if args.allreduce_two else None,
-                                     last_error(args.allreduce_two_log))
+        allreduce = render_allreduce(
+            read_json(args.allreduce, None),
+            read_json(args.allreduce_two, None) if args.allreduce_two else None,
+            last_error(args.allreduce_two_log),
+        )
     with open(args.out, "w") as f:
         f.write(render(throughput, resume, args.tests, args.command, args.seconds, allreduce))
     print(f"written: {args.out}")

@@ -6,7 +6,7 @@ Full's at `--true-compute`. The estimand is the mean per-seed saving (the fronti
 an experiment's seeds, so it is taken over 4,000 simulated experiments of the same size); the
 printout is how often the t and the bootstrap intervals cover it.
 
-    python -m tools.benchmarks.interval_coverage [--experiments 2000] [--seeds 3 5 10]
+    python -m prunepipe.tools.benchmarks.interval_coverage [--experiments 2000] [--seeds 3 5 10]
 """
 
 from __future__ import annotations
@@ -16,14 +16,21 @@ import sys
 
 import numpy as np
 
-from pipelines.report.frontier import bootstrap_interval, saving_summary, savings_over_seeds
+from prunepipe.pipelines.report.frontier import bootstrap_interval, saving_summary, savings_over_seeds
 
 FRONTIER = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # Full's compute, a fraction of the full schedule
 ARM_COMPUTE = 0.7
 
 
-def simulated_runs(rng: np.random.Generator, seeds: int, true_compute: float, seed_std: float = 0.5,
-                   eval_std: float = 0.02, arm_std: float = 0.02, slope: float = 1.0) -> tuple[dict, dict]:
+def simulated_runs(
+    rng: np.random.Generator,
+    seeds: int,
+    true_compute: float,
+    seed_std: float = 0.5,
+    eval_std: float = 0.02,
+    arm_std: float = 0.02,
+    slope: float = 1.0,
+) -> tuple[dict, dict]:
     """(frontiers, runs) of one simulated experiment (quality: lower is better)."""
     frontiers, runs = {}, {}
     for seed in range(seeds):
@@ -37,8 +44,9 @@ def simulated_savings(rng: np.random.Generator, seeds: int, true_compute: float)
     return [a.saving for a in savings_over_seeds(*simulated_runs(rng, seeds, true_compute), True).values()]
 
 
-def coverage(seeds: int, experiments: int, true_compute: float = 0.85, rng_seed: int = 0,
-             bootstrap: bool = True) -> dict:
+def coverage(
+    seeds: int, experiments: int, true_compute: float = 0.85, rng_seed: int = 0, bootstrap: bool = True
+) -> dict:
     """How often each interval covers the mean per-seed saving, over `experiments` experiments."""
     rng = np.random.default_rng(rng_seed)
     truth_rng = np.random.default_rng(rng_seed + 1)  # the estimand: the mean saving of experiments of this size
@@ -52,13 +60,20 @@ def coverage(seeds: int, experiments: int, true_compute: float = 0.85, rng_seed:
         if bootstrap:
             low, high = bootstrap_interval(values, resamples=2000, seed=int(rng.integers(1 << 31)))
             hits_boot += low <= truth <= high
-    return {"seeds": seeds, "experiments": experiments, "truth": truth,
-            "noise_free": 1.0 - ARM_COMPUTE / true_compute,
-            "t": hits_t / experiments, "bootstrap": hits_boot / experiments if bootstrap else float("nan")}
+    return {
+        "seeds": seeds,
+        "experiments": experiments,
+        "truth": truth,
+        "noise_free": 1.0 - ARM_COMPUTE / true_compute,
+        "t": hits_t / experiments,
+        "bootstrap": hits_boot / experiments if bootstrap else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.benchmarks.interval_coverage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m prunepipe.tools.benchmarks.interval_coverage", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--experiments", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[3, 5, 10])
     parser.add_argument("--true-compute", type=float, default=0.85)

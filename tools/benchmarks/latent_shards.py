@@ -8,8 +8,8 @@ import os
 import numpy as np
 import webdataset as wds
 
-from pipelines.data.shards import ShardIndex
-from tools.commands.latents import LATENT_FIELD, npy_bytes
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.tools.commands.latents import LATENT_FIELD, npy_bytes
 
 
 def write_random_latents(folder: str, count: int, shape: tuple[int, ...], shard_size: int = 512, seed: int = 0) -> str:

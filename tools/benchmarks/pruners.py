@@ -1,6 +1,6 @@
 """Pruner overhead: plan() over N samples, weights() for 1M ids, update() per batch, state bytes per sample.
 
-Run: `python -m tools.benchmarks.pruners` (a markdown table on stdout; docs/pruning.md quotes it).
+Run: `python -m prunepipe.tools.benchmarks.pruners` (a markdown table on stdout; docs/pruning.md quotes it).
 CPU only; it measures the pruners alone, not a training step.
 """
 
@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from pruning import PRUNERS, Pruner, build_pruner
+from prunepipe.pruning import PRUNERS, Pruner, build_pruner
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -66,12 +66,16 @@ def bench(name: str, plan_sizes: list[int], weight_ids: int, batch_sizes: list[i
     pruner.plan(20)
     rng = np.random.default_rng(2)
     for batch in batch_sizes:
-        batches = [(rng.integers(0, pruner.num_samples, batch), rng.exponential(1.0, batch).astype(np.float32))
-                   for _ in range(64)]
+        batches = [
+            (rng.integers(0, pruner.num_samples, batch), rng.exponential(1.0, batch).astype(np.float32))
+            for _ in range(64)
+        ]
+
         def update_all(batches=batches):
             for ids, losses in batches:
                 pruner.update(ids, torch.from_numpy(losses).to(torch.bfloat16))
                 pruner.on_step(1e-3)
+
         row[f"update() of {batch} ids"] = median_seconds(update_all, max(1, repeats // 2)) / len(batches)
     bytes_per_sample = row.pop("bytes/sample")
     row["state bytes/sample"] = bytes_per_sample  # last column
@@ -80,12 +84,14 @@ def bench(name: str, plan_sizes: list[int], weight_ids: int, batch_sizes: list[i
 
 def format_table(rows: list[dict]) -> str:
     columns = list(rows[0])
+
     def cell(key, value):
         if key == "pruner":
             return value
         if key == "state bytes/sample":
             return f"{value:.0f}"
         return f"{value * 1e6:.0f} µs" if value < 1e-3 else f"{value * 1e3:.1f} ms"
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(key, row[key]) for key in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -103,8 +109,10 @@ def main() -> None:
         parser.error(f"--weight-ids {args.weight_ids} must be one of --plan-sizes {args.plan_sizes}")
     torch.set_num_threads(1)
     rows = [bench(name, args.plan_sizes, args.weight_ids, args.batch_sizes, args.repeats) for name in args.pruners]
-    print(f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy {np.__version__}, "
-          f"torch {torch.__version__}; median of {args.repeats} -->")
+    print(
+        f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy {np.__version__}, "
+        f"torch {torch.__version__}; median of {args.repeats} -->"
+    )
     print(format_table(rows))
 
 

@@ -4,7 +4,7 @@ loader workers SIGKILLed at once) and a SLURM requeue (`checkpoint.resume=latest
 a run never interrupted: the final weights, EMA and pruner state bit for bit, and every pass summary.
 
 It emulates processes, rendezvous, collectives, files and signals; not NCCL, a network or GPUs.
-Usage: python -m tools.benchmarks.rehearse_cluster [--work DIR]   (exit 1 on FAIL; docs/multinode.md)
+Usage: python -m prunepipe.tools.benchmarks.rehearse_cluster [--work DIR]   (exit 1 on FAIL; docs/multinode.md)
 """
 
 from __future__ import annotations
@@ -22,28 +22,55 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
-from tools.benchmarks.resume_check import differences
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+from prunepipe.tools.benchmarks.resume_check import differences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
 NODES, RANKS_PER_NODE = 2, 2
-TINY_MAE = ("mae.embed_dim=32", "mae.depth=1", "mae.num_heads=2", "mae.decoder_embed_dim=32",
-            "mae.decoder_depth=1", "mae.decoder_num_heads=2", "data.val_batches=1")
+TINY_MAE = (
+    "mae.embed_dim=32",
+    "mae.depth=1",
+    "mae.num_heads=2",
+    "mae.decoder_embed_dim=32",
+    "mae.decoder_depth=1",
+    "mae.decoder_num_heads=2",
+    "data.val_batches=1",
+)
 # What a pass summary must repeat after a requeue (wall_seconds and train_loss cannot: see `compare_passes`)
-PASS_FIELDS = ("optimizer_steps", "steps_in_pass", "kept_samples", "kept_fraction", "tail", "samples_forwarded",
-               "held_out")
+PASS_FIELDS = (
+    "optimizer_steps",
+    "steps_in_pass",
+    "kept_samples",
+    "kept_fraction",
+    "tail",
+    "samples_forwarded",
+    "held_out",
+)
 
 
 def run_overrides(data: str, runs_dir: str, name: str, passes: int, every_steps: int, dist_timeout: int) -> list[str]:
     """The rehearsed run: tiny MAE, InfoBatch pruning from the second pass, two micro-batches per
     optimizer step, loader workers chosen per rank, in-loop evaluation every pass (small), a metric
     line every step (so the rehearsal sees how far the run got) and a short collective timeout."""
-    return [f"data.train={data}/train", f"data.val={data}/val", f"runs_dir={runs_dir}", f"name={name}",
-            f"passes={passes}", "data.batch_size=32", "optim.grad_accum=2", "data.num_workers=auto",
-            f"checkpoint.every_steps={every_steps}", "checkpoint.keep=100", "log_every=1",
-            f"dist_timeout_seconds={dist_timeout}", "eval.every_passes=1", "eval.val_samples=64",
-            "eval.probe.train_samples=300", *TINY_MAE]
+    return [
+        f"data.train={data}/train",
+        f"data.val={data}/val",
+        f"runs_dir={runs_dir}",
+        f"name={name}",
+        f"passes={passes}",
+        "data.batch_size=32",
+        "optim.grad_accum=2",
+        "data.num_workers=auto",
+        f"checkpoint.every_steps={every_steps}",
+        "checkpoint.keep=100",
+        "log_every=1",
+        f"dist_timeout_seconds={dist_timeout}",
+        "eval.every_passes=1",
+        "eval.val_samples=64",
+        "eval.probe.train_samples=300",
+        *TINY_MAE,
+    ]
 
 
 def free_port() -> int:
@@ -115,17 +142,35 @@ def start_nodes(work: str, label: str, rdzv_id: str, overrides: list[str]) -> li
     """Two `torchrun --nnodes=2 --nproc-per-node=2` launches sharing one c10d rendezvous on a fresh
     localhost port, as launch/slurm.sbatch starts one per node; each in a session of its own."""
     endpoint = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     nodes = []
     for n in range(NODES):
         log = os.path.join(work, f"{label}_node{n}.log")
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
-                   f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                   f"--rdzv-id={rdzv_id}", "-m", "launch.cli", "train", CONFIG, *overrides]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={NODES}",
+            f"--nproc-per-node={RANKS_PER_NODE}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={rdzv_id}",
+            "-m",
+            "prunepipe.launch.cli",
+            "train",
+            CONFIG,
+            *overrides,
+        ]
         with open(log, "w") as out:
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         nodes.append(Node(f"node{n}", process, log))
     return nodes
 
@@ -183,8 +228,10 @@ def kill_step(reference: list[dict], every_steps: int) -> int:
         epoch = next(e for e, end in enumerate(ends) if step <= end)
         if step not in ends and epoch in pruned:
             return step
-    raise ValueError(f"no checkpoint.every_steps={every_steps} checkpoint falls inside a pruned pass "
-                     f"(pass ends at steps {ends}); choose another --every-steps")
+    raise ValueError(
+        f"no checkpoint.every_steps={every_steps} checkpoint falls inside a pruned pass "
+        f"(pass ends at steps {ends}); choose another --every-steps"
+    )
 
 
 def compare_passes(reference: list[dict], requeued: list[dict]) -> list[str]:
@@ -206,8 +253,11 @@ def compare_passes(reference: list[dict], requeued: list[dict]) -> list[str]:
 def compare_evals(reference: list[dict], requeued: list[dict]) -> list[str]:
     """The in-loop evaluations (EMA weights at each pass end) of both runs, metric by metric."""
     theirs = {r["epoch"]: r["metrics"] for r in requeued}
-    return [f"eval after pass {r['epoch'] + 1}: {r['metrics']} != {theirs.get(r['epoch'])}"
-            for r in reference if r["metrics"] != theirs.get(r["epoch"])]
+    return [
+        f"eval after pass {r['epoch'] + 1}: {r['metrics']} != {theirs.get(r['epoch'])}"
+        for r in reference
+        if r["metrics"] != theirs.get(r["epoch"])
+    ]
 
 
 def tensor_mismatch(what: str, a: list, b: list) -> list[str]:
@@ -237,29 +287,61 @@ def compare_final_states(reference_dir: str, requeued_dir: str) -> tuple[list[st
     ema_counters = [{k: v for k, v in state["ema"].items() if k != "shadow_params"} for state in (a, b)]
     problems += differences(*ema_counters, "ema")  # its step count and decay
     problems += differences(a["pruner"], b["pruner"], "pruner") + differences(a["position"], b["position"], "position")
-    compared = {"checkpoint": os.path.basename(a_dir), "model_tensors": len(names),
-                "ema_tensors": len(a["ema"]["shadow_params"]), "pruner": sorted(a["pruner"]),
-                "position": sorted(a["position"])}
+    compared = {
+        "checkpoint": os.path.basename(a_dir),
+        "model_tensors": len(names),
+        "ema_tensors": len(a["ema"]["shadow_params"]),
+        "pruner": sorted(a["pruner"]),
+        "position": sorted(a["position"]),
+    }
     return problems, compared
 
 
 # ----------------------------------------------------------------------------- the rehearsal
-def rehearse(work: str, *, passes: int = 3, every_steps: int = 4, dist_timeout: int = 60, kill: str = "rank0",
-             hang_limit: float = 180.0, run_limit: float = 600.0, say=print) -> dict:
+def rehearse(
+    work: str,
+    *,
+    passes: int = 3,
+    every_steps: int = 4,
+    dist_timeout: int = 60,
+    kill: str = "rank0",
+    hang_limit: float = 180.0,
+    run_limit: float = 600.0,
+    say=print,
+) -> dict:
     """Reference run, killed run, requeue; returns the verdict (verdict["pass"] is the PASS/FAIL).
     Whatever happens, no process it started outlives it."""
     started: list[Node] = []
     try:
-        return _rehearse(work, started, passes=passes, every_steps=every_steps, dist_timeout=dist_timeout,
-                         kill=kill, hang_limit=hang_limit, run_limit=run_limit, say=say)
+        return _rehearse(
+            work,
+            started,
+            passes=passes,
+            every_steps=every_steps,
+            dist_timeout=dist_timeout,
+            kill=kill,
+            hang_limit=hang_limit,
+            run_limit=run_limit,
+            say=say,
+        )
     finally:
         for node in started:
             if node.exit_code() is None:
                 node.kill()
 
 
-def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_timeout: int, kill: str,
-              hang_limit: float, run_limit: float, say) -> dict:
+def _rehearse(
+    work: str,
+    started: list,
+    *,
+    passes: int,
+    every_steps: int,
+    dist_timeout: int,
+    kill: str,
+    hang_limit: float,
+    run_limit: float,
+    say,
+) -> dict:
     start = time.time()
 
     def progress(message: str) -> None:
@@ -268,13 +350,20 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     os.makedirs(work, exist_ok=True)
     data, runs = os.path.join(work, "digits"), os.path.join(work, "runs")
     if not os.path.exists(os.path.join(data, "train", "index.json")):
-        from tools.commands.shards import write_shards
+        from prunepipe.tools.commands.shards import write_shards
 
         write_shards("digits", data, size=32, shard_size=200, val_fraction=0.1)
     shutil.rmtree(runs, ignore_errors=True)  # runs of an earlier rehearsal would be resumed and appended to
-    verdict: dict = {"work": work, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "passes": passes,
-                     "every_steps": every_steps, "dist_timeout_seconds": dist_timeout, "killed_node": kill,
-                     "problems": []}
+    verdict: dict = {
+        "work": work,
+        "nodes": NODES,
+        "ranks_per_node": RANKS_PER_NODE,
+        "passes": passes,
+        "every_steps": every_steps,
+        "dist_timeout_seconds": dist_timeout,
+        "killed_node": kill,
+        "problems": [],
+    }
     problems = verdict["problems"]
 
     def finish() -> dict:
@@ -307,9 +396,12 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     reference = metric_records(os.path.join(runs, "reference"), "pass")
     at = kill_step(reference, every_steps)
     verdict["kill_after_checkpoint"] = at
-    progress(f"reference done in {verdict['reference_seconds']} s: "
-             + ", ".join(f"pass {r['epoch'] + 1} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}"
-                         for r in reference))
+    progress(
+        f"reference done in {verdict['reference_seconds']} s: "
+        + ", ".join(
+            f"pass {r['epoch'] + 1} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}" for r in reference
+        )
+    )
 
     # (b) the same run afresh; a node dies after the mid-pass checkpoint at step `at`
     progress(f"(b) the same run afresh; {kill} node SIGKILLed once it is past the checkpoint at step {at}")
@@ -328,14 +420,18 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     victim.kill()
     killed_at = time.time()
     verdict["killed_after_step"] = last_logged_step(requeued_dir)
-    progress(f"{victim.name} killed (ranks {victim_ranks}, their agent and loader workers) after step "
-             f"{verdict['killed_after_step']}; waiting up to {hang_limit:.0f} s for {survivor.name} to exit")
+    progress(
+        f"{victim.name} killed (ranks {victim_ranks}, their agent and loader workers) after step "
+        f"{verdict['killed_after_step']}; waiting up to {hang_limit:.0f} s for {survivor.name} to exit"
+    )
     (code,), _ = wait_nodes([survivor], hang_limit)
     verdict["survivor_exit_code"] = code
     verdict["survivor_exit_seconds"] = round(time.time() - killed_at, 1)
     if code is None:
-        problems.append(f"the surviving node hung: still running {hang_limit:.0f} s after its peer died "
-                        f"(dist_timeout_seconds={dist_timeout}); killed")
+        problems.append(
+            f"the surviving node hung: still running {hang_limit:.0f} s after its peer died "
+            f"(dist_timeout_seconds={dist_timeout}); killed"
+        )
         say(f"--- {survivor.log}\n{tail(survivor)}")
         return finish()
     left = [pid for pid in survivor_processes if os.path.exists(f"/proc/{pid}")]
@@ -345,15 +441,22 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     newest = latest_checkpoint(requeued_dir)
     position = load_checkpoint_states(newest, read_model=False)["position"] if newest else None
     if not position or position["batch_in_pass"] == 0 or checkpoint_step(newest) >= verdict["killed_after_step"]:
-        problems.append(f"the kill did not fall after a mid-pass checkpoint (newest: {newest}, "
-                        f"position {position and {k: position[k] for k in ('epoch', 'batch_in_pass')}})")
+        problems.append(
+            f"the kill did not fall after a mid-pass checkpoint (newest: {newest}, "
+            f"position {position and {k: position[k] for k in ('epoch', 'batch_in_pass')}})"
+        )
         return finish()
-    verdict["resume_checkpoint"] = {"step": checkpoint_step(newest), "epoch": position["epoch"],
-                                    "batch_in_pass": position["batch_in_pass"]}
+    verdict["resume_checkpoint"] = {
+        "step": checkpoint_step(newest),
+        "epoch": position["epoch"],
+        "batch_in_pass": position["batch_in_pass"],
+    }
 
     # (c) the requeue: both nodes again, from the newest intact checkpoint
-    progress(f"(c) requeue with checkpoint.resume=latest (newest: step {checkpoint_step(newest)}, "
-             f"pass {position['epoch'] + 1}, micro-batch {position['batch_in_pass']})")
+    progress(
+        f"(c) requeue with checkpoint.resume=latest (newest: step {checkpoint_step(newest)}, "
+        f"pass {position['epoch'] + 1}, micro-batch {position['batch_in_pass']})"
+    )
     if not run_to_end("requeue", "rehearsal-job", "requeued", ["checkpoint.resume=latest"]):
         return finish()
     logs = "".join(open(os.path.join(work, f"requeue_node{n}.log")).read() for n in range(NODES))
@@ -365,32 +468,48 @@ def _rehearse(work: str, started: list, *, passes: int, every_steps: int, dist_t
     requeued = metric_records(requeued_dir, "pass")
     evals = compare_evals(metric_records(os.path.join(runs, "reference"), "eval"), metric_records(requeued_dir, "eval"))
     problems += state_problems + compare_passes(reference, requeued) + evals
-    verdict["compared"] = {**compared, "pass_fields": list(PASS_FIELDS), "passes": len(reference),
-                           "evals": len(metric_records(os.path.join(runs, "reference"), "eval"))}
-    verdict["pass_summaries"] = [{k: r[k] for k in ("epoch", "optimizer_steps", "steps_in_pass", "kept_samples",
-                                                    "samples_forwarded")} for r in reference]
+    verdict["compared"] = {
+        **compared,
+        "pass_fields": list(PASS_FIELDS),
+        "passes": len(reference),
+        "evals": len(metric_records(os.path.join(runs, "reference"), "eval")),
+    }
+    verdict["pass_summaries"] = [
+        {k: r[k] for k in ("epoch", "optimizer_steps", "steps_in_pass", "kept_samples", "samples_forwarded")}
+        for r in reference
+    ]
     return finish()
 
 
 def describe(verdict: dict) -> str:
     """The verdict as a user reads it: PASS or FAIL, what was compared and the numbers."""
-    lines = [f"{'PASS' if verdict['pass'] else 'FAIL'}: cluster rehearsal in {verdict['seconds']} s "
-             f"({verdict['nodes']} nodes x {verdict['ranks_per_node']} ranks, gloo, c10d rendezvous on localhost)"]
+    lines = [
+        f"{'PASS' if verdict['pass'] else 'FAIL'}: cluster rehearsal in {verdict['seconds']} s "
+        f"({verdict['nodes']} nodes x {verdict['ranks_per_node']} ranks, gloo, c10d rendezvous on localhost)"
+    ]
     if "survivor_exit_seconds" in verdict:
-        lines.append(f"  {verdict['killed_node']} node killed after step {verdict['killed_after_step']}; the other "
-                     f"exited by itself (code {verdict['survivor_exit_code']}) {verdict['survivor_exit_seconds']} s "
-                     f"later (dist_timeout_seconds={verdict['dist_timeout_seconds']})")
+        lines.append(
+            f"  {verdict['killed_node']} node killed after step {verdict['killed_after_step']}; the other "
+            f"exited by itself (code {verdict['survivor_exit_code']}) {verdict['survivor_exit_seconds']} s "
+            f"later (dist_timeout_seconds={verdict['dist_timeout_seconds']})"
+        )
     if "resume_checkpoint" in verdict:
         r = verdict["resume_checkpoint"]
-        lines.append(f"  requeue resumed from step {r['step']} (pass {r['epoch'] + 1}, micro-batch {r['batch_in_pass']})")
+        lines.append(
+            f"  requeue resumed from step {r['step']} (pass {r['epoch'] + 1}, micro-batch {r['batch_in_pass']})"
+        )
     if "compared" in verdict:
         c = verdict["compared"]
-        lines.append(f"  compared at {c.get('checkpoint')}: {c.get('model_tensors')} model tensors, "
-                     f"{c.get('ema_tensors')} EMA tensors, the pruner's state and the position, bit for bit; "
-                     f"{c['passes']} pass summaries ({', '.join(c['pass_fields'])}); {c['evals']} in-loop evaluations")
+        lines.append(
+            f"  compared at {c.get('checkpoint')}: {c.get('model_tensors')} model tensors, "
+            f"{c.get('ema_tensors')} EMA tensors, the pruner's state and the position, bit for bit; "
+            f"{c['passes']} pass summaries ({', '.join(c['pass_fields'])}); {c['evals']} in-loop evaluations"
+        )
         for r in verdict["pass_summaries"]:
-            lines.append(f"    pass {r['epoch'] + 1}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
-                         f"forwarded {r['samples_forwarded']}, optimizer step {r['optimizer_steps']}")
+            lines.append(
+                f"    pass {r['epoch'] + 1}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
+                f"forwarded {r['samples_forwarded']}, optimizer step {r['optimizer_steps']}"
+            )
     lines += [f"  problem: {p}" for p in verdict["problems"]]
     return "\n".join(lines)
 
@@ -401,15 +520,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--every-steps", type=int, default=4, help="checkpoint.every_steps (optimizer steps)")
     parser.add_argument("--dist-timeout", type=int, default=60, help="dist_timeout_seconds of the runs")
-    parser.add_argument("--kill", choices=("rank0", "other"), default="rank0",
-                        help="the node that dies: the one holding rank 0 (whose process hosts the ranks' "
-                             "TCP store), or the other")
-    parser.add_argument("--hang-limit", type=float, default=180.0,
-                        help="seconds the surviving node may take to exit before it counts as hung")
+    parser.add_argument(
+        "--kill",
+        choices=("rank0", "other"),
+        default="rank0",
+        help="the node that dies: the one holding rank 0 (whose process hosts the ranks' TCP store), or the other",
+    )
+    parser.add_argument(
+        "--hang-limit",
+        type=float,
+        default=180.0,
+        help="seconds the surviving node may take to exit before it counts as hung",
+    )
     parser.add_argument("--json", help="write the verdict here too")
     args = parser.parse_args(argv)
-    verdict = rehearse(os.path.abspath(args.work), passes=args.passes, every_steps=args.every_steps,
-                       dist_timeout=args.dist_timeout, kill=args.kill, hang_limit=args.hang_limit)
+    verdict = rehearse(
+        os.path.abspath(args.work),
+        passes=args.passes,
+        every_steps=args.every_steps,
+        dist_timeout=args.dist_timeout,
+        kill=args.kill,
+        hang_limit=args.hang_limit,
+    )
     print(describe(verdict))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,9 +21,9 @@ import time
 
 import webdataset as wds
 
-from pipelines.data.remote import ReadRetry, open_retrying
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from pipelines.data.tar_reader import TarMembers
+from prunepipe.pipelines.data.remote import ReadRetry, open_retrying
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.tar_reader import TarMembers
 
 # A transfer command that dies half-way through its shard the first time it runs for it (curl's exit
 # 56 and its message, as a connection reset gives them), and streams all of it after that.
@@ -51,8 +51,10 @@ def read_all(stream) -> int:
 
 
 def throughput(urls: list[str], rounds: int) -> dict:
-    openers = {"webdataset gopen": lambda url: wds.gopen(url, "rb"),
-               "retrying stream": lambda url: open_retrying(url, ReadRetry())}
+    openers = {
+        "webdataset gopen": lambda url: wds.gopen(url, "rb"),
+        "retrying stream": lambda url: open_retrying(url, ReadRetry()),
+    }
     times: dict[str, list[float]] = {name: [] for name in openers}
     size = 0
     for _ in range(rounds):
@@ -61,8 +63,11 @@ def throughput(urls: list[str], rounds: int) -> dict:
             size = sum(read_all(opener(url)) for url in urls)
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"megabytes": size / 1e6, "seconds": medians,
-            "ratio": medians["retrying stream"] / medians["webdataset gopen"]}
+    return {
+        "megabytes": size / 1e6,
+        "seconds": medians,
+        "ratio": medians["retrying stream"] / medians["webdataset gopen"],
+    }
 
 
 def samples_of(url: str, retry: ReadRetry) -> list[tuple]:
@@ -78,11 +83,18 @@ def flaky(paths: list[str], work: str) -> dict:
     clean = [samples_of(f"pipe:cat {shlex.quote(p)}", retry) for p in paths]
     clean_s = time.perf_counter() - start
     start = time.perf_counter()
-    resumed = [samples_of("pipe:" + " ".join(map(shlex.quote, (sys.executable, script, p, f"{p}.failed-once"))), retry)
-               for p in paths]
+    resumed = [
+        samples_of("pipe:" + " ".join(map(shlex.quote, (sys.executable, script, p, f"{p}.failed-once"))), retry)
+        for p in paths
+    ]
     flaky_s = time.perf_counter() - start
-    return {"shards": len(paths), "identical": resumed == clean, "clean_seconds": clean_s, "flaky_seconds": flaky_s,
-            "failed_once": sum(os.path.exists(f"{p}.failed-once") for p in paths)}
+    return {
+        "shards": len(paths),
+        "identical": resumed == clean,
+        "clean_seconds": clean_s,
+        "flaky_seconds": flaky_s,
+        "failed_once": sum(os.path.exists(f"{p}.failed-once") for p in paths),
+    }
 
 
 def hanging(path: str, timeout: float) -> dict:
@@ -104,23 +116,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args) -> int:
-    from tools.commands.shards import write_shards
+    from prunepipe.tools.commands.shards import write_shards
 
-    logging.getLogger("pipelines.data.remote").setLevel(logging.ERROR)  # each planned failure would warn
+    logging.getLogger("prunepipe.pipelines.data.remote").setLevel(logging.ERROR)  # each planned failure would warn
     with tempfile.TemporaryDirectory() as work:
         train = write_shards("digits", work, size=32, shard_size=args.per_shard, val_fraction=0.0)["train"]
-        paths = list(ShardIndex.load(train).urls)[:args.shards]
+        paths = list(ShardIndex.load(train).urls)[: args.shards]
         rate = throughput([f"pipe:cat {shlex.quote(p)}" for p in paths], args.rounds)
         print(f"throughput, {len(paths)} shards, {rate['megabytes']:.1f} MB through pipe:cat, median of {args.rounds}:")
         for name, seconds in rate["seconds"].items():
             print(f"  {name:18s} {seconds * 1e3:8.1f} ms  {rate['megabytes'] / seconds:7.1f} MB/s")
         print(f"  retrying / gopen time: {rate['ratio']:.2f}")
         result = flaky(paths, work)
-        print(f"a command dying half-way through each shard once: {result['failed_once']} of {result['shards']} "
-              f"failed once; samples identical to a clean read: {result['identical']}; "
-              f"{result['flaky_seconds']:.2f} s against {result['clean_seconds']:.2f} s clean")
+        print(
+            f"a command dying half-way through each shard once: {result['failed_once']} of {result['shards']} "
+            f"failed once; samples identical to a clean read: {result['identical']}; "
+            f"{result['flaky_seconds']:.2f} s against {result['clean_seconds']:.2f} s clean"
+        )
         hang = hanging(paths[0], args.timeout)
-        print(f"a hanging command (timeout {args.timeout:g} s, 1 retry): stopped after {hang['seconds']:.2f} s "
-              f"(bound {hang['bound']:.1f} s): {hang['message']}")
+        print(
+            f"a hanging command (timeout {args.timeout:g} s, 1 retry): stopped after {hang['seconds']:.2f} s "
+            f"(bound {hang['bound']:.1f} s): {hang['message']}"
+        )
     return 0
-

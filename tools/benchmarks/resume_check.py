@@ -1,7 +1,7 @@
 """Kill-and-resume exactness on whatever device this machine trains on: a run trained straight
 through against the same run SIGKILLed right after a checkpoint and resumed; the final weights, EMA
 weights and pruner state must be equal bit for bit. Usage:
-python -m tools.benchmarks.resume_check CONFIG --out DIR [key=value ...] (exit 1 when they differ)."""
+python -m prunepipe.tools.benchmarks.resume_check CONFIG --out DIR [key=value ...] (exit 1 when they differ)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,20 @@ import time
 
 import torch
 
-from pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 
 COMPARED = ("model", "ema", "pruner")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def launch(config: str, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "train", config, *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "prunepipe.launch.cli", "train", config, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finished(process: subprocess.Popen, what: str) -> None:
@@ -74,10 +79,18 @@ def check(config: str, out: str, overrides: list[str]) -> dict:
     straight, resumed = final_state(os.path.join(out, "straight")), final_state(os.path.join(out, "killed"))
     differ = [d for part in COMPARED for d in differences(straight[part], resumed[part], part)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {"config": os.path.relpath(config, ROOT), "overrides": overrides, "device": device, "steps": steps,
-            "killed_at_step": half, "killed_mid_run": was_killed, "compared": list(COMPARED),
-            "ema_tensors": len(straight["ema"]["shadow_params"]), "bitwise_equal": not differ,
-            "differences": differ[:20]}
+    return {
+        "config": os.path.relpath(config, ROOT),
+        "overrides": overrides,
+        "device": device,
+        "steps": steps,
+        "killed_at_step": half,
+        "killed_mid_run": was_killed,
+        "compared": list(COMPARED),
+        "ema_tensors": len(straight["ema"]["shadow_params"]),
+        "bitwise_equal": not differ,
+        "differences": differ[:20],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,43 +74,49 @@ GROUPED_SHARE, GROUP_SIZE = 0.4, 4  # dedup's synthetic table: 40% of the sample
 def synthetic_group_table(samples: int, folder: str) -> str:
     """A group table for dedup, written once per size: the first 40% of the ids in groups of 4
     consecutive ids (a group's id is its first), the rest alone. Only its sizes matter here."""
-    from pipelines.data.group_table import write_group_table
+    from prunepipe.pipelines.data.group_table import write_group_table
 
     path = os.path.join(folder, f"groups-{samples}.npy")
     if not os.path.exists(path):
         group_of = np.arange(samples, dtype=np.int32)
         grouped = int(samples * GROUPED_SHARE) // GROUP_SIZE * GROUP_SIZE
         group_of[:grouped] -= group_of[:grouped] % GROUP_SIZE
-        write_group_table(path, group_of, {"made_by": "tools.benchmarks.scale: synthetic"})
+        write_group_table(path, group_of, {"made_by": "prunepipe.tools.benchmarks.scale: synthetic"})
     return path
 
 
-def give_synthetic_groups(pruner, samples: int, folder: str, rank: int = 0, local_rank: int = 0,
-                          local_size: int = 1, token: str = ""):
+def give_synthetic_groups(
+    pruner, samples: int, folder: str, rank: int = 0, local_rank: int = 0, local_size: int = 1, token: str = ""
+):
     """dedup's group sizes from the synthetic table, as the loop gives them (shared per node); the sizes."""
-    from pipelines.data.group_table import open_group_table
-    from pipelines.training.groups import give_groups
+    from prunepipe.pipelines.data.group_table import open_group_table
+    from prunepipe.pipelines.training.groups import give_groups
 
-    give_groups(pruner, open_group_table(synthetic_group_table(samples, folder), samples), rank, local_rank,
-                local_size, token)
+    give_groups(
+        pruner, open_group_table(synthetic_group_table(samples, folder), samples), rank, local_rank, local_size, token
+    )
     return pruner._group_size
 
 
 def plan_arrays(frozen) -> list:
     """The frozen plan's per-sample arrays (a candidate bitmap, keep probabilities, group shares)."""
-    return [a for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs)
-            if a is not None]
+    return [
+        a
+        for a in (frozen.candidates and frozen.candidates.packed, frozen.keep_probs, frozen.group_probs)
+        if a is not None
+    ]
 
 
-def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
-            folder: str) -> dict:
+def measure(
+    name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int, folder: str
+) -> dict:
     """One pruner's row (run in a child process: see `main`)."""
-    from pipelines.checkpoint.pruner_state import CheckpointedPruner
-    from pipelines.data.layout import pass_layout
-    from pipelines.data.shards import ShardIndex
-    from pruning import build_pruner
-    from pruning.bitmap import Bitmap
-    from pruning.pass_plan import PassPlan
+    from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
+    from prunepipe.pipelines.data.layout import pass_layout
+    from prunepipe.pipelines.data.shards import ShardIndex
+    from prunepipe.pruning import build_pruner
+    from prunepipe.pruning.bitmap import Bitmap
+    from prunepipe.pruning.pass_plan import PassPlan
 
     torch.set_num_threads(1)
     if name == "dedup":
@@ -128,8 +134,15 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     pruner.plan(5)
     planned = time.perf_counter()
     plan = PassPlan.from_pruner(pruner)
-    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
-                         world_size=world, num_workers=workers, batch_size=256)
+    layout = pass_layout(
+        index,
+        plan.kept_per_shard(index.first_ids, index.counts),
+        seed=0,
+        epoch=5,
+        world_size=world,
+        num_workers=workers,
+        batch_size=256,
+    )
     boundary = time.perf_counter() - start_boundary
     consumed = Bitmap.zeros(samples)  # what the loop keeps per pass
     frozen = plan.frozen
@@ -156,15 +169,27 @@ def measure(name: str, samples: int, nodes: int, ranks_per_node: int, workers: i
     loaded = time.perf_counter() - start
     shutil.rmtree(checkpoint)
     return {
-        "pruner": name, "samples": samples, "nodes": nodes, "ranks_per_node": ranks_per_node, "workers": workers,
-        "shards": len(index), "kept_fraction": layout.kept / samples, "steps": layout.steps,
-        "tables_B": tables / samples, "plan_B": plan_bytes / samples, "consumed_B": consumed_bytes / samples,
+        "pruner": name,
+        "samples": samples,
+        "nodes": nodes,
+        "ranks_per_node": ranks_per_node,
+        "workers": workers,
+        "shards": len(index),
+        "kept_fraction": layout.kept / samples,
+        "steps": layout.steps,
+        "tables_B": tables / samples,
+        "plan_B": plan_bytes / samples,
+        "consumed_B": consumed_bytes / samples,
         "groups_B": groups_bytes / samples,
         "per_rank_B": (tables + per_rank) / samples,  # one process alone: tables, plan, consumed, group sizes
         "peak_rss_B": (peak_before_load - baseline) / samples,
         "peak_rss_with_load_B": (peak_rss_bytes() - baseline) / samples,
-        "plan_s": planned - start_boundary, "boundary_s": boundary, "fill_s": fill_seconds,
-        "save_s": saved, "load_s": loaded, "state_file_B": file_bytes / samples,
+        "plan_s": planned - start_boundary,
+        "boundary_s": boundary,
+        "fill_s": fill_seconds,
+        "save_s": saved,
+        "load_s": loaded,
+        "state_file_B": file_bytes / samples,
     }
 
 
@@ -181,17 +206,26 @@ def memory_of_process() -> tuple[int, int]:
     return fields["Pss"], fields["Private_Clean"] + fields["Private_Dirty"]
 
 
-def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int, nodes: int, workers: int,
-              shard_size: int, out: str) -> None:
+def node_rank(
+    rank: int,
+    port: int,
+    name: str,
+    samples: int,
+    ranks_per_node: int,
+    nodes: int,
+    workers: int,
+    shard_size: int,
+    out: str,
+) -> None:
     """One rank of a simulated node: shared tables, every sample scored, one pass boundary."""
     import torch.distributed as dist
 
-    from pipelines.data.layout import pass_layout
-    from pipelines.data.shards import ShardIndex
-    from pipelines.training.node_tables import NodeTables, run_token
-    from pruning import build_pruner
-    from pruning.bitmap import Bitmap
-    from pruning.pass_plan import PassPlan
+    from prunepipe.pipelines.data.layout import pass_layout
+    from prunepipe.pipelines.data.shards import ShardIndex
+    from prunepipe.pipelines.training.node_tables import NodeTables, run_token
+    from prunepipe.pruning import build_pruner
+    from prunepipe.pruning.bitmap import Bitmap
+    from prunepipe.pruning.pass_plan import PassPlan
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -211,8 +245,15 @@ def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int
     start = time.perf_counter()
     pruner.plan(5)
     plan = PassPlan.from_pruner(pruner)
-    layout = pass_layout(index, plan.kept_per_shard(index.first_ids, index.counts), seed=0, epoch=5,
-                         world_size=nodes * ranks_per_node, num_workers=workers, batch_size=256)
+    layout = pass_layout(
+        index,
+        plan.kept_per_shard(index.first_ids, index.counts),
+        seed=0,
+        epoch=5,
+        world_size=nodes * ranks_per_node,
+        num_workers=workers,
+        batch_size=256,
+    )
     boundary = time.perf_counter() - start
     for_workers = plan.share()  # what a pass loader with workers hands them: the bitmap in shared memory
     consumed = Bitmap.zeros(samples)
@@ -229,8 +270,9 @@ def node_rank(rank: int, port: int, name: str, samples: int, ranks_per_node: int
     dist.destroy_process_group()
 
 
-def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int,
-                 folder: str) -> dict:
+def measure_node(
+    name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int, folder: str
+) -> dict:
     """A node of `ranks_per_node` real processes (gloo) sharing their tables: bytes per sample of the
     node (Pss sum) and of each rank beyond local rank 0 (its private pages)."""
     import socket
@@ -241,25 +283,47 @@ def measure_node(name: str, samples: int, nodes: int, ranks_per_node: int, worke
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(folder, f"{name}-node.json")
-    mp.start_processes(node_rank, args=(port, name, samples, ranks_per_node, nodes, workers, shard_size, out),
-                       nprocs=ranks_per_node, join=True, start_method="spawn")
+    mp.start_processes(
+        node_rank,
+        args=(port, name, samples, ranks_per_node, nodes, workers, shard_size, out),
+        nprocs=ranks_per_node,
+        join=True,
+        start_method="spawn",
+    )
     ranks = json.load(open(out))
     extra = [uss for _, uss, _, _ in ranks[1:]]
-    return {"node_pss_B": sum(pss for pss, _, _, _ in ranks) / samples,
-            "extra_rank_uss_B": max(extra) / samples if extra else 0.0,
-            "node_boundary_s": max(b for _, _, b, _ in ranks), "node_steps": sorted({st for *_, st in ranks})}
+    return {
+        "node_pss_B": sum(pss for pss, _, _, _ in ranks) / samples,
+        "extra_rank_uss_B": max(extra) / samples if extra else 0.0,
+        "node_boundary_s": max(b for _, _, b, _ in ranks),
+        "node_steps": sorted({st for *_, st in ranks}),
+    }
 
 
 def format_table(rows: list[dict]) -> str:
-    columns = [("pruner", "{}"), ("samples", "{:.0e}"), ("tables_B", "{:.3f}"), ("plan_B", "{:.3f}"),
-               ("consumed_B", "{:.3f}"), ("groups_B", "{:.3f}"), ("per_rank_B", "{:.2f}"),
-               ("peak_rss_B", "{:.2f}"), ("peak_rss_with_load_B", "{:.2f}"), ("plan_s", "{:.1f}"),
-               ("boundary_s", "{:.1f}"),
-               ("save_s", "{:.1f}"), ("load_s", "{:.1f}"), ("state_file_B", "{:.2f}"),
-               ("node_pss_B", "{:.2f}"), ("extra_rank_uss_B", "{:.3f}"), ("node_boundary_s", "{:.1f}")]
+    columns = [
+        ("pruner", "{}"),
+        ("samples", "{:.0e}"),
+        ("tables_B", "{:.3f}"),
+        ("plan_B", "{:.3f}"),
+        ("consumed_B", "{:.3f}"),
+        ("groups_B", "{:.3f}"),
+        ("per_rank_B", "{:.2f}"),
+        ("peak_rss_B", "{:.2f}"),
+        ("peak_rss_with_load_B", "{:.2f}"),
+        ("plan_s", "{:.1f}"),
+        ("boundary_s", "{:.1f}"),
+        ("save_s", "{:.1f}"),
+        ("load_s", "{:.1f}"),
+        ("state_file_B", "{:.2f}"),
+        ("node_pss_B", "{:.2f}"),
+        ("extra_rank_uss_B", "{:.3f}"),
+        ("node_boundary_s", "{:.1f}"),
+    ]
     lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt.format(row[name]) if name in row else "-" for name, fmt in columns) + " |"
-              for row in rows]
+    lines += [
+        "| " + " | ".join(fmt.format(row[name]) if name in row else "-" for name, fmt in columns) + " |" for row in rows
+    ]
     return "\n".join(lines)
 
 
@@ -271,8 +335,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="loader workers per rank in the layout")
     parser.add_argument("--shard-size", type=int, default=10_000)
     parser.add_argument("--folder", default=None, help="where the state is saved (default: a temporary folder)")
-    parser.add_argument("--node-ranks", type=int, default=8, help="real processes of one simulated node that "
-                        "share their tables (1: skip the node measurement)")
+    parser.add_argument(
+        "--node-ranks",
+        type=int,
+        default=8,
+        help="real processes of one simulated node that share their tables (1: skip the node measurement)",
+    )
     parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's own pruner
 
@@ -283,19 +351,42 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.one:
         row = measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size, folder)
         if args.node_ranks > 1:
-            row.update(measure_node(args.one, samples, args.nodes, args.node_ranks, args.workers, args.shard_size,
-                                    folder))
+            row.update(
+                measure_node(args.one, samples, args.nodes, args.node_ranks, args.workers, args.shard_size, folder)
+            )
         print(json.dumps(row))
         return 0
     rows = []
     for name in args.pruners:
-        command = [sys.executable, "-m", "tools.benchmarks.scale", "--one", name, "--samples", str(samples),
-                   "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node),
-                   "--workers", str(args.workers), "--shard-size", str(args.shard_size), "--folder", folder,
-                   "--node-ranks", str(args.node_ranks)]
+        command = [
+            sys.executable,
+            "-m",
+            "prunepipe.tools.benchmarks.scale",
+            "--one",
+            name,
+            "--samples",
+            str(samples),
+            "--nodes",
+            str(args.nodes),
+            "--ranks-per-node",
+            str(args.ranks_per_node),
+            "--workers",
+            str(args.workers),
+            "--shard-size",
+            str(args.shard_size),
+            "--folder",
+            folder,
+            "--node-ranks",
+            str(args.node_ranks),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, capture_output=True, text=True, env=env,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        )
         if done.returncode != 0:
             print(f"{name}: the measuring child failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1
@@ -303,9 +394,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows[-1]), flush=True)
     if not args.json:
-        print(f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
-              f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
-              f"{args.workers} workers per rank, shards of {args.shard_size} -->")
+        print(
+            f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
+            f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
+            f"{args.workers} workers per rank, shards of {args.shard_size} -->"
+        )
         print(format_table(rows))
     return 0
 

@@ -28,15 +28,15 @@ import numpy as np
 import scipy.stats
 import torch
 
-from pipelines.checkpoint.store import load_checkpoint_states, newest_intact
-from pipelines.config import load_config, pruner_hparams
-from pipelines.data.shards import ShardIndex, read_shard
-from pipelines.data.splits import read_split
-from pipelines.evaluation.records import resolve_run_dir
-from pipelines.tasks.build import build_task
-from pipelines.tasks.randomness import SampleRandomness
-from pipelines.training.groups import use_group_table
-from pruning import ScoreNormaliser, build_pruner
+from prunepipe.pipelines.checkpoint.store import load_checkpoint_states, newest_intact
+from prunepipe.pipelines.config import load_config, pruner_hparams
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.records import resolve_run_dir
+from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.training.groups import use_group_table
+from prunepipe.pruning import ScoreNormaliser, build_pruner
 
 DRAW_SEED = 7_000_003  # far from any training seed: these draws are not the training run's
 NORMALISER_BUCKETS = 20
@@ -58,12 +58,19 @@ def draw_losses(task, model, batches, draws: int) -> tuple[np.ndarray, np.ndarra
     ids, losses, strata = [], [], []
     with torch.no_grad():
         for batch in batches:
-            per_draw = [task.per_sample(model, batch, SampleRandomness(DRAW_SEED + k, 0, batch.ids))
-                        for k in range(draws)]
+            per_draw = [
+                task.per_sample(model, batch, SampleRandomness(DRAW_SEED + k, 0, batch.ids)) for k in range(draws)
+            ]
             ids.append(batch.ids.numpy())
             losses.append(np.stack([out.loss.float().numpy() for out in per_draw]))
-            strata.append(np.stack([out.stratum.numpy() if out.stratum is not None else np.full(len(batch.ids), -1)
-                                    for out in per_draw]))
+            strata.append(
+                np.stack(
+                    [
+                        out.stratum.numpy() if out.stratum is not None else np.full(len(batch.ids), -1)
+                        for out in per_draw
+                    ]
+                )
+            )
     return np.concatenate(ids), np.concatenate(losses, axis=1), np.concatenate(strata, axis=1)
 
 
@@ -90,8 +97,12 @@ def reliability(scores: np.ndarray) -> dict:
     below = scores < scores.mean(axis=1, keepdims=True)
     agree = np.mean([np.mean(below[a] == below[b]) for a, b in pairs])
     q = below.mean()
-    return {"between_share": float(icc), "rank_corr": float(rank), "below_mean_agree": float(agree),
-            "chance": float(q * q + (1 - q) * (1 - q))}
+    return {
+        "between_share": float(icc),
+        "rank_corr": float(rank),
+        "below_mean_agree": float(agree),
+        "chance": float(q * q + (1 - q) * (1 - q)),
+    }
 
 
 def kinds_of(keys: list[str]) -> np.ndarray | None:
@@ -107,8 +118,9 @@ def skip_probability(run_cfg, folder: str, num_samples: int, passes: int = 4) ->
     state = load_checkpoint_states(folder, read_model=False)["pruner"]
     if state is None or run_cfg.pruner["name"] == "full":
         return None
-    pruner = build_pruner(run_cfg.pruner["name"], num_samples, run_cfg.passes, seed=run_cfg.seed,
-                          **pruner_hparams(run_cfg.pruner))
+    pruner = build_pruner(
+        run_cfg.pruner["name"], num_samples, run_cfg.passes, seed=run_cfg.seed, **pruner_hparams(run_cfg.pruner)
+    )
     if run_cfg.pruner.get("groups"):  # dedup: its group table, which the checkpoint's state must match
         use_group_table(pruner, run_cfg.pruner["groups"], run_cfg.data.train, ShardIndex.load(run_cfg.data.train))
     pruner.load_state_dict(state)
@@ -122,8 +134,15 @@ def skip_probability(run_cfg, folder: str, num_samples: int, passes: int = 4) ->
     return skipped / len(epochs)
 
 
-def analyse(run: str, *, draws: int = 8, samples: int = 2000, split: str = "train", runs_dir: str = "runs",
-            batch_size: int = 128) -> dict:
+def analyse(
+    run: str,
+    *,
+    draws: int = 8,
+    samples: int = 2000,
+    split: str = "train",
+    runs_dir: str = "runs",
+    batch_size: int = 128,
+) -> dict:
     if draws < 2:
         raise ValueError(f"--draws must be >= 2 (pairs of draws are compared), got {draws}")
     run_dir = resolve_run_dir(run, runs_dir)
@@ -136,11 +155,23 @@ def analyse(run: str, *, draws: int = 8, samples: int = 2000, split: str = "trai
     task.model.load_state_dict(load_checkpoint_states(folder)["model"], strict=True)
     task.model.eval()
     data = getattr(cfg.data, split)
-    batches = read_split(data, resolution=cfg.data.resolution, channels=cfg.data.channels, batch_size=batch_size,
-                         max_samples=samples, desc=f"{split} x {draws} draws")
+    batches = read_split(
+        data,
+        resolution=cfg.data.resolution,
+        channels=cfg.data.channels,
+        batch_size=batch_size,
+        max_samples=samples,
+        desc=f"{split} x {draws} draws",
+    )
     ids, losses, strata = draw_losses(task, task.model, batches, draws)
-    report = {"run": run_dir, "checkpoint": folder, "split": split, "draws": draws, "samples": len(ids),
-              "raw": reliability(losses)}
+    report = {
+        "run": run_dir,
+        "checkpoint": folder,
+        "split": split,
+        "draws": draws,
+        "samples": len(ids),
+        "raw": reliability(losses),
+    }
     scores = normalised(losses, strata, task.num_strata)
     if scores is not losses:
         report["normalised"] = reliability(scores)
@@ -150,9 +181,11 @@ def analyse(run: str, *, draws: int = 8, samples: int = 2000, split: str = "trai
         per_kind = {}
         for kind in ("unique", "duplicate"):
             mine = kinds == kind
-            row = {"samples": int(mine.sum()),
-                   "raw_relative": float(losses[:, mine].mean() / losses.mean()),
-                   "normalised_relative": float(scores[:, mine].mean() / scores.mean())}
+            row = {
+                "samples": int(mine.sum()),
+                "raw_relative": float(losses[:, mine].mean() / losses.mean()),
+                "normalised_relative": float(scores[:, mine].mean() / scores.mean()),
+            }
             if skip is not None:
                 row["skip_probability"] = float(skip[ids[mine]].mean())
             per_kind[kind] = row
@@ -161,18 +194,23 @@ def analyse(run: str, *, draws: int = 8, samples: int = 2000, split: str = "trai
 
 
 def render(report: dict) -> str:
-    lines = [f"{report['run']}: {report['samples']} {report['split']} samples x {report['draws']} draws",
-             f"{'score':<12}{'between-sample share':>22}{'rank corr of 2 draws':>22}{'below-mean agree':>18}"
-             f"{'chance':>8}"]
+    lines = [
+        f"{report['run']}: {report['samples']} {report['split']} samples x {report['draws']} draws",
+        f"{'score':<12}{'between-sample share':>22}{'rank corr of 2 draws':>22}{'below-mean agree':>18}{'chance':>8}",
+    ]
     for name in ("raw", "normalised"):
         if name in report:
             r = report[name]
-            lines.append(f"{name:<12}{r['between_share']:>22.3f}{r['rank_corr']:>22.3f}{r['below_mean_agree']:>18.3f}"
-                         f"{r['chance']:>8.3f}")
+            lines.append(
+                f"{name:<12}{r['between_share']:>22.3f}{r['rank_corr']:>22.3f}{r['below_mean_agree']:>18.3f}"
+                f"{r['chance']:>8.3f}"
+            )
     for kind, row in report.get("kinds", {}).items():
         skip = f", pruner skips {row['skip_probability']:.1%}" if "skip_probability" in row else ""
-        lines.append(f"{kind}: {row['samples']} samples, mean raw score x{row['raw_relative']:.3f} of all, "
-                     f"normalised x{row['normalised_relative']:.3f}{skip}")
+        lines.append(
+            f"{kind}: {row['samples']} samples, mean raw score x{row['raw_relative']:.3f} of all, "
+            f"normalised x{row['normalised_relative']:.3f}{skip}"
+        )
     return "\n".join(lines)
 
 

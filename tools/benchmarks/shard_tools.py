@@ -6,7 +6,7 @@ alternately, warm and with the shards evicted from the page cache, as written (s
 img2dataset's stats files beside its tars) and without the stats files (every shard's headers read);
 prints the times and the ratio.
 
-    python -m tools.benchmarks.shard_tools --folder /tmp/bench_folder --images 100000 --old-tree /tmp/old_main
+    python -m prunepipe.tools.benchmarks.shard_tools --folder /tmp/bench_folder --images 100000 --old-tree /tmp/old_main
 
 Nothing is written inside the repository; the folder is reused when it already holds the images.
 """
@@ -24,7 +24,7 @@ import time
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from tools.commands.sources import photo_files
+from prunepipe.tools.commands.sources import photo_files
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,7 +48,10 @@ def make_folder(root: str, images: int, classes: int, side: int, seed: int = 0) 
         os.makedirs(folder, exist_ok=True)
         for i in range(images // classes + (c < images % classes)):
             crop_side = int(rng.integers(side, region + 1))
-            x, y = left + int(rng.integers(0, region - crop_side + 1)), top + int(rng.integers(0, region - crop_side + 1))
+            x, y = (
+                left + int(rng.integers(0, region - crop_side + 1)),
+                top + int(rng.integers(0, region - crop_side + 1)),
+            )
             image = photo.crop((x, y, x + crop_side, y + crop_side)).resize((side, side), Image.BILINEAR)
             image = ImageEnhance.Brightness(image).enhance(float(rng.uniform(0.8, 1.2)))
             image = ImageEnhance.Color(image).enhance(float(rng.uniform(0.8, 1.2)))
@@ -97,13 +100,13 @@ def run_measured(command: list[str], tree: str) -> tuple[float, int, int]:
     return time.perf_counter() - start, peak_pss, peak_rss
 
 
-IMPORTS_ONLY = "import tools.commands.shards, time; time.sleep(1)"
+IMPORTS_ONLY = "import prunepipe.tools.commands.shards, time; time.sleep(1)"
 
 
 # ---------------------------------------------------------------------------- indexing, old and new
 INDEX_TIMER = """
 import sys, time
-from tools.commands.shards import index_shards
+from prunepipe.tools.commands.shards import index_shards
 workers = {"workers": int(sys.argv[3])} if len(sys.argv) > 3 else {}  # today's index_shards has no workers
 start = time.perf_counter()
 index_shards([sys.argv[1]], sys.argv[2], **workers)
@@ -122,8 +125,14 @@ def index_seconds(tree: str, shards: str, out: str, workers: int | None = None) 
     it read from storage, -1 where /proc/self/io is missing)."""
     env = {**os.environ, "PYTHONPATH": tree, "TQDM_DISABLE": "1"}
     extra = [] if workers is None else [str(workers)]
-    done = subprocess.run([sys.executable, "-c", INDEX_TIMER, shards, out, *extra], env=env, cwd=tree, check=True,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", INDEX_TIMER, shards, out, *extra],
+        env=env,
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     seconds, fetched = done.stdout.strip().splitlines()[-1].split()
     return float(seconds), int(fetched)
 
@@ -163,8 +172,17 @@ def large_member_shards(root: str, samples: int, member_bytes: int, shard_size: 
         if not os.path.exists(os.path.join(stats, name + ".tar")):
             os.link(path, os.path.join(stats, name + ".tar"))
         with open(os.path.join(stats, name + "_stats.json"), "w") as f:
-            json.dump({"count": count, "successes": count, "failed_to_download": 0, "failed_to_resize": 0,
-                       "duration": 0.0, "status_dict": {"success": count}}, f)
+            json.dump(
+                {
+                    "count": count,
+                    "successes": count,
+                    "failed_to_download": 0,
+                    "failed_to_resize": 0,
+                    "duration": 0.0,
+                    "status_dict": {"success": count},
+                },
+                f,
+            )
     return plain, stats
 
 
@@ -185,8 +203,9 @@ def tars_only(shards: str) -> str:
     return folder
 
 
-def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats: int,
-                  workers: int | None = None) -> None:
+def compare_index(
+    label: str, shards: str, sides: list[tuple[str, str]], repeats: int, workers: int | None = None
+) -> None:
     """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold, the new one
     with `workers` (default: its own); print medians and, with an "old" side, old / new."""
     urls = sorted(glob.glob(os.path.join(shards, "*.tar")))
@@ -207,11 +226,16 @@ def compare_index(label: str, shards: str, sides: list[tuple[str, str]], repeats
                 seconds, read_bytes = index_seconds(tree, shards, index_out, workers if name == "new" else None)
                 times[name].append(seconds)
                 fetched[name].append(read_bytes)
-        line = ", ".join(f"{name} median {statistics.median(t):.3f} s ({' '.join(f'{x:.3f}' for x in t)}), "
-                         f"read from storage {statistics.median(fetched[name]) / 2**20:.0f} MiB"
-                         for name, t in times.items())
-        ratio = (f"; old / new = {statistics.median(times['old']) / statistics.median(times['new']):.1f}x"
-                 if "old" in times else "")
+        line = ", ".join(
+            f"{name} median {statistics.median(t):.3f} s ({' '.join(f'{x:.3f}' for x in t)}), "
+            f"read from storage {statistics.median(fetched[name]) / 2**20:.0f} MiB"
+            for name, t in times.items()
+        )
+        ratio = (
+            f"; old / new = {statistics.median(times['old']) / statistics.median(times['new']):.1f}x"
+            if "old" in times
+            else ""
+        )
         print(f"  shards index, {cache} cache: {line}{ratio}")
 
 
@@ -232,12 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old-write", action="store_true", help="also time --old-tree's shards write (slow)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-write", action="store_true", help="index the shards already in --out")
-    parser.add_argument("--large-members", type=int, default=0,
-                        help="also index this many samples of ImageNet-sized images (written to OUT_large)")
+    parser.add_argument(
+        "--large-members",
+        type=int,
+        default=0,
+        help="also index this many samples of ImageNet-sized images (written to OUT_large)",
+    )
     parser.add_argument("--member-kib", type=int, default=110, help="their image size in KiB")
-    parser.add_argument("--index-workers", type=int, default=None,
-                        help="shards index --workers (default: its own, the usable cores); more than the cores "
-                             "overlaps the waits for storage")
+    parser.add_argument(
+        "--index-workers",
+        type=int,
+        default=None,
+        help="shards index --workers (default: its own, the usable cores); more than the cores "
+        "overlaps the waits for storage",
+    )
     args = parser.parse_args(argv)
     out = args.out or args.folder.rstrip("/") + "_shards"
     print(f"load average at start: {load_line()} on {os.cpu_count()} cores")
@@ -249,29 +281,52 @@ def main(argv: list[str] | None = None) -> int:
     images = count_images(args.folder)
 
     _, pss, rss = run_measured([sys.executable, "-c", IMPORTS_ONLY], HERE)
-    print(f"importing the shard tools alone (torch comes with webdataset): PSS {pss / 2**20:.0f} MiB, "
-          f"RSS {rss / 2**20:.0f} MiB")
+    print(
+        f"importing the shard tools alone (torch comes with webdataset): PSS {pss / 2**20:.0f} MiB, "
+        f"RSS {rss / 2**20:.0f} MiB"
+    )
     trees = [("new", HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree and args.old_write else [])
     for name, tree in trees if not args.skip_write else []:
-        command = [sys.executable, "-m", "launch.cli", "shards", "write", "--source", "folder", "--folder",
-                   args.folder, "--out", out + ("" if name == "new" else "_old"), "--shard-size", "500"]
+        command = [
+            sys.executable,
+            "-m",
+            "prunepipe.launch.cli",
+            "shards",
+            "write",
+            "--source",
+            "folder",
+            "--folder",
+            args.folder,
+            "--out",
+            out + ("" if name == "new" else "_old"),
+            "--shard-size",
+            "500",
+        ]
         command += ["--resolution" if name == "new" else "--size", str(args.side)]  # the old tree: --size only
         if name == "new" and args.workers is not None:
             command += ["--workers", str(args.workers)]
         wall, pss, rss = run_measured(command, tree)
-        print(f"shards write ({name}{', --workers ' + str(args.workers) if name == 'new' and args.workers is not None else ''}), "
-              f"{images} images: {wall:.1f} s, peak memory of the process tree {pss / 2**20:.0f} MiB (PSS), "
-              f"largest process {rss / 2**20:.0f} MiB (RSS)")
+        print(
+            f"shards write ({name}{', --workers ' + str(args.workers) if name == 'new' and args.workers is not None else ''}), "
+            f"{images} images: {wall:.1f} s, peak memory of the process tree {pss / 2**20:.0f} MiB (PSS), "
+            f"largest process {rss / 2**20:.0f} MiB (RSS)"
+        )
 
     sides = [("new", HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
     workers = args.index_workers
     train = os.path.join(out, "train")
     if not args.skip_write or os.path.isdir(train):
         stated = len(glob.glob(os.path.join(train, "*_stats.json")))
-        compare_index(f"the written folder's train shards, as written ({stated} img2dataset stats files beside "
-                      "them)", train, sides, args.repeats, workers)
-        compare_index("the same tars without their stats files (headers read)", tars_only(train), sides,
-                      args.repeats, workers)
+        compare_index(
+            f"the written folder's train shards, as written ({stated} img2dataset stats files beside them)",
+            train,
+            sides,
+            args.repeats,
+            workers,
+        )
+        compare_index(
+            "the same tars without their stats files (headers read)", tars_only(train), sides, args.repeats, workers
+        )
     if args.large_members:
         plain, stats = large_member_shards(out + "_large", args.large_members, args.member_kib * 1024)
         compare_index(f"{args.large_members} samples of {args.member_kib} KiB", plain, sides, args.repeats, workers)

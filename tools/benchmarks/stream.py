@@ -3,7 +3,7 @@
 Streams the same shards with every sample kept, with a pre-decode stage that drops half, reading
 bytes only, and skipping every sample (what a pruned sample costs: its tar headers are parsed, its
 bytes seeked past); prints samples/s and the cost of a skipped sample as a fraction of a decoded
-one. Usage: python -m tools.benchmarks.stream [--source photos --size 64 --repeats 3]
+one. Usage: python -m prunepipe.tools.benchmarks.stream [--source photos --size 64 --repeats 3]
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import ShardIndex, read_shard
-from pipelines.data.stream import ShardStream
-from pruning.base import FrozenPlan
-from pruning.pass_plan import PassPlan
-from tools.commands.shards import write_shards
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
+from prunepipe.pipelines.data.stream import ShardStream
+from prunepipe.pruning.base import FrozenPlan
+from prunepipe.pruning.pass_plan import PassPlan
+from prunepipe.tools.commands.shards import write_shards
 
 
 def clock(workers: int):
@@ -77,8 +77,10 @@ def main(argv=None) -> None:
                 counts[name] = delivered
         t = {name: float(np.median(v)) for name, v in runs.items()}
         kind = "CPU seconds of this process" if args.workers == 0 else "wall seconds"
-        print(f"{n} samples of {args.source} at {args.size}px, batch {args.batch}, workers {args.workers}, "
-              f"median of {args.repeats}, {kind}")
+        print(
+            f"{n} samples of {args.source} at {args.size}px, batch {args.batch}, workers {args.workers}, "
+            f"median of {args.repeats}, {kind}"
+        )
         print(f"{'run':<26}{'seconds':>9}{'samples/s':>12}{'decoded':>9}")
         for name in runs:
             print(f"{name:<26}{t[name]:9.3f}{n / t[name]:12.0f}{counts[name]:9d}")
@@ -86,10 +88,14 @@ def main(argv=None) -> None:
         per_skipped_direct = t["skip every sample"] / n
         # From the two passes alone: full = n (r + d), half = n r + (n/2) d  =>  r / (r + d).
         per_skipped_derived = (2 * t["drop 50% before decode"] - t["decode all"]) / t["decode all"]
-        print(f"skipped / decoded sample cost: {per_skipped_direct / per_decoded:.3f} (skip-every-sample pass), "
-              f"{per_skipped_derived:.3f} (derived from the two passes)")
-        print(f"time of the 50%-dropped pass: {t['drop 50% before decode'] / t['decode all']:.3f} of the full pass "
-              f"(ideal 0.500)")
+        print(
+            f"skipped / decoded sample cost: {per_skipped_direct / per_decoded:.3f} (skip-every-sample pass), "
+            f"{per_skipped_derived:.3f} (derived from the two passes)"
+        )
+        print(
+            f"time of the 50%-dropped pass: {t['drop 50% before decode'] / t['decode all']:.3f} of the full pass "
+            f"(ideal 0.500)"
+        )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Iterator
 
 from PIL import Image
 
-from tools.commands.sources import box_crop, digits, photo_crop_boxes, split_by_permutation
+from prunepipe.tools.commands.sources import box_crop, digits, photo_crop_boxes, split_by_permutation
 
 CAPTIONED_SOURCES = ("digits", "photos")
 CAPTIONED_KEYS = ["jpg", "json", "txt"]
@@ -37,8 +37,9 @@ def crop_caption(photo_name: str, photo_size: tuple[int, int], box: tuple[int, i
     return f"a {zoom} of the {photo_name.replace('_', ' ')} photograph, {where}"
 
 
-def captioned_items(source: str, size: int, *, seed: int = 0, crops_per_photo: int = 250
-                    ) -> Iterator[tuple[str, Image.Image, str, dict]]:
+def captioned_items(
+    source: str, size: int, *, seed: int = 0, crops_per_photo: int = 250
+) -> Iterator[tuple[str, Image.Image, str, dict]]:
     """(key, image, caption, metadata) of a bundled source, in its order."""
     if source == "digits":
         for key, image, label in digits(size):
@@ -49,8 +50,7 @@ def captioned_items(source: str, size: int, *, seed: int = 0, crops_per_photo: i
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
         name = key.rsplit("_", 1)[0].removeprefix("photo_")
         image = box_crop(photo, box, size)
-        yield key, image, crop_caption(name, photo.size, box), {"class": label, "photograph": name,
-                                                                  "crop": list(box)}
+        yield key, image, crop_caption(name, photo.size, box), {"class": label, "photograph": name, "crop": list(box)}
 
 
 def jpeg_bytes(image: Image.Image, quality: int = 95) -> bytes:
@@ -62,14 +62,15 @@ def jpeg_bytes(image: Image.Image, quality: int = 95) -> bytes:
 def img2dataset_sample(key: str, image: Image.Image, caption: str, meta: dict) -> dict:
     """One sample as img2dataset writes it: the image as jpg, the caption as txt, and a json with
     the caption, the key and the size beside what the source knows."""
-    record = {"key": key, "caption": caption, "status": "success", "width": image.width, "height": image.height,
-              **meta}
+    record = {"key": key, "caption": caption, "status": "success", "width": image.width, "height": image.height, **meta}
     return {"__key__": key, "jpg": jpeg_bytes(image), "txt": caption, "json": json.dumps(record)}
 
 
-def captioned_splits(source: str, size: int, *, val_fraction: float = 0.1, seed: int = 0,
-                     crops_per_photo: int = 250) -> dict[str, list[tuple[str, Image.Image, str, dict]]]:
+def captioned_splits(
+    source: str, size: int, *, val_fraction: float = 0.1, seed: int = 0, crops_per_photo: int = 250
+) -> dict[str, list[tuple[str, Image.Image, str, dict]]]:
     """train and val items of `source`, split by the permutation `prunepipe shards write` draws without
     captions, so that the same images are held out."""
-    return split_by_permutation(list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo)),
-                                val_fraction, seed)
+    return split_by_permutation(
+        list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo)), val_fraction, seed
+    )

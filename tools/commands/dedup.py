@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from pipelines.data.side_tables import make_header, open_embeddings, table_paths, write_json
-from tools.commands.group_picture import draw_groups
-from tools.commands.near_duplicates import group_stats, near_duplicate_groups
+from prunepipe.pipelines.data.side_tables import make_header, open_embeddings, table_paths, write_json
+from prunepipe.tools.commands.group_picture import draw_groups
+from prunepipe.tools.commands.near_duplicates import group_stats, near_duplicate_groups
 
 REPORT_THRESHOLDS = (0.8, 0.85, 0.9, 0.95, 0.98)
 
@@ -24,9 +24,18 @@ def default_groups_name(embeddings: str, threshold: float) -> str:
     return f"{embeddings}_{threshold:g}"
 
 
-def dedup_shards(shards_dir: str, embeddings: str, threshold: float, *, clusters: int | None = None,
-                 report_thresholds=REPORT_THRESHOLDS, out: str | None = None, picture: bool = True,
-                 spill: bool = True, seed: int = 0) -> dict:
+def dedup_shards(
+    shards_dir: str,
+    embeddings: str,
+    threshold: float,
+    *,
+    clusters: int | None = None,
+    report_thresholds=REPORT_THRESHOLDS,
+    out: str | None = None,
+    picture: bool = True,
+    spill: bool = True,
+    seed: int = 0,
+) -> dict:
     """Group the split's samples whose `embeddings` rows have inner product >= `threshold` (through
     chains of such pairs); write the groups, the report and the picture; return the report."""
     table = open_embeddings(shards_dir, embeddings)
@@ -43,12 +52,23 @@ def dedup_shards(shards_dir: str, embeddings: str, threshold: float, *, clusters
     seconds = time.perf_counter() - start
     groups = found.groups[float(threshold)]
     stats = {f"{t:g}": {**group_stats(found.groups[t]), "pairs": found.pairs[t]} for t in thresholds}
-    made_by = {"threshold": float(threshold), "clusters": found.clusters, "spill": spill, "seed": seed,
-               "embeddings": {"name": embeddings, "model": table.header.get("model"),
-                              "weights_sha256": table.header.get("weights_sha256"), "dim": table.dim},
-               "samples": len(groups), "missing": int(len(missing)), **stats[f"{threshold:g}"],
-               "meaning": "group id = the smallest sample id in the group; a sample is its group's first "
-                          "(the one a deduplication keeps) when its group id is its own id"}
+    made_by = {
+        "threshold": float(threshold),
+        "clusters": found.clusters,
+        "spill": spill,
+        "seed": seed,
+        "embeddings": {
+            "name": embeddings,
+            "model": table.header.get("model"),
+            "weights_sha256": table.header.get("weights_sha256"),
+            "dim": table.dim,
+        },
+        "samples": len(groups),
+        "missing": int(len(missing)),
+        **stats[f"{threshold:g}"],
+        "meaning": "group id = the smallest sample id in the group; a sample is its group's first "
+        "(the one a deduplication keeps) when its group id is its own id",
+    }
     os.makedirs(os.path.dirname(array_path), exist_ok=True)
     for stale in (header_path, array_path):  # the old table is unreadable from now on, not half replaced
         if os.path.exists(stale):
@@ -57,16 +77,25 @@ def dedup_shards(shards_dir: str, embeddings: str, threshold: float, *, clusters
     os.replace(array_path + ".partial.npy", array_path)
     write_json(header_path, make_header(shards_dir, "groups", groups.shape, **made_by))
     cluster_sizes = found.cluster_sizes
-    report = {"groups": name, "embeddings": embeddings, "threshold": float(threshold), "clusters": found.clusters,
-              "cluster_size": {"max": int(cluster_sizes.max()), "mean": float(cluster_sizes.mean())},
-              "spill": spill, "samples": len(groups), "missing": int(len(missing)), "seconds": round(seconds, 2),
-              "thresholds": stats, "files": {"groups": array_path, "header": header_path}}
+    report = {
+        "groups": name,
+        "embeddings": embeddings,
+        "threshold": float(threshold),
+        "clusters": found.clusters,
+        "cluster_size": {"max": int(cluster_sizes.max()), "mean": float(cluster_sizes.mean())},
+        "spill": spill,
+        "samples": len(groups),
+        "missing": int(len(missing)),
+        "seconds": round(seconds, 2),
+        "thresholds": stats,
+        "files": {"groups": array_path, "header": header_path},
+    }
     if picture:
-        picture_path = array_path[:-len(".npy")] + ".png"
+        picture_path = array_path[: -len(".npy")] + ".png"
         drawn = draw_groups(shards_dir, groups, picture_path, seed=seed)
         report["files"]["picture"] = picture_path if drawn else None
         report["picture_groups"] = drawn
-    report_path = array_path[:-len(".npy")] + ".report.json"
+    report_path = array_path[: -len(".npy")] + ".report.json"
     report["files"]["report"] = report_path
     write_json(report_path, report)
     return report
@@ -74,13 +103,17 @@ def dedup_shards(shards_dir: str, embeddings: str, threshold: float, *, clusters
 
 def report_lines(report: dict) -> list[str]:
     """The report as a small table, one line per threshold."""
-    lines = [f"{report['samples']} samples ({report['missing']} without an embedding), {report['clusters']} clusters "
-             f"(largest {report['cluster_size']['max']}), {report['seconds']} s",
-             f"{'threshold':>9} {'groups':>9} {'with copies':>11} {'largest':>7} {'redundant':>9}  sizes"]
+    lines = [
+        f"{report['samples']} samples ({report['missing']} without an embedding), {report['clusters']} clusters "
+        f"(largest {report['cluster_size']['max']}), {report['seconds']} s",
+        f"{'threshold':>9} {'groups':>9} {'with copies':>11} {'largest':>7} {'redundant':>9}  sizes",
+    ]
     for t, s in report["thresholds"].items():
         mark = " <- written" if float(t) == report["threshold"] else ""
         sizes = " ".join(f"{k}:{v}" for k, v in s["size_histogram"].items())
-        lines.append(f"{t:>9} {s['groups']:>9} {s['groups_with_copies']:>11} {s['largest_group']:>7} "
-                     f"{s['redundant_fraction']:>9.2%}  {sizes}{mark}")
+        lines.append(
+            f"{t:>9} {s['groups']:>9} {s['groups_with_copies']:>11} {s['largest_group']:>7} "
+            f"{s['redundant_fraction']:>9.2%}  {sizes}{mark}"
+        )
     lines += [f"{key}: {path}" for key, path in report["files"].items() if path]
     return lines

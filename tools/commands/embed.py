@@ -18,12 +18,20 @@ import shutil
 
 import numpy as np
 
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.remote import ShardReadError
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from pipelines.data.side_tables import index_fingerprint, make_header, table_paths, write_json
-from tools.commands.feature_models import FeatureModel, load_feature_model
-from tools.commands.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_device, job_rank, join_group, partial_path
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.remote import ShardReadError
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.side_tables import index_fingerprint, make_header, table_paths, write_json
+from prunepipe.tools.commands.feature_models import FeatureModel, load_feature_model
+from prunepipe.tools.commands.shard_jobs import (
+    WAIT_HOURS,
+    Progress,
+    ShardJob,
+    job_device,
+    job_rank,
+    join_group,
+    partial_path,
+)
 
 MISSING_SHOWN = 20  # missing ids (and keys) named in a header and a message; all are in NAME.missing.npy
 BAD_SAMPLE_POLICIES = ("stop", "skip")
@@ -61,7 +69,7 @@ class EmbeddingWriter:
         self.shards_dir, self.made_by = shards_dir, made_by
         self.array_path, self.header_path = table_paths(shards_dir, "embeddings", name)
         self.partial_path = f"{self.array_path}.{os.getpid()}.partial"
-        self.missing_path = self.array_path[:-len(".npy")] + ".missing.npy"
+        self.missing_path = self.array_path[: -len(".npy")] + ".missing.npy"
         self.missing: list[int] = []
         self.reasons: list[str] = []
         os.makedirs(os.path.dirname(self.array_path), exist_ok=True)
@@ -89,11 +97,21 @@ class EmbeddingWriter:
         missing = np.unique(np.array(self.missing, dtype=np.int64))
         if len(missing):
             np.save(self.missing_path, missing)
-        header = make_header(self.shards_dir, "embeddings", (count, dim), **self.made_by, count=count, **extra,
-                             missing={"count": int(len(missing)), "first_ids": missing[:MISSING_SHOWN].tolist(),
-                                      "first_keys": (missing_keys or [])[:MISSING_SHOWN],
-                                      "first_reasons": self.reasons,
-                                      "file": os.path.basename(self.missing_path) if len(missing) else None})
+        header = make_header(
+            self.shards_dir,
+            "embeddings",
+            (count, dim),
+            **self.made_by,
+            count=count,
+            **extra,
+            missing={
+                "count": int(len(missing)),
+                "first_ids": missing[:MISSING_SHOWN].tolist(),
+                "first_keys": (missing_keys or [])[:MISSING_SHOWN],
+                "first_reasons": self.reasons,
+                "file": os.path.basename(self.missing_path) if len(missing) else None,
+            },
+        )
         os.replace(self.partial_path, self.array_path)
         write_json(self.header_path, header)
         return self.array_path
@@ -108,8 +126,10 @@ def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder):
     try:
         for position, sample in read_shard(url):
             if position >= count:  # the ids of every later shard would be off: nothing after this can be trusted
-                raise ValueError(f"shard {url}: holds more than the {count} samples {index.path} lists; index the "
-                                 f"shards again (`prunepipe shards index`)")
+                raise ValueError(
+                    f"shard {url}: holds more than the {count} samples {index.path} lists; index the "
+                    f"shards again (`prunepipe shards index`)"
+                )
             seen = position + 1
             try:
                 pixels, _ = decoder.decode(sample, first + position)
@@ -125,8 +145,15 @@ def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder):
         yield position, None, problem
 
 
-def embed_shard(index: ShardIndex, shard: int, part: str, model: FeatureModel, decoder: SampleDecoder,
-                batch_size: int, on_bad_sample: str) -> dict:
+def embed_shard(
+    index: ShardIndex,
+    shard: int,
+    part: str,
+    model: FeatureModel,
+    decoder: SampleDecoder,
+    batch_size: int,
+    on_bad_sample: str,
+) -> dict:
     """One shard's rows into `part` (PART.partial, then moved into place); returns its seal record."""
     import torch
 
@@ -163,14 +190,29 @@ def embed_shard(index: ShardIndex, shard: int, part: str, model: FeatureModel, d
     with open(tmp, "wb") as f:  # a file, not a name: np.save would add `.npy` to the name
         np.save(f, rows)
     os.replace(tmp, part)
-    return {"count": count, "successes": count - len(missing), "missing": sorted(first + m for m in missing),
-            "reasons": reasons[:MISSING_SHOWN]}
+    return {
+        "count": count,
+        "successes": count - len(missing),
+        "missing": sorted(first + m for m in missing),
+        "reasons": reasons[:MISSING_SHOWN],
+    }
 
 
-def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name: str | None = None,
-                 batch_size: int = 64, image_size: int | None = None, device: str | None = None,
-                 model: FeatureModel | None = None, on_bad_sample: str = "skip", rank: int | None = None,
-                 world: int | None = None, wait_hours: float = WAIT_HOURS) -> str | None:
+def embed_shards(
+    shards_dir: str,
+    spec: str,
+    *,
+    weights: str | None = None,
+    name: str | None = None,
+    batch_size: int = 64,
+    image_size: int | None = None,
+    device: str | None = None,
+    model: FeatureModel | None = None,
+    on_bad_sample: str = "skip",
+    rank: int | None = None,
+    world: int | None = None,
+    wait_hours: float = WAIT_HOURS,
+) -> str | None:
     """Embed every sample of the split in `shards_dir` with the model `spec` names (tools/commands/feature_models.py);
     writes embeddings/NAME.npy and NAME.json beside its index.json and returns the .npy path (None in a
     process that leaves the table to another). Continues an unfinished run of the same settings."""
@@ -182,20 +224,26 @@ def embed_shards(shards_dir: str, spec: str, *, weights: str | None = None, name
     me = job_rank(rank, world)
     if device is None and model is None:
         device = job_device(me)
-    model = model or load_feature_model(spec, weights=weights, image_size=image_size, shards_dir=shards_dir,
-                                        device=device)
+    model = model or load_feature_model(
+        spec, weights=weights, image_size=image_size, shards_dir=shards_dir, device=device
+    )
     name = name or default_name(spec)
     array_path, header_path = table_paths(shards_dir, "embeddings", name)
-    parts_dir = array_path[:-len(".npy")] + ".parts"
+    parts_dir = array_path[: -len(".npy")] + ".parts"
     made_by = {**model.describe(), "batch_size": batch_size}
     if finished_table(shards_dir, header_path, made_by):  # a requeue after the join: nothing to redo or remove
         print(f"prunepipe: embed {name}: {array_path} is complete, made with these settings", flush=True)
         return array_path
     join_group(me)
-    settings = {**made_by, "shards": [os.path.basename(url) for url in index.urls], "counts": index.counts.tolist(),
-                "on_bad_sample": on_bad_sample}
-    job = ShardJob(parts_dir, settings, me, what=f"embed {name}",
-                   command=f"prunepipe shards embed {shards_dir} --model {spec}")
+    settings = {
+        **made_by,
+        "shards": [os.path.basename(url) for url in index.urls],
+        "counts": index.counts.tolist(),
+        "on_bad_sample": on_bad_sample,
+    }
+    job = ShardJob(
+        parts_dir, settings, me, what=f"embed {name}", command=f"prunepipe shards embed {shards_dir} --model {spec}"
+    )
     parts = [os.path.join(parts_dir, f"shard-{shard:06d}.npy") for shard in range(len(index))]
     decoder = SampleDecoder(resolution=model.image_size, channels=model.channels)
     mine = me.mine(len(index))
@@ -224,9 +272,11 @@ def finished_table(shards_dir: str, header_path: str, made_by: dict) -> bool:
     except (OSError, ValueError):
         return False
     wanted = json.loads(json.dumps(made_by))  # as the header holds them (tuples as lists)
-    return (all(header.get(key) == value for key, value in wanted.items())
-            and header.get("index") == index_fingerprint(shards_dir)
-            and os.path.exists(header_path[:-len(".json")] + ".npy"))
+    return (
+        all(header.get(key) == value for key, value in wanted.items())
+        and header.get("index") == index_fingerprint(shards_dir)
+        and os.path.exists(header_path[: -len(".json")] + ".npy")
+    )
 
 
 def join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, dim) -> str:
@@ -234,7 +284,7 @@ def join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, dim) -> 
     seals = [job.sealed(part) for part in parts]
     writer = EmbeddingWriter(shards_dir, name, index.num_samples, dim, made_by)
     for part, first, count in zip(parts, index.first_ids.tolist(), index.counts.tolist()):
-        writer.rows[first:first + count] = np.load(part)
+        writer.rows[first : first + count] = np.load(part)
     for seal in seals:
         writer.mark_missing(seal["missing"], seal["reasons"])
     path = writer.finish()

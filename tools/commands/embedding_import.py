@@ -19,9 +19,9 @@ import re
 
 import numpy as np
 
-from pipelines.data.shards import ShardIndex, read_keys
-from pipelines.progress import tracked
-from tools.commands.embed import MISSING_SHOWN, EmbeddingWriter
+from prunepipe.pipelines.data.shards import ShardIndex, read_keys
+from prunepipe.pipelines.progress import tracked
+from prunepipe.tools.commands.embed import MISSING_SHOWN, EmbeddingWriter
 
 FORMATS = ("clip-retrieval", "datacomp")
 DATACOMP_EMBEDDINGS = ("l14_img", "b32_img")
@@ -40,8 +40,10 @@ def sample_keys(index: ShardIndex, how: str) -> list[str | None]:
     for url, count in tracked(list(zip(index.urls, index.counts.tolist())), desc="reading keys", unit="shard"):
         found = read_keys(url, "json" if field else None)
         if len(found) != count:
-            raise ValueError(f"shard {url}: holds {len(found)} samples, {index.path} lists {count}; index the shards "
-                             f"again (`prunepipe shards index`)")
+            raise ValueError(
+                f"shard {url}: holds {len(found)} samples, {index.path} lists {count}; index the shards "
+                f"again (`prunepipe shards index`)"
+            )
         for key, member in found:
             if field is None:
                 keys.append(key)
@@ -58,8 +60,9 @@ def clip_retrieval_parts(folder: str) -> list[tuple[str, str]]:
     """(img_emb_N.npy, metadata_N.parquet) pairs of a clip-retrieval output folder, by N."""
     arrays = glob.glob(os.path.join(folder, "img_emb", "img_emb_*.npy"))
     if not arrays:
-        raise FileNotFoundError(f"{folder}/img_emb/img_emb_N.npy: none there (clip-retrieval inference writes "
-                                f"img_emb/ and metadata/)")
+        raise FileNotFoundError(
+            f"{folder}/img_emb/img_emb_N.npy: none there (clip-retrieval inference writes img_emb/ and metadata/)"
+        )
     parts = []
     for array in sorted(arrays, key=lambda p: int(re.findall(r"(\d+)\.npy$", p)[0])):
         number = re.findall(r"(\d+)\.npy$", array)[0]
@@ -74,11 +77,13 @@ def datacomp_parts(folder: str) -> list[tuple[str, str]]:
     """(STEM.npz, STEM.parquet) pairs of a DataComp metadata folder."""
     tables = sorted(glob.glob(os.path.join(folder, "*.parquet")))
     if not tables:
-        raise FileNotFoundError(f"{folder}: no *.parquet (DataComp's metadata: download_upstream.py --download_npz "
-                                f"puts STEM.parquet and STEM.npz side by side)")
+        raise FileNotFoundError(
+            f"{folder}: no *.parquet (DataComp's metadata: download_upstream.py --download_npz "
+            f"puts STEM.parquet and STEM.npz side by side)"
+        )
     parts = []
     for table in tables:
-        array = table[:-len(".parquet")] + ".npz"
+        array = table[: -len(".parquet")] + ".npz"
         if not os.path.isfile(array):
             raise FileNotFoundError(f"{array}: missing beside {table} (download_upstream.py --download_npz)")
         parts.append((array, table))
@@ -92,7 +97,9 @@ def read_part(array_path: str, table_path: str, column: str, embedding: str | No
     schema = pq.read_schema(table_path)
     if column not in schema.names:
         raise ValueError(f"{table_path}: no column {column!r} (columns: {', '.join(schema.names)})")
-    keys = [None if k is None else str(k) for k in pq.read_table(table_path, columns=[column]).column(column).to_pylist()]
+    keys = [
+        None if k is None else str(k) for k in pq.read_table(table_path, columns=[column]).column(column).to_pylist()
+    ]
     if embedding is None:
         rows = np.load(array_path, mmap_mode="r")
     else:
@@ -101,13 +108,22 @@ def read_part(array_path: str, table_path: str, column: str, embedding: str | No
                 raise ValueError(f"{array_path}: no array {embedding!r} (has: {', '.join(archive.files)})")
             rows = archive[embedding]
     if rows.ndim != 2 or len(rows) != len(keys):
-        raise ValueError(f"{array_path}: {list(rows.shape)} rows against {len(keys)} rows of {table_path}; a part's "
-                         f"row r is described by its metadata's row r, so both must hold as many")
+        raise ValueError(
+            f"{array_path}: {list(rows.shape)} rows against {len(keys)} rows of {table_path}; a part's "
+            f"row r is described by its metadata's row r, so both must hold as many"
+        )
     return keys, rows  # as stored (a memory map for .npy): the caller converts the rows it uses
 
 
-def import_embeddings(shards_dir: str, source: str, *, format: str, name: str | None = None,
-                      embedding: str = "l14_img", sample_key: str | None = None) -> dict:
+def import_embeddings(
+    shards_dir: str,
+    source: str,
+    *,
+    format: str,
+    name: str | None = None,
+    embedding: str = "l14_img",
+    sample_key: str | None = None,
+) -> dict:
     """Join the embeddings in `source` (a clip-retrieval or DataComp folder) to the split in
     `shards_dir` by key; write embeddings/NAME; return a summary (path, matched, missing, unused rows)."""
     if format not in FORMATS:
@@ -128,8 +144,10 @@ def import_embeddings(shards_dir: str, source: str, *, format: str, name: str | 
             continue
         normal = key.lower() if format == "datacomp" else key  # uids are hex digits, written in either case
         if normal in id_of:
-            raise ValueError(f"{index.path}: samples {id_of[normal]} and {sample_id} share the key {key!r}; a join by "
-                             f"key needs unique keys")
+            raise ValueError(
+                f"{index.path}: samples {id_of[normal]} and {sample_id} share the key {key!r}; a join by "
+                f"key needs unique keys"
+            )
         id_of[normal] = sample_id
     filled_by = np.full(len(keys), -1, dtype=np.int32)  # the part that gave each id its row
     writer = None
@@ -137,33 +155,51 @@ def import_embeddings(shards_dir: str, source: str, *, format: str, name: str | 
     for part, (array_path, table_path) in enumerate(tracked(parts, desc="importing", unit="part")):
         part_keys, rows = read_part(array_path, table_path, column, array_key)
         if writer is None:
-            made_by = {"model": f"import:{format}" + (f":{embedding}" if array_key else ""), "weights": None,
-                       "weights_sha256": None, "dim": int(rows.shape[1]), "source": os.path.abspath(source),
-                       "sample_key": sample_key, "join_column": column,
-                       "preprocessing": "as shipped, L2-normalised again and stored as float16"}
+            made_by = {
+                "model": f"import:{format}" + (f":{embedding}" if array_key else ""),
+                "weights": None,
+                "weights_sha256": None,
+                "dim": int(rows.shape[1]),
+                "source": os.path.abspath(source),
+                "sample_key": sample_key,
+                "join_column": column,
+                "preprocessing": "as shipped, L2-normalised again and stored as float16",
+            }
             writer = EmbeddingWriter(shards_dir, name or format, len(keys), int(rows.shape[1]), made_by)
         if rows.shape[1] != writer.rows.shape[1]:
             raise ValueError(f"{array_path}: rows of {rows.shape[1]} dims, earlier parts had {writer.rows.shape[1]}")
         ids = np.array([id_of.get(k.lower() if format == "datacomp" and k else k, -1) for k in part_keys], np.int64)
         matched = ids >= 0
         unused += int((~matched).sum())
-        unused_keys += [k for k, m in zip(part_keys, matched) if not m][:MISSING_SHOWN - len(unused_keys)]
+        unused_keys += [k for k, m in zip(part_keys, matched) if not m][: MISSING_SHOWN - len(unused_keys)]
         taken = ids[matched]
         values, counts = np.unique(taken, return_counts=True)
         twice = np.concatenate([taken[filled_by[taken] >= 0], values[counts > 1]])
         if len(twice):
             first = int(twice[0])
             earlier = parts[filled_by[first]][1] if filled_by[first] >= 0 else table_path
-            raise ValueError(f"key {keys[first]!r} has a row in {earlier} and again in {table_path}; which one is "
-                             f"the sample's is not known")
+            raise ValueError(
+                f"key {keys[first]!r} has a row in {earlier} and again in {table_path}; which one is "
+                f"the sample's is not known"
+            )
         filled_by[taken] = part
         unusable = writer.put(taken, rows[np.flatnonzero(matched)])
         filled_by[unusable] = -1
     missing = np.flatnonzero(filled_by < 0)
-    missing_keys = [keys[i] if keys[i] is not None else f"<sample {i}: no {sample_key}>" for i in missing[:MISSING_SHOWN]]
-    writer.mark_missing(missing.tolist(), [f"id {i} (key {k!r}): no row in {source}" for i, k in
-                                                zip(missing[:MISSING_SHOWN].tolist(), missing_keys)])
+    missing_keys = [
+        keys[i] if keys[i] is not None else f"<sample {i}: no {sample_key}>" for i in missing[:MISSING_SHOWN]
+    ]
+    writer.mark_missing(
+        missing.tolist(),
+        [f"id {i} (key {k!r}): no row in {source}" for i, k in zip(missing[:MISSING_SHOWN].tolist(), missing_keys)],
+    )
     path = writer.finish(missing_keys=missing_keys, rows_matching_no_sample=unused)
-    return {"path": path, "samples": len(keys), "matched": len(keys) - len(missing), "missing": len(missing),
-            "missing_first_keys": missing_keys, "rows_matching_no_sample": unused,
-            "unused_first_keys": unused_keys}
+    return {
+        "path": path,
+        "samples": len(keys),
+        "matched": len(keys) - len(missing),
+        "missing": len(missing),
+        "missing_first_keys": missing_keys,
+        "rows_matching_no_sample": unused,
+        "unused_first_keys": unused_keys,
+    }

@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from tools.commands.perceptual_hash import PerceptualHash
+from prunepipe.tools.commands.perceptual_hash import PerceptualHash
 
 SPECS = ("timm:ARCH --weights FILE", "timm:FOLDER", "mae:RUN_OR_EXPORT_DIR", "feature-net[:FILE]", "phash[:SIDE]")
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
@@ -48,9 +48,21 @@ def file_sha256(path: str) -> str:
 class TorchFeatures:
     """A torch feature network: pixels scaled as it was trained, forward without gradients, float32 out."""
 
-    def __init__(self, spec: str, network: Callable[[torch.Tensor], torch.Tensor], module: torch.nn.Module, *,
-                 image_size: int, channels: int, scale: str, weights: str | None, features: str,
-                 mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        spec: str,
+        network: Callable[[torch.Tensor], torch.Tensor],
+        module: torch.nn.Module,
+        *,
+        image_size: int,
+        channels: int,
+        scale: str,
+        weights: str | None,
+        features: str,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        device: str = "cpu",
+    ):
         self.spec, self.network, self.image_size, self.channels = spec, network, image_size, channels
         self.module = module.eval().requires_grad_(False).to(device)
         self.scale, self.weights, self.features, self.device = scale, weights, features, device
@@ -69,17 +81,30 @@ class TorchFeatures:
         return self.network(x).float().reshape(len(x), -1).cpu().numpy()
 
     def describe(self) -> dict:
-        normalised = "" if self.mean is None else f", then (x - {self.mean.flatten().tolist()}) / {self.std.flatten().tolist()}"
-        return {"model": self.spec, "weights": self.weights,
-                "weights_sha256": file_sha256(self.weights) if self.weights else None, "dim": self.dim,
-                "image_size": self.image_size, "channels": self.channels,
-                "preprocessing": f"decoded with the shorter side to {self.image_size} px (bicubic), centre square; "
-                                 f"pixels to {self.scale}{normalised}",
-                "features": self.features}
+        normalised = (
+            "" if self.mean is None else f", then (x - {self.mean.flatten().tolist()}) / {self.std.flatten().tolist()}"
+        )
+        return {
+            "model": self.spec,
+            "weights": self.weights,
+            "weights_sha256": file_sha256(self.weights) if self.weights else None,
+            "dim": self.dim,
+            "image_size": self.image_size,
+            "channels": self.channels,
+            "preprocessing": f"decoded with the shorter side to {self.image_size} px (bicubic), centre square; "
+            f"pixels to {self.scale}{normalised}",
+            "features": self.features,
+        }
 
 
-def load_feature_model(spec: str, *, weights: str | None = None, image_size: int | None = None,
-                       shards_dir: str = ".", device: str | None = None) -> FeatureModel:
+def load_feature_model(
+    spec: str,
+    *,
+    weights: str | None = None,
+    image_size: int | None = None,
+    shards_dir: str = ".",
+    device: str | None = None,
+) -> FeatureModel:
     """The feature model a spec names (module docstring); `image_size` overrides the decode side."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kind, _, target = spec.partition(":")
@@ -90,8 +115,12 @@ def load_feature_model(spec: str, *, weights: str | None = None, image_size: int
             raise ValueError(f"--model {spec!r}: phash or phash:SIDE (the side of the frequency block, 8 by default)")
         return PerceptualHash(int(target) if target else 8)
     if kind == "feature-net":
-        return _feature_net(target or os.path.join(os.path.dirname(os.path.abspath(shards_dir)), _feature_net_name()),
-                            spec, image_size, device)
+        return _feature_net(
+            target or os.path.join(os.path.dirname(os.path.abspath(shards_dir)), _feature_net_name()),
+            spec,
+            image_size,
+            device,
+        )
     if kind == "mae" and target:
         return _mae_encoder(target, spec, image_size, device)
     if kind == "timm" and target:
@@ -100,30 +129,42 @@ def load_feature_model(spec: str, *, weights: str | None = None, image_size: int
 
 
 def _feature_net_name() -> str:
-    from tools.commands.feature_net import DEFAULT_NAME
+    from prunepipe.tools.commands.feature_net import DEFAULT_NAME
 
     return DEFAULT_NAME
 
 
 def _feature_net(path: str, spec: str, image_size: int | None, device: str) -> TorchFeatures:
-    from pipelines.evaluation.features import load_classifier
+    from prunepipe.pipelines.evaluation.features import load_classifier
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no feature net there; train one with `python -m tools.commands.feature_net "
-                                f"--shards DIR` (DIR holds train/ and val/) or name its file: feature-net:FILE")
+        raise FileNotFoundError(
+            f"{path}: no feature net there; train one with `python -m prunepipe.tools.commands.feature_net "
+            f"--shards DIR` (DIR holds train/ and val/) or name its file: feature-net:FILE"
+        )
     model = load_classifier(path)
-    return TorchFeatures(spec, model, model, image_size=image_size or 32, channels=model.in_channels, scale="[0, 1]",
-                         weights=os.path.abspath(path), device=device,
-                         features=f"SmallClassifier's pooled features ({model.resolution} px inside the network)")
+    return TorchFeatures(
+        spec,
+        model,
+        model,
+        image_size=image_size or 32,
+        channels=model.in_channels,
+        scale="[0, 1]",
+        weights=os.path.abspath(path),
+        device=device,
+        features=f"SmallClassifier's pooled features ({model.resolution} px inside the network)",
+    )
 
 
 def _mae_encoder(path: str, spec: str, image_size: int | None, device: str) -> TorchFeatures:
-    from pipelines.tasks.mae import ENCODER_CONFIG, ENCODER_WEIGHTS, load_exported_encoder
+    from prunepipe.pipelines.tasks.mae import ENCODER_CONFIG, ENCODER_WEIGHTS, load_exported_encoder
 
     folder = os.path.join(path, "export") if os.path.isfile(os.path.join(path, "export", ENCODER_WEIGHTS)) else path
     if not os.path.isfile(os.path.join(folder, ENCODER_WEIGHTS)):
-        raise FileNotFoundError(f"{folder}: no {ENCODER_WEIGHTS} (an MAE run writes RUN/export/{ENCODER_WEIGHTS} and "
-                                f"{ENCODER_CONFIG} when it ends)")
+        raise FileNotFoundError(
+            f"{folder}: no {ENCODER_WEIGHTS} (an MAE run writes RUN/export/{ENCODER_WEIGHTS} and "
+            f"{ENCODER_CONFIG} when it ends)"
+        )
     encoder = load_exported_encoder(folder)
     prefix = getattr(encoder, "num_prefix_tokens", 1)
     side = encoder.patch_embed.img_size[0]
@@ -133,9 +174,17 @@ def _mae_encoder(path: str, spec: str, image_size: int | None, device: str) -> T
     def mean_of_patch_tokens(x: torch.Tensor) -> torch.Tensor:  # the linear probe's default pooling
         return encoder.forward_features(x)[:, prefix:].mean(dim=1)
 
-    return TorchFeatures(spec, mean_of_patch_tokens, encoder, image_size=side, channels=encoder.patch_embed.proj.in_channels,
-                         scale="[-1, 1]", weights=os.path.abspath(os.path.join(folder, ENCODER_WEIGHTS)), device=device,
-                         features="mean of the patch tokens after the final norm (the linear probe's pool=avg)")
+    return TorchFeatures(
+        spec,
+        mean_of_patch_tokens,
+        encoder,
+        image_size=side,
+        channels=encoder.patch_embed.proj.in_channels,
+        scale="[-1, 1]",
+        weights=os.path.abspath(os.path.join(folder, ENCODER_WEIGHTS)),
+        device=device,
+        features="mean of the patch tokens after the final norm (the linear probe's pool=avg)",
+    )
 
 
 def _timm_model(target: str, spec: str, weights: str | None, image_size: int | None, device: str) -> TorchFeatures:
@@ -146,15 +195,23 @@ def _timm_model(target: str, spec: str, weights: str | None, image_size: int | N
         if weights:
             raise ValueError(f"--weights: {target} is a folder that holds its weights; give one or the other")
         if not os.path.isfile(os.path.join(target, "config.json")):
-            raise FileNotFoundError(f"{target}: a timm model folder needs config.json beside its weights "
-                                    f"(timm's save_for_hf writes both)")
+            raise FileNotFoundError(
+                f"{target}: a timm model folder needs config.json beside its weights (timm's save_for_hf writes both)"
+            )
         model = timm.create_model(f"local-dir:{os.path.abspath(target)}", pretrained=True, num_classes=0)
-        weights = next((os.path.join(target, f) for f in ("model.safetensors", "pytorch_model.bin")
-                        if os.path.isfile(os.path.join(target, f))), None)
+        weights = next(
+            (
+                os.path.join(target, f)
+                for f in ("model.safetensors", "pytorch_model.bin")
+                if os.path.isfile(os.path.join(target, f))
+            ),
+            None,
+        )
     else:
         if not weights:
-            raise ValueError(f"--model {spec}: give the weights file with --weights FILE (.safetensors, .pth); "
-                             f"nothing is downloaded")
+            raise ValueError(
+                f"--model {spec}: give the weights file with --weights FILE (.safetensors, .pth); nothing is downloaded"
+            )
         if not os.path.isfile(weights) or not weights.endswith(WEIGHT_SUFFIXES):
             raise FileNotFoundError(f"--weights {weights}: not a file of {', '.join(WEIGHT_SUFFIXES)}")
         try:
@@ -164,10 +221,19 @@ def _timm_model(target: str, spec: str, weights: str | None, image_size: int | N
         _load_weights(model, weights, spec)
     config = resolve_data_config({}, model=model)
     side = image_size or int(config["input_size"][-1])
-    return TorchFeatures(spec, model, model, image_size=side, channels=int(config["input_size"][0]), scale="[0, 1]",
-                         mean=tuple(config["mean"]), std=tuple(config["std"]), device=device,
-                         weights=os.path.abspath(weights) if weights else None,
-                         features="timm's pooled pre-logits features (num_classes=0)")
+    return TorchFeatures(
+        spec,
+        model,
+        model,
+        image_size=side,
+        channels=int(config["input_size"][0]),
+        scale="[0, 1]",
+        mean=tuple(config["mean"]),
+        std=tuple(config["std"]),
+        device=device,
+        weights=os.path.abspath(weights) if weights else None,
+        features="timm's pooled pre-logits features (num_classes=0)",
+    )
 
 
 def _load_weights(model: torch.nn.Module, path: str, spec: str) -> None:

@@ -2,7 +2,7 @@
 digits): deterministic (fixed seed, CPU, seconds), written to one local file that
 `fid.feature=classifier fid.weights=PATH` loads. Small domains only; it never downloads.
 
-    python -m tools.commands.feature_net --shards data/digits [--out data/digits/feature_net.safetensors]
+    python -m prunepipe.tools.commands.feature_net --shards data/digits [--out data/digits/feature_net.safetensors]
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipelines.data.splits import read_split
-from pipelines.evaluation.features import SmallClassifier, save_classifier
-from pipelines.progress import progress
+from prunepipe.pipelines.data.splits import read_split
+from prunepipe.pipelines.evaluation.features import SmallClassifier, save_classifier
+from prunepipe.pipelines.progress import progress
 
 DEFAULT_NAME = "feature_net.safetensors"  # beside train/ and val/: where fid.feature=classifier looks
 
@@ -29,8 +29,10 @@ def load_labelled(folder: str, resolution: int, channels: int) -> tuple[torch.Te
         labels.append(batch.labels)
     x, y = torch.cat(images), torch.cat(labels)
     if bool((y < 0).any()):
-        raise ValueError(f"{folder}: {int((y < 0).sum())} samples carry no class label (field cls/label/class); "
-                         f"the feature network is a classifier and needs them")
+        raise ValueError(
+            f"{folder}: {int((y < 0).sum())} samples carry no class label (field cls/label/class); "
+            f"the feature network is a classifier and needs them"
+        )
     return x, y
 
 
@@ -63,7 +65,7 @@ def train_feature_net(
     for _ in range(epochs):
         permutation = torch.randperm(len(train_x), generator=order)
         for start in range(0, len(train_x), batch_size):
-            pick = permutation[start:start + batch_size]
+            pick = permutation[start : start + batch_size]
             loss = F.cross_entropy(model.classify(train_x[pick]), train_y[pick])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -75,9 +77,17 @@ def train_feature_net(
     model.eval()
     with torch.no_grad():
         accuracy = float((model.classify(val_x).argmax(1) == val_y).float().mean())
-    info = dict(shards=os.path.abspath(shards), seed=seed, epochs=epochs, batch_size=batch_size, lr=lr,
-                train_samples=len(train_x), val_samples=len(val_x), val_accuracy=accuracy,
-                class_counts=np.bincount(train_y.numpy(), minlength=num_classes).tolist())
+    info = dict(
+        shards=os.path.abspath(shards),
+        seed=seed,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        train_samples=len(train_x),
+        val_samples=len(val_x),
+        val_accuracy=accuracy,
+        class_counts=np.bincount(train_y.numpy(), minlength=num_classes).tolist(),
+    )
     out = out or os.path.join(shards, DEFAULT_NAME)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_classifier(model, out, **info)
@@ -85,8 +95,11 @@ def train_feature_net(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.commands.feature_net", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m prunepipe.tools.commands.feature_net",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--shards", required=True, help="folder with train/ and val/ labelled image shards")
     parser.add_argument("--out", help=f"output file (default: SHARDS/{DEFAULT_NAME})")
     parser.add_argument("--image-size", type=int, default=32, help="size the shards are decoded to")
@@ -95,10 +108,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path, info = train_feature_net(args.shards, args.out, image_size=args.image_size, channels=args.channels,
-                                   net_resolution=args.net_resolution, epochs=args.epochs, seed=args.seed)
-    print(f"{path}: val accuracy {info['val_accuracy']:.3f} on {info['val_samples']} images "
-          f"(features for FID on this domain only; not comparable to Inception FID)")
+    path, info = train_feature_net(
+        args.shards,
+        args.out,
+        image_size=args.image_size,
+        channels=args.channels,
+        net_resolution=args.net_resolution,
+        epochs=args.epochs,
+        seed=args.seed,
+    )
+    print(
+        f"{path}: val accuracy {info['val_accuracy']:.3f} on {info['val_samples']} images "
+        f"(features for FID on this domain only; not comparable to Inception FID)"
+    )
 
 
 if __name__ == "__main__":

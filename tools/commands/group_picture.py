@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipelines.data.decode import SampleDecoder
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
 
 LABEL_WIDTH = 150
 
@@ -41,8 +41,17 @@ def thumbnails(index: ShardIndex, ids: list[int], side: int) -> dict[int, Image.
     return images
 
 
-def draw_groups(shards_dir: str, groups: np.ndarray, path: str, *, largest: int = 4, random_groups: int = 4,
-                per_group: int = 8, side: int = 64, seed: int = 0) -> list[int]:
+def draw_groups(
+    shards_dir: str,
+    groups: np.ndarray,
+    path: str,
+    *,
+    largest: int = 4,
+    random_groups: int = 4,
+    per_group: int = 8,
+    side: int = 64,
+    seed: int = 0,
+) -> list[int]:
     """Write the PNG at `path`: a row per chosen group, its first `per_group` members in id order, the
     group's first id and size on the left. Returns the group ids drawn (none: nothing is written)."""
     chosen = chosen_groups(groups, largest, random_groups, seed)

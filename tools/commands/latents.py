@@ -20,14 +20,30 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from pipelines.data.decode import (CAPTION_FIELD, FLIPPED_LATENT_FIELD, LABEL_FIELDS, METADATA_FIELD,
-                                   TEXT_FEATURES_FIELD, TEXT_NULL_FILE, SampleDecoder, caption)
-from pipelines.data.remote import ShardReadError
-from pipelines.data.shards import BadInputError, ShardIndex, read_shard
-from pipelines.data.side_tables import write_json
-from pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from pipelines.tasks.diffusion.text import TextCondition, TextEncoder
-from tools.commands.shard_jobs import WAIT_HOURS, Progress, ShardJob, job_device, job_rank, join_group, partial_path
+from prunepipe.pipelines.data.decode import (
+    CAPTION_FIELD,
+    FLIPPED_LATENT_FIELD,
+    LABEL_FIELDS,
+    METADATA_FIELD,
+    TEXT_FEATURES_FIELD,
+    TEXT_NULL_FILE,
+    SampleDecoder,
+    caption,
+)
+from prunepipe.pipelines.data.remote import ShardReadError
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.side_tables import write_json
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder
+from prunepipe.tools.commands.shard_jobs import (
+    WAIT_HOURS,
+    Progress,
+    ShardJob,
+    job_device,
+    job_rank,
+    join_group,
+    partial_path,
+)
 
 LATENT_FIELD = "latent.npy"
 LATENT_DTYPES = ("float16", "float32")
@@ -63,8 +79,10 @@ def encoder_max_length(encoder: TextEncoder) -> int:
     length = getattr(encoder.model.config, "max_position_embeddings", None)
     if isinstance(length, int) and length > 0:
         return length
-    raise ValueError(f"--text-encoder {encoder.path}: its tokenizer and config give no caption length; "
-                     f"give --text-max-length (CLIP 77, PixArt-alpha's T5 120)")
+    raise ValueError(
+        f"--text-encoder {encoder.path}: its tokenizer and config give no caption length; "
+        f"give --text-max-length (CLIP 77, PixArt-alpha's T5 120)"
+    )
 
 
 def encode_shards(
@@ -120,18 +138,32 @@ def encode_shards(
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
     encoder = None
     if text_encoder:
-        encoder = TextEncoder(text_encoder, tokenizer, text_max_length or 1, setting="--text-encoder",
-                              tokenizer_setting="--tokenizer")
+        encoder = TextEncoder(
+            text_encoder, tokenizer, text_max_length or 1, setting="--text-encoder", tokenizer_setting="--tokenizer"
+        )
         encoder.max_length = text_max_length or encoder_max_length(encoder)
     # what the outputs depend on; the source by its shards' names and counts, not its path: a requeue may
     # see the same folder under another mount
-    settings = {"source_shards": [os.path.basename(url) for url in index.urls], "source_counts": index.counts.tolist(),
-                "vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder,
-                "resolution": resolution, "dtype": dtype, "flip": flip, "batch_size": batch_size,
-                "on_bad_sample": on_bad_sample, "text_encoder": encoder.identity() if encoder else None}
+    settings = {
+        "source_shards": [os.path.basename(url) for url in index.urls],
+        "source_counts": index.counts.tolist(),
+        "vae": os.path.abspath(vae) if os.path.isdir(vae) else vae,
+        "subfolder": subfolder,
+        "resolution": resolution,
+        "dtype": dtype,
+        "flip": flip,
+        "batch_size": batch_size,
+        "on_bad_sample": on_bad_sample,
+        "text_encoder": encoder.identity() if encoder else None,
+    }
     join_group(me)  # every rank has its models: nobody encodes for hours beside a rank that could not start
-    job = ShardJob(out_folder, settings, me, what="latents encode",
-                   command=f"prunepipe latents encode {image_shards_folder} --out {out_folder}")
+    job = ShardJob(
+        out_folder,
+        settings,
+        me,
+        what="latents encode",
+        command=f"prunepipe latents encode {image_shards_folder} --out {out_folder}",
+    )
     outputs = [output_shard(out_folder, shard) for shard in range(len(index))]
 
     @torch.no_grad()
@@ -144,20 +176,33 @@ def encode_shards(
     if encoder is not None and me.rank == 0:
         print(f"prunepipe: latents encode: captions at most {encoder.max_length} tokens", flush=True)
     for shard in todo:
-        record = encode_shard(index, shard, outputs[shard], decoder, encode, encoder, dtype, flip, batch_size,
-                              on_bad_sample, device)
+        record = encode_shard(
+            index, shard, outputs[shard], decoder, encode, encoder, dtype, flip, batch_size, on_bad_sample, device
+        )
         job.seal(outputs[shard], record)
         progress.shard_done(os.path.basename(outputs[shard]), record["successes"], len(record["skipped"]))
 
     def write_index() -> str:
-        return _write_index(index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings,
-                            scaling, shift)
+        return _write_index(
+            index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling, shift
+        )
 
     return job.finish(outputs, write_index, wait_hours)
 
 
-def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDecoder, encode, encoder, dtype: str,
-                 flip: bool, batch_size: int, on_bad_sample: str, device) -> dict:
+def encode_shard(
+    index: ShardIndex,
+    shard: int,
+    output: str,
+    decoder: SampleDecoder,
+    encode,
+    encoder,
+    dtype: str,
+    flip: bool,
+    batch_size: int,
+    on_bad_sample: str,
+    device,
+) -> dict:
     """One input shard into `output` (written as OUTPUT.partial, then moved into place); returns its
     stats record: img2dataset's counts, the latent shape, the fields seen and the samples skipped."""
     url, count, first_id = index.urls[shard], int(index.counts[shard]), int(index.first_ids[shard])
@@ -169,8 +214,9 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
 
     def bad(key, reason: str, samples: int = 1) -> None:
         if on_bad_sample == "stop":
-            raise BadInputError(f"{reason} (--on-bad-sample stop; skip leaves such samples out, recorded in "
-                                f"{SKIPPED_FILE})")
+            raise BadInputError(
+                f"{reason} (--on-bad-sample stop; skip leaves such samples out, recorded in {SKIPPED_FILE})"
+            )
         print(f"prunepipe: latents encode: skipping {samples} sample(s): {reason}", flush=True)
         skipped.append({"shard": url, "key": key, "reason": reason, "samples": samples})
 
@@ -184,9 +230,15 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
             latents = encode(images)
             latent_shape[:] = list(latents.shape[1:])
             mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
-            texts = real_tokens(encoder.encode([text for _, _, text in pending], device), dtype,
-                                [fields["__key__"] for fields, _, _ in pending]) \
-                if encoder is not None else [None] * len(latents)
+            texts = (
+                real_tokens(
+                    encoder.encode([text for _, _, text in pending], device),
+                    dtype,
+                    [fields["__key__"] for fields, _, _ in pending],
+                )
+                if encoder is not None
+                else [None] * len(latents)
+            )
             for (fields, _, _), latent, latent_of_mirror, text in zip(pending, latents, mirrored, texts):
                 record = {**fields, LATENT_FIELD: npy_bytes(latent)}
                 if flip:
@@ -201,8 +253,10 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
         try:
             for position, sample in read_shard(url):
                 if position >= count:  # every later id would be off: never skipped
-                    raise BadInputError(f"shard {url}: holds more than the {count} samples {index.path} lists; "
-                                        f"index the shards again (`prunepipe shards index`)")
+                    raise BadInputError(
+                        f"shard {url}: holds more than the {count} samples {index.path} lists; "
+                        f"index the shards again (`prunepipe shards index`)"
+                    )
                 seen = position + 1
                 try:
                     image, _ = decoder(sample, first_id + position, 0)  # BadInputError names shard and key
@@ -228,21 +282,31 @@ def encode_shard(index: ShardIndex, shard: int, output: str, decoder: SampleDeco
             bad(None, f"shard {url}: ended after {seen} samples, {index.path} lists {count}", count - seen)
     os.replace(partial, output)
     lost = sum(s["samples"] for s in skipped)
-    return {"count": count, "successes": written, "failed_to_decode": lost, "failed_to_download": 0,
-            "failed_to_resize": 0, "tar_bytes": os.path.getsize(output), "latent_shape": latent_shape,
-            "fields": sorted(fields_seen), "skipped": skipped}
+    return {
+        "count": count,
+        "successes": written,
+        "failed_to_decode": lost,
+        "failed_to_download": 0,
+        "failed_to_resize": 0,
+        "tar_bytes": os.path.getsize(output),
+        "latent_shape": latent_shape,
+        "fields": sorted(fields_seen),
+        "skipped": skipped,
+    }
 
 
-def _write_index(index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling,
-                 shift) -> str:
+def _write_index(
+    index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling, shift
+) -> str:
     """index.json (and text_null.npy, skipped.json) from the seals of every output shard."""
     seals = [job.sealed(output) for output in outputs]
     shapes = {tuple(seal["latent_shape"]) for seal in seals if seal["latent_shape"]}
     if len(shapes) > 1:
         raise ValueError(f"{out_folder}: the sealed shards hold latents of different shapes {sorted(shapes)}")
     skipped = [entry for seal in seals for entry in seal["skipped"]]
-    write_json(os.path.join(out_folder, SKIPPED_FILE), {"count": sum(e["samples"] for e in skipped),
-                                                         "samples": skipped})
+    write_json(
+        os.path.join(out_folder, SKIPPED_FILE), {"count": sum(e["samples"] for e in skipped), "samples": skipped}
+    )
     text_meta = {}
     if encoder is not None:
         null = real_tokens(encoder.encode([""], device), dtype, ["(the empty caption)"])[0]
@@ -263,13 +327,20 @@ def _write_index(index, image_shards_folder, out_folder, outputs, job, encoder, 
         resolution=settings["resolution"],
         dtype=dtype,
         flip=settings["flip"],
-        keys=[LATENT_FIELD, *([FLIPPED_LATENT_FIELD] if settings["flip"] else []),
-              *([TEXT_FEATURES_FIELD] if encoder else []), *fields],
+        keys=[
+            LATENT_FIELD,
+            *([FLIPPED_LATENT_FIELD] if settings["flip"] else []),
+            *([TEXT_FEATURES_FIELD] if encoder else []),
+            *fields,
+        ],
         skipped=sum(e["samples"] for e in skipped),
         **text_meta,
     )
-    print(f"prunepipe: latents encode: {path}: {len(outputs)} shards, {sum(s['successes'] for s in seals)} samples"
-          + (f", {len(skipped)} skip record(s) in {SKIPPED_FILE}" if skipped else ""), flush=True)
+    print(
+        f"prunepipe: latents encode: {path}: {len(outputs)} shards, {sum(s['successes'] for s in seals)} samples"
+        + (f", {len(skipped)} skip record(s) in {SKIPPED_FILE}" if skipped else ""),
+        flush=True,
+    )
     return path
 
 
@@ -283,6 +354,8 @@ def real_tokens(condition: TextCondition, dtype: str, keys: list[str]) -> list[n
     rows = [np.ascontiguousarray(f[m]).astype(dtype) for f, m in zip(features, masks)]
     for key, row in zip(keys, rows):
         if not np.isfinite(row).all():
-            raise ValueError(f"key {key!r}: its caption's text features are not finite in {dtype} (largest "
-                             f"magnitude {np.abs(features).max():.4g}); encode with --dtype float32")
+            raise ValueError(
+                f"key {key!r}: its caption's text features are not finite in {dtype} (largest "
+                f"magnitude {np.abs(features).max():.4g}); encode with --dtype float32"
+            )
     return rows

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipelines.progress import progress
+from prunepipe.pipelines.progress import progress
 
 KMEANS_ITERATIONS = 20
 KMEANS_POINTS_PER_CLUSTER = 64  # k-means on a sample: centroids only need to split the rows (faiss caps at 256)
@@ -52,11 +52,22 @@ def spherical_kmeans(rows: np.ndarray, ids: np.ndarray, k: int, seed: int) -> np
     import faiss
 
     rng = np.random.default_rng(seed)
-    sample = ids if len(ids) <= k * KMEANS_POINTS_PER_CLUSTER else \
-        np.sort(rng.choice(ids, k * KMEANS_POINTS_PER_CLUSTER, replace=False))
+    sample = (
+        ids
+        if len(ids) <= k * KMEANS_POINTS_PER_CLUSTER
+        else np.sort(rng.choice(ids, k * KMEANS_POINTS_PER_CLUSTER, replace=False))
+    )
     x = _float_rows(rows, sample)
-    kmeans = faiss.Kmeans(x.shape[1], k, niter=KMEANS_ITERATIONS, spherical=True, seed=seed, verbose=False,
-                          min_points_per_centroid=1, max_points_per_centroid=KMEANS_POINTS_PER_CLUSTER)
+    kmeans = faiss.Kmeans(
+        x.shape[1],
+        k,
+        niter=KMEANS_ITERATIONS,
+        spherical=True,
+        seed=seed,
+        verbose=False,
+        min_points_per_centroid=1,
+        max_points_per_centroid=KMEANS_POINTS_PER_CLUSTER,
+    )
     kmeans.train(x)
     return kmeans.centroids
 
@@ -69,13 +80,14 @@ def assign_clusters(rows: np.ndarray, ids: np.ndarray, centroids: np.ndarray, ne
     index.add(np.ascontiguousarray(centroids, dtype=np.float32))
     labels = np.empty((len(ids), nearest), dtype=np.int64)
     for start in range(0, len(ids), ROWS_AT_ONCE):
-        part = ids[start:start + ROWS_AT_ONCE]
-        labels[start:start + len(part)] = index.search(_float_rows(rows, part), nearest)[1]
+        part = ids[start : start + ROWS_AT_ONCE]
+        labels[start : start + len(part)] = index.search(_float_rows(rows, part), nearest)[1]
     return labels
 
 
-def pairs_within(x: np.ndarray, threshold: float, queries: int | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pairs_within(
+    x: np.ndarray, threshold: float, queries: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(i, j, inner product) of every pair i < j of the rows `x` with inner product >= threshold and
     i among the first `queries` rows (default: all), found exactly by faiss' range search on a flat
     inner-product index."""
@@ -88,7 +100,7 @@ def pairs_within(x: np.ndarray, threshold: float, queries: int | None = None
     found_i, found_j, found_ip = [], [], []
     queries = len(x) if queries is None else queries
     for start in range(0, queries, QUERIES_AT_ONCE):
-        limits, ips, js = index.range_search(x[start:min(start + QUERIES_AT_ONCE, queries)], radius)
+        limits, ips, js = index.range_search(x[start : min(start + QUERIES_AT_ONCE, queries)], radius)
         i = np.repeat(np.arange(start, start + len(limits) - 1), np.diff(limits.astype(np.int64)))
         keep = (js > i) & (ips >= threshold)  # each pair once, never a row with itself
         found_i.append(i[keep])
@@ -116,9 +128,16 @@ def merge_across_clusters(groups: np.ndarray, a: np.ndarray, b: np.ndarray) -> n
     return labels[groups].astype(np.int32)
 
 
-def near_duplicate_groups(rows: np.ndarray, thresholds, *, clusters: int | None = None,
-                          valid: np.ndarray | None = None, spill: bool = True, seed: int = 0,
-                          show_progress: bool = True) -> NearDuplicates:
+def near_duplicate_groups(
+    rows: np.ndarray,
+    thresholds,
+    *,
+    clusters: int | None = None,
+    valid: np.ndarray | None = None,
+    spill: bool = True,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> NearDuplicates:
     """Groups of `rows` (float [N, D], L2-normalised; a memory map is read a cluster at a time) at each
     threshold on the inner product. Rows not `valid` (missing embeddings) are their own group.
 
@@ -155,8 +174,8 @@ def near_duplicate_groups(rows: np.ndarray, thresholds, *, clusters: int | None 
         bar.update(size)
         if size == 0:
             continue
-        members = ids[order[end - size:end]]
-        guests = ids[guest_order[(guest_ends[c - 1] if c else 0):guest_ends[c]]] if spill else ids[:0]
+        members = ids[order[end - size : end]]
+        guests = ids[guest_order[(guest_ends[c - 1] if c else 0) : guest_ends[c]]] if spill else ids[:0]
         if size + len(guests) < 2:
             continue
         i, j, ip = pairs_within(_float_rows(rows, np.concatenate([members, guests])), thresholds[-1], queries=size)
@@ -203,14 +222,21 @@ def group_stats(groups: np.ndarray) -> dict:
     sizes = np.bincount(groups, minlength=n)
     sizes = sizes[sizes > 0]
     redundant = n - len(sizes)
-    return {"samples": n, "groups": int(len(sizes)), "groups_with_copies": int((sizes > 1).sum()),
-            "redundant": int(redundant), "redundant_fraction": redundant / max(n, 1),
-            "largest_group": int(sizes.max()) if len(sizes) else 0, "size_histogram": size_buckets(sizes)}
+    return {
+        "samples": n,
+        "groups": int(len(sizes)),
+        "groups_with_copies": int((sizes > 1).sum()),
+        "redundant": int(redundant),
+        "redundant_fraction": redundant / max(n, 1),
+        "largest_group": int(sizes.max()) if len(sizes) else 0,
+        "size_histogram": size_buckets(sizes),
+    }
 
 
 def pair_precision_recall(predicted: np.ndarray, truth: np.ndarray) -> dict:
     """Precision and recall of the pairs of samples put in one group, against the true groups (both
     int [N] labels): pairs counted from the contingency table, never listed."""
+
     def pairs(counts: np.ndarray) -> int:
         counts = counts.astype(np.int64)
         return int((counts * (counts - 1) // 2).sum())
@@ -219,5 +245,10 @@ def pair_precision_recall(predicted: np.ndarray, truth: np.ndarray) -> dict:
     _, cells = np.unique(predicted * (int(truth.max()) + 1) + truth, return_counts=True)
     both = pairs(cells)
     found, true = pairs(np.unique(predicted, return_counts=True)[1]), pairs(np.unique(truth, return_counts=True)[1])
-    return {"precision": both / found if found else 1.0, "recall": both / true if true else 1.0,
-            "pairs_found": found, "pairs_true": true, "pairs_both": both}
+    return {
+        "precision": both / found if found else 1.0,
+        "recall": both / true if true else 1.0,
+        "pairs_found": found,
+        "pairs_true": true,
+        "pairs_both": both,
+    }

@@ -63,9 +63,15 @@ class PerceptualHash:
 
     def describe(self) -> dict:
         side = self.bits_side
-        return {"model": self.spec, "weights": None, "weights_sha256": None, "dim": self.dim,
-                "image_size": SIDE, "channels": self.channels,
-                "preprocessing": f"decoded with the shorter side to {SIDE} px (bicubic), centre square, grey "
-                                 f"(ITU-R 601-2 luma); 2-D DCT-II; bit = one of the {side}x{side} lowest frequencies "
-                                 f"above their median (imagehash's phash at 8x8); row = bits as +-1/{side}",
-                "features": f"{self.dim}-bit perceptual hash: inner product = 1 - 2 * hamming / {self.dim}"}
+        return {
+            "model": self.spec,
+            "weights": None,
+            "weights_sha256": None,
+            "dim": self.dim,
+            "image_size": SIDE,
+            "channels": self.channels,
+            "preprocessing": f"decoded with the shorter side to {SIDE} px (bicubic), centre square, grey "
+            f"(ITU-R 601-2 luma); 2-D DCT-II; bit = one of the {side}x{side} lowest frequencies "
+            f"above their median (imagehash's phash at 8x8); row = bits as +-1/{side}",
+            "features": f"{self.dim}-bit perceptual hash: inner product = 1 - 2 * hamming / {self.dim}",
+        }

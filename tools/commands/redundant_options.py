@@ -12,8 +12,12 @@ COPY_KINDS = ("exact", "jpeg", "near", "crop")  # how a copy is made; near takes
 DEFAULT_KINDS = {"near": 1.0}  # the shares when none are given: all near
 SHARE_FLAGS = {"exact": "--redundant-exact", "jpeg": "--redundant-jpeg", "crop": "--redundant-crop"}
 # write_shards' redundant options -> the flags that set them
-REDUNDANT_FLAGS = {"redundant_fraction": "--redundant-fraction", "redundant_originals": "--redundant-originals",
-                   "redundant_copies": "--redundant-copies", "redundant_kinds": "/".join(SHARE_FLAGS.values())}
+REDUNDANT_FLAGS = {
+    "redundant_fraction": "--redundant-fraction",
+    "redundant_originals": "--redundant-originals",
+    "redundant_copies": "--redundant-copies",
+    "redundant_kinds": "/".join(SHARE_FLAGS.values()),
+}
 
 
 def share(text: str) -> float:
@@ -41,20 +45,38 @@ def positive_int(text: str) -> int:
 def add_redundant_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that shape the redundant set: how much is copied, from how many originals, how often
     each, and how."""
-    parser.add_argument(REDUNDANT_FLAGS["redundant_fraction"], type=duplicate_fraction, default=0.5,
-                        help="for --source redundant: fraction of train that are copies")
-    parser.add_argument(REDUNDANT_FLAGS["redundant_originals"], type=positive_int, default=64,
-                        help="for --source redundant: how many train crops the copies copy")
-    parser.add_argument(REDUNDANT_FLAGS["redundant_copies"], choices=COPY_COUNTS, default="even",
-                        help="for --source redundant: copies per original, about equal (even) or heavy-tailed "
-                             "by Zipf's law of rank, exponent 1, at least one each (heavy: a few originals "
-                             "copied very often, most once when the originals are many)")
+    parser.add_argument(
+        REDUNDANT_FLAGS["redundant_fraction"],
+        type=duplicate_fraction,
+        default=0.5,
+        help="for --source redundant: fraction of train that are copies",
+    )
+    parser.add_argument(
+        REDUNDANT_FLAGS["redundant_originals"],
+        type=positive_int,
+        default=64,
+        help="for --source redundant: how many train crops the copies copy",
+    )
+    parser.add_argument(
+        REDUNDANT_FLAGS["redundant_copies"],
+        choices=COPY_COUNTS,
+        default="even",
+        help="for --source redundant: copies per original, about equal (even) or heavy-tailed "
+        "by Zipf's law of rank, exponent 1, at least one each (heavy: a few originals "
+        "copied very often, most once when the originals are many)",
+    )
     for kind, flag in SHARE_FLAGS.items():
-        parser.add_argument(flag, type=share, default=0.0, help={
-            "exact": "for --source redundant: share of the copies that are exact (identical pixels)",
-            "jpeg": "for --source redundant: share of the copies re-encoded as JPEG at a quality of 50-95",
-            "crop": "for --source redundant: share of the copies trimmed by 5-15%% of the side and recoloured",
-        }[kind] + "; the copies no such share takes are near ones (moved by up to 2 px, recoloured)")
+        parser.add_argument(
+            flag,
+            type=share,
+            default=0.0,
+            help={
+                "exact": "for --source redundant: share of the copies that are exact (identical pixels)",
+                "jpeg": "for --source redundant: share of the copies re-encoded as JPEG at a quality of 50-95",
+                "crop": "for --source redundant: share of the copies trimmed by 5-15%% of the side and recoloured",
+            }[kind]
+            + "; the copies no such share takes are near ones (moved by up to 2 px, recoloured)",
+        )
 
 
 def copy_kinds(args: argparse.Namespace) -> dict[str, float]:
@@ -63,12 +85,18 @@ def copy_kinds(args: argparse.Namespace) -> dict[str, float]:
     taken = sum(shares.values())
     if taken > 1.0 + 1e-9:
         given = ", ".join(f"{SHARE_FLAGS[kind]} {value:g}" for kind, value in shares.items() if value)
-        raise ValueError(f"{given}: shares of the copies that sum to {taken:g}; they may sum to at most 1 "
-                         f"(near copies take the rest)")
+        raise ValueError(
+            f"{given}: shares of the copies that sum to {taken:g}; they may sum to at most 1 "
+            f"(near copies take the rest)"
+        )
     return {**shares, "near": max(0.0, 1.0 - taken)}
 
 
 def redundant_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of tools/commands/shards.py:write_shards that the flags set."""
-    return {"redundant_fraction": args.redundant_fraction, "redundant_originals": args.redundant_originals,
-            "redundant_copies": args.redundant_copies, "redundant_kinds": copy_kinds(args)}
+    return {
+        "redundant_fraction": args.redundant_fraction,
+        "redundant_originals": args.redundant_originals,
+        "redundant_copies": args.redundant_copies,
+        "redundant_kinds": copy_kinds(args),
+    }

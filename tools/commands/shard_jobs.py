@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
-from pipelines.data.side_tables import write_json
+from prunepipe.pipelines.data.side_tables import write_json
 
 SEAL_SUFFIX = "_stats.json"  # img2dataset's NNNNN_stats.json beside NNNNN.tar: `shards index` reads it too
 WAIT_HOURS = 6.0  # how long a torchrun rank waits in the final barrier for the slowest rank's part
@@ -61,8 +61,12 @@ def job_rank(rank: int | None = None, world: int | None = None) -> JobRank:
         # an array element may run several srun tasks: each is a share of its own
         first = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
         tasks, task = int(env.get("SLURM_NTASKS", 1)), int(env.get("SLURM_PROCID", 0))
-        found = JobRank((int(env["SLURM_ARRAY_TASK_ID"]) - first) * tasks + task,
-                        int(env["SLURM_ARRAY_TASK_COUNT"]) * tasks, int(env.get("SLURM_LOCALID", 0)), "slurm-array")
+        found = JobRank(
+            (int(env["SLURM_ARRAY_TASK_ID"]) - first) * tasks + task,
+            int(env["SLURM_ARRAY_TASK_COUNT"]) * tasks,
+            int(env.get("SLURM_LOCALID", 0)),
+            "slurm-array",
+        )
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         found = JobRank(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun")
     else:
@@ -97,7 +101,7 @@ def remove_gone_partials(folder: str) -> None:
     for name in os.listdir(folder):
         if not name.endswith(".partial"):
             continue
-        written_as, _, pid = name[:-len(".partial")].rpartition(".")  # OUTPUT.HOST . PID (a host may hold dots)
+        written_as, _, pid = name[: -len(".partial")].rpartition(".")  # OUTPUT.HOST . PID (a host may hold dots)
         if pid.isdigit() and written_as.endswith(f".{host}") and not _alive(int(pid)):
             os.remove(os.path.join(folder, name))
 
@@ -132,8 +136,10 @@ class ShardJob:
         # the settings in full, once per digest (a seal holds the digest: at 1e5 shards the list of
         # shards in every seal would be gigabytes); a mismatch's message reads the seal's file
         if not os.path.exists(self.settings_file(self.digest)):
-            write_json(self.settings_file(self.digest), {"settings_digest": self.digest, "settings": settings,
-                                                         "command": command})
+            write_json(
+                self.settings_file(self.digest),
+                {"settings_digest": self.digest, "settings": settings, "command": command},
+            )
 
     def settings_file(self, digest: str) -> str:
         return os.path.join(self.folder, f"job-{digest}.json")
@@ -157,17 +163,25 @@ class ShardJob:
                 theirs = {}
             ours = self.settings
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-            raise ValueError(f"{path}: sealed by `{self.command}` with other settings ({', '.join(differ) or 'unknown'}"
-                             f" differ); rerun with the same settings to finish that job, or write to another --out")
+            raise ValueError(
+                f"{path}: sealed by `{self.command}` with other settings ({', '.join(differ) or 'unknown'}"
+                f" differ); rerun with the same settings to finish that job, or write to another --out"
+            )
         if not os.path.exists(output) or os.path.getsize(output) != seal.get("output_bytes"):
             return None  # the output was removed or cut short since: its seal no longer holds
         return seal
 
     def seal(self, output: str, record: dict) -> dict:
         """Seal a finished output (already in place): the seal is what says done, so it is written last."""
-        seal = {**record, "output_bytes": os.path.getsize(output), "settings_digest": self.digest,
-                "rank": self.rank.rank, "world": self.rank.world,
-                "host": socket.gethostname(), "written_by": "prunepipe"}
+        seal = {
+            **record,
+            "output_bytes": os.path.getsize(output),
+            "settings_digest": self.digest,
+            "rank": self.rank.rank,
+            "world": self.rank.world,
+            "host": socket.gethostname(),
+            "written_by": "prunepipe",
+        }
         write_json(seal_path(output), seal)
         return seal
 
@@ -197,16 +211,19 @@ class ShardJob:
         missing = self.unsealed(outputs)
         if missing:
             names = ", ".join(os.path.basename(m) for m in missing[:5]) + (", ..." if len(missing) > 5 else "")
-            message = (f"{self.what}: {len(missing)} of {len(outputs)} shard(s) not sealed yet ({names}); the "
-                       f"index is written by the task that seals the last one, or by a rerun of `{self.command}`")
+            message = (
+                f"{self.what}: {len(missing)} of {len(outputs)} shard(s) not sealed yet ({names}); the "
+                f"index is written by the task that seals the last one, or by a rerun of `{self.command}`"
+            )
             if raise_unsealed:
                 raise RuntimeError(message)
             print(f"prunepipe: {self.rank}: {message}", flush=True)
             return None
         if not lock:
             return write()
-        lock_file = os.path.join(os.path.dirname(os.path.abspath(self.folder)),
-                                 f".{os.path.basename(os.path.normpath(self.folder))}.lock")
+        lock_file = os.path.join(
+            os.path.dirname(os.path.abspath(self.folder)), f".{os.path.basename(os.path.normpath(self.folder))}.lock"
+        )
         if not _take(lock_file):
             print(f"prunepipe: {self.rank}: another process is writing the index ({lock_file})", flush=True)
             return None
@@ -284,6 +301,10 @@ class Progress:
         self.done += 1
         self.samples += samples
         rate = self.samples / max(time.perf_counter() - self.start, 1e-9)
-        print(f"prunepipe: {self.what}: {self.rank}: {name} sealed ({self.done + self.sealed_before} of {self.shards} "
-              f"of this rank), {samples} samples" + (f", {skipped} skipped" if skipped else "")
-              + f", {rate:.1f} samples/s", flush=True)
+        print(
+            f"prunepipe: {self.what}: {self.rank}: {name} sealed ({self.done + self.sealed_before} of {self.shards} "
+            f"of this rank), {samples} samples"
+            + (f", {skipped} skipped" if skipped else "")
+            + f", {rate:.1f} samples/s",
+            flush=True,
+        )

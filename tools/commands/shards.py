@@ -27,12 +27,20 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
-from pipelines.data.shards import INDEX_NAME, BadInputError, ShardIndex, count_samples, read_shard
-from pipelines.data.side_tables import write_json
-from pipelines.progress import progress, tracked
-from tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
-from tools.commands.sources import (check_copy_kinds, copies_by_kind, folder_key, list_image_folder, load_image, load_source,
-                           redundant_splits, split_by_permutation)
+from prunepipe.pipelines.data.shards import INDEX_NAME, BadInputError, ShardIndex, count_samples, read_shard
+from prunepipe.pipelines.data.side_tables import write_json
+from prunepipe.pipelines.progress import progress, tracked
+from prunepipe.tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
+from prunepipe.tools.commands.sources import (
+    check_copy_kinds,
+    copies_by_kind,
+    folder_key,
+    list_image_folder,
+    load_image,
+    load_source,
+    redundant_splits,
+    split_by_permutation,
+)
 
 FOLDER_CHUNK = 256  # images of an image folder decoded before they are written: what write holds at once
 STATS_SUFFIX = "_stats.json"  # img2dataset writes NNNNN_stats.json beside NNNNN.tar
@@ -51,8 +59,13 @@ def usable_cores() -> int:
 def process_pool(workers: int) -> ProcessPoolExecutor:
     """`workers` processes; forked when this process runs no other thread (nothing to start again,
     no lock another thread could hold across the fork), else from a fork server."""
-    method = "fork" if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods() \
-        else "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = (
+        "fork"
+        if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
+        else "forkserver"
+        if "forkserver" in multiprocessing.get_all_start_methods()
+        else "spawn"
+    )
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
 
@@ -82,31 +95,72 @@ def write_shards(
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if captions:
         splits = captioned_splits(source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo)
-        return {split: write_samples(os.path.join(out, split), (img2dataset_sample(*item) for item in chosen),
-                                     source=source, size=size, shard_size=shard_size, keys=CAPTIONED_KEYS,
-                                     desc=f"{source}/{split} (captioned)", total=len(chosen), captions=True)
-                for split, chosen in splits.items() if chosen}
+        return {
+            split: write_samples(
+                os.path.join(out, split),
+                (img2dataset_sample(*item) for item in chosen),
+                source=source,
+                size=size,
+                shard_size=shard_size,
+                keys=CAPTIONED_KEYS,
+                desc=f"{source}/{split} (captioned)",
+                total=len(chosen),
+                captions=True,
+            )
+            for split, chosen in splits.items()
+            if chosen
+        }
     if source == "folder":
         if not folder:
             raise ValueError("source 'folder' needs --folder PATH")
-        return write_folder(folder, out, size=size, shard_size=shard_size, val_fraction=val_fraction, seed=seed,
-                            workers=workers, chunk=chunk)
+        return write_folder(
+            folder,
+            out,
+            size=size,
+            shard_size=shard_size,
+            val_fraction=val_fraction,
+            seed=seed,
+            workers=workers,
+            chunk=chunk,
+        )
     if source == "redundant":
-        splits = redundant_splits(size, fraction=redundant_fraction, originals=redundant_originals,
-                                  val_fraction=val_fraction, crops_per_photo=crops_per_photo, seed=seed,
-                                  copy_counts=redundant_copies, copy_kinds=redundant_kinds)
-        meta = {"redundant_fraction": redundant_fraction, "redundant_originals": redundant_originals,
-                "redundant_copies": redundant_copies,
-                "redundant_kinds": check_copy_kinds(redundant_kinds),
-                "crops_per_photo": crops_per_photo, "seed": seed}
+        splits = redundant_splits(
+            size,
+            fraction=redundant_fraction,
+            originals=redundant_originals,
+            val_fraction=val_fraction,
+            crops_per_photo=crops_per_photo,
+            seed=seed,
+            copy_counts=redundant_copies,
+            copy_kinds=redundant_kinds,
+        )
+        meta = {
+            "redundant_fraction": redundant_fraction,
+            "redundant_originals": redundant_originals,
+            "redundant_copies": redundant_copies,
+            "redundant_kinds": check_copy_kinds(redundant_kinds),
+            "crops_per_photo": crops_per_photo,
+            "seed": seed,
+        }
     else:
         items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
         splits = split_by_permutation(items, val_fraction, seed)
         meta = {}
-    return {split: write_split(os.path.join(out, split), ((k, png_bytes(im), label) for k, im, label in chosen),
-                               source=source, size=size, shard_size=shard_size, desc=f"{source}/{split}",
-                               total=len(chosen), **meta, **split_meta(source, chosen))
-            for split, chosen in splits.items() if chosen}
+    return {
+        split: write_split(
+            os.path.join(out, split),
+            ((k, png_bytes(im), label) for k, im, label in chosen),
+            source=source,
+            size=size,
+            shard_size=shard_size,
+            desc=f"{source}/{split}",
+            total=len(chosen),
+            **meta,
+            **split_meta(source, chosen),
+        )
+        for split, chosen in splits.items()
+        if chosen
+    }
 
 
 def split_meta(source: str, items: list[tuple[str, Image.Image, int]]) -> dict:
@@ -115,8 +169,17 @@ def split_meta(source: str, items: list[tuple[str, Image.Image, int]]) -> dict:
     return {"copies_by_kind": copies_by_kind(key for key, _, _ in items)} if source == "redundant" else {}
 
 
-def write_folder(folder: str, out: str, *, size: int, shard_size: int = 500, val_fraction: float = 0.1,
-                 seed: int = 0, workers: int | None = None, chunk: int = FOLDER_CHUNK) -> dict[str, str]:
+def write_folder(
+    folder: str,
+    out: str,
+    *,
+    size: int,
+    shard_size: int = 500,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    workers: int | None = None,
+    chunk: int = FOLDER_CHUNK,
+) -> dict[str, str]:
     """An image folder as train and val shards, in bounded memory and a global shuffle.
 
     It lists the files (paths only), draws one permutation of them from `seed`, takes val from its
@@ -136,11 +199,20 @@ def write_folder(folder: str, out: str, *, size: int, shard_size: int = 500, val
     workers = usable_cores() if workers is None else workers
     pool = process_pool(workers) if workers > 1 else None
     try:
-        return {split: write_split(os.path.join(out, split),
-                                   folder_samples(paths, labels, positions, size=size, chunk=chunk, pool=pool),
-                                   source="folder", size=size, shard_size=shard_size, desc=f"folder/{split}",
-                                   total=len(positions), seed=seed)
-                for split, positions in splits.items() if len(positions)}
+        return {
+            split: write_split(
+                os.path.join(out, split),
+                folder_samples(paths, labels, positions, size=size, chunk=chunk, pool=pool),
+                source="folder",
+                size=size,
+                shard_size=shard_size,
+                desc=f"folder/{split}",
+                total=len(positions),
+                seed=seed,
+            )
+            for split, positions in splits.items()
+            if len(positions)
+        }
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -151,13 +223,20 @@ def folder_png(path: str, size: int) -> bytes:
     return png_bytes(load_image(path, size))
 
 
-def folder_samples(paths: list[str], labels: np.ndarray, positions: np.ndarray, *, size: int, chunk: int,
-                   pool: ProcessPoolExecutor | None = None) -> Iterator[tuple[str, bytes, int]]:
+def folder_samples(
+    paths: list[str],
+    labels: np.ndarray,
+    positions: np.ndarray,
+    *,
+    size: int,
+    chunk: int,
+    pool: ProcessPoolExecutor | None = None,
+) -> Iterator[tuple[str, bytes, int]]:
     """(key, png, label) of the images at `positions`, in that order, decoded `chunk` at a time: the
     next chunk is decoded only once the caller has taken this one."""
     encode = functools.partial(folder_png, size=size)
     for start in range(0, len(positions), chunk):
-        part = positions[start:start + chunk]
+        part = positions[start : start + chunk]
         files = [paths[i] for i in part]
         if pool is None:
             encoded = [encode(f) for f in files]
@@ -175,17 +254,45 @@ def shard_sample(key: str, png: bytes, label: int) -> dict:
     return sample
 
 
-def write_split(folder: str, items: Iterable[tuple[str, bytes, int]], *, source: str, size: int, shard_size: int,
-                desc: str, total: int | None = None, **meta) -> str:
+def write_split(
+    folder: str,
+    items: Iterable[tuple[str, bytes, int]],
+    *,
+    source: str,
+    size: int,
+    shard_size: int,
+    desc: str,
+    total: int | None = None,
+    **meta,
+) -> str:
     """(key, png, label) items, taken one at a time, as shards in `folder` with their index.json;
     returns its path."""
     samples = (shard_sample(key, png, label) for key, png, label in items)
-    return write_samples(folder, samples, source=source, size=size, shard_size=shard_size, keys=["png", "cls"],
-                         desc=desc, total=total, **meta)
+    return write_samples(
+        folder,
+        samples,
+        source=source,
+        size=size,
+        shard_size=shard_size,
+        keys=["png", "cls"],
+        desc=desc,
+        total=total,
+        **meta,
+    )
 
 
-def write_samples(folder: str, samples: Iterable[dict], *, source: str, size: int, shard_size: int, keys: list[str],
-                  desc: str, total: int | None = None, **meta) -> str:
+def write_samples(
+    folder: str,
+    samples: Iterable[dict],
+    *,
+    source: str,
+    size: int,
+    shard_size: int,
+    keys: list[str],
+    desc: str,
+    total: int | None = None,
+    **meta,
+) -> str:
     """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
     `keys`); returns its path."""
     entries: list[tuple[str, int]] = []
@@ -208,6 +315,7 @@ def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) 
         for stale in glob.glob(os.path.join(folder, pattern)):
             os.remove(stale)
     with wds.ShardWriter(os.path.join(folder, "shard-%06d.tar"), verbose=0, **limits) as writer:
+
         def closed(path: str) -> None:
             entries.append((path, writer.count))
             write_shard_stats(path, writer.count)
@@ -220,9 +328,17 @@ def write_shard_stats(tar_path: str, samples: int) -> None:
     """The counts of img2dataset's NNNNN_stats.json (img2dataset/logger.py `write_stats`) for a shard
     of `samples` samples, none failed, and the tar's size (`tar_bytes`, ours): a tar cut short or
     written again since no longer matches it."""
-    write_json(tar_path[: -len(".tar")] + STATS_SUFFIX,
-               {"count": samples, "successes": samples, "failed_to_download": 0, "failed_to_resize": 0,
-                "tar_bytes": os.path.getsize(tar_path), "written_by": "prunepipe"})
+    write_json(
+        tar_path[: -len(".tar")] + STATS_SUFFIX,
+        {
+            "count": samples,
+            "successes": samples,
+            "failed_to_download": 0,
+            "failed_to_resize": 0,
+            "tar_bytes": os.path.getsize(tar_path),
+            "written_by": "prunepipe",
+        },
+    )
 
 
 def shard_urls(sources: list[str]) -> list[str]:
@@ -262,8 +378,9 @@ def img2dataset_count(stats_path: str) -> tuple[int, int | None]:
             stats = json.load(f)
         successes, size = stats["successes"], stats.get("tar_bytes")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{stats_path}: expected img2dataset's stats, a JSON object with an integer "
-                         f"'successes': {e!r}") from e
+        raise ValueError(
+            f"{stats_path}: expected img2dataset's stats, a JSON object with an integer 'successes': {e!r}"
+        ) from e
     for name, value in (("successes", successes), ("tar_bytes", size)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{stats_path}: '{name}' must be a non-negative integer, got {value!r}")
@@ -301,8 +418,10 @@ def count_shard(url: str, read_headers: bool) -> ShardCount:
         return ShardCount(stated, [], True, False)
     count, fields = count_samples(url)
     if stated is not None and stated != count:
-        raise BadInputError(f"shard {url}: its tar headers hold {count} samples, but {stats_path} says "
-                            f"{stated} successes; re-index without the stats file or fix the shard")
+        raise BadInputError(
+            f"shard {url}: its tar headers hold {count} samples, but {stats_path} says "
+            f"{stated} successes; re-index without the stats file or fix the shard"
+        )
     return ShardCount(count, fields, stated is not None, True)
 
 
@@ -341,12 +460,14 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
     finally:
         bar.close()
     keys = sorted({field for shard in counted for field in shard.fields})
-    how = {"shards": len(urls), "img2dataset_stats": sum(not shard.headers_read for shard in counted),
-           "tar_headers_read": sum(shard.headers_read for shard in counted),
-           "checked_against_stats": sum(shard.headers_read and shard.had_stats for shard in counted)}
+    how = {
+        "shards": len(urls),
+        "img2dataset_stats": sum(not shard.headers_read for shard in counted),
+        "tar_headers_read": sum(shard.headers_read for shard in counted),
+        "checked_against_stats": sum(shard.headers_read and shard.had_stats for shard in counted),
+    }
     os.makedirs(out, exist_ok=True)
-    return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys,
-                            counted=how)
+    return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys, counted=how)
 
 
 def describe_counting(counted: dict, verify: bool = False) -> str:
@@ -355,17 +476,21 @@ def describe_counting(counted: dict, verify: bool = False) -> str:
     checked = counted.get("checked_against_stats", 0)
     parts = []
     if stats:
-        parts.append(f"{stats} counted from img2dataset's *_stats.json"
-                     + ("" if verify else " (--verify reads their tar headers too)"))
+        parts.append(
+            f"{stats} counted from img2dataset's *_stats.json"
+            + ("" if verify else " (--verify reads their tar headers too)")
+        )
     if headers:
-        parts.append(f"{headers} from their tar headers"
-                     + (f" ({checked} of them checked against their *_stats.json)" if checked else ""))
+        parts.append(
+            f"{headers} from their tar headers"
+            + (f" ({checked} of them checked against their *_stats.json)" if checked else "")
+        )
     return f"of {counted['shards']} shard(s), " + ", ".join(parts) if parts else "no shards"
 
 
 def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
     """Counts, fields and labels of an indexed shard folder; optionally a PNG grid of images."""
-    from pipelines.data.decode import SampleDecoder
+    from prunepipe.pipelines.data.decode import SampleDecoder
 
     index = ShardIndex.load(location)
     fields, labels = Counter(), Counter()

@@ -14,17 +14,27 @@ from typing import Iterator, Mapping
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from pipelines.data.resize import resize_center_crop, resize_crop
-from tools.commands.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
+from prunepipe.pipelines.data.resize import resize_center_crop, resize_crop
+from prunepipe.tools.commands.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
 
 SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
 
 # scikit-image's bundled photographs (in the wheel, not fetched) and scikit-learn's two samples.
 SKIMAGE_PHOTOS = (
-    "astronaut.png", "brick.png", "camera.png", "chelsea.png", "coffee.png", "grass.png",
-    "gravel.png", "hubble_deep_field.jpg", "ihc.png", "moon.png", "motorcycle_left.png",
-    "retina.jpg", "rocket.jpg",
+    "astronaut.png",
+    "brick.png",
+    "camera.png",
+    "chelsea.png",
+    "coffee.png",
+    "grass.png",
+    "gravel.png",
+    "hubble_deep_field.jpg",
+    "ihc.png",
+    "moon.png",
+    "motorcycle_left.png",
+    "retina.jpg",
+    "rocket.jpg",
 )
 SKLEARN_PHOTOS = ("china.jpg", "flower.jpg")
 
@@ -64,8 +74,9 @@ def box_crop(photo: Image.Image, box: tuple[int, int, int, int], size: int) -> I
     return resize_crop(photo, size, (top, left, bottom - top, right - left))
 
 
-def photo_crop_boxes(size: int = 32, crops_per_photo: int = 250, seed: int = 0
-                     ) -> Iterator[tuple[str, Image.Image, int, tuple[int, int, int, int]]]:
+def photo_crop_boxes(
+    size: int = 32, crops_per_photo: int = 250, seed: int = 0
+) -> Iterator[tuple[str, Image.Image, int, tuple[int, int, int, int]]]:
     """(key, whole photograph, class, crop box (left, top, right, bottom)) of `photo_crops`' crops, in
     its order: where each crop sits, for captions that say so."""
     rng = np.random.default_rng(seed)
@@ -177,8 +188,9 @@ def check_copy_kinds(shares: Mapping[str, float] | None) -> dict[str, float]:
     if negative:
         raise ValueError(f"redundant: copy_kinds shares must be >= 0, got {negative}")
     if abs(sum(shares.values()) - 1.0) > 1e-6:
-        raise ValueError(f"redundant: copy_kinds shares must sum to 1, got {dict(shares)} "
-                         f"(sum {sum(shares.values()):g})")
+        raise ValueError(
+            f"redundant: copy_kinds shares must sum to 1, got {dict(shares)} (sum {sum(shares.values()):g})"
+        )
     return {kind: float(shares.get(kind, 0.0)) for kind in COPY_KINDS}
 
 
@@ -203,9 +215,11 @@ def heavy_copy_counts(total: int, originals: int) -> np.ndarray:
     to integers that keep the sum). The first originals get a large share; where c * k^-s falls below
     one, the rest get one copy each (they are copied, or they would be no originals)."""
     if total < originals:
-        raise ValueError(f"redundant: heavy copy counts copy each of the {originals} originals "
-                         f"(--redundant-originals) at least once, but the fraction (--redundant-fraction) makes "
-                         f"only {total} duplicates; lower the originals or raise the fraction")
+        raise ValueError(
+            f"redundant: heavy copy counts copy each of the {originals} originals "
+            f"(--redundant-originals) at least once, but the fraction (--redundant-fraction) makes "
+            f"only {total} duplicates; lower the originals or raise the fraction"
+        )
     shape = np.arange(1, originals + 1, dtype=np.float64) ** -ZIPF_EXPONENT
     low, high = 0.0, float(total)  # c = total already gives the first original every copy
     for _ in range(100):
@@ -230,9 +244,17 @@ def copy_kinds_in_turn(total: int, shares: dict[str, float], rng: np.random.Gene
     return rng.permutation(np.repeat(np.array(COPY_KINDS), counts))
 
 
-def redundant_splits(size: int = 32, *, fraction: float = 0.5, originals: int = 64, val_fraction: float = 0.1,
-                     crops_per_photo: int = 250, seed: int = 0, copy_counts: str = "even",
-                     copy_kinds: Mapping[str, float] | None = None) -> dict[str, list[tuple[str, Image.Image, int]]]:
+def redundant_splits(
+    size: int = 32,
+    *,
+    fraction: float = 0.5,
+    originals: int = 64,
+    val_fraction: float = 0.1,
+    crops_per_photo: int = 250,
+    seed: int = 0,
+    copy_counts: str = "even",
+    copy_kinds: Mapping[str, float] | None = None,
+) -> dict[str, list[tuple[str, Image.Image, int]]]:
     """Photo crops with a known redundancy, like web data: in `train`, `fraction` of the samples are
     copies of `originals` unique train crops; `val` is clean (unique held-out crops, no duplicates:
     curated data, as web pretraining is judged on); `val_mix` is held-out data drawn from the train mix

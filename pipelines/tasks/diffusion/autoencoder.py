@@ -10,7 +10,7 @@ import warnings
 from diffusers import AutoencoderKL
 from huggingface_hub import constants as hub_constants
 
-from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
 
 
 def _is_path(name: str) -> bool:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipelines.tasks.diffusion.dit import DIT_PRESETS
-from pipelines.tasks.diffusion.flow import FLOW_WEIGHTINGS
-from pipelines.tasks.diffusion.timesteps import TIMESTEP_SAMPLING
+from prunepipe.pipelines.tasks.diffusion.dit import DIT_PRESETS
+from prunepipe.pipelines.tasks.diffusion.flow import FLOW_WEIGHTINGS
+from prunepipe.pipelines.tasks.diffusion.timesteps import TIMESTEP_SAMPLING
 
 BACKBONES = ("unet", "dit")
 OBJECTIVES = ("ddpm", "flow")
@@ -16,6 +16,8 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
 PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
 CONDITIONINGS = ("none", "class", "text")
+
+
 @dataclass
 class UNetSettings:
     """ldm.unet: the UNet2DModel of backbone=unet."""
@@ -102,53 +104,68 @@ class DiffusionConfig:
 def check_config(cfg: DiffusionConfig) -> str:
     """Every ldm setting checked against its accepted values and the settings it needs; returns
     ldm.conditioning resolved ("" -> class or none by ldm.num_classes). Errors name the fields."""
-    for name, value, accepted in (("backbone", cfg.backbone, BACKBONES), ("objective", cfg.objective, OBJECTIVES),
-                                  ("flow.weighting", cfg.flow.weighting, FLOW_WEIGHTINGS),
-                                  ("dit.preset", cfg.dit.preset, DIT_PRESETS),
-                                  ("ddpm.prediction_type", cfg.ddpm.prediction_type, PREDICTION_TYPES),
-                                  ("ddpm.beta_schedule", cfg.ddpm.beta_schedule, BETA_SCHEDULES),
-                                  ("ddpm.timestep_sampling", cfg.ddpm.timestep_sampling, TIMESTEP_SAMPLING)):
+    for name, value, accepted in (
+        ("backbone", cfg.backbone, BACKBONES),
+        ("objective", cfg.objective, OBJECTIVES),
+        ("flow.weighting", cfg.flow.weighting, FLOW_WEIGHTINGS),
+        ("dit.preset", cfg.dit.preset, DIT_PRESETS),
+        ("ddpm.prediction_type", cfg.ddpm.prediction_type, PREDICTION_TYPES),
+        ("ddpm.beta_schedule", cfg.ddpm.beta_schedule, BETA_SCHEDULES),
+        ("ddpm.timestep_sampling", cfg.ddpm.timestep_sampling, TIMESTEP_SAMPLING),
+    ):
         if value not in accepted:
             raise ValueError(f"ldm.{name}: got {value!r}, accepted: {', '.join(accepted)}")
     if not 0.0 <= cfg.label_dropout < 1.0:
         raise ValueError(f"ldm.label_dropout must be in [0, 1), got {cfg.label_dropout}")
     if cfg.objective == "flow" and (cfg.ddpm.min_snr_gamma or cfg.ddpm.timestep_sampling != "uniform"):
-        raise ValueError(f"ldm.objective='flow' draws s from ldm.flow.weighting: it takes no ldm.ddpm.min_snr_gamma "
-                         f"(got {cfg.ddpm.min_snr_gamma}) and ldm.ddpm.timestep_sampling='uniform' only "
-                         f"(got {cfg.ddpm.timestep_sampling!r})")
+        raise ValueError(
+            f"ldm.objective='flow' draws s from ldm.flow.weighting: it takes no ldm.ddpm.min_snr_gamma "
+            f"(got {cfg.ddpm.min_snr_gamma}) and ldm.ddpm.timestep_sampling='uniform' only "
+            f"(got {cfg.ddpm.timestep_sampling!r})"
+        )
     if cfg.ddpm.min_snr_gamma < 0:
         raise ValueError(f"ldm.ddpm.min_snr_gamma must be >= 0 (0 = off), got {cfg.ddpm.min_snr_gamma}")
     if cfg.num_classes < 0:
         raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
     bad_groups = [c for c in cfg.unet.block_out_channels if c % cfg.unet.norm_num_groups]
     if bad_groups and cfg.backbone == "unet":
-        raise ValueError(f"ldm.unet.norm_num_groups={cfg.unet.norm_num_groups} must divide every "
-                         f"ldm.unet.block_out_channels entry; it does not divide {bad_groups}")
+        raise ValueError(
+            f"ldm.unet.norm_num_groups={cfg.unet.norm_num_groups} must divide every "
+            f"ldm.unet.block_out_channels entry; it does not divide {bad_groups}"
+        )
     return _checked_conditioning(cfg)
 
 
 def _checked_conditioning(cfg: DiffusionConfig) -> str:
     conditioning = cfg.conditioning or ("class" if cfg.num_classes else "none")
     if conditioning not in CONDITIONINGS:
-        raise ValueError(f"ldm.conditioning: got {cfg.conditioning!r}, accepted: {', '.join(CONDITIONINGS)} "
-                         f"(or empty: class when ldm.num_classes > 0, else none)")
+        raise ValueError(
+            f"ldm.conditioning: got {cfg.conditioning!r}, accepted: {', '.join(CONDITIONINGS)} "
+            f"(or empty: class when ldm.num_classes > 0, else none)"
+        )
     if (conditioning == "class") != (cfg.num_classes > 0):
-        raise ValueError(f"ldm.conditioning={conditioning} with ldm.num_classes={cfg.num_classes}: class "
-                         f"conditioning needs ldm.num_classes > 0, and the others ldm.num_classes=0")
+        raise ValueError(
+            f"ldm.conditioning={conditioning} with ldm.num_classes={cfg.num_classes}: class "
+            f"conditioning needs ldm.num_classes > 0, and the others ldm.num_classes=0"
+        )
     if conditioning == "text":
         if cfg.backbone != "dit":
-            raise ValueError(f"ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
-                             f"ldm.backbone=dit (got {cfg.backbone!r})")
+            raise ValueError(
+                f"ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
+                f"ldm.backbone=dit (got {cfg.backbone!r})"
+            )
         if not cfg.text.encoder:
-            raise ValueError("ldm.conditioning=text needs ldm.text.encoder: the local folder of a transformers CLIP "
-                             "text model or T5 encoder")
+            raise ValueError(
+                "ldm.conditioning=text needs ldm.text.encoder: the local folder of a transformers CLIP "
+                "text model or T5 encoder"
+            )
         if not 0.0 <= cfg.text.caption_dropout < 1.0:
             raise ValueError(f"ldm.text.caption_dropout must be in [0, 1), got {cfg.text.caption_dropout}")
         if cfg.text.max_length < 1:
             raise ValueError(f"ldm.text.max_length must be >= 1, got {cfg.text.max_length}")
     elif cfg.text.encoder:
-        raise ValueError(f"ldm.text.encoder={cfg.text.encoder!r} is read with ldm.conditioning=text only "
-                         f"(conditioning is {conditioning})")
+        raise ValueError(
+            f"ldm.text.encoder={cfg.text.encoder!r} is read with ldm.conditioning=text only "
+            f"(conditioning is {conditioning})"
+        )
     return conditioning
-
-

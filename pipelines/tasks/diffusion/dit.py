@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from diffusers import DiTTransformer2DModel
 
-from pipelines.tasks.wrappers import unwrap
+from prunepipe.pipelines.tasks.wrappers import unwrap
 
 # name -> (depth, hidden size, heads): Table 1 of the paper; the patch size follows the slash
 DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
@@ -29,31 +29,55 @@ def dit_shape(preset: str, depth: int = 0, width: int = 0, heads: int = 0, patch
     (tiny CPU models: `DiT-S/2` with depth 2, width 64, heads 2)."""
     match = re.fullmatch(r"DiT-(S|B|L|XL)/(\d+)", preset)
     if not match:
-        raise ValueError(f"ldm.dit.preset={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
-                         f"(ldm.dit.depth, dit_width, dit_heads, dit_patch_size override its numbers)")
+        raise ValueError(
+            f"ldm.dit.preset={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
+            f"(ldm.dit.depth, dit_width, dit_heads, dit_patch_size override its numbers)"
+        )
     layers, hidden, n_heads = DIT_SIZES[match.group(1)]
-    shape = {"num_layers": depth or layers, "width": width or hidden, "heads": heads or n_heads,
-             "patch_size": patch_size or int(match.group(2))}
+    shape = {
+        "num_layers": depth or layers,
+        "width": width or hidden,
+        "heads": heads or n_heads,
+        "patch_size": patch_size or int(match.group(2)),
+    }
     if shape["width"] % shape["heads"]:
         raise ValueError(f"ldm.dit.width={shape['width']} must be a multiple of ldm.dit.heads={shape['heads']}")
     return shape
 
 
-def transformer_shape(preset: str, sample_size: int, in_channels: int, depth: int = 0, width: int = 0, heads: int = 0,
-                      patch_size: int = 0) -> dict:
+def transformer_shape(
+    preset: str, sample_size: int, in_channels: int, depth: int = 0, width: int = 0, heads: int = 0, patch_size: int = 0
+) -> dict:
     """The keyword arguments diffusers' DiT-style transformers share, for a preset and its overrides,
     checked against the input size."""
     shape = dit_shape(preset, depth, width, heads, patch_size)
     if sample_size % shape["patch_size"]:
-        raise ValueError(f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
-                         f"{shape['patch_size']} (ldm.dit.preset={preset!r}, ldm.dit.patch_size)")
-    return dict(num_attention_heads=shape["heads"], attention_head_dim=shape["width"] // shape["heads"],
-                in_channels=in_channels, out_channels=in_channels, num_layers=shape["num_layers"],
-                sample_size=sample_size, patch_size=shape["patch_size"])
+        raise ValueError(
+            f"ldm.sample_size={sample_size} must be a multiple of the DiT patch size "
+            f"{shape['patch_size']} (ldm.dit.preset={preset!r}, ldm.dit.patch_size)"
+        )
+    return dict(
+        num_attention_heads=shape["heads"],
+        attention_head_dim=shape["width"] // shape["heads"],
+        in_channels=in_channels,
+        out_channels=in_channels,
+        num_layers=shape["num_layers"],
+        sample_size=sample_size,
+        patch_size=shape["patch_size"],
+    )
 
 
-def build_dit(preset: str, *, sample_size: int, in_channels: int, num_classes: int, depth: int = 0,
-              width: int = 0, heads: int = 0, patch_size: int = 0) -> DiTTransformer2DModel:
+def build_dit(
+    preset: str,
+    *,
+    sample_size: int,
+    in_channels: int,
+    num_classes: int,
+    depth: int = 0,
+    width: int = 0,
+    heads: int = 0,
+    patch_size: int = 0,
+) -> DiTTransformer2DModel:
     """A DiT with the paper's initialisation and no built-in label dropout. Predicts as many
     channels as it takes (no learned sigma: epsilon / v / velocity only)."""
     model = DiTTransformer2DModel(
@@ -97,8 +121,9 @@ def initialise_like_dit(model: DiTTransformer2DModel) -> None:
         nn.init.zeros_(layer.bias)
 
 
-def dit_inputs(model: nn.Module, timesteps: torch.Tensor, labels: torch.Tensor | None, batch_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def dit_inputs(
+    model: nn.Module, timesteps: torch.Tensor, labels: torch.Tensor | None, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps as 1-D float [B], labels with None = the null label [B]) as the DiT forward needs."""
     timesteps = timesteps.float().reshape(-1).expand(batch_size) if timesteps.numel() == 1 else timesteps.float()
     if labels is None:

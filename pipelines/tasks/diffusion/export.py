@@ -23,11 +23,11 @@ import shutil
 import diffusers
 from diffusers import DDIMScheduler
 
-from pipelines.data.shards import ShardIndex
-from pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
-from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-from pipelines.tasks.diffusion.text import TextEncoder
-from pipelines.tasks.wrappers import unwrap, weights_module
+from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
+from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
 MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # as diffusers pipelines name them
 RAW_VARIANT = "non_ema"  # the live weights beside the EMA: diffusion_pytorch_model.non_ema.safetensors
@@ -42,32 +42,49 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
     os.makedirs(out_dir, exist_ok=True)
     written = [_write_model(task, model, ema_model, out_dir), _write_scheduler(task, out_dir)]
     scale, shift, vae_folder, vae_note = _place_vae(task, out_dir, copy)
-    written.append(_write_json(out_dir, AUTOENCODER_INFO, {
-        "autoencoder": task.cfg.autoencoder, "vae_subfolder": task.cfg.vae_subfolder, "cache_dir": task.cfg.cache_dir,
-        "scaling_factor": scale, "shift_factor": shift,
-    }))
+    written.append(
+        _write_json(
+            out_dir,
+            AUTOENCODER_INFO,
+            {
+                "autoencoder": task.cfg.autoencoder,
+                "vae_subfolder": task.cfg.vae_subfolder,
+                "cache_dir": task.cfg.cache_dir,
+                "scaling_factor": scale,
+                "shift_factor": shift,
+            },
+        )
+    )
     if vae_folder:
         written.append(vae_folder)
     text, text_note = (None, "")
     if task.text_encoder is not None:
         text, text_note = _place_text_encoder(task, out_dir, copy)
         written += text["written"] if text else []
-        written.append(_write_json(out_dir, TEXT_ENCODER_INFO, _relative_identity(task.text_encoder.identity(),
-                                                                                  out_dir)))
-    pipeline, reason = pipeline_for(task, vae=bool(vae_folder), shift=shift, vae_note=vae_note, text=text,
-                                    text_note=text_note)
+        written.append(
+            _write_json(out_dir, TEXT_ENCODER_INFO, _relative_identity(task.text_encoder.identity(), out_dir))
+        )
+    pipeline, reason = pipeline_for(
+        task, vae=bool(vae_folder), shift=shift, vae_note=vae_note, text=text, text_note=text_note
+    )
     index_path = os.path.join(out_dir, PIPELINE_INDEX)
     _remove(index_path)  # an earlier export's pipeline may not fit this one
     if pipeline is not None:
-        components = {"scheduler": ["diffusers", "DDIMScheduler"],
-                      MODEL_FOLDERS[task.cfg.backbone]: ["diffusers", type(unwrap(model)).__name__]}
+        components = {
+            "scheduler": ["diffusers", "DDIMScheduler"],
+            MODEL_FOLDERS[task.cfg.backbone]: ["diffusers", type(unwrap(model)).__name__],
+        }
         if vae_folder:
             components["vae"] = ["diffusers", "AutoencoderKL"]
         if text:
             components.update(text["components"])
-        written.append(_write_json(out_dir, PIPELINE_INDEX, {"_class_name": pipeline,
-                                                             "_diffusers_version": diffusers.__version__,
-                                                             **components}))
+        written.append(
+            _write_json(
+                out_dir,
+                PIPELINE_INDEX,
+                {"_class_name": pipeline, "_diffusers_version": diffusers.__version__, **components},
+            )
+        )
     readme = os.path.join(out_dir, "README.md")
     with open(readme, "w") as f:
         f.write(export_readme(task, pipeline, reason, ema=ema_model is not None))
@@ -75,24 +92,32 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
     return written
 
 
-def pipeline_for(task, *, vae: bool, shift: float, vae_note: str, text: dict | None, text_note: str
-                 ) -> tuple[str | None, str]:
+def pipeline_for(
+    task, *, vae: bool, shift: float, vae_note: str, text: dict | None, text_note: str
+) -> tuple[str | None, str]:
     """(the diffusers pipeline class that samples this export, "") or (None, why none does)."""
     cfg = task.cfg
     if cfg.objective == "flow":
-        return None, ("a flow-matching run: diffusers' DDPMPipeline, DiTPipeline and PixArtAlphaPipeline call "
-                      "scheduler.scale_model_input, which FlowMatchEulerDiscreteScheduler has not")
+        return None, (
+            "a flow-matching run: diffusers' DDPMPipeline, DiTPipeline and PixArtAlphaPipeline call "
+            "scheduler.scale_model_input, which FlowMatchEulerDiscreteScheduler has not"
+        )
     latent = cfg.autoencoder != PIXEL_SPACE
     if latent and not vae:
         return None, f"no VAE to decode its latents with: {vae_note}"
     if latent and shift:
-        return None, (f"its latents are shifted by {shift} before scaling (the VAE's shift_factor); diffusers' "
-                      f"pipelines decode latents / scaling_factor only")
+        return None, (
+            f"its latents are shifted by {shift} before scaling (the VAE's shift_factor); diffusers' "
+            f"pipelines decode latents / scaling_factor only"
+        )
     if task.text_encoder is not None:
         if text is None:
             return None, text_note
-        return ("PixArtAlphaPipeline", "") if latent else (None, "PixArtAlphaPipeline decodes latents with a "
-                                                                 "VAE; this run trained in pixel space")
+        return (
+            ("PixArtAlphaPipeline", "")
+            if latent
+            else (None, "PixArtAlphaPipeline decodes latents with a VAE; this run trained in pixel space")
+        )
     if cfg.backbone == "dit":
         if not latent:
             return None, "DiTPipeline decodes latents with a VAE; this run trained in pixel space"
@@ -138,8 +163,12 @@ def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
         meta = ShardIndex.load(task.shards).meta if task.shards else {}
         name, subfolder = meta.get("vae", ""), meta.get("subfolder", "")
         if not name:
-            return task.scaling_factor or 0.0, 0.0, "", ("the latent shards' index.json names no VAE (pass vae= "
-                                                        "to sample())")
+            return (
+                task.scaling_factor or 0.0,
+                0.0,
+                "",
+                ("the latent shards' index.json names no VAE (pass vae= to sample())"),
+            )
         try:
             vae = load_autoencoder(name, subfolder, cfg.cache_dir, setting="the latent shards' vae")
         except FileNotFoundError as e:
@@ -164,10 +193,15 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
     folders = {"text_encoder": info["text_encoder"], "tokenizer": info["tokenizer"]}
     missing = [f"{name} {path!r}" for name, path in folders.items() if not os.path.isdir(path)]
     if missing:
-        return None, (f"the text encoder that made its features is not on this machine ({', '.join(missing)}, as "
-                      f"`latents encode` recorded them)")
-    encoder = task.text_encoder if isinstance(task.text_encoder, TextEncoder) else \
-        TextEncoder(info["text_encoder"], info["tokenizer"], info["max_length"], setting="text encoder")
+        return None, (
+            f"the text encoder that made its features is not on this machine ({', '.join(missing)}, as "
+            f"`latents encode` recorded them)"
+        )
+    encoder = (
+        task.text_encoder
+        if isinstance(task.text_encoder, TextEncoder)
+        else TextEncoder(info["text_encoder"], info["tokenizer"], info["max_length"], setting="text encoder")
+    )
     written = []
     for name, folder in folders.items():
         target = os.path.join(out_dir, name)
@@ -177,8 +211,10 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
         else:
             _link_or_copy(folder, target, copy)
         written.append(target)
-    components = {"text_encoder": ["transformers", encoder.class_name],
-                  "tokenizer": ["transformers", type(encoder.tokenizer).__name__]}
+    components = {
+        "text_encoder": ["transformers", encoder.class_name],
+        "tokenizer": ["transformers", type(encoder.tokenizer).__name__],
+    }
     return {"components": components, "written": written}, ""
 
 
@@ -217,34 +253,59 @@ def _write_json(out_dir: str, name: str, content: dict) -> str:
 def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
     """The export's README: what loads it and the call that reproduces prunepipe's samples."""
     cfg = task.cfg
-    weights = ("the EMA weights (the live ones as the `non_ema` variant)" if ema else "the run's weights (it kept "
-               "no EMA)")
-    kind = "text-conditional" if task.text_encoder is not None else "class-conditional" if cfg.num_classes \
+    weights = (
+        "the EMA weights (the live ones as the `non_ema` variant)" if ema else "the run's weights (it kept no EMA)"
+    )
+    kind = (
+        "text-conditional"
+        if task.text_encoder is not None
+        else "class-conditional"
+        if cfg.num_classes
         else "unconditional"
-    lines = [f"# A prunepipe export: {kind} {type(unwrap(task.model)).__name__}, {cfg.objective}",
-             "", f"`{MODEL_FOLDERS[cfg.backbone]}/` holds {weights}.", ""]
+    )
+    lines = [
+        f"# A prunepipe export: {kind} {type(unwrap(task.model)).__name__}, {cfg.objective}",
+        "",
+        f"`{MODEL_FOLDERS[cfg.backbone]}/` holds {weights}.",
+        "",
+    ]
     if pipeline is None:
-        lines += [f"No diffusers pipeline samples it: {reason}.", "",
-                  "Sample it with `prunepipe sample EXPORT` (or `sample()` in pipelines/tasks/diffusion/from_export.py).",
-                  ""]
+        lines += [
+            f"No diffusers pipeline samples it: {reason}.",
+            "",
+            "Sample it with `prunepipe sample EXPORT` (or `sample()` in pipelines/tasks/diffusion/from_export.py).",
+            "",
+        ]
         return "\n".join(lines)
-    call = {"DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
-            "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
-            "PixArtAlphaPipeline": (f"pipe(prompt, num_inference_steps=50, max_sequence_length="
-                                    f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
-                                    f"use_resolution_binning=False, clean_caption=False)")}[pipeline]
+    call = {
+        "DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
+        "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
+        "PixArtAlphaPipeline": (
+            f"pipe(prompt, num_inference_steps=50, max_sequence_length="
+            f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
+            f"use_resolution_binning=False, clean_caption=False)"
+        ),
+    }[pipeline]
     model, folder = type(unwrap(task.model)).__name__, MODEL_FOLDERS[cfg.backbone]
     lines += ["```python", f"from diffusers import {pipeline}", "", f'pipe = {pipeline}.from_pretrained("EXPORT")']
     if ema:
-        lines += [f"# the live weights instead: pipe.{folder} = {model}.from_pretrained(\"EXPORT\", "
-                  f"subfolder=\"{folder}\", variant=\"{RAW_VARIANT}\")"]
+        lines += [
+            f'# the live weights instead: pipe.{folder} = {model}.from_pretrained("EXPORT", '
+            f'subfolder="{folder}", variant="{RAW_VARIANT}")'
+        ]
     lines += [f"images = {call}.images", "```", ""]
     if pipeline == "PixArtAlphaPipeline":
-        lines += ["`max_sequence_length` is the caption length the run trained with; resolution binning knows "
-                  "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
-                  "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).", ""]
+        lines += [
+            "`max_sequence_length` is the caption length the run trained with; resolution binning knows "
+            "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
+            "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).",
+            "",
+        ]
     if pipeline == "DiTPipeline":
-        lines += [f"DiTPipeline takes the null class as label 1000: guidance (guidance_scale > 1) is right only for "
-                  f"a 1000-class run (this one has {cfg.num_classes}); `prunepipe sample --guidance-scale` guides "
-                  f"any.", ""]
+        lines += [
+            f"DiTPipeline takes the null class as label 1000: guidance (guidance_scale > 1) is right only for "
+            f"a 1000-class run (this one has {cfg.num_classes}); `prunepipe sample --guidance-scale` guides "
+            f"any.",
+            "",
+        ]
     return "\n".join(lines)

@@ -15,8 +15,15 @@ FLOW_WEIGHTINGS = ("logit_normal", "uniform", "mode")
 HELD_OUT_S = tuple((k + 0.5) / 10 for k in range(10))  # 0.05 .. 0.95: the held-out grid
 
 
-def draw_s(draws, weighting: str, *, logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29,
-           device: torch.device | str = "cpu") -> torch.Tensor:
+def draw_s(
+    draws,
+    weighting: str,
+    *,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """s float32 [B] in (0, 1) from one call of the sample's draws: compute_density_for_timestep_sampling's
     formulas, fed the per-sample normals (logit_normal) or uniforms (uniform, mode)."""
     if weighting == "logit_normal":

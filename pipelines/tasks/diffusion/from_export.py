@@ -9,24 +9,37 @@ import json
 import os
 
 import torch
-from diffusers import (AutoencoderKL, DDPMScheduler, DiffusionPipeline, DiTTransformer2DModel,
-                       PixArtTransformer2DModel, UNet2DModel)
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    DiffusionPipeline,
+    DiTTransformer2DModel,
+    PixArtTransformer2DModel,
+    UNet2DModel,
+)
 
-from pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-from pipelines.tasks.diffusion.dit import dit_null_label
-from pipelines.tasks.diffusion.export import (AUTOENCODER_INFO, MODEL_FOLDERS, PIPELINE_INDEX, RAW_VARIANT,
-                                              TEXT_ENCODER_INFO)
-from pipelines.tasks.diffusion.sampler import denoise, sampling_scheduler
-from pipelines.tasks.diffusion.text import TextEncoder
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
+from prunepipe.pipelines.tasks.diffusion.dit import dit_null_label
+from prunepipe.pipelines.tasks.diffusion.export import (
+    AUTOENCODER_INFO,
+    MODEL_FOLDERS,
+    PIPELINE_INDEX,
+    RAW_VARIANT,
+    TEXT_ENCODER_INFO,
+)
+from prunepipe.pipelines.tasks.diffusion.sampler import denoise, sampling_scheduler
+from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
 
 
 def read_info(export_dir: str, name: str = AUTOENCODER_INFO) -> dict:
     """One of the export's json records; a folder that is no export says so."""
     path = os.path.join(export_dir, name)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{export_dir}: no {name}: not a prunepipe diffusion export (a run writes RUN/export "
-                                f"at its end; `prunepipe export RUN` writes one from its newest checkpoint)")
+        raise FileNotFoundError(
+            f"{export_dir}: no {name}: not a prunepipe diffusion export (a run writes RUN/export "
+            f"at its end; `prunepipe export RUN` writes one from its newest checkpoint)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -43,12 +56,15 @@ def load_model(export_dir: str, ema: bool = True) -> UNet2DModel | DiTTransforme
         raise FileNotFoundError(f"{export_dir}: no {subfolder}/ (written by the run's export)")
     has_ema = any(RAW_VARIANT in name for name in os.listdir(folder))
     if ema and not has_ema:
-        raise ValueError(f"{export_dir}: the run kept no EMA (no {RAW_VARIANT} variant beside it in {subfolder}/): "
-                         f"sample its weights with ema=False (`prunepipe sample --raw`)")
+        raise ValueError(
+            f"{export_dir}: the run kept no EMA (no {RAW_VARIANT} variant beside it in {subfolder}/): "
+            f"sample its weights with ema=False (`prunepipe sample --raw`)"
+        )
     text = os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO))
     model_class = (PixArtTransformer2DModel if text else DiTTransformer2DModel) if dit else UNet2DModel
-    return model_class.from_pretrained(export_dir, subfolder=subfolder, variant=None if ema or not has_ema
-                                       else RAW_VARIANT)
+    return model_class.from_pretrained(
+        export_dir, subfolder=subfolder, variant=None if ema or not has_ema else RAW_VARIANT
+    )
 
 
 def _null_label(model: UNet2DModel | DiTTransformer2DModel) -> int | None:
@@ -70,9 +86,11 @@ def export_autoencoder(export_dir: str, vae: str | None = None, vae_subfolder: s
     if name == PIXEL_SPACE:
         return None
     if name == PRECOMPUTED:
-        raise ValueError(f"{export_dir}: this run trained on precomputed latents and its export holds no vae/ (the "
-                         f"latent shards' VAE was not found when it was written): pass vae= (`prunepipe sample "
-                         f"--vae`), the folder or repo id recorded as 'vae' in the latent shards' index.json")
+        raise ValueError(
+            f"{export_dir}: this run trained on precomputed latents and its export holds no vae/ (the "
+            f"latent shards' VAE was not found when it was written): pass vae= (`prunepipe sample "
+            f"--vae`), the folder or repo id recorded as 'vae' in the latent shards' index.json"
+        )
     return load_autoencoder(name, info["vae_subfolder"] if vae is None else vae_subfolder, info.get("cache_dir", ""))
 
 
@@ -85,14 +103,21 @@ def load_text_encoder(export_dir: str, path: str | None = None) -> TextEncoder:
         encoder = TextEncoder(path, "", info["max_length"], setting="text_encoder")
     else:
         placed = os.path.join(export_dir, "text_encoder")
-        model, tokenizer = ((placed, os.path.join(export_dir, "tokenizer")) if os.path.exists(placed) else
-                            (os.path.join(export_dir, info["text_encoder"]), os.path.join(export_dir, info["tokenizer"])))
-        encoder = TextEncoder(model, tokenizer, info["max_length"], setting=f"{export_dir}/{TEXT_ENCODER_INFO} text_encoder")
+        model, tokenizer = (
+            (placed, os.path.join(export_dir, "tokenizer"))
+            if os.path.exists(placed)
+            else (os.path.join(export_dir, info["text_encoder"]), os.path.join(export_dir, info["tokenizer"]))
+        )
+        encoder = TextEncoder(
+            model, tokenizer, info["max_length"], setting=f"{export_dir}/{TEXT_ENCODER_INFO} text_encoder"
+        )
     found = encoder.identity()["digest"]
     if found != info["digest"]:
-        raise ValueError(f"{export_dir}/{TEXT_ENCODER_INFO}: the run's text encoder had digest {info['digest']}, "
-                         f"the one at {encoder.path!r} has {found} (another model or tokenizer): pass "
-                         f"text_encoder= the folder the run used")
+        raise ValueError(
+            f"{export_dir}/{TEXT_ENCODER_INFO}: the run's text encoder had digest {info['digest']}, "
+            f"the one at {encoder.path!r} has {found} (another model or tokenizer): pass "
+            f"text_encoder= the folder the run used"
+        )
     return encoder
 
 
@@ -162,16 +187,24 @@ def load_pipeline(export_dir: str, ema: bool = True) -> DiffusionPipeline:
         if os.path.exists(readme):
             with open(readme) as f:
                 why = next((line.strip() for line in f if line.startswith("No diffusers pipeline")), "")
-        raise ValueError(f"{export_dir}: no {PIPELINE_INDEX}. {why or 'No diffusers pipeline samples it.'} "
-                         f"Sample it with prunepipe: use sample() (`prunepipe sample`)")
+        raise ValueError(
+            f"{export_dir}: no {PIPELINE_INDEX}. {why or 'No diffusers pipeline samples it.'} "
+            f"Sample it with prunepipe: use sample() (`prunepipe sample`)"
+        )
     if os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO)):
         return pixart_pipeline(export_dir, ema=ema)
     pipe = DiffusionPipeline.from_pretrained(export_dir)
     return _with_weights(pipe, export_dir, ema)
 
 
-def pixart_pipeline(export_dir: str, *, ema: bool = True, vae: str | None = None, vae_subfolder: str = "",
-                    text_encoder: str | None = None):
+def pixart_pipeline(
+    export_dir: str,
+    *,
+    ema: bool = True,
+    vae: str | None = None,
+    vae_subfolder: str = "",
+    text_encoder: str | None = None,
+):
     """diffusers' PixArtAlphaPipeline loaded from a text-conditional export, reading prompts as written
     (the run saw the captions stripped only, never lowercased); `vae` and `text_encoder` override the
     export's. Call it with `max_sequence_length=` the run's text length and `use_resolution_binning=False`

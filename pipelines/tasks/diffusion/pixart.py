@@ -13,11 +13,20 @@ import torch
 import torch.nn as nn
 from diffusers import PixArtTransformer2DModel
 
-from pipelines.tasks.diffusion.dit import transformer_shape
+from prunepipe.pipelines.tasks.diffusion.dit import transformer_shape
 
 
-def build_text_dit(preset: str, *, sample_size: int, in_channels: int, caption_channels: int, depth: int = 0,
-                   width: int = 0, heads: int = 0, patch_size: int = 0) -> PixArtTransformer2DModel:
+def build_text_dit(
+    preset: str,
+    *,
+    sample_size: int,
+    in_channels: int,
+    caption_channels: int,
+    depth: int = 0,
+    width: int = 0,
+    heads: int = 0,
+    patch_size: int = 0,
+) -> PixArtTransformer2DModel:
     """A PixArt transformer of a DiT preset's shape (ldm.dit.preset and its overrides) that reads
     `caption_channels`-wide text features, initialised as PixArt-alpha's code does."""
     shape = transformer_shape(preset, sample_size, in_channels, depth, width, heads, patch_size)

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 from diffusers import DDIMScheduler, DiTTransformer2DModel, FlowMatchEulerDiscreteScheduler, PixArtTransformer2DModel
 
-from pipelines.tasks.diffusion.dit import dit_inputs
-from pipelines.tasks.diffusion.pixart import text_dit_inputs
-from pipelines.tasks.diffusion.text import TextCondition
-from pipelines.tasks.wrappers import unwrap
+from prunepipe.pipelines.tasks.diffusion.dit import dit_inputs
+from prunepipe.pipelines.tasks.diffusion.pixart import text_dit_inputs
+from prunepipe.pipelines.tasks.diffusion.text import TextCondition
+from prunepipe.pipelines.tasks.wrappers import unwrap
 
 Condition = torch.Tensor | TextCondition | None  # class labels [B], caption features, or nothing
 
@@ -29,9 +29,13 @@ def predict(model: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, labels: 
     if isinstance(bare, PixArtTransformer2DModel):
         if not isinstance(labels, TextCondition):
             raise ValueError("a text-conditional transformer needs caption features (a TextCondition)")
-        return model(x, encoder_hidden_states=labels.features, timestep=text_dit_inputs(timesteps.to(x.device), len(x)),
-                     encoder_attention_mask=labels.mask, added_cond_kwargs={"resolution": None, "aspect_ratio": None}
-                     ).sample
+        return model(
+            x,
+            encoder_hidden_states=labels.features,
+            timestep=text_dit_inputs(timesteps.to(x.device), len(x)),
+            encoder_attention_mask=labels.mask,
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+        ).sample
     if isinstance(bare, DiTTransformer2DModel):
         timesteps, labels = dit_inputs(model, timesteps.to(x.device), labels, len(x))
     return model(x, timesteps, class_labels=labels).sample
@@ -46,15 +50,25 @@ def sampling_scheduler(class_name: str, train_config: dict):
 
 
 @torch.no_grad()
-def denoise(model: nn.Module, x: torch.Tensor, scheduler, steps: int, labels: Condition = None,
-            *, null_label: int | TextCondition | None = None, guidance_scale: float = 1.0) -> torch.Tensor:
+def denoise(
+    model: nn.Module,
+    x: torch.Tensor,
+    scheduler,
+    steps: int,
+    labels: Condition = None,
+    *,
+    null_label: int | TextCondition | None = None,
+    guidance_scale: float = 1.0,
+) -> torch.Tensor:
     """x [B, C, H, W] pure noise -> the sample after `steps` steps. Guidance (scale != 1) needs
     `labels` and `null_label` (the null class, or the empty caption's features as a batch of 1):
     out = uncond + scale * (cond - uncond), on every channel."""
     guided = guidance_scale != 1.0
     if guided and (labels is None or null_label is None):
-        raise ValueError(f"guidance_scale={guidance_scale} needs a class- or text-conditional model "
-                         f"(ldm.num_classes > 0 or ldm.conditioning=text); use 1.0 for unconditional models")
+        raise ValueError(
+            f"guidance_scale={guidance_scale} needs a class- or text-conditional model "
+            f"(ldm.num_classes > 0 or ldm.conditioning=text); use 1.0 for unconditional models"
+        )
     scheduler.set_timesteps(steps, device=x.device)  # also resets the flow scheduler's step index
     if guided:
         labels = with_null(labels, null_label)

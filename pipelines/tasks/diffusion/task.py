@@ -15,19 +15,25 @@ import torch
 import torch.nn as nn
 from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler, UNet2DModel
 
-from pipelines.data.batch import real_samples
-from pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED, DiffusionConfig, check_config
-from pipelines.tasks.diffusion.dit import build_dit
-from pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
-from pipelines.tasks.diffusion.pixart import build_text_dit
-from pipelines.tasks.diffusion.sampler import Condition, predict, sampling_scheduler
-from pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
-from pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
-from pipelines.tasks.sample_losses import SampleLosses
-from pipelines.tasks.diffusion.text import (PRECOMPUTED_TEXT, PrecomputedText, TextCondition, TextEncoder, caption_dropped,
-                                  identity_key)
-from pipelines.tasks.wrappers import unwrap
+from prunepipe.pipelines.data.batch import real_samples
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED, DiffusionConfig, check_config
+from prunepipe.pipelines.tasks.diffusion.dit import build_dit
+from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
+from prunepipe.pipelines.tasks.diffusion.pixart import build_text_dit
+from prunepipe.pipelines.tasks.diffusion.sampler import Condition, predict, sampling_scheduler
+from prunepipe.pipelines.tasks.diffusion.text import (
+    PRECOMPUTED_TEXT,
+    PrecomputedText,
+    TextCondition,
+    TextEncoder,
+    caption_dropped,
+    identity_key,
+)
+from prunepipe.pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
+from prunepipe.pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
+from prunepipe.pipelines.tasks.sample_losses import SampleLosses
+from prunepipe.pipelines.tasks.wrappers import unwrap
 
 HELD_OUT_TIMESTEPS = 10
 
@@ -35,16 +41,21 @@ HELD_OUT_TIMESTEPS = 10
 def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
     """The text features stored with the shards at `shards`, checked against the config."""
     if not shards:
-        raise ValueError(f"ldm.text.encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards "
-                         f"(data.train)")
+        raise ValueError(
+            f"ldm.text.encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards (data.train)"
+        )
     text = PrecomputedText(shards)
     if cfg.text.tokenizer:
-        raise ValueError(f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.encoder={PRECOMPUTED_TEXT} the shards "
-                         f"hold features; no tokenizer runs")
+        raise ValueError(
+            f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.encoder={PRECOMPUTED_TEXT} the shards "
+            f"hold features; no tokenizer runs"
+        )
     if cfg.text.max_length != text.max_length:
-        raise ValueError(f"ldm.text.max_length={cfg.text.max_length}, but {text.index_path} holds features of up to "
-                         f"{text.max_length} tokens (`latents encode --text-max-length`): set "
-                         f"ldm.text.max_length={text.max_length}")
+        raise ValueError(
+            f"ldm.text.max_length={cfg.text.max_length}, but {text.index_path} holds features of up to "
+            f"{text.max_length} tokens (`latents encode --text-max-length`): set "
+            f"ldm.text.max_length={text.max_length}"
+        )
     return text
 
 
@@ -59,8 +70,11 @@ class DiffusionTask:
         self.cfg = cfg
         self.shards = shards
         self.conditioning = check_config(cfg)
-        self.timestep_sampler = (LossSecondMomentSampler(cfg.num_train_timesteps)
-                                 if cfg.ddpm.timestep_sampling == "loss_second_moment" else None)
+        self.timestep_sampler = (
+            LossSecondMomentSampler(cfg.num_train_timesteps)
+            if cfg.ddpm.timestep_sampling == "loss_second_moment"
+            else None
+        )
 
         # ---------------------------------------------------------------- the space we denoise in
         self.autoencoder: AutoencoderKL | None = None
@@ -98,32 +112,52 @@ class DiffusionTask:
             self.text_encoder = precomputed_text(cfg, shards)
         elif self.conditioning == "text":
             self.text_encoder = TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length)
-        self.model = build_text_dit(
-            cfg.dit.preset, sample_size=self.sample_size, in_channels=self.in_channels,
-            caption_channels=self.text_encoder.hidden_size, depth=cfg.dit.depth, width=cfg.dit.width,
-            heads=cfg.dit.heads, patch_size=cfg.dit.patch_size,
-        ) if self.text_encoder is not None else build_dit(
-            cfg.dit.preset, sample_size=self.sample_size, in_channels=self.in_channels, num_classes=cfg.num_classes,
-            depth=cfg.dit.depth, width=cfg.dit.width, heads=cfg.dit.heads, patch_size=cfg.dit.patch_size,
-        ) if cfg.backbone == "dit" else UNet2DModel(
-            sample_size=self.sample_size,
-            in_channels=self.in_channels,
-            out_channels=self.in_channels,
-            block_out_channels=tuple(cfg.unet.block_out_channels),
-            layers_per_block=cfg.unet.layers_per_block,
-            down_block_types=tuple(cfg.unet.down_block_types),
-            up_block_types=tuple(cfg.unet.up_block_types),
-            norm_num_groups=cfg.unet.norm_num_groups,
-            num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
+        self.model = (
+            build_text_dit(
+                cfg.dit.preset,
+                sample_size=self.sample_size,
+                in_channels=self.in_channels,
+                caption_channels=self.text_encoder.hidden_size,
+                depth=cfg.dit.depth,
+                width=cfg.dit.width,
+                heads=cfg.dit.heads,
+                patch_size=cfg.dit.patch_size,
+            )
+            if self.text_encoder is not None
+            else build_dit(
+                cfg.dit.preset,
+                sample_size=self.sample_size,
+                in_channels=self.in_channels,
+                num_classes=cfg.num_classes,
+                depth=cfg.dit.depth,
+                width=cfg.dit.width,
+                heads=cfg.dit.heads,
+                patch_size=cfg.dit.patch_size,
+            )
+            if cfg.backbone == "dit"
+            else UNet2DModel(
+                sample_size=self.sample_size,
+                in_channels=self.in_channels,
+                out_channels=self.in_channels,
+                block_out_channels=tuple(cfg.unet.block_out_channels),
+                layers_per_block=cfg.unet.layers_per_block,
+                down_block_types=tuple(cfg.unet.down_block_types),
+                up_block_types=tuple(cfg.unet.up_block_types),
+                norm_num_groups=cfg.unet.norm_num_groups,
+                num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
+            )
         )
         # flow: the scheduler only records how to sample (timestep = s * T, as in training)
-        self.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps) \
-            if cfg.objective == "flow" else DDPMScheduler(
-            num_train_timesteps=cfg.num_train_timesteps,
-            beta_schedule=cfg.ddpm.beta_schedule,
-            prediction_type=cfg.ddpm.prediction_type,
-            # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
-            clip_sample=cfg.autoencoder == PIXEL_SPACE,
+        self.scheduler = (
+            FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps)
+            if cfg.objective == "flow"
+            else DDPMScheduler(
+                num_train_timesteps=cfg.num_train_timesteps,
+                beta_schedule=cfg.ddpm.beta_schedule,
+                prediction_type=cfg.ddpm.prediction_type,
+                # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
+                clip_sample=cfg.autoencoder == PIXEL_SPACE,
+            )
         )
 
     # ---------------------------------------------------------------- latents
@@ -207,9 +241,7 @@ class DiffusionTask:
         if not self.cfg.num_classes:
             return None
         if labels.device.type == "cpu" and bool((labels >= self.cfg.num_classes).any()):
-            raise ValueError(
-                f"label {int(labels.max())} is out of range for ldm.num_classes={self.cfg.num_classes}"
-            )
+            raise ValueError(f"label {int(labels.max())} is out of range for ldm.num_classes={self.cfg.num_classes}")
         return torch.where(labels < 0, torch.full_like(labels, self.cfg.num_classes), labels)
 
     def training_labels(self, labels: torch.Tensor, draws: SampleDraws) -> torch.Tensor | None:
@@ -261,7 +293,7 @@ class DiffusionTask:
         Flow: the velocity MSE at the sample's s, its bucket of s as the stratum.
 
         Draws from `generator` (a torch.Generator, or per-sample draws such as
-        pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
+        prunepipe.pipelines.tasks.randomness.SampleRandomness) in this order: the VAE posterior noise (VAE runs
         only), the noise [B, C, h, w], the timesteps or s [B], the label or caption drop [B]
         (class-conditional with label_dropout > 0, text-conditional with caption_dropout > 0). `model` may be a DDP/accelerate wrapper: always call the one passed.
         """
@@ -278,8 +310,14 @@ class DiffusionTask:
         noise = draws.randn(*x0.shape[1:]).to(device)
         cfg = self.cfg
         if cfg.objective == "flow":
-            s = draw_s(draws, cfg.flow.weighting, logit_mean=cfg.flow.logit_mean, logit_std=cfg.flow.logit_std,
-                       mode_scale=cfg.flow.mode_scale, device=device)
+            s = draw_s(
+                draws,
+                cfg.flow.weighting,
+                logit_mean=cfg.flow.logit_mean,
+                logit_std=cfg.flow.logit_std,
+                mode_scale=cfg.flow.mode_scale,
+                device=device,
+            )
             condition, dropped = self.training_condition(batch, draws, device)
             losses = self._flow_mse(model, x0, noise, s, condition)
             return SampleLosses(losses, self._stratum(s_stratum(s, cfg.num_train_timesteps), dropped))
@@ -365,7 +403,7 @@ class DiffusionTask:
     def export(self, model: nn.Module, ema_model, out_dir: str, *, copy: bool = False) -> list[str]:
         """A diffusers pipeline folder (export.py): the weights to sample (the EMA when given), the
         scheduler, the VAE and text encoder linked (or copied with `copy`). Returns what it wrote."""
-        from pipelines.tasks.diffusion.export import export_diffusion
+        from prunepipe.pipelines.tasks.diffusion.export import export_diffusion
 
         return export_diffusion(self, model, ema_model, out_dir, copy=copy)
 

@@ -18,14 +18,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipelines.data.decode import TEXT_NULL_FILE
-from pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.decode import TEXT_NULL_FILE
+from prunepipe.pipelines.data.shards import ShardIndex
 
 # config.model_type -> the transformers class holding the encoder alone (a T5 folder also has a decoder)
-ENCODER_CLASSES = {"clip_text_model": "CLIPTextModel", "clip": "CLIPTextModel", "t5": "T5EncoderModel",
-                   "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "spiece.model")
+ENCODER_CLASSES = {
+    "clip_text_model": "CLIPTextModel",
+    "clip": "CLIPTextModel",
+    "t5": "T5EncoderModel",
+    "mt5": "MT5EncoderModel",
+    "umt5": "UMT5EncoderModel",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+)
 
 
 @dataclass
@@ -94,8 +105,11 @@ def said_missing(setting: str, path: str, class_name: str, info: dict) -> None:
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        print(f"prunepipe: warning: {setting}={path!r}: {len(missing)} tensor(s) of {class_name} are not in its "
-              f"weights and start random ({listed}): its outputs are not the trained model's", flush=True)
+        print(
+            f"prunepipe: warning: {setting}={path!r}: {len(missing)} tensor(s) of {class_name} are not in its "
+            f"weights and start random ({listed}): its outputs are not the trained model's",
+            flush=True,
+        )
 
 
 def caption_dropped(draws, rate: float, device) -> torch.Tensor:
@@ -107,8 +121,15 @@ def caption_dropped(draws, rate: float, device) -> torch.Tensor:
 class TextEncoder:
     """A frozen encoder in eval mode and its tokenizer, both read from local folders only."""
 
-    def __init__(self, path: str, tokenizer: str = "", max_length: int = 77, *, setting: str = "ldm.text.encoder",
-                 tokenizer_setting: str = "ldm.text.tokenizer"):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str = "",
+        max_length: int = 77,
+        *,
+        setting: str = "ldm.text.encoder",
+        tokenizer_setting: str = "ldm.text.tokenizer",
+    ):
         """`setting` and `tokenizer_setting` name where `path` and `tokenizer` came from (a config key,
         or the flags of `prunepipe latents encode`), for the messages."""
         import transformers
@@ -121,36 +142,45 @@ class TextEncoder:
         tokenizer_at = named(tokenizer_setting, tokenizer) if tokenizer else encoder_at
         for where, folder in ((encoder_at, self.path), (tokenizer_at, self.tokenizer_path)):
             if not os.path.isdir(folder):
-                raise FileNotFoundError(f"{where}: no such folder. Give the local folder of a transformers "
-                                        f"CLIP text model or T5 encoder (config.json + weights) and its tokenizer; "
-                                        f"this machine never downloads (on a connected machine `hf download REPO` "
-                                        f"and copy the folder)")
+                raise FileNotFoundError(
+                    f"{where}: no such folder. Give the local folder of a transformers "
+                    f"CLIP text model or T5 encoder (config.json + weights) and its tokenizer; "
+                    f"this machine never downloads (on a connected machine `hf download REPO` "
+                    f"and copy the folder)"
+                )
         with quiet_transformers():
             try:
                 config = transformers.AutoConfig.from_pretrained(self.path, local_files_only=True)
             except (OSError, ValueError) as e:
                 raise FileNotFoundError(f"{encoder_at}: no transformers config.json there: {whole(e)}") from None
             if config.model_type not in ENCODER_CLASSES:
-                raise ValueError(f"{encoder_at} holds a {config.model_type!r} model; accepted: "
-                                 f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)")
+                raise ValueError(
+                    f"{encoder_at} holds a {config.model_type!r} model; accepted: "
+                    f"{', '.join(sorted(ENCODER_CLASSES))} (a CLIP text model or a T5 encoder)"
+                )
             self.class_name = ENCODER_CLASSES[config.model_type]
             try:
                 self.model, info = getattr(transformers, self.class_name).from_pretrained(
-                    self.path, local_files_only=True, output_loading_info=True)
+                    self.path, local_files_only=True, output_loading_info=True
+                )
             except (OSError, ValueError) as e:
-                raise FileNotFoundError(f"{encoder_at}: cannot load its {self.class_name} weights: "
-                                        f"{whole(e)}") from None
+                raise FileNotFoundError(
+                    f"{encoder_at}: cannot load its {self.class_name} weights: {whole(e)}"
+                ) from None
             self.model.eval().requires_grad_(False)
             try:
                 self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
             except (OSError, ValueError) as e:
                 if tokenizer:
-                    raise FileNotFoundError(f"{tokenizer_at}: no tokenizer there ({', '.join(TOKENIZER_FILES)}): "
-                                            f"{whole(e)}") from None
-                raise FileNotFoundError(f"{encoder_at}: no tokenizer beside the encoder "
-                                        f"({', '.join(TOKENIZER_FILES)}); give its folder with {tokenizer_setting} "
-                                        f"(Stable Diffusion and PixArt repos keep it in tokenizer/ beside "
-                                        f"text_encoder/). transformers said: {whole(e)}") from None
+                    raise FileNotFoundError(
+                        f"{tokenizer_at}: no tokenizer there ({', '.join(TOKENIZER_FILES)}): {whole(e)}"
+                    ) from None
+                raise FileNotFoundError(
+                    f"{encoder_at}: no tokenizer beside the encoder "
+                    f"({', '.join(TOKENIZER_FILES)}); give its folder with {tokenizer_setting} "
+                    f"(Stable Diffusion and PixArt repos keep it in tokenizer/ beside "
+                    f"text_encoder/). transformers said: {whole(e)}"
+                ) from None
         said_missing(setting, self.path, self.class_name, info)
         self._null: TextCondition | None = None
         self._identity: dict | None = None
@@ -158,8 +188,9 @@ class TextEncoder:
     @property
     def hidden_size(self) -> int:
         """D, the width of the features (PixArtTransformer2DModel's caption_channels)."""
-        return int(self.model.config.hidden_size if hasattr(self.model.config, "hidden_size")
-                   else self.model.config.d_model)
+        return int(
+            self.model.config.hidden_size if hasattr(self.model.config, "hidden_size") else self.model.config.d_model
+        )
 
     @property
     def device(self) -> torch.device:
@@ -172,8 +203,9 @@ class TextEncoder:
         device = indexed(device) if device is not None else self.device
         if self.device != device:
             self.model.to(device)  # the loop moves only the trained model
-        tokens = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
-                                return_tensors="pt")
+        tokens = self.tokenizer(
+            list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         ids, mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device).long()
         features = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return TextCondition(features.float(), mask)
@@ -208,8 +240,13 @@ class TextEncoder:
                         digest.update(f.read())
                 else:
                     digest.update(str(os.path.getsize(full)).encode())
-        return {"text_encoder": self.path, "tokenizer": self.tokenizer_path, "class": self.class_name,
-                "max_length": self.max_length, "digest": digest.hexdigest()}
+        return {
+            "text_encoder": self.path,
+            "tokenizer": self.tokenizer_path,
+            "class": self.class_name,
+            "max_length": self.max_length,
+            "digest": digest.hexdigest(),
+        }
 
 
 PRECOMPUTED_TEXT = "precomputed"  # ldm.text.encoder: the shards hold the features
@@ -246,9 +283,11 @@ class PrecomputedText:
         index = ShardIndex.load(folder)
         meta = index.meta
         if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
-            raise ValueError(f"ldm.text.encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
-                             f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
-                             f"ldm.text.encoder to the encoder's folder to encode captions in the loop")
+            raise ValueError(
+                f"ldm.text.encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
+                f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
+                f"ldm.text.encoder to the encoder's folder to encode captions in the loop"
+            )
         self.index_path = index.path
         self.info = dict(meta["text_encoder"])
         self.width = int(meta["text_width"])
@@ -257,8 +296,10 @@ class PrecomputedText:
         try:
             self._null_tokens = np.load(null_path, allow_pickle=False)
         except OSError as e:
-            raise FileNotFoundError(f"{null_path}: the empty caption's features, written with the shards by "
-                                    f"`prunepipe latents encode --text-encoder`, cannot be read: {e}") from None
+            raise FileNotFoundError(
+                f"{null_path}: the empty caption's features, written with the shards by "
+                f"`prunepipe latents encode --text-encoder`, cannot be read: {e}"
+            ) from None
         if self._null_tokens.ndim != 2 or self._null_tokens.shape[1] != self.width:
             raise ValueError(f"{null_path}: holds {list(self._null_tokens.shape)}, expected [tokens, {self.width}]")
         self._null: TextCondition | None = None

@@ -81,16 +81,22 @@ class LossSecondMomentSampler:
         return [float(self.losses[timestep, (start - n + k) % self.history]) for k in range(n)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"timestep_sampler": "loss_second_moment", "num_timesteps": self.num_timesteps,
-                "history": self.history, "uniform_mass": self.uniform_mass,
-                "losses": torch.from_numpy(self.losses.copy()), "count": torch.from_numpy(self.count.copy()),
-                "written": torch.from_numpy(self.written.copy())}
+        return {
+            "timestep_sampler": "loss_second_moment",
+            "num_timesteps": self.num_timesteps,
+            "history": self.history,
+            "uniform_mass": self.uniform_mass,
+            "losses": torch.from_numpy(self.losses.copy()),
+            "count": torch.from_numpy(self.count.copy()),
+            "written": torch.from_numpy(self.written.copy()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("num_timesteps", "history", "uniform_mass"):
             if state.get(key) != getattr(self, key):
-                raise ValueError(f"timestep sampler state: {key} saved {state.get(key)!r}, "
-                                 f"configured {getattr(self, key)!r}")
+                raise ValueError(
+                    f"timestep sampler state: {key} saved {state.get(key)!r}, configured {getattr(self, key)!r}"
+                )
         self.losses[...] = state["losses"].numpy()
         self.count[...] = state["count"].numpy()
         self.written[...] = state["written"].numpy()

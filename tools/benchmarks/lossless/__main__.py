@@ -1,7 +1,7 @@
-"""`python -m tools.benchmarks.lossless` = `prunepipe bench lossless`."""
+"""`python -m prunepipe.tools.benchmarks.lossless` = `prunepipe bench lossless`."""
 
 import sys
 
-from tools.benchmarks.lossless.run import main
+from prunepipe.tools.benchmarks.lossless.run import main
 
 sys.exit(main())

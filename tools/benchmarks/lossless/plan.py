@@ -27,7 +27,9 @@ class TaskPlan:
     fid_steps: int = 20
     overrides: list = field(default_factory=list)
     timing_rounds: int = 1  # sequential, interleaved reruns of Full and the pruners for wall-clock
-    data: str = "digits"  # digits | photos | redundant (prunepipe shards write --source) | captioned (digits, --captions)
+    data: str = (
+        "digits"  # digits | photos | redundant (prunepipe shards write --source) | captioned (digits, --captions)
+    )
     crops_per_photo: int = 0  # photos and redundant: crops of each of the 15 bundled photographs
     pruned_seeds: tuple = (0,)  # seeds of every pruned run and of its equal-compute Full
     full_seeds: tuple = SEEDS  # seeds of Full at the full schedule
@@ -56,7 +58,9 @@ LDM_ABLATIONS = {
 }
 
 
-def task_plans(mode: str, tasks: list[str], arms: tuple[str, ...] = (), frontier: tuple[float, ...] = ()) -> list[TaskPlan]:
+def task_plans(
+    mode: str, tasks: list[str], arms: tuple[str, ...] = (), frontier: tuple[float, ...] = ()
+) -> list[TaskPlan]:
     """full: the measurement (26 minutes on 2 cores under load, docs/BENCHMARKS.md); quick: the same
     pipeline in 1-5 minutes; micro: the harness test (seconds, not a measurement). `arms`: only
     these pruned settings (labels) beside Full; `frontier`: Full also at these fractions of the passes."""
@@ -69,8 +73,9 @@ def check_frontier(fractions) -> tuple[float, ...]:
     trained longer, so that a setting better than Full at the full schedule gets a saving, not a bound."""
     bad = [f for f in fractions if not 0 < f or f == 1]
     if bad:
-        raise ValueError(f"bench --frontier: fractions of the passes must be > 0 and not 1 (Full at 1 always runs), "
-                         f"got {bad}")
+        raise ValueError(
+            f"bench --frontier: fractions of the passes must be > 0 and not 1 (Full at 1 always runs), got {bad}"
+        )
     return tuple(sorted(set(float(f) for f in fractions)))
 
 
@@ -87,14 +92,39 @@ def _mode_plans(mode: str, tasks: list[str], arms: tuple[str, ...]) -> list[Task
         plans = [dataclasses.replace(p, long=int(suite.group(3))) for p in plans] if suite.group(3) else plans
         return [only_arms(p, arms) for p in plans] if arms else plans
     if mode == "full":
-        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS,
-                          timing_rounds=2),
-                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 32, 10, PRUNERS, LDM_ABLATIONS,
-                          fid_samples=256, timing_rounds=1)]
+        plans = [
+            TaskPlan(
+                "mae", "configs/bench_mae.yaml", "masked_mse", 500, 80, 20, PRUNERS, MAE_ABLATIONS, timing_rounds=2
+            ),
+            TaskPlan(
+                "ldm",
+                "configs/bench_ldm.yaml",
+                "denoise_mse",
+                500,
+                32,
+                10,
+                PRUNERS,
+                LDM_ABLATIONS,
+                fid_samples=256,
+                timing_rounds=1,
+            ),
+        ]
     elif mode == "quick":
-        plans = [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
-                 TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 4, 2, PRUNERS, fid_samples=64,
-                          fid_steps=10, timing_rounds=0)]
+        plans = [
+            TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 6, 3, PRUNERS),
+            TaskPlan(
+                "ldm",
+                "configs/bench_ldm.yaml",
+                "denoise_mse",
+                500,
+                4,
+                2,
+                PRUNERS,
+                fid_samples=64,
+                fid_steps=10,
+                timing_rounds=0,
+            ),
+        ]
     elif mode.startswith("dit"):
         plans = [dit_plan(mode)]
     elif mode.startswith("t2i"):
@@ -112,11 +142,31 @@ def dit_plan(mode: str) -> TaskPlan:
     dit_quick (the same in a few minutes), dit_micro (the harness test)."""
     infobatch = {"InfoBatch": PRUNERS["InfoBatch"]}
     if mode == "dit":
-        return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 16, 0, infobatch, fid_samples=128,
-                        fid_steps=10, timing_rounds=0)
+        return TaskPlan(
+            "dit",
+            "configs/bench_dit.yaml",
+            "denoise_mse",
+            500,
+            16,
+            0,
+            infobatch,
+            fid_samples=128,
+            fid_steps=10,
+            timing_rounds=0,
+        )
     if mode == "dit_quick":
-        return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 4, 0, infobatch, fid_samples=32,
-                        fid_steps=5, timing_rounds=0)
+        return TaskPlan(
+            "dit",
+            "configs/bench_dit.yaml",
+            "denoise_mse",
+            500,
+            4,
+            0,
+            infobatch,
+            fid_samples=32,
+            fid_steps=5,
+            timing_rounds=0,
+        )
     if mode == "dit_micro":
         return TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 96, 2, 0, infobatch, timing_rounds=0)
     raise ValueError(f"bench mode {mode!r}: accepted: dit, dit_quick, dit_micro")
@@ -131,8 +181,18 @@ def t2i_plan(mode: str) -> TaskPlan:
     samples, passes = {"t2i": (500, 16), "t2i_quick": (500, 4), "t2i_micro": (96, 2)}.get(mode, (0, 0))
     if not samples:
         raise ValueError(f"bench mode {mode!r}: accepted: t2i, t2i_quick, t2i_micro")
-    return TaskPlan("t2i", "configs/bench_t2i.yaml", "denoise_mse", samples, passes, 0, infobatch, overrides=text,
-                    timing_rounds=0, data="captioned")
+    return TaskPlan(
+        "t2i",
+        "configs/bench_t2i.yaml",
+        "denoise_mse",
+        samples,
+        passes,
+        0,
+        infobatch,
+        overrides=text,
+        timing_rounds=0,
+        data="captioned",
+    )
 
 
 @dataclass
@@ -157,28 +217,57 @@ PAYS_MAE = {
     "Importance": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875},
     # scores averaged over visits: one noisy mask draw weighs less (hypothesis 2 for MAE)
     "InfoBatch smoothed": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875, "momentum": 0.5},
-    "Importance smoothed": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
-                            "momentum": 0.5},
+    "Importance smoothed": {
+        "name": "importance",
+        "keep": 0.7,
+        "alpha": 1.0,
+        "p_min": 0.1,
+        "delta": 0.875,
+        "momentum": 0.5,
+    },
     # scores normalised within the share of the image the mask hid (the mask draw, hypothesis 2 for MAE)
-    "InfoBatch mask-norm": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
-                            "run": {"score.normalise": "stratum_mean"}},
-    "Importance mask-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
-                             "run": {"score.normalise": "stratum_mean"}},
+    "InfoBatch mask-norm": {
+        "name": "infobatch",
+        "prune_ratio": 0.5,
+        "delta": 0.875,
+        "run": {"score.normalise": "stratum_mean"},
+    },
+    "Importance mask-norm": {
+        "name": "importance",
+        "keep": 0.7,
+        "alpha": 1.0,
+        "p_min": 0.1,
+        "delta": 0.875,
+        "run": {"score.normalise": "stratum_mean"},
+    },
     # what the model already learns through the other samples: the loss-side signal of redundancy
     "TED": PRUNERS["TED"],
 }
 PAYS_LDM = {
     "Random": {"name": "random", "keep": 0.7, "delta": 0.875},
     "InfoBatch": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875},
-    "InfoBatch t-norm": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
-                         "run": {"score.normalise": "stratum_mean"}},
-    "Importance t-norm": {"name": "importance", "keep": 0.7, "alpha": 1.0, "p_min": 0.1, "delta": 0.875,
-                          "run": {"score.normalise": "stratum_mean"}},
+    "InfoBatch t-norm": {
+        "name": "infobatch",
+        "prune_ratio": 0.5,
+        "delta": 0.875,
+        "run": {"score.normalise": "stratum_mean"},
+    },
+    "Importance t-norm": {
+        "name": "importance",
+        "keep": 0.7,
+        "alpha": 1.0,
+        "p_min": 0.1,
+        "delta": 0.875,
+        "run": {"score.normalise": "stratum_mean"},
+    },
     # the other axis: which timesteps, not which samples (all data, so its equal compute is Full itself)
     "Full, sampled t": {"name": "full", "run": {"ldm.ddpm.timestep_sampling": "loss_second_moment"}},
-    "InfoBatch t-norm, sampled t": {"name": "infobatch", "prune_ratio": 0.5, "delta": 0.875,
-                                    "run": {"score.normalise": "stratum_mean",
-                                            "ldm.ddpm.timestep_sampling": "loss_second_moment"}},
+    "InfoBatch t-norm, sampled t": {
+        "name": "infobatch",
+        "prune_ratio": 0.5,
+        "delta": 0.875,
+        "run": {"score.normalise": "stratum_mean", "ldm.ddpm.timestep_sampling": "loss_second_moment"},
+    },
     "TED": PRUNERS["TED"],
 }
 # DiT + flow (today's diffusion recipe, bench_dit.yaml) on the same data: the loss pruners, timestep-normalised
@@ -190,14 +279,36 @@ PAYS_DIT = {label: PAYS_LDM[label] for label in ("InfoBatch", "InfoBatch t-norm"
 # gives about 6 members a pass in turn, and the scores prune nothing more; once with the deduplicated expectation (weight 1),
 # once with the duplicated one (weight 1/share). Every near-duplicate is still seen, unlike the oracle's.
 DEDUP_ARMS = {
-    "Dedup known": {"name": "dedup", "groups": "known", "keep": 0.7, "per_group": 1, "then": "importance",
-                    "delta": 0.875, "group_rescale": False},
-    "Dedup known rescaled": {"name": "dedup", "groups": "known", "keep": 0.7, "per_group": 1, "then": "importance",
-                             "delta": 0.875, "group_rescale": True},
+    "Dedup known": {
+        "name": "dedup",
+        "groups": "known",
+        "keep": 0.7,
+        "per_group": 1,
+        "then": "importance",
+        "delta": 0.875,
+        "group_rescale": False,
+    },
+    "Dedup known rescaled": {
+        "name": "dedup",
+        "groups": "known",
+        "keep": 0.7,
+        "per_group": 1,
+        "then": "importance",
+        "delta": 0.875,
+        "group_rescale": True,
+    },
     # the control: the same groups, the same share of each kept, but always the same members and no
     # full passes at the end, as if the others had been removed from the shards once before training
-    "Static dedup known": {"name": "dedup", "groups": "known", "keep": 0.7, "per_group": 1, "then": "importance",
-                           "delta": 1.0, "group_rescale": False, "static": True},
+    "Static dedup known": {
+        "name": "dedup",
+        "groups": "known",
+        "keep": 0.7,
+        "per_group": 1,
+        "then": "importance",
+        "delta": 1.0,
+        "group_rescale": False,
+        "static": True,
+    },
 }
 
 
@@ -205,8 +316,10 @@ def only_arms(plan: TaskPlan, arms: tuple[str, ...]) -> TaskPlan:
     """The plan with only the pruned settings labelled `arms` (Full and its seeds stay)."""
     unknown = [a for a in arms if a not in plan.pruners]
     if unknown:
-        raise ValueError(f"bench --arms: {plan.task} has no setting {', '.join(map(repr, unknown))}; accepted: "
-                         f"{', '.join(plan.pruners)}")
+        raise ValueError(
+            f"bench --arms: {plan.task} has no setting {', '.join(map(repr, unknown))}; accepted: "
+            f"{', '.join(plan.pruners)}"
+        )
     return dataclasses.replace(plan, pruners={a: plan.pruners[a] for a in arms})
 
 
@@ -220,28 +333,86 @@ def pays_plans(data: str, micro: bool = False, seeds: int = len(SEEDS)) -> list[
     extra = ("val_mix",) if data == "redundant" else ()
     # on redundant data, the settings that know its near-duplicates: the ceiling of selection (Full on
     # what an oracle deduplication leaves) and the dedup pruner on the same known groups
-    known = {"Dedup oracle": {"name": "full", "run": {"data.train": "{data}/train_dedup"}}, **DEDUP_ARMS} \
-        if data == "redundant" else {}
+    known = (
+        {"Dedup oracle": {"name": "full", "run": {"data.train": "{data}/train_dedup"}}, **DEDUP_ARMS}
+        if data == "redundant"
+        else {}
+    )
     photos = 60 if data != "digits" else 0  # 900 crops: 810 unique train (+ as many duplicates), 90 val
     channels = ["data.channels=3"] if data != "digits" else []
     if micro:
         tiny = ["mae.embed_dim=16", "mae.decoder_embed_dim=16", "mae.depth=1", "data.val_batches=1", *channels]
-        return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 96, 2, 0,
-                         {**{k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, **known}, overrides=tiny,
-                         timing_rounds=0,
-                         data=data, crops_per_photo=8 if photos else 0, pruned_seeds=each, full_seeds=each,
-                         extra_splits=extra)]
-    return [TaskPlan("mae", "configs/bench_mae.yaml", "masked_mse", 500, 60, 0, {**PAYS_MAE, **known}, overrides=channels,
-                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
-                     extra_splits=extra),
-            TaskPlan("ldm", "configs/bench_ldm.yaml", "denoise_mse", 500, 24, 0, {**PAYS_LDM, **known}, overrides=channels,
-                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
-                     extra_splits=extra),
-            # labels: the photograph (15) on photos and redundant data, the digit on digits
-            TaskPlan("dit", "configs/bench_dit.yaml", "denoise_mse", 500, 24, 0, {**PAYS_DIT, **known},
-                     overrides=[*channels, f"ldm.num_classes={15 if photos else 10}"],
-                     timing_rounds=0, data=data, crops_per_photo=photos, pruned_seeds=each, full_seeds=each,
-                     extra_splits=extra, fid_steps=20, replication_samples=256)]
+        return [
+            TaskPlan(
+                "mae",
+                "configs/bench_mae.yaml",
+                "masked_mse",
+                96,
+                2,
+                0,
+                {**{k: PAYS_MAE[k] for k in ("InfoBatch", "Importance")}, **known},
+                overrides=tiny,
+                timing_rounds=0,
+                data=data,
+                crops_per_photo=8 if photos else 0,
+                pruned_seeds=each,
+                full_seeds=each,
+                extra_splits=extra,
+            )
+        ]
+    return [
+        TaskPlan(
+            "mae",
+            "configs/bench_mae.yaml",
+            "masked_mse",
+            500,
+            60,
+            0,
+            {**PAYS_MAE, **known},
+            overrides=channels,
+            timing_rounds=0,
+            data=data,
+            crops_per_photo=photos,
+            pruned_seeds=each,
+            full_seeds=each,
+            extra_splits=extra,
+        ),
+        TaskPlan(
+            "ldm",
+            "configs/bench_ldm.yaml",
+            "denoise_mse",
+            500,
+            24,
+            0,
+            {**PAYS_LDM, **known},
+            overrides=channels,
+            timing_rounds=0,
+            data=data,
+            crops_per_photo=photos,
+            pruned_seeds=each,
+            full_seeds=each,
+            extra_splits=extra,
+        ),
+        # labels: the photograph (15) on photos and redundant data, the digit on digits
+        TaskPlan(
+            "dit",
+            "configs/bench_dit.yaml",
+            "denoise_mse",
+            500,
+            24,
+            0,
+            {**PAYS_DIT, **known},
+            overrides=[*channels, f"ldm.num_classes={15 if photos else 10}"],
+            timing_rounds=0,
+            data=data,
+            crops_per_photo=photos,
+            pruned_seeds=each,
+            full_seeds=each,
+            extra_splits=extra,
+            fid_steps=20,
+            replication_samples=256,
+        ),
+    ]
 
 
 def first_specs(plan: TaskPlan) -> list[RunSpec]:
@@ -251,17 +422,47 @@ def first_specs(plan: TaskPlan) -> list[RunSpec]:
         if passes <= 0:
             continue
         for seed in plan.full_seeds:
-            specs.append(RunSpec(f"{plan.task}_{schedule}_full_s{seed}", plan.task, schedule, f"Full s{seed}", "full",
-                                 {"name": "full"}, seed, passes))
+            specs.append(
+                RunSpec(
+                    f"{plan.task}_{schedule}_full_s{seed}",
+                    plan.task,
+                    schedule,
+                    f"Full s{seed}",
+                    "full",
+                    {"name": "full"},
+                    seed,
+                    passes,
+                )
+            )
             for shorter in frontier_passes(plan, passes):  # named as equal-compute runs: one run serves both
-                specs.append(RunSpec(full_key(plan.task, schedule, shorter, seed), plan.task, schedule,
-                                     f"Full {shorter} passes", "frontier", {"name": "full"}, seed, shorter))
+                specs.append(
+                    RunSpec(
+                        full_key(plan.task, schedule, shorter, seed),
+                        plan.task,
+                        schedule,
+                        f"Full {shorter} passes",
+                        "frontier",
+                        {"name": "full"},
+                        seed,
+                        shorter,
+                    )
+                )
         groups = [("pruned", plan.pruners)] + ([("ablation", plan.ablations)] if schedule == "long" else [])
         for role, pruners in groups:
             for label, pruner in pruners.items():
                 for seed in plan.pruned_seeds:
-                    specs.append(RunSpec(f"{plan.task}_{schedule}_{slug(label)}{seed_suffix(seed)}", plan.task,
-                                         schedule, label, role, dict(pruner), seed, passes))
+                    specs.append(
+                        RunSpec(
+                            f"{plan.task}_{schedule}_{slug(label)}{seed_suffix(seed)}",
+                            plan.task,
+                            schedule,
+                            label,
+                            role,
+                            dict(pruner),
+                            seed,
+                            passes,
+                        )
+                    )
     return specs
 
 
@@ -274,9 +475,17 @@ def equal_compute_spec(pruned: dict, full_per_pass: int) -> RunSpec:
     """Full (the pruned run's seed) for as many passes as its samples forwarded buy, its own schedule."""
     passes = max(1, int(round(pruned["samples_forwarded"] / full_per_pass)))
     seed = int(pruned.get("seed", 0))
-    return RunSpec(full_key(pruned["task"], pruned["schedule"], passes, seed), pruned["task"],
-                   pruned["schedule"], f"Full @ {pruned['label']}", "equal_compute", {"name": "full"}, seed, passes,
-                   compute_of=pruned["label"])
+    return RunSpec(
+        full_key(pruned["task"], pruned["schedule"], passes, seed),
+        pruned["task"],
+        pruned["schedule"],
+        f"Full @ {pruned['label']}",
+        "equal_compute",
+        {"name": "full"},
+        seed,
+        passes,
+        compute_of=pruned["label"],
+    )
 
 
 def full_key(task: str, schedule: str, passes: int, seed: int) -> str:

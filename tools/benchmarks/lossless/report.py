@@ -9,10 +9,10 @@ import os
 
 import numpy as np
 
-from pipelines.report.frontier import interval_text, percent
-from pipelines.report.lossless import LOSSLESS_K
-from tools.benchmarks.lossless.plan import TaskPlan
-from tools.benchmarks.lossless.verdicts import fmt, seed_savings
+from prunepipe.pipelines.report.frontier import interval_text, percent
+from prunepipe.pipelines.report.lossless import LOSSLESS_K
+from prunepipe.tools.benchmarks.lossless.plan import TaskPlan
+from prunepipe.tools.benchmarks.lossless.verdicts import fmt, seed_savings
 
 
 def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) -> list[str]:
@@ -54,8 +54,12 @@ def plot_curves(results: list[dict], plan: TaskPlan, out_dir: str, mode: str) ->
         ax.legend(fontsize=8)
     axes[0].set_title(f"{plan.task}, long schedule ({plan.long} passes): by pass")
     axes[1].set_title(f"{plan.task}: by samples forwarded\n(dotted: Full, its own shorter schedule; dot = its end)")
-    tails = [p["held_out"] for r in long_runs for p in r["curve"][max(1, len(r["curve"]) // 10):]
-             if p["held_out"] is not None]
+    tails = [
+        p["held_out"]
+        for r in long_runs
+        for p in r["curve"][max(1, len(r["curve"]) // 10) :]
+        if p["held_out"] is not None
+    ]
     if tails:  # zoom on where the runs differ, not on the first passes' drop
         for ax in axes:
             ax.set_ylim(0.95 * min(tails), 1.05 * max(tails))
@@ -76,16 +80,19 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipelines.report.frontier import interval_text, t_interval
-    from pipelines.evaluation.records import lower_is_better
-    from tools.benchmarks.lossless.verdicts import FULL_ROLES
+    from prunepipe.pipelines.evaluation.records import lower_is_better
+    from prunepipe.pipelines.report.frontier import interval_text, t_interval
+    from prunepipe.tools.benchmarks.lossless.verdicts import FULL_ROLES
 
     metrics = [plan.main] + [f"{plan.main}@{split}" for split in plan.extra_splits]
     runs = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"]
     full_compute = np.mean([r["samples_forwarded"] for r in runs if r["role"] == "full"])
     rows = {r["label"]: r for r in arm_rows if r["task"] == plan.task and r["schedule"] == "long"}
-    savings = [(label, r["metrics"][plan.main]["saving"]) for label, r in rows.items()
-               if (r["metrics"].get(plan.main) or {}).get("saving")]
+    savings = [
+        (label, r["metrics"][plan.main]["saving"])
+        for label, r in rows.items()
+        if (r["metrics"].get(plan.main) or {}).get("saving")
+    ]
     panels = len(metrics) + bool(savings)
     fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 5.2), squeeze=False)
     if savings:
@@ -95,14 +102,27 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
         for r in runs:
             if r["role"] in FULL_ROLES and r["metrics"].get(metric) is not None:
                 full.setdefault(r["passes"], {})[r["key"]] = r
-        line = sorted((np.mean([r["samples_forwarded"] for r in g.values()]) / full_compute,
-                       np.mean([r["metrics"][metric] for r in g.values()]),
-                       min(r["metrics"][metric] for r in g.values()), max(r["metrics"][metric] for r in g.values()),
-                       len(g)) for g in full.values())
+        line = sorted(
+            (
+                np.mean([r["samples_forwarded"] for r in g.values()]) / full_compute,
+                np.mean([r["metrics"][metric] for r in g.values()]),
+                min(r["metrics"][metric] for r in g.values()),
+                max(r["metrics"][metric] for r in g.values()),
+                len(g),
+            )
+            for g in full.values()
+        )
         if line:
             xs, ys, lows, highs, counts = zip(*line)
-            ax.plot(xs, ys, color="black", marker="o", ms=4, lw=1.5,
-                    label=f"Full, its own schedule (mean of {max(counts)} seeds)")
+            ax.plot(
+                xs,
+                ys,
+                color="black",
+                marker="o",
+                ms=4,
+                lw=1.5,
+                label=f"Full, its own schedule (mean of {max(counts)} seeds)",
+            )
             ax.fill_between(xs, lows, highs, color="black", alpha=0.12, lw=0, label="Full, lowest to highest seed")
         arms = dict.fromkeys(r["label"] for r in runs if r["role"] in ("pruned", "ablation"))
         for i, label in enumerate(arms):
@@ -114,8 +134,17 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
             error = [[mean - low], [high - mean]] if len(values) > 1 else None
             saving = ((rows.get(label) or {}).get("metrics", {}).get(metric) or {}).get("saving")
             text = f"{label}: saves {interval_text(saving)}" if saving else f"{label} ({len(values)} seeds)"
-            ax.errorbar([np.mean([r["samples_forwarded"] for r in mine]) / full_compute], [mean], yerr=error,
-                        color=f"C{i}", marker="s", ms=6, capsize=3, ls="none", label=text)
+            ax.errorbar(
+                [np.mean([r["samples_forwarded"] for r in mine]) / full_compute],
+                [mean],
+                yerr=error,
+                color=f"C{i}",
+                marker="s",
+                ms=6,
+                capsize=3,
+                ls="none",
+                label=text,
+            )
         better = "below" if lower_is_better(metric) else "above"
         ax.set_title(f"{plan.task}: final {metric}\n{better} the black line = better than training less")
         ax.set_xlabel("compute (samples forwarded, fraction of Full's full schedule)")
@@ -132,17 +161,30 @@ def plot_frontier(results: list[dict], plan: TaskPlan, out_dir: str, mode: str, 
 def plot_savings(ax, savings: list[tuple[str, dict]], plan: TaskPlan) -> None:
     """One row per setting: each seed's compute saved at equal quality (open: a bound beyond the
     frontier's ends) and the mean with its 95% t interval; the target and 0 as lines."""
-    from tools.benchmarks.lossless.verdicts import TARGET_ISO_SAVING
+    from prunepipe.tools.benchmarks.lossless.verdicts import TARGET_ISO_SAVING
 
     for row, (label, saving) in enumerate(savings):
         for seed in saving["per_seed"]:
             bound = seed["kind"] != "interpolated"
-            ax.plot(100 * seed["saving"], row, marker=">" if seed["kind"] == "at least" else "<" if bound else "o",
-                    ms=5, color="gray", mfc="none" if bound else "gray", ls="none")
+            ax.plot(
+                100 * seed["saving"],
+                row,
+                marker=">" if seed["kind"] == "at least" else "<" if bound else "o",
+                ms=5,
+                color="gray",
+                mfc="none" if bound else "gray",
+                ls="none",
+            )
         if saving["n"] > 1:
-            ax.errorbar(100 * saving["mean"], row + 0.25, xerr=[[100 * (saving["mean"] - saving["low"])],
-                                                                [100 * (saving["high"] - saving["mean"])]],
-                        color=f"C{row}", marker="D", ms=6, capsize=3)
+            ax.errorbar(
+                100 * saving["mean"],
+                row + 0.25,
+                xerr=[[100 * (saving["mean"] - saving["low"])], [100 * (saving["high"] - saving["mean"])]],
+                color=f"C{row}",
+                marker="D",
+                ms=6,
+                capsize=3,
+            )
     ax.axvline(0, color="black", lw=1)
     ax.axvline(100 * TARGET_ISO_SAVING, color="tab:green", lw=1, ls="--", label=f"target {TARGET_ISO_SAVING:.0%}")
     ax.set_yticks(range(len(savings)), [label for label, _ in savings], fontsize=8)
@@ -163,65 +205,104 @@ def results_table(rows: list[dict], task: str, schedule: str) -> list[str]:
         return []
     main = rows[0]["main"]
     extra = [m for m in rows[0]["deltas"] if m != main]
-    head = (["run", "passes", "samples fwd", "compute", "opt steps", "wall s", "saving", main, "Δ (std)"]
-            + [f"{m} (Δ std)" for m in extra] + ["lossless (equal passes)", "Full at equal compute", "Δ vs it (std)",
-                                                  "beats equal compute"])
+    head = (
+        ["run", "passes", "samples fwd", "compute", "opt steps", "wall s", "saving", main, "Δ (std)"]
+        + [f"{m} (Δ std)" for m in extra]
+        + ["lossless (equal passes)", "Full at equal compute", "Δ vs it (std)", "beats equal compute"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {"full": 0, "frontier": 0.5, "pruned": 1, "ablation": 2, "equal_compute": 3}
     repeated = {r["label"] for r in rows if sum(o["label"] == r["label"] for o in rows) > 1}
     for r in sorted(rows, key=lambda r: (order[r["role"]], r["label"], r.get("seed", 0))):
         name = f"{r['label']} s{r['seed']}" if r["label"] in repeated and "seed" in r else r["label"]
-        cells = [name, str(r["passes"]), f"{r['samples_forwarded']:,}", f"{r['compute']:.0%}",
-                 str(r["optimizer_steps"]), f"{r['wall_seconds']:.0f}", f"{r['saving']:+.0%}",
-                 fmt(r["metrics"].get(main)), fmt(r["deltas"][main], 2)]
+        cells = [
+            name,
+            str(r["passes"]),
+            f"{r['samples_forwarded']:,}",
+            f"{r['compute']:.0%}",
+            str(r["optimizer_steps"]),
+            f"{r['wall_seconds']:.0f}",
+            f"{r['saving']:+.0%}",
+            fmt(r["metrics"].get(main)),
+            fmt(r["deltas"][main], 2),
+        ]
         cells += [f"{fmt(r['metrics'].get(m))} ({fmt(r['deltas'][m], 2)})" for m in extra]
         if r["role"] in ("pruned", "ablation"):
             how = "" if r["equal_compute_how"] == "run" else " (interp.)"
-            cells += [_verdict(r["lossless"]), fmt(r["equal_compute_value"]) + how, fmt(r["equal_compute_delta"], 2),
-                      _verdict(r["beats_equal_compute"])]
+            cells += [
+                _verdict(r["lossless"]),
+                fmt(r["equal_compute_value"]) + how,
+                fmt(r["equal_compute_delta"], 2),
+                _verdict(r["beats_equal_compute"]),
+            ]
         else:
             cells += ["", "", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
     full = next(r for r in rows if r["role"] == "full")
     lines.append("")
     seeds = sum(r["role"] == "full" for r in rows)
-    lines.append(f"Full over {seeds} seeds: {main} {fmt(full['full_mean'])} ± {fmt(full['full_std'], 2)} (sample std); "
-                 f"Δ = (worse - better) / that std, positive = worse than Full.")
+    lines.append(
+        f"Full over {seeds} seeds: {main} {fmt(full['full_mean'])} ± {fmt(full['full_std'], 2)} (sample std); "
+        f"Δ = (worse - better) / that std, positive = worse than Full."
+    )
     return lines
 
 
 def cost_table(rows: list[dict]) -> list[str]:
-    lines = ["| task | schedule | run | samples skipped | wall-clock saving | realised / skipped | step ms | "
-             "pruner time / step time |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| task | schedule | run | samples skipped | wall-clock saving | realised / skipped | step ms | "
+        "pruner time / step time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["role"] in ("pruned", "ablation") or (r["role"] == "full" and r["label"] == "Full s0"):
-            lines.append(f"| {r['task']} | {r['schedule']} | {r['label']} | {r['skipped']:.1%} | {r['saving']:.1%} | "
-                         f"{fmt(r['realised'], 2)} | {r['step_ms']:.1f} | {r['pruner_overhead']:.3%} |")
+            lines.append(
+                f"| {r['task']} | {r['schedule']} | {r['label']} | {r['skipped']:.1%} | {r['saving']:.1%} | "
+                f"{fmt(r['realised'], 2)} | {r['step_ms']:.1f} | {r['pruner_overhead']:.3%} |"
+            )
     return lines
 
 
 def render(report: dict) -> str:
     rows, lines = report["rows"], []
-    lines += [f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
-              f"Wall time of the whole benchmark: {report['bench_seconds'] / 60:.1f} min "
-              f"({report['workers']} runs side by side, 1 torch thread each); load average at start / end: "
-              f"{report['load_start']} / {report['load_end']}  ", ""]
+    lines += [
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']}  ",
+        f"Wall time of the whole benchmark: {report['bench_seconds'] / 60:.1f} min "
+        f"({report['workers']} runs side by side, 1 torch thread each); load average at start / end: "
+        f"{report['load_start']} / {report['load_end']}  ",
+        "",
+    ]
     for plan in report["plans"]:
         task = plan["task"]
         flat = report["flattening"][task]
         data = plan.get("data", "digits")
-        what = (f"{plan['train_samples']} training digits" if data == "digits" else
-                f"{plan['train_samples']} training digits as captioned image-text pairs" if data == "captioned" else
-                f"{data} shards ({plan['crops_per_photo']} crops of each bundled photograph)")
-        lines += [f"### {task}: {what} at 16 px, `{plan['config']}`", "",
-                  f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "
-                  f"{fmt(flat['change'])} ({fmt(flat['in_std'], 2)} seed std) from pass {flat['from_pass']} to "
-                  f"{flat['passes']}: {'flattened' if flat['flattened'] else 'NOT flattened (still improving)'}. "
-                  + (f"Full with its own {flat['shorter_passes']}-pass schedule ends {fmt(flat['shorter_gap_std'], 2)} "
-                     f"seed std worse than at {flat['passes']} passes: "
-                     + ("the last passes bought nothing (converged)." if flat["converged"] else
-                        "the last passes still pay, so this is NOT the converged regime.")
-                     if flat["shorter_passes"] else ""), ""]
+        what = (
+            f"{plan['train_samples']} training digits"
+            if data == "digits"
+            else f"{plan['train_samples']} training digits as captioned image-text pairs"
+            if data == "captioned"
+            else f"{data} shards ({plan['crops_per_photo']} crops of each bundled photograph)"
+        )
+        lines += [
+            f"### {task}: {what} at 16 px, `{plan['config']}`",
+            "",
+            f"Long schedule: {plan['long']} passes; Full's mean held-out {plan['main']} changed by "
+            f"{fmt(flat['change'])} ({fmt(flat['in_std'], 2)} seed std) from pass {flat['from_pass']} to "
+            f"{flat['passes']}: {'flattened' if flat['flattened'] else 'NOT flattened (still improving)'}. "
+            + (
+                f"Full with its own {flat['shorter_passes']}-pass schedule ends {fmt(flat['shorter_gap_std'], 2)} "
+                f"seed std worse than at {flat['passes']} passes: "
+                + (
+                    "the last passes bought nothing (converged)."
+                    if flat["converged"]
+                    else "the last passes still pay, so this is NOT the converged regime."
+                )
+                if flat["shorter_passes"]
+                else ""
+            ),
+            "",
+        ]
         for schedule in ("long", "short"):
             table = results_table(rows, task, schedule)
             if table:
@@ -232,18 +313,24 @@ def render(report: dict) -> str:
         # the page lies beside its plots, in OUT/benchmarks/
         lines += [f"![{task} curves]({os.path.basename(p)})" for p in report["plots"].get(task, [])] + [""]
     if report.get("timing_rows"):
-        lines += ["### Wall-clock, one run at a time", "",
-                  "The long schedule again without held-out evaluation, one run at a time, interleaved "
-                  "(Full, Random, InfoBatch, TED, then again), so runs did not share the cores with each other "
-                  "and met the same drifts of outside load. CPU = the run process's CPU seconds (setup included).", "",
-                  "| task | run | rounds | samples skipped | opt steps | wall s (spread) | wall saving | realised / skipped "
-                  "| CPU s | CPU saving | CPU realised | step ms | pruner time / loop time |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "### Wall-clock, one run at a time",
+            "",
+            "The long schedule again without held-out evaluation, one run at a time, interleaved "
+            "(Full, Random, InfoBatch, TED, then again), so runs did not share the cores with each other "
+            "and met the same drifts of outside load. CPU = the run process's CPU seconds (setup included).",
+            "",
+            "| task | run | rounds | samples skipped | opt steps | wall s (spread) | wall saving | realised / skipped "
+            "| CPU s | CPU saving | CPU realised | step ms | pruner time / loop time |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for t in report["timing_rows"]:
-            lines.append(f"| {t['task']} | {t['label']} | {t['rounds']} | {t['skipped']:.1%} | {t['optimizer_steps']:.0f} | "
-                         f"{t['wall_seconds']:.1f} ({t['wall_spread']:.1f}) | {t['saving']:.1%} | {fmt(t['realised'], 2)} | "
-                         f"{t['cpu_seconds']:.1f} | {t['cpu_saving']:.1%} | {fmt(t['cpu_realised'], 2)} | "
-                         f"{t['step_ms']:.1f} | {t['pruner_overhead']:.3%} |")
+            lines.append(
+                f"| {t['task']} | {t['label']} | {t['rounds']} | {t['skipped']:.1%} | {t['optimizer_steps']:.0f} | "
+                f"{t['wall_seconds']:.1f} ({t['wall_spread']:.1f}) | {t['saving']:.1%} | {fmt(t['realised'], 2)} | "
+                f"{t['cpu_seconds']:.1f} | {t['cpu_saving']:.1%} | {fmt(t['cpu_realised'], 2)} | "
+                f"{t['step_ms']:.1f} | {t['pruner_overhead']:.3%} |"
+            )
         lines.append("")
     lines += ["### Cost in the side-by-side runs (two at a time; noisier)", ""] + cost_table(rows) + [""]
     lines += ["### Targets", "", "| target | status | measured |", "|---|---|---|"]
@@ -260,18 +347,23 @@ def replication_table(results: list[dict], task: str) -> list[str]:
     if not by_label:
         return []
     first = next(iter(by_label.values()))[0]
-    lines = [f"Replication ({task}): {first['replication_samples']} samples of each run searched among its "
-             f"{first['replication_train_samples']} train images; a copy is a sample whose nearest train image is "
-             f"at most {first['replication_threshold']:g} of the mean distance to its "
-             f"{first['replication_neighbours']} nearest (pixels; pipelines/evaluation/replication.py). Mean over "
-             f"seeds [min, max]:", "",
-             "| setting | seeds | copies | held-out images flagged | closer than the held-out 1% | median ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Replication ({task}): {first['replication_samples']} samples of each run searched among its "
+        f"{first['replication_train_samples']} train images; a copy is a sample whose nearest train image is "
+        f"at most {first['replication_threshold']:g} of the mean distance to its "
+        f"{first['replication_neighbours']} nearest (pixels; pipelines/evaluation/replication.py). Mean over "
+        f"seeds [min, max]:",
+        "",
+        "| setting | seeds | copies | held-out images flagged | closer than the held-out 1% | median ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, rows in by_label.items():
-        lines.append(f"| {label} | {len(rows)} | {_seed_spread(rows, 'replication_rate')} | "
-                     f"{_seed_spread(rows, 'replication_rate_held_out')} | "
-                     f"{_seed_spread(rows, 'replication_closer_than_held_out_p99')} | "
-                     f"{_seed_spread(rows, 'replication_ratio_q50', False)} |")
+        lines.append(
+            f"| {label} | {len(rows)} | {_seed_spread(rows, 'replication_rate')} | "
+            f"{_seed_spread(rows, 'replication_rate_held_out')} | "
+            f"{_seed_spread(rows, 'replication_closer_than_held_out_p99')} | "
+            f"{_seed_spread(rows, 'replication_ratio_q50', False)} |"
+        )
     return lines + [""]
 
 
@@ -301,13 +393,23 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
     if not mine:
         return []
     main = mine[0]["main"]
-    hurts = sorted({f"**{r['metrics'][main]['saving']['hurts']}**; each setting is read against the best Full at or "
-                    f"below its compute" for r in mine if ((r["metrics"].get(main) or {}).get("saving") or {}).get("hurts")})
-    lines = [f"#### {task}: compute saved at equal quality ({main}), seeds paired with their own Full", "",
-             *([*hurts, ""] if hurts else []),
-             "| setting | compute | seeds | Full points per seed | saving at equal quality [95% t CI] | bootstrap CI "
-             "| per seed | verdict | seeds needed | paired Δ vs Full, equal passes [CI] | paired Δ vs Full, equal compute "
-             "[CI] | pooled Δ std: passes / compute |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    hurts = sorted(
+        {
+            f"**{r['metrics'][main]['saving']['hurts']}**; each setting is read against the best Full at or "
+            f"below its compute"
+            for r in mine
+            if ((r["metrics"].get(main) or {}).get("saving") or {}).get("hurts")
+        }
+    )
+    lines = [
+        f"#### {task}: compute saved at equal quality ({main}), seeds paired with their own Full",
+        "",
+        *([*hurts, ""] if hurts else []),
+        "| setting | compute | seeds | Full points per seed | saving at equal quality [95% t CI] | bootstrap CI "
+        "| per seed | verdict | seeds needed | paired Δ vs Full, equal passes [CI] | paired Δ vs Full, equal compute "
+        "[CI] | pooled Δ std: passes / compute |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in mine:
         c = r["metrics"].get(main)
         if not c:
@@ -317,40 +419,70 @@ def arms_table(arm_rows: list[dict], task: str) -> list[str]:
         how = " (interp.)" if "interpolated" in (c.get("paired_compute_how") or []) else ""
         lines.append(
             f"| {r['label']} | {r['compute']:.0%} | {len(r['seeds'])} | {'/'.join(map(str, points)) or '-'} | "
-            + (f"{interval_text(s)} | [{percent(s['bootstrap_low'])}, {percent(s['bootstrap_high'])}] | {_seed_savings(s)} | "
-               f"{s['verdict']} | {s['seeds_needed'] or '-'} | " if s else "- | - | - | - | - | ")
+            + (
+                f"{interval_text(s)} | [{percent(s['bootstrap_low'])}, {percent(s['bootstrap_high'])}] | {_seed_savings(s)} | "
+                f"{s['verdict']} | {s['seeds_needed'] or '-'} | "
+                if s
+                else "- | - | - | - | - | "
+            )
             + f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])}{how} | "
-              f"{fmt(c['delta_passes'], 2)} / {fmt(c['delta_compute'], 2)} |")
-    notes = [f"- {r['label']}: {r['metrics'][main]['saving']['note']}" for r in mine
-             if (r["metrics"].get(main) or {}).get("saving") and r["metrics"][main]["saving"]["note"]]
-    lines += [""] + notes + (["" ] if notes else [])
-    lines += [f"Saving = 1 − compute / the compute at which the same seed's Full frontier reaches the setting's "
-                  f"{main} (linear between Full runs; ≥ / ≤: beyond the frontier's ends, a bound). Interval: t over "
-                  f"seeds (the bootstrap beside it covers less than 95% at few seeds). Seeds needed: for a paired t "
-                  f"test (5%, two-sided) to show this mean saving ≠ 0 with 80% power. Paired Δ: mean of per-seed "
-                  f"differences setting − Full of the same seed, in {main} units (Full at equal compute: the seed's "
-                  f"equal-compute run, interp. = read off its frontier).", ""]
+            f"{fmt(c['delta_passes'], 2)} / {fmt(c['delta_compute'], 2)} |"
+        )
+    notes = [
+        f"- {r['label']}: {r['metrics'][main]['saving']['note']}"
+        for r in mine
+        if (r["metrics"].get(main) or {}).get("saving") and r["metrics"][main]["saving"]["note"]
+    ]
+    lines += [""] + notes + ([""] if notes else [])
+    lines += [
+        f"Saving = 1 − compute / the compute at which the same seed's Full frontier reaches the setting's "
+        f"{main} (linear between Full runs; ≥ / ≤: beyond the frontier's ends, a bound). Interval: t over "
+        f"seeds (the bootstrap beside it covers less than 95% at few seeds). Seeds needed: for a paired t "
+        f"test (5%, two-sided) to show this mean saving ≠ 0 with 80% power. Paired Δ: mean of per-seed "
+        f"differences setting − Full of the same seed, in {main} units (Full at equal compute: the seed's "
+        f"equal-compute run, interp. = read off its frontier).",
+        "",
+    ]
     others = [(r, m, c) for r in mine for m, c in r["metrics"].items() if m != main and c.get("saving")]
     if others:
-        lines += ["| setting | metric | saving at equal quality [95% t CI] | per seed | paired Δ, equal passes | "
-                  "paired Δ, equal compute |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['label']} | {m} | {c['saving']['verdict']} | {_seed_savings(c['saving'])} | "
-                  f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])} |" for r, m, c in others]
-        lines += ["", "Metrics with @val_mix are on held-out data drawn from the train mix; the others on the clean val.",
-                  ""]
-    lines += [f"#### {task}: settings at {len(mine[0]['seeds'])} seeds, deltas in pooled std (positive = worse)", "",
-              "| setting | compute | metric | mean ± std | Full, equal passes | Δ | lossless | Full, equal compute "
-              "(passes) | Δ | pays |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| setting | metric | saving at equal quality [95% t CI] | per seed | paired Δ, equal passes | "
+            "paired Δ, equal compute |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['label']} | {m} | {c['saving']['verdict']} | {_seed_savings(c['saving'])} | "
+            f"{_paired(c['paired_passes'])} | {_paired(c['paired_compute'])} |"
+            for r, m, c in others
+        ]
+        lines += [
+            "",
+            "Metrics with @val_mix are on held-out data drawn from the train mix; the others on the clean val.",
+            "",
+        ]
+    lines += [
+        f"#### {task}: settings at {len(mine[0]['seeds'])} seeds, deltas in pooled std (positive = worse)",
+        "",
+        "| setting | compute | metric | mean ± std | Full, equal passes | Δ | lossless | Full, equal compute "
+        "(passes) | Δ | pays |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     yes = {True: "yes", False: "no", None: "n/a"}
     for r in mine:
         for metric, c in r["metrics"].items():
-            lines.append(f"| {r['label']} | {r['compute']:.0%} | {metric} | {fmt(c['mean'])} ± {fmt(c['std'], 2)} | "
-                         f"{fmt(c['full_mean'])} | {fmt(c['delta_passes'], 2)} | {yes[c['lossless']]} | "
-                         f"{fmt(c['equal_compute_mean'])} ({', '.join(map(str, r['equal_compute_passes']))}) | "
-                         f"{fmt(c['delta_compute'], 2)} | {yes[c['pays']]} |")
-    return lines + ["", f"Lossless: within {LOSSLESS_K:g} pooled std of Full at equal passes. Pays: better than Full "
-                        f"trained for the same samples forwarded by more than {LOSSLESS_K:g} pooled std (unpaired seed "
-                        f"means; pipelines/report/lossless.py).", ""]
+            lines.append(
+                f"| {r['label']} | {r['compute']:.0%} | {metric} | {fmt(c['mean'])} ± {fmt(c['std'], 2)} | "
+                f"{fmt(c['full_mean'])} | {fmt(c['delta_passes'], 2)} | {yes[c['lossless']]} | "
+                f"{fmt(c['equal_compute_mean'])} ({', '.join(map(str, r['equal_compute_passes']))}) | "
+                f"{fmt(c['delta_compute'], 2)} | {yes[c['pays']]} |"
+            )
+    return lines + [
+        "",
+        f"Lossless: within {LOSSLESS_K:g} pooled std of Full at equal passes. Pays: better than Full "
+        f"trained for the same samples forwarded by more than {LOSSLESS_K:g} pooled std (unpaired seed "
+        f"means; pipelines/report/lossless.py).",
+        "",
+    ]
 
 
 def markdown_path(out: str, mode: str) -> str:
@@ -360,9 +492,11 @@ def markdown_path(out: str, mode: str) -> str:
 
 def page(mode: str, body: str, json_path: str, out: str) -> str:
     """The generated page of one suite: its title, a line saying which command writes it, the tables."""
-    return (f"# `prunepipe bench lossless`, {mode}: generated tables\n\n"
-            f"Written by `prunepipe bench lossless`; `prunepipe bench lossless --from-json {json_path} --out {out}` "
-            f"rewrites it from the recorded runs, replacing everything between the markers.\n\n{body}")
+    return (
+        f"# `prunepipe bench lossless`, {mode}: generated tables\n\n"
+        f"Written by `prunepipe bench lossless`; `prunepipe bench lossless --from-json {json_path} --out {out}` "
+        f"rewrites it from the recorded runs, replacing everything between the markers.\n\n{body}"
+    )
 
 
 def write_markdown(path: str, mode: str, body: str) -> None:
@@ -372,7 +506,7 @@ def write_markdown(path: str, mode: str, body: str) -> None:
     block = f"{begin}\n{body}{end}"
     text = open(path).read() if os.path.exists(path) else ""
     if begin in text and end in text:
-        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     elif text:
         text = text.rstrip("\n") + f"\n\n{block}\n"
     else:

@@ -9,12 +9,15 @@ import math
 
 import numpy as np
 
-from pipelines.evaluation.records import lower_is_better
-from pipelines.report.frontier import AT_LEAST, AT_MOST, interval_text, paired_difference, saving_summary
-from pipelines.report.lossless import LOSSLESS_K, in_noise_units
-from tools.benchmarks.lossless.plan import TaskPlan
+from prunepipe.pipelines.evaluation.records import lower_is_better
+from prunepipe.pipelines.report.frontier import AT_LEAST, AT_MOST, interval_text, paired_difference, saving_summary
+from prunepipe.pipelines.report.lossless import LOSSLESS_K, in_noise_units
+from prunepipe.tools.benchmarks.lossless.plan import TaskPlan
 
-TARGET_SAVING = {"infobatch": 0.25, "ted": 0.30}  # the targets: converged regime, lossless (pipelines/report/lossless.py)
+TARGET_SAVING = {
+    "infobatch": 0.25,
+    "ted": 0.30,
+}  # the targets: converged regime, lossless (pipelines/report/lossless.py)
 TARGET_ISO_SAVING = 0.25  # the pays suite: compute saved at equal quality, with the 95% CI above 0
 FULL_ROLES = ("full", "frontier", "equal_compute")  # Full runs of some schedule length: frontier points
 
@@ -67,30 +70,48 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
     """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
     rows = []
     for plan, schedule, group, fulls, metric_names in schedule_groups(results, plans):
-        stats = {m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None])
-                 for m in metric_names}
+        stats = {
+            m: seed_stats([r["metrics"][m] for r in fulls if r["metrics"].get(m) is not None]) for m in metric_names
+        }
         wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
         sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
         full0 = next(r for r in fulls if r["seed"] == 0)
-        frontier = [(r["samples_forwarded"], r["metrics"][plan.main]) for r in group
-                    if r["role"] in ("equal_compute",) or r is full0]
+        frontier = [
+            (r["samples_forwarded"], r["metrics"][plan.main])
+            for r in group
+            if r["role"] in ("equal_compute",) or r is full0
+        ]
         equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
         mean, std = stats[plan.main]
         lower = lower_is_better(plan.main)
         for r in group:
             skipped = 1.0 - r["samples_forwarded"] / sf_full
             saving = 1.0 - r["wall_seconds"] / wall_full
-            row = {"task": plan.task, "schedule": schedule, "passes": r["passes"], "label": r["label"],
-                   "role": r["role"], "seed": r["seed"], "samples_forwarded": r["samples_forwarded"],
-                   "compute": r["samples_forwarded"] / sf_full, "optimizer_steps": r["optimizer_steps"],
-                   "wall_seconds": r["wall_seconds"], "saving": saving, "skipped": skipped,
-                   "realised": saving / skipped if skipped > 0.02 else float("nan"),
-                   "metrics": r["metrics"], "main": plan.main,
-                   "deltas": {m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], lower_is_better(m))
-                              for m in metric_names},
-                   "full_mean": mean, "full_std": std,
-                   "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
-                   "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1)}
+            row = {
+                "task": plan.task,
+                "schedule": schedule,
+                "passes": r["passes"],
+                "label": r["label"],
+                "role": r["role"],
+                "seed": r["seed"],
+                "samples_forwarded": r["samples_forwarded"],
+                "compute": r["samples_forwarded"] / sf_full,
+                "optimizer_steps": r["optimizer_steps"],
+                "wall_seconds": r["wall_seconds"],
+                "saving": saving,
+                "skipped": skipped,
+                "realised": saving / skipped if skipped > 0.02 else float("nan"),
+                "metrics": r["metrics"],
+                "main": plan.main,
+                "deltas": {
+                    m: delta_in_std(r["metrics"].get(m), stats[m][0], stats[m][1], lower_is_better(m))
+                    for m in metric_names
+                },
+                "full_mean": mean,
+                "full_std": std,
+                "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
+                "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1),
+            }
             if r["role"] in ("pruned", "ablation"):
                 value = r["metrics"][plan.main]
                 row["lossless"] = lossless(value, mean, std, lower)
@@ -100,8 +121,9 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                     reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
                 row["equal_compute_value"], row["equal_compute_how"] = reference, how
                 row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
-                row["beats_equal_compute"] = (beats_equal_compute(value, reference, std, lower)
-                                              if reference is not None else None)
+                row["beats_equal_compute"] = (
+                    beats_equal_compute(value, reference, std, lower) if reference is not None else None
+                )
             rows.append(row)
     return rows
 
@@ -140,13 +162,21 @@ def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
         for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
             mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
             equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
-            row = {"task": plan.task, "data": plan.data, "schedule": schedule, "label": label,
-                   "pruner": mine[0]["pruner"].get("name", "?"), "seeds": sorted(r["seed"] for r in mine),
-                   # a fixed subset every pass (a static deduplication): a data set, not a per-pass selection
-                   "static": bool(mine[0]["pruner"].get("static", False)),
-                   "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
-                   "compute": float(np.mean([r["samples_forwarded"] for r in mine])) / full_compute,
-                   "equal_compute_passes": sorted({r["passes"] for r in equal}), "main": plan.main, "metrics": {}}
+            row = {
+                "task": plan.task,
+                "data": plan.data,
+                "schedule": schedule,
+                "label": label,
+                "pruner": mine[0]["pruner"].get("name", "?"),
+                "seeds": sorted(r["seed"] for r in mine),
+                # a fixed subset every pass (a static deduplication): a data set, not a per-pass selection
+                "static": bool(mine[0]["pruner"].get("static", False)),
+                "samples_forwarded": float(np.mean([r["samples_forwarded"] for r in mine])),
+                "compute": float(np.mean([r["samples_forwarded"] for r in mine])) / full_compute,
+                "equal_compute_passes": sorted({r["passes"] for r in equal}),
+                "main": plan.main,
+                "metrics": {},
+            }
             for metric in metrics:
                 lower = lower_is_better(metric)
                 values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
@@ -154,24 +184,42 @@ def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
                 if len(values) < 2:
                     continue
-                cell = {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)), "n": len(values),
-                        "full_mean": float(np.mean(full)) if full else float("nan"),
-                        "equal_compute_mean": float(np.mean(same)) if same else float("nan")}
+                cell = {
+                    "mean": float(np.mean(values)),
+                    "std": float(np.std(values, ddof=1)),
+                    "n": len(values),
+                    "full_mean": float(np.mean(full)) if full else float("nan"),
+                    "equal_compute_mean": float(np.mean(same)) if same else float("nan"),
+                }
                 cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
-                cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"],
-                                                     pooled_std(values, same), lower)
-                cell["lossless"] = (bool(cell["delta_passes"] <= LOSSLESS_K) if math.isfinite(cell["delta_passes"])
-                                    else None)
-                cell["pays"] = bool(cell["delta_compute"] < -LOSSLESS_K) if math.isfinite(cell["delta_compute"]) else None
-                cell.update(paired_and_saved(mine, fulls, equal, seed_frontiers(group, metric, full_compute),
-                                             metric, full_compute, lower))
+                cell["delta_compute"] = delta_in_std(
+                    cell["mean"], cell["equal_compute_mean"], pooled_std(values, same), lower
+                )
+                cell["lossless"] = (
+                    bool(cell["delta_passes"] <= LOSSLESS_K) if math.isfinite(cell["delta_passes"]) else None
+                )
+                cell["pays"] = (
+                    bool(cell["delta_compute"] < -LOSSLESS_K) if math.isfinite(cell["delta_compute"]) else None
+                )
+                cell.update(
+                    paired_and_saved(
+                        mine, fulls, equal, seed_frontiers(group, metric, full_compute), metric, full_compute, lower
+                    )
+                )
                 row["metrics"][metric] = cell
             rows.append(row)
     return rows
 
 
-def paired_and_saved(mine: list[dict], fulls: list[dict], equal: list[dict], frontiers: dict, metric: str,
-                     full_compute: float, lower: bool) -> dict:
+def paired_and_saved(
+    mine: list[dict],
+    fulls: list[dict],
+    equal: list[dict],
+    frontiers: dict,
+    metric: str,
+    full_compute: float,
+    lower: bool,
+) -> dict:
     """A setting's seeds paired with their own Full: the differences at equal passes and at equal
     compute, and the compute saved at equal quality (None where no seed has a frontier)."""
     value = {r["seed"]: r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None}
@@ -186,11 +234,13 @@ def paired_and_saved(mine: list[dict], fulls: list[dict], equal: list[dict], fro
             read = interpolate_frontier(frontiers[seed], compute[seed])
             if read is not None:
                 at_compute[seed], how[seed] = read, "interpolated"
-    found = {"paired_passes": paired_difference(value, at_passes, lower),
-             "paired_compute": paired_difference(value, at_compute, lower),
-             "paired_compute_how": sorted(set(how.values())),
-             "frontier_points": {str(seed): len(points) for seed, points in sorted(frontiers.items())},
-             "saving": saving_summary(frontiers, {seed: (compute[seed], value[seed]) for seed in value}, lower)}
+    found = {
+        "paired_passes": paired_difference(value, at_passes, lower),
+        "paired_compute": paired_difference(value, at_compute, lower),
+        "paired_compute_how": sorted(set(how.values())),
+        "frontier_points": {str(seed): len(points) for seed, points in sorted(frontiers.items())},
+        "saving": saving_summary(frontiers, {seed: (compute[seed], value[seed]) for seed in value}, lower),
+    }
     return found
 
 
@@ -200,30 +250,50 @@ def saving_targets(arm_rows: list[dict]) -> list[dict]:
     CI above 0. Measured: the best pruner by mean saving, and the ceiling where the suite has one."""
     targets_ = []
     for task in dict.fromkeys(r["task"] for r in arm_rows):
-        judged = [(r, r["metrics"][r["main"]]["saving"]) for r in arm_rows
-                  if r["task"] == task and r["main"] in r["metrics"] and r["metrics"][r["main"]].get("saving")]
+        judged = [
+            (r, r["metrics"][r["main"]]["saving"])
+            for r in arm_rows
+            if r["task"] == task and r["main"] in r["metrics"] and r["metrics"][r["main"]].get("saving")
+        ]
         pruners = [(r, s) for r, s in judged if r["pruner"] != "full" and not r.get("static")]
         if not pruners:
             continue
         best, saving = best_saving(pruners)
         # lower bounds at or above the target: they would reach it, but bounds are not measurements
-        reached = bool(saving["bound"] == AT_LEAST and min(saving["bound_values"]) >= TARGET_ISO_SAVING
-                       and not (saving["n"] and saving["mean"] < TARGET_ISO_SAVING))
+        reached = bool(
+            saving["bound"] == AT_LEAST
+            and min(saving["bound_values"]) >= TARGET_ISO_SAVING
+            and not (saving["n"] and saving["mean"] < TARGET_ISO_SAVING)
+        )
         met = measured_target_met(saving)
         need = saving["seeds_needed"]
-        measured = ("reached on lower bounds only, so not measured: the frontier must reach further (Full "
-                    "above the full schedule, --frontier ...,1.2,1.5); " if reached and not met else "")
+        measured = (
+            "reached on lower bounds only, so not measured: the frontier must reach further (Full "
+            "above the full schedule, --frontier ...,1.2,1.5); "
+            if reached and not met
+            else ""
+        )
         note = f" ({saving['note']})" if saving["note"] else ""
-        measured += (f"best: {best['label']}, {saving['verdict']}{note} ({best['main']}, {saving['seeds_total']} seeds, "
-                     f"t interval over the {saving['n']} measured); "
-                    + (f"seeds a paired test would need to show its saving > 0: {need}" if need and saving["mean"] > 0
-                       else "no number of seeds would show a saving > 0 (measured mean <= 0)"))
+        measured += (
+            f"best: {best['label']}, {saving['verdict']}{note} ({best['main']}, {saving['seeds_total']} seeds, "
+            f"t interval over the {saving['n']} measured); "
+            + (
+                f"seeds a paired test would need to show its saving > 0: {need}"
+                if need and saving["mean"] > 0
+                else "no number of seeds would show a saving > 0 (measured mean <= 0)"
+            )
+        )
         ceiling = [(r, s) for r, s in judged if r["pruner"] == "full" and r["label"].startswith("Dedup")]
         for r, s in ceiling:
             measured += f"; the ceiling, {r['label']}: {interval_text(s)}"
-        targets_.append({"target": f"{best['data']} set, {task}: a pruner saves >= {TARGET_ISO_SAVING:.0%} compute at "
-                                   f"equal quality with the 95% CI above 0 ({best['main']})",
-                         "met": met, "measured": measured})
+        targets_.append(
+            {
+                "target": f"{best['data']} set, {task}: a pruner saves >= {TARGET_ISO_SAVING:.0%} compute at "
+                f"equal quality with the 95% CI above 0 ({best['main']})",
+                "met": met,
+                "measured": measured,
+            }
+        )
         targets_ += redundancy_target(task, pruners, [(r, s) for r, s in judged if r["label"] == "Dedup oracle"])
     return targets_
 
@@ -262,9 +332,14 @@ def redundancy_target(task: str, pruners: list, oracle: list) -> list[dict]:
         within = bool(math.isfinite(ceiling["low"]) and ceiling["low"] <= saving["mean"] <= ceiling["high"])
         measured += f"; the oracle: {interval_text(ceiling)}; {'within' if within else 'outside'} its interval"
     met = measured_target_met(saving) and within
-    return [{"target": f"{best['data']} set, {task}: the redundancy-aware pruner saves >= {TARGET_ISO_SAVING:.0%} "
-                       f"compute at equal quality, 95% CI above 0, within the dedup oracle's interval ({best['main']})",
-             "met": met, "measured": measured}]
+    return [
+        {
+            "target": f"{best['data']} set, {task}: the redundancy-aware pruner saves >= {TARGET_ISO_SAVING:.0%} "
+            f"compute at equal quality, 95% CI above 0, within the dedup oracle's interval ({best['main']})",
+            "met": met,
+            "measured": measured,
+        }
+    ]
 
 
 def flattening(results: list[dict], plan: TaskPlan) -> dict:
@@ -282,15 +357,27 @@ def flattening(results: list[dict], plan: TaskPlan) -> dict:
     _, curve_std = seed_stats(list(curves[:, -1]))
     change = mean_curve[at] - mean_curve[-1]
     mean, std = seed_stats([r["metrics"][plan.main] for r in fulls])
-    shorter = [r for r in results if r["task"] == plan.task and r["schedule"] == "long"
-               and r["role"] == "equal_compute" and r["passes"] < n]
-    found = {"passes": n, "from_pass": at + 1, "change": float(change), "in_std": float(change / curve_std),
-             "flattened": bool(abs(change / curve_std) < 1.0), "shorter_passes": None, "shorter_gap_std": None}
+    shorter = [
+        r
+        for r in results
+        if r["task"] == plan.task and r["schedule"] == "long" and r["role"] == "equal_compute" and r["passes"] < n
+    ]
+    found = {
+        "passes": n,
+        "from_pass": at + 1,
+        "change": float(change),
+        "in_std": float(change / curve_std),
+        "flattened": bool(abs(change / curve_std) < 1.0),
+        "shorter_passes": None,
+        "shorter_gap_std": None,
+    }
     if shorter:
         fewest = min(shorter, key=lambda r: r["passes"])
         gap = delta_in_std(fewest["metrics"][plan.main], mean, std, lower_is_better(plan.main))
         found.update(shorter_passes=fewest["passes"], shorter_gap_std=float(gap))
-    found["converged"] = bool(found["flattened"] and (found["shorter_gap_std"] is None or found["shorter_gap_std"] < 1.0))
+    found["converged"] = bool(
+        found["flattened"] and (found["shorter_gap_std"] is None or found["shorter_gap_std"] < 1.0)
+    )
     return found
 
 
@@ -317,16 +404,34 @@ def targets(rows: list[dict], flat: dict, timing_rows: list[dict] = ()) -> list[
             t = timed.get((task, label), r)
             where = " (sequential timing runs)" if (task, label) in timed else " (side-by-side runs)"
             ok = bool(r["lossless"] and t["saving"] >= need and flat[task]["converged"])
-            found.append({"target": f"{task}: {label} saves >= {need:.0%} wall-clock, within {LOSSLESS_K:g} seed std, converged",
-                          "met": ok, "measured": f"saving {t['saving']:.1%}{where}, Δ {fmt(r['deltas'][r['main']], 2)} std, "
-                                                 f"Full converged: {flat[task]['converged']}"})
-            found.append({"target": f"{task}: {label} beats Full at equal compute by > {LOSSLESS_K:g} seed std",
-                          "met": bool(r["beats_equal_compute"]),
-                          "measured": f"Δ vs equal-compute Full {fmt(r['equal_compute_delta'], 2)} std"})
+            found.append(
+                {
+                    "target": f"{task}: {label} saves >= {need:.0%} wall-clock, within {LOSSLESS_K:g} seed std, converged",
+                    "met": ok,
+                    "measured": f"saving {t['saving']:.1%}{where}, Δ {fmt(r['deltas'][r['main']], 2)} std, "
+                    f"Full converged: {flat[task]['converged']}",
+                }
+            )
+            found.append(
+                {
+                    "target": f"{task}: {label} beats Full at equal compute by > {LOSSLESS_K:g} seed std",
+                    "met": bool(r["beats_equal_compute"]),
+                    "measured": f"Δ vs equal-compute Full {fmt(r['equal_compute_delta'], 2)} std",
+                }
+            )
             if t["skipped"] > 0.02:
-                found.append({"target": f"{task}: {label} realised wall-clock saving >= 90% of samples skipped",
-                              "met": bool(t["realised"] >= 0.9),
-                              "measured": f"{t['saving']:.1%} of {t['skipped']:.1%} = {fmt(t['realised'], 2)}" + where})
-            found.append({"target": f"{task}: {label} pruner overhead < 1% of step time",
-                          "met": bool(t["pruner_overhead"] < 0.01), "measured": f"{t['pruner_overhead']:.3%}" + where})
+                found.append(
+                    {
+                        "target": f"{task}: {label} realised wall-clock saving >= 90% of samples skipped",
+                        "met": bool(t["realised"] >= 0.9),
+                        "measured": f"{t['saving']:.1%} of {t['skipped']:.1%} = {fmt(t['realised'], 2)}" + where,
+                    }
+                )
+            found.append(
+                {
+                    "target": f"{task}: {label} pruner overhead < 1% of step time",
+                    "met": bool(t["pruner_overhead"] < 0.01),
+                    "measured": f"{t['pruner_overhead']:.3%}" + where,
+                }
+            )
     return found
