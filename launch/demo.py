@@ -78,7 +78,7 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
         )
         pruned_dirs.append(pruned_dir)
         baseline.append(full_dir)  # several seeds: the verdicts' tolerances are their run-to-run spread
-        full_passes, per_pass = full["epoch"] + 1, full["samples_forwarded"] // (full["epoch"] + 1)
+        full_passes, per_pass = full["pass_index"] + 1, full["samples_forwarded"] // (full["pass_index"] + 1)
         short = equal_compute_passes(pruned, per_pass)
         if short == full_passes:  # pruning saved less than a pass: the baseline is the equal-compute run
             print(f"\n== {step + 3}/{steps} the equal-compute run of seed {seed} is its baseline ({short} passes)")

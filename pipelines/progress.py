@@ -4,7 +4,7 @@ carriage-return frames would fill the log. Imports nothing of the project.
 
 Passes are named one way wherever a user reads them, on screen and in logs: 1-based, "pass k/N"
 (`pass_label`, `position_label`). Records (metrics.jsonl, eval records, checkpoints) store the
-0-based index `epoch`, which is data.
+0-based index `pass_index`, which is data.
 """
 
 from __future__ import annotations
@@ -67,19 +67,19 @@ class PlainProgress:
         pass
 
 
-def pass_label(epoch: int, passes: int) -> str:
-    """The pass of 0-based index `epoch` as a user reads it: "pass k/N", k from 1."""
-    return f"pass {epoch + 1}/{passes}"
+def pass_label(pass_index: int, passes: int) -> str:
+    """The pass of 0-based index `pass_index` as a user reads it: "pass k/N", k from 1."""
+    return f"pass {pass_index + 1}/{passes}"
 
 
-def position_label(epoch: int, batch_in_pass: int, passes: int) -> str:
-    """A run's position (a checkpoint's `epoch` and `batch_in_pass`: batches done in the pass) as a
+def position_label(pass_index: int, batch_in_pass: int, passes: int) -> str:
+    """A run's position (a checkpoint's `pass_index` and `batch_in_pass`: batches done in the pass) as a
     user reads it: "pass k/N, batch b" inside a pass, "after pass k/N" between passes."""
     if batch_in_pass > 0:
-        return f"{pass_label(epoch, passes)}, batch {batch_in_pass}"
-    if epoch == 0:
+        return f"{pass_label(pass_index, passes)}, batch {batch_in_pass}"
+    if pass_index == 0:
         return f"before {pass_label(0, passes)}"
-    return f"after {pass_label(epoch - 1, passes)}"
+    return f"after {pass_label(pass_index - 1, passes)}"
 
 
 class EveryFewSeconds:

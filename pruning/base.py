@@ -1,6 +1,6 @@
 """The contract every pruner keeps (docs/design.md, "Pruners"), the counter-based coin and the frozen plan.
 
-Decisions are pure functions of (seed, epoch, id, plan frozen at the pass start): no global RNG is
+Decisions are pure functions of (seed, pass_index, id, plan frozen at the pass start): no global RNG is
 ever seeded or drawn from. pruning/ never imports a model, opens a file or talks to other ranks
 (except pruning/sync.py).
 """
@@ -37,21 +37,21 @@ def _mix64_scalar(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _stream_key(seed: int, epoch: int) -> int:
-    """A 64-bit key per (seed, epoch): the start of one SplitMix64 stream."""
-    return _mix64_scalar(_mix64_scalar(seed) + (epoch & _MASK64) * _GOLDEN_GAMMA)
+def _stream_key(seed: int, pass_index: int) -> int:
+    """A 64-bit key per (seed, pass_index): the start of one SplitMix64 stream."""
+    return _mix64_scalar(_mix64_scalar(seed) + (pass_index & _MASK64) * _GOLDEN_GAMMA)
 
 
-def uniform_coin(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
-    """A uniform number in [0, 1) per id, float64, a pure function of (seed, epoch, id).
+def uniform_coin(seed: int, pass_index: int, ids: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per id, float64, a pure function of (seed, pass_index, id).
 
-    The coin of `id` is output number `id` of a SplitMix64 stream keyed by (seed, epoch), so it
+    The coin of `id` is output number `id` of a SplitMix64 stream keyed by (seed, pass_index), so it
     does not depend on which other ids are asked for, in what order or in which process.
     """
     z = np.asarray(ids).astype(np.uint64)  # a fresh array: the in-place steps below may scribble
     with np.errstate(over="ignore"):  # wraparound is the point of the hash
         z *= np.uint64(_GOLDEN_GAMMA)
-        z += np.uint64(_stream_key(seed, epoch))
+        z += np.uint64(_stream_key(seed, pass_index))
         z ^= z >> np.uint64(30)
         z *= np.uint64(_MIX_1)
         z ^= z >> np.uint64(27)
@@ -64,17 +64,17 @@ def uniform_coin(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
 _ROTATION_SALT = 0x67726F7570  # "group": a stream of its own for each sample's phase on its rotation
 
 
-def rotation_keeps(seed: int, epoch: int, ids: np.ndarray, share: np.ndarray) -> np.ndarray:
-    """bool per id: kept in pass `epoch` by a rotation that keeps each id a `share` (in (0, 1]) of the passes.
+def rotation_keeps(seed: int, pass_index: int, ids: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """bool per id: kept in pass `pass_index` by a rotation that keeps each id a `share` (in (0, 1]) of the passes.
 
     Sample i has a phase u_i, a coin of (seed, id) that is the same in every pass, and moves by its
-    share s_i each pass: it is kept when frac(u_i + epoch * s_i) < s_i. In any one pass that happens
+    share s_i each pass: it is kept when frac(u_i + pass_index * s_i) < s_i. In any one pass that happens
     with probability s_i (u_i is uniform), so weighting by 1/s_i is unbiased as with an independent
     coin; unlike one, it keeps the sample at least once in any ceil(1/s_i) consecutive passes (steps
     of s_i cannot jump the window [0, s_i)), and in exactly a share s_i of passes in the long run.
     """
     share = np.asarray(share, dtype=np.float64)
-    position = uniform_coin(seed ^ _ROTATION_SALT, 0, ids) + int(epoch) * share
+    position = uniform_coin(seed ^ _ROTATION_SALT, 0, ids) + int(pass_index) * share
     return position - np.floor(position) < share
 
 
@@ -83,17 +83,17 @@ def rotation_keeps(seed: int, epoch: int, ids: np.ndarray, share: np.ndarray) ->
 # ----------------------------------------------------------------------------------------------
 
 
-def first_full_pass(num_epochs: int, delta: float | str | Fraction) -> int:
-    """The first pass trained on full data: the smallest integer >= num_epochs * delta.
+def first_full_pass(num_passes: int, delta: float | str | Fraction) -> int:
+    """The first pass trained on full data: the smallest integer >= num_passes * delta.
 
-    Pass `epoch` is pruned iff epoch < num_epochs * delta (InfoBatch's "annealing": prune during
-    the first delta fraction of training), so exactly num_epochs - ceil(num_epochs * delta)
+    Pass `pass_index` is pruned iff pass_index < num_passes * delta (InfoBatch's "annealing": prune during
+    the first delta fraction of training), so exactly num_passes - ceil(num_passes * delta)
     passes are full. The product is taken in exact rational arithmetic on delta as written
     (str(0.55) == "0.55"), so 100 * 0.55 is 55 and not 55.00000000000001. The reference code
     compares a pass counter with the float product, so its boundary moves by a pass with rounding
     (90 * 0.7 == 62.99999999999999) and with how its sampler's counter is driven.
     """
-    return math.ceil(num_epochs * Fraction(str(delta)))
+    return math.ceil(num_passes * Fraction(str(delta)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ class FrozenPlan:
     the coin; nothing dense per sample.
 
     Samples outside `candidates` are kept with weight 1. A candidate is kept with probability
-    `keep_prob` (the coin of (seed, epoch, id) decides) and then weighted 1/keep_prob, so each
+    `keep_prob` (the coin of (seed, pass_index, id) decides) and then weighted 1/keep_prob, so each
     sample's expected weight is 1 and the expected gradient equals the full-data one.
     `candidates is None` means every sample is a candidate; keep_prob == 1 means full data.
     `keep_probs` (per sample, float32 or float16: Importance's and Dedup's plans, the ones that need
@@ -159,7 +159,7 @@ class FrozenPlan:
     """
 
     seed: int
-    epoch: int
+    pass_index: int
     num_samples: int
     keep_prob: float
     candidates: Bitmap | None  # 1 bit per sample, read-only
@@ -185,10 +185,10 @@ class FrozenPlan:
         self, ids: np.ndarray, probs: np.ndarray, groups: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(kept, weight if kept) of `ids`, whose keep_probs are `probs` and group_probs `groups`."""
-        kept = uniform_coin(self.seed, self.epoch, ids) < probs
+        kept = uniform_coin(self.seed, self.pass_index, ids) < probs
         weight = np.float32(1.0) / probs if self.rescale else np.ones(len(ids), dtype=np.float32)
         if groups is not None:
-            kept &= rotation_keeps(self.seed, self.epoch if self.rotate else 0, ids, groups)
+            kept &= rotation_keeps(self.seed, self.pass_index if self.rotate else 0, ids, groups)
             if self.group_rescale:
                 weight = weight / groups
         return kept, weight.astype(np.float32, copy=False)
@@ -207,10 +207,12 @@ class FrozenPlan:
         if self.keep_prob >= 1.0:
             return weights
         if self.candidates is None:
-            weights[:] = np.where(uniform_coin(self.seed, self.epoch, ids) < self.keep_prob, self.candidate_weight, 0.0)
+            weights[:] = np.where(
+                uniform_coin(self.seed, self.pass_index, ids) < self.keep_prob, self.candidate_weight, 0.0
+            )
             return weights
         is_candidate = self.candidates.test(ids)
-        coin = uniform_coin(self.seed, self.epoch, ids[is_candidate])
+        coin = uniform_coin(self.seed, self.pass_index, ids[is_candidate])
         weights[is_candidate] = np.where(coin < self.keep_prob, self.candidate_weight, 0.0)
         return weights
 
@@ -227,7 +229,7 @@ class FrozenPlan:
             candidate_ids = np.arange(start, stop, dtype=np.int64)
         else:
             candidate_ids = start + np.flatnonzero(self.candidates.between(start, stop))
-        kept[candidate_ids - start] = uniform_coin(self.seed, self.epoch, candidate_ids) < self.keep_prob
+        kept[candidate_ids - start] = uniform_coin(self.seed, self.pass_index, candidate_ids) < self.keep_prob
         return kept
 
     def count_skipped(self) -> int:
@@ -246,7 +248,7 @@ class FrozenPlan:
         keep_probs = None if self.keep_probs is None else torch.from_numpy(np.array(self.keep_probs))
         group_probs = None if self.group_probs is None else torch.from_numpy(np.array(self.group_probs))
         return {
-            "epoch": self.epoch,
+            "pass_index": self.pass_index,
             "keep_prob": self.keep_prob,
             "candidate_bits": bits,
             "rescale": self.rescale,
@@ -272,7 +274,7 @@ class FrozenPlan:
             candidates.packed.flags.writeable = False
         return cls(
             seed,
-            int(state["epoch"]),
+            int(state["pass_index"]),
             num_samples,
             float(state["keep_prob"]),
             candidates,
@@ -311,18 +313,18 @@ class Pruner(abc.ABC):
 
     Subclasses declare their hyper-parameters as keyword-only `__init__` arguments with defaults,
     keep per-sample state in numpy tables made by `np.zeros` (untouched pages cost no memory),
-    and implement `_freeze(epoch) -> FrozenPlan`, `_record(ids, losses)` and the table lists.
+    and implement `_freeze(pass_index) -> FrozenPlan`, `_record(ids, losses)` and the table lists.
     """
 
     name: str = "pruner"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0, **hparams: Any):
+    def __init__(self, num_samples: int, num_passes: int, *, seed: int = 0, **hparams: Any):
         if int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if int(num_epochs) < 1:
-            raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+        if int(num_passes) < 1:
+            raise ValueError(f"num_passes must be >= 1, got {num_passes}")
         self.num_samples = int(num_samples)
-        self.num_epochs = int(num_epochs)
+        self.num_passes = int(num_passes)
         self.seed = int(seed)
         self.hparams: dict[str, Any] = dict(hparams)
         self._plan: FrozenPlan | None = None
@@ -335,7 +337,7 @@ class Pruner(abc.ABC):
     # -- what subclasses provide ---------------------------------------------------------------
 
     @abc.abstractmethod
-    def _freeze(self, epoch: int) -> FrozenPlan:
+    def _freeze(self, pass_index: int) -> FrozenPlan:
         """This pass's decisions from the current scores."""
 
     def _record(self, ids: np.ndarray, losses: np.ndarray) -> None:
@@ -363,24 +365,24 @@ class Pruner(abc.ABC):
         return self._plan
 
     @property
-    def epoch(self) -> int | None:
+    def pass_index(self) -> int | None:
         """The pass whose plan is frozen (None before the first `plan`)."""
-        return None if self._plan is None else self._plan.epoch
+        return None if self._plan is None else self._plan.pass_index
 
-    def plan(self, epoch: int) -> None:
-        """Freeze the decisions of pass `epoch` from the current scores; `weights` reads only this."""
-        epoch = int(epoch)
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if self._plan is not None and self._plan.epoch != epoch:
+    def plan(self, pass_index: int) -> None:
+        """Freeze the decisions of pass `pass_index` from the current scores; `weights` reads only this."""
+        pass_index = int(pass_index)
+        if pass_index < 0:
+            raise ValueError(f"pass_index must be >= 0, got {pass_index}")
+        if self._plan is not None and self._plan.pass_index != pass_index:
             self._skipped_in_earlier_passes += self._skipped_this_pass  # re-planning a pass replaces it
-        self._plan = self._freeze(epoch)
+        self._plan = self._freeze(pass_index)
         self._skipped_this_pass = self._plan.count_skipped()
 
     def weights(self, ids: np.ndarray) -> np.ndarray:
         """float32 weight per id for the planned pass; 0.0 = skip (no decode, forward or backward)."""
         if self._plan is None:
-            raise RuntimeError(f"{type(self).__name__}.weights() before plan(epoch): freeze a pass first")
+            raise RuntimeError(f"{type(self).__name__}.weights() before plan(pass_index): freeze a pass first")
         return self._plan.weights(ids)
 
     def update(self, ids: Any, losses: Any) -> None:
@@ -440,7 +442,7 @@ class Pruner(abc.ABC):
         kept = self.num_samples - self._skipped_this_pass if plan is not None else self.num_samples
         stats = {
             "pruner": self.name,
-            "epoch": self.epoch,
+            "pass_index": self.pass_index,
             "kept_fraction": kept / self.num_samples,
             "kept_this_pass": kept,
             "skipped_this_pass": self._skipped_this_pass,
@@ -461,7 +463,7 @@ class Pruner(abc.ABC):
         return {
             "pruner": self.name,
             "num_samples": self.num_samples,
-            "num_epochs": self.num_epochs,
+            "num_passes": self.num_passes,
             "seed": self.seed,
             "hparams": dict(self.hparams),
             "plan": None if self._plan is None else self._plan.to_state(),
@@ -480,7 +482,7 @@ class Pruner(abc.ABC):
         mine = {
             "pruner": self.name,
             "num_samples": self.num_samples,
-            "num_epochs": self.num_epochs,
+            "num_passes": self.num_passes,
             "seed": self.seed,
             "hparams": self.hparams,
         }
@@ -525,21 +527,21 @@ class Pruner(abc.ABC):
 
     # -- helpers for subclasses ----------------------------------------------------------------
 
-    def _full_plan(self, epoch: int) -> FrozenPlan:
-        return FrozenPlan(self.seed, epoch, self.num_samples, 1.0, None)
+    def _full_plan(self, pass_index: int) -> FrozenPlan:
+        return FrozenPlan(self.seed, pass_index, self.num_samples, 1.0, None)
 
     def _candidate_plan(
-        self, epoch: int, keep_prob: float, candidates: Bitmap | None, rescale: bool = True
+        self, pass_index: int, keep_prob: float, candidates: Bitmap | None, rescale: bool = True
     ) -> FrozenPlan:
         if candidates is not None:
             candidates.packed.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
-        return FrozenPlan(self.seed, epoch, self.num_samples, float(keep_prob), candidates, bool(rescale))
+        return FrozenPlan(self.seed, pass_index, self.num_samples, float(keep_prob), candidates, bool(rescale))
 
-    def _per_sample_plan(self, epoch: int, keep_probs: np.ndarray, rescale: bool = True) -> FrozenPlan:
+    def _per_sample_plan(self, pass_index: int, keep_probs: np.ndarray, rescale: bool = True) -> FrozenPlan:
         keep_probs.flags.writeable = False
         return FrozenPlan(
             self.seed,
-            epoch,
+            pass_index,
             self.num_samples,
             float(keep_probs.mean(dtype=np.float64)),
             None,
@@ -550,7 +552,7 @@ class Pruner(abc.ABC):
     def __repr__(self) -> str:
         hparams = ", ".join(f"{key}={value!r}" for key, value in self.hparams.items())
         return (
-            f"{type(self).__name__}(num_samples={self.num_samples}, num_epochs={self.num_epochs}, "
+            f"{type(self).__name__}(num_samples={self.num_samples}, num_passes={self.num_passes}, "
             f"seed={self.seed}, {hparams})"
         )
 

@@ -51,7 +51,7 @@ class Dedup(Pruner):
     def __init__(
         self,
         num_samples: int,
-        num_epochs: int,
+        num_passes: int,
         *,
         seed: int = 0,
         keep: float = 0.7,
@@ -80,7 +80,7 @@ class Dedup(Pruner):
         static = check_flag("dedup", "static", static)
         super().__init__(
             num_samples,
-            num_epochs,
+            num_passes,
             seed=seed,
             keep=keep,
             per_group=per_group,
@@ -102,7 +102,7 @@ class Dedup(Pruner):
             momentum,
         )
         self.static = static
-        self.first_full_pass = first_full_pass(self.num_epochs, delta)
+        self.first_full_pass = first_full_pass(self.num_passes, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
         self._seen = np.zeros(self.num_samples, dtype=np.uint8)
         # side data, not state: each sample's group size (read-only, shared per node by the loop)
@@ -175,13 +175,13 @@ class Dedup(Pruner):
             all_share += float(np.sum(g, dtype=np.float64)) if groups is not None else stop - start
         return (weighted / seen_share if seen_share > 0 else 0.0), seen_share, all_share
 
-    def _freeze(self, epoch: int) -> FrozenPlan:
+    def _freeze(self, pass_index: int) -> FrozenPlan:
         self._scale, self._threshold, self._below_skip, self._expected_keep = None, None, 0.0, 1.0
-        if epoch >= self.first_full_pass:
-            return self._full_plan(epoch)
+        if pass_index >= self.first_full_pass:
+            return self._full_plan(pass_index)
         groups = self._group_probs()
         if groups is None and not self._seen.any():
-            return self._full_plan(epoch)
+            return self._full_plan(pass_index)
         mean, seen_share, all_share = self._mean_seen_score(groups)
         self._threshold = mean if seen_share > 0 else None
         probs = np.ones(self.num_samples, dtype=np.float16)
@@ -204,7 +204,7 @@ class Dedup(Pruner):
                 array.flags.writeable = False  # the plan is frozen: nothing may edit it mid-pass
         return FrozenPlan(
             self.seed,
-            epoch,
+            pass_index,
             self.num_samples,
             self._expected_keep,
             None,
@@ -308,7 +308,7 @@ class Dedup(Pruner):
             "below_skip": self._below_skip,
             "grouped_samples": grouped,
             "groups": self._groups["source"],
-            "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
+            "annealing": self.pass_index is not None and self.pass_index >= self.first_full_pass,
             "first_full_pass": self.first_full_pass,
         }
 

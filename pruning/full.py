@@ -13,8 +13,8 @@ class Full(Pruner):
 
     name = "full"
 
-    def __init__(self, num_samples: int, num_epochs: int, *, seed: int = 0):
-        super().__init__(num_samples, num_epochs, seed=seed)
+    def __init__(self, num_samples: int, num_passes: int, *, seed: int = 0):
+        super().__init__(num_samples, num_passes, seed=seed)
 
-    def _freeze(self, epoch: int) -> FrozenPlan:
-        return self._full_plan(epoch)
+    def _freeze(self, pass_index: int) -> FrozenPlan:
+        return self._full_plan(pass_index)

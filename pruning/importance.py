@@ -28,7 +28,7 @@ class Importance(Pruner):
     def __init__(
         self,
         num_samples: int,
-        num_epochs: int,
+        num_passes: int,
         *,
         seed: int = 0,
         keep: float = 0.7,
@@ -46,7 +46,7 @@ class Importance(Pruner):
         momentum = check_range("importance", "momentum", momentum, 0.0, 1.0, high_open=True)
         super().__init__(
             num_samples,
-            num_epochs,
+            num_passes,
             seed=seed,
             keep=keep,
             alpha=alpha,
@@ -56,7 +56,7 @@ class Importance(Pruner):
             momentum=momentum,
         )
         self.keep, self.alpha, self.p_min, self.rescale, self.momentum = keep, alpha, p_min, rescale, momentum
-        self.first_full_pass = first_full_pass(self.num_epochs, delta)
+        self.first_full_pass = first_full_pass(self.num_passes, delta)
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # last score; 0 and unseen alike until seen
         self._seen = np.zeros(self.num_samples, dtype=np.uint8)
         self._scale = 0.0  # c of the last plan
@@ -96,13 +96,13 @@ class Importance(Pruner):
         p[seen] = np.clip(scale * ratio, self.p_min, 1.0).astype(np.float32)
         return p, scale
 
-    def _freeze(self, epoch: int) -> FrozenPlan:
-        if epoch >= self.first_full_pass or not self._seen.any():
+    def _freeze(self, pass_index: int) -> FrozenPlan:
+        if pass_index >= self.first_full_pass or not self._seen.any():
             self._scale, self._expected_keep = 0.0, 1.0
-            return self._full_plan(epoch)
+            return self._full_plan(pass_index)
         p, self._scale = self.keep_probabilities()
         self._expected_keep = float(p.mean(dtype=np.float64))
-        return self._per_sample_plan(epoch, p, self.rescale)
+        return self._per_sample_plan(pass_index, p, self.rescale)
 
     def _tables(self) -> dict[str, np.ndarray]:
         return {"score": self._score, "seen": self._seen}
@@ -117,7 +117,7 @@ class Importance(Pruner):
         return {
             "scale": self._scale,
             "expected_keep": self._expected_keep,
-            "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
+            "annealing": self.pass_index is not None and self.pass_index >= self.first_full_pass,
         }
 
     def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -41,7 +41,7 @@ class InfoBatch(Pruner):
     scores are skipped with probability `prune_ratio` and kept ones weighted 1/(1 - prune_ratio)
     (the paper's "prune and rescale": the expected gradient is unchanged; `rescale=False` keeps
     them at weight 1, so skipped samples lose weight); passes from
-    ceil(num_epochs * delta) on train on full data with weight 1 (the paper's "annealing").
+    ceil(num_passes * delta) on train on full data with weight 1 (the paper's "annealing").
     Unseen samples are never pruned. `momentum` > 0 (ours, not the paper's) scores each sample by an
     average over its visits instead of its last loss, so one noisy mask or timestep weighs less.
     """
@@ -51,7 +51,7 @@ class InfoBatch(Pruner):
     def __init__(
         self,
         num_samples: int,
-        num_epochs: int,
+        num_passes: int,
         *,
         seed: int = 0,
         prune_ratio: float = 0.5,
@@ -64,10 +64,10 @@ class InfoBatch(Pruner):
         rescale = check_flag("infobatch", "rescale", rescale)
         momentum = check_range("infobatch", "momentum", momentum, 0.0, 1.0, high_open=True)
         super().__init__(
-            num_samples, num_epochs, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale, momentum=momentum
+            num_samples, num_passes, seed=seed, prune_ratio=prune_ratio, delta=delta, rescale=rescale, momentum=momentum
         )
         self.prune_ratio, self.rescale, self.momentum = prune_ratio, rescale, momentum
-        self.first_full_pass = first_full_pass(self.num_epochs, delta)
+        self.first_full_pass = first_full_pass(self.num_passes, delta)
         # 5 bytes per sample: the last loss, and whether there is one. Zero means "unseen" in both,
         # so np.zeros (calloc) leaves the pages of never-seen ids unallocated.
         self._score = np.zeros(self.num_samples, dtype=np.float32)
@@ -79,14 +79,14 @@ class InfoBatch(Pruner):
         self._score[ids] = smoothed(self._score[ids], self._seen[ids], losses, self.momentum)
         self._seen[ids] = 1
 
-    def _freeze(self, epoch: int) -> FrozenPlan:
+    def _freeze(self, pass_index: int) -> FrozenPlan:
         self._threshold, self._candidates = None, 0
-        if epoch >= self.first_full_pass or self.prune_ratio == 0.0:
-            return self._full_plan(epoch)
+        if pass_index >= self.first_full_pass or self.prune_ratio == 0.0:
+            return self._full_plan(pass_index)
         seen = self._seen.view(np.bool_)
         num_seen = int(np.count_nonzero(seen))
         if num_seen == 0:
-            return self._full_plan(epoch)
+            return self._full_plan(pass_index)
         # unseen entries hold 0.0, so the sum over the whole table is the sum over the seen ones
         self._threshold = float(np.sum(self._score, dtype=np.float64)) / num_seen
         threshold = float32_strictly_below(self._threshold)
@@ -96,7 +96,7 @@ class InfoBatch(Pruner):
 
         candidates = Bitmap.from_chunks(self.num_samples, below)
         self._candidates = candidates.count()
-        return self._candidate_plan(epoch, 1.0 - self.prune_ratio, candidates, self.rescale)
+        return self._candidate_plan(pass_index, 1.0 - self.prune_ratio, candidates, self.rescale)
 
     def _tables(self) -> dict[str, np.ndarray]:
         return {"score": self._score, "seen": self._seen}
@@ -112,7 +112,7 @@ class InfoBatch(Pruner):
         return {
             "threshold": self._threshold,
             "below_threshold": self._candidates,
-            "annealing": self.epoch is not None and self.epoch >= self.first_full_pass,
+            "annealing": self.pass_index is not None and self.pass_index >= self.first_full_pass,
             "first_full_pass": self.first_full_pass,
         }
 

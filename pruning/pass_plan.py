@@ -25,17 +25,17 @@ _CHUNK = 1 << 20  # ids per step of the whole-pass counts: the coin's temporarie
 class PassPlan:
     """Weights of every sample for one pass, drawn on demand; 0.0 means skip before decoding."""
 
-    epoch: int
+    pass_index: int
     frozen: FrozenPlan
     excluded: Bitmap | None = None  # consumed before this segment of the pass began: weight 0
 
     @classmethod
     def from_pruner(cls, pruner) -> "PassPlan":
-        """The pass `pruner` has planned (call `pruner.plan(epoch)` first; a resumed pruner already
+        """The pass `pruner` has planned (call `pruner.plan(pass_index)` first; a resumed pruner already
         holds the plan frozen at its pass start, which must not be re-planned)."""
         if pruner.frozen_plan is None:
-            raise RuntimeError("the pruner has no plan yet: call pruner.plan(epoch) first")
-        return cls(int(pruner.epoch), pruner.frozen_plan)
+            raise RuntimeError("the pruner has no plan yet: call pruner.plan(pass_index) first")
+        return cls(int(pruner.pass_index), pruner.frozen_plan)
 
     def __post_init__(self):
         if self.excluded is not None and len(self.excluded) != self.frozen.num_samples:
@@ -43,7 +43,7 @@ class PassPlan:
 
     def excluding(self, consumed: Bitmap) -> "PassPlan":
         """This plan with the samples of `consumed` skipped (a segment of a resumed pass)."""
-        return PassPlan(self.epoch, self.frozen, consumed)
+        return PassPlan(self.pass_index, self.frozen, consumed)
 
     @property
     def num_samples(self) -> int:
@@ -126,7 +126,7 @@ class PassPlan:
         excluded = None if self.excluded is None else Bitmap(SharedArray.of(self.excluded.packed), len(self.excluded))
         shared = FrozenPlan(
             frozen.seed,
-            frozen.epoch,
+            frozen.pass_index,
             frozen.num_samples,
             frozen.keep_prob,
             candidates,
@@ -135,7 +135,7 @@ class PassPlan:
             group_probs,
             frozen.group_rescale,
         )
-        return PassPlan(self.epoch, shared, excluded)
+        return PassPlan(self.pass_index, shared, excluded)
 
 
 class SharedArray(np.ndarray):

@@ -23,7 +23,7 @@ def hparam_names(cls: type[Pruner]) -> list[str]:
     return list(cls.hparam_defaults())
 
 
-def build_pruner(name: str, num_samples: int, num_epochs: int, seed: int = 0, **hparams: Any) -> Pruner:
+def build_pruner(name: str, num_samples: int, num_passes: int, seed: int = 0, **hparams: Any) -> Pruner:
     """The pruner called `name` (case-insensitive), or a ValueError naming the accepted values."""
     cls = PRUNERS.get(str(name).lower())
     if cls is None:
@@ -35,4 +35,4 @@ def build_pruner(name: str, num_samples: int, num_epochs: int, seed: int = 0, **
             f"pruner {cls.name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; "
             f"accepted: {', '.join(accepted) if accepted else 'none'}"
         )
-    return cls(num_samples, num_epochs, seed=seed, **hparams)
+    return cls(num_samples, num_passes, seed=seed, **hparams)

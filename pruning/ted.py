@@ -50,12 +50,12 @@ class TED(Pruner):
     sample is not visited at all: it is re-measured only when the exploration slice re-admits it,
     and that measurement spans every pass it sat out, which is IG in its purest form.
 
-    Plan of pass `epoch`. The kept fraction falls linearly from 1.0 at pass 0 to `target` at pass
-    `ramp * num_epochs`. The `m` highest-scored samples form the pruned set, with m chosen so the
+    Plan of pass `pass_index`. The kept fraction falls linearly from 1.0 at pass 0 to `target` at pass
+    `ramp * num_passes`. The `m` highest-scored samples form the pruned set, with m chosen so the
     expected kept fraction is that target; each of them is still kept with probability `explore`
     (the exploration slice, re-measured and re-ranked) and then weighted 1/explore, so every
     sample's expected weight is 1 and the expected gradient equals the full-data one. From pass
-    ceil(num_epochs * delta) on, training uses full data with weight 1, as in InfoBatch.
+    ceil(num_passes * delta) on, training uses full data with weight 1, as in InfoBatch.
     """
 
     name = "ted"
@@ -63,7 +63,7 @@ class TED(Pruner):
     def __init__(
         self,
         num_samples: int,
-        num_epochs: int,
+        num_passes: int,
         *,
         seed: int = 0,
         target: float = 0.7,
@@ -83,7 +83,7 @@ class TED(Pruner):
         delta = check_range("ted", "delta", delta, 0.0, 1.0)
         super().__init__(
             num_samples,
-            num_epochs,
+            num_passes,
             seed=seed,
             target=target,
             ramp=ramp,
@@ -96,7 +96,7 @@ class TED(Pruner):
         self.target, self.ramp, self.explore, self.momentum = target, ramp, explore, momentum
         self.rescale = rescale
         self.min_span = min_span
-        self.first_full_pass = first_full_pass(self.num_epochs, delta)
+        self.first_full_pass = first_full_pass(self.num_passes, delta)
         # 13 bytes per sample (+1 for the frozen plan); zero means "nothing yet" in every table,
         # so np.zeros (calloc) leaves never-seen ids unallocated.
         self._score = np.zeros(self.num_samples, dtype=np.float32)  # EMA of loss drop per unit lr mass
@@ -113,12 +113,12 @@ class TED(Pruner):
 
     # -- the schedule ----------------------------------------------------------------------------
 
-    def kept_fraction_target(self, epoch: int) -> float:
-        """The expected kept fraction of pass `epoch`: 1.0 -> target over the ramp, 1.0 when annealing."""
-        if epoch >= self.first_full_pass:
+    def kept_fraction_target(self, pass_index: int) -> float:
+        """The expected kept fraction of pass `pass_index`: 1.0 -> target over the ramp, 1.0 when annealing."""
+        if pass_index >= self.first_full_pass:
             return 1.0
-        ramp_passes = self.ramp * self.num_epochs
-        progress = 1.0 if ramp_passes == 0 else min(1.0, epoch / ramp_passes)
+        ramp_passes = self.ramp * self.num_passes
+        progress = 1.0 if ramp_passes == 0 else min(1.0, pass_index / ramp_passes)
         return 1.0 - (1.0 - self.target) * progress
 
     # -- recording -------------------------------------------------------------------------------
@@ -151,14 +151,14 @@ class TED(Pruner):
 
     # -- planning --------------------------------------------------------------------------------
 
-    def _freeze(self, epoch: int) -> FrozenPlan:
-        if epoch != self.epoch:  # a new pass begins; re-planning the same pass changes nothing here
+    def _freeze(self, pass_index: int) -> FrozenPlan:
+        if pass_index != self.pass_index:  # a new pass begins; re-planning the same pass changes nothing here
             self._pass_lr_mass = self._lr_mass - self._lr_mass_at_plan
             self._lr_mass_at_plan = self._lr_mass
         self._score_threshold, self._pruned_set, self._scored_at_plan = None, 0, 0
-        kept_target = self.kept_fraction_target(epoch)
+        kept_target = self.kept_fraction_target(pass_index)
         if kept_target >= 1.0 or self.explore >= 1.0:
-            return self._full_plan(epoch)
+            return self._full_plan(pass_index)
         if self._recorded_losses and not self._steps:
             raise RuntimeError(
                 "ted: losses were recorded but on_step(lr) was never called; TED normalises loss "
@@ -170,17 +170,17 @@ class TED(Pruner):
         wanted = round((1.0 - kept_target) * self.num_samples / (1.0 - self.explore))
         pruned_set_size = min(num_scored, wanted)
         if pruned_set_size == 0:
-            return self._full_plan(epoch)
-        pruned_set = self._highest_scores(num_scored, pruned_set_size, epoch)
+            return self._full_plan(pass_index)
+        pruned_set = self._highest_scores(num_scored, pruned_set_size, pass_index)
         self._pruned_set = pruned_set_size
-        return self._candidate_plan(epoch, self.explore, pruned_set, self.rescale)
+        return self._candidate_plan(pass_index, self.explore, pruned_set, self.rescale)
 
     def _scored_chunks(self):
         """(start, scores of the chunk, scored mask of the chunk) over the table, a chunk at a time."""
         for start in range(0, self.num_samples, _CHUNK):
             yield start, self._score[start : start + _CHUNK], self._visits[start : start + _CHUNK] == SCORED
 
-    def _highest_scores(self, num_scored: int, count: int, epoch: int) -> Bitmap:
+    def _highest_scores(self, num_scored: int, count: int, pass_index: int) -> Bitmap:
         """The `count` scored samples with the highest scores; ties broken by a coin, not by id."""
         lowest_pruned_score = self._scored_quantile(num_scored - count)
         self._score_threshold = float(lowest_pruned_score)
@@ -196,7 +196,7 @@ class TED(Pruner):
                     for start, scores, mask in self._scored_chunks()
                 ]
             )
-            coin = uniform_coin(self.seed ^ _TIE_BREAK_SALT, epoch, tied)
+            coin = uniform_coin(self.seed ^ _TIE_BREAK_SALT, pass_index, tied)
             selected.set(tied[np.argpartition(coin, missing - 1)[:missing]])
         return selected
 
@@ -254,9 +254,9 @@ class TED(Pruner):
         self._scored_at_plan = int(scalars["scored_at_plan"])
 
     def _extra_stats(self) -> dict[str, Any]:
-        epoch = self.epoch
+        pass_index = self.pass_index
         return {
-            "kept_fraction_target": 1.0 if epoch is None else self.kept_fraction_target(epoch),
+            "kept_fraction_target": 1.0 if pass_index is None else self.kept_fraction_target(pass_index),
             "expected_kept_fraction": 1.0 - self._pruned_set * (1.0 - self.explore) / self.num_samples,
             "pruned_set": self._pruned_set,
             "scored_samples": self._scored_at_plan,
@@ -264,7 +264,7 @@ class TED(Pruner):
             "lr_mass": self._lr_mass,
             "pass_lr_mass": self._pass_lr_mass,
             "steps": self._steps,
-            "annealing": epoch is not None and epoch >= self.first_full_pass,
+            "annealing": pass_index is not None and pass_index >= self.first_full_pass,
             "first_full_pass": self.first_full_pass,
         }
 

@@ -34,11 +34,11 @@ NUM_SAMPLES = 100_000
 SIGMAS = 4.5
 
 
-def flipped_by_decoder(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
+def flipped_by_decoder(seed: int, pass_index: int, ids: np.ndarray) -> np.ndarray:
     """bool per id: did the training decoder mirror it? Each sample is a 1x2 image [0, 255], so its
     flipped version reads [255, 0]."""
     stacked = torch.tensor([0, 255], dtype=torch.uint8).repeat(len(ids), 1, 1, 1)  # [B, 1, 1, 2]
-    images = SampleDecoder(resolution=2, channels=1, hflip=True, seed=seed).finish(stacked, ids, epoch)
+    images = SampleDecoder(resolution=2, channels=1, hflip=True, seed=seed).finish(stacked, ids, pass_index)
     return (images[:, 0, 0, 0] > images[:, 0, 0, 1]).numpy()
 
 
@@ -49,8 +49,8 @@ def assert_half(flips: np.ndarray, what: str) -> None:
     assert abs(rate - 0.5) < SIGMAS * 0.5 / np.sqrt(n), f"{what}: flip rate {rate:.4f} over {n} samples"
 
 
-def pruned_plan(name: str, seed: int, epoch: int, **hparams):
-    """A pruner planned at `epoch` on an exponential score table seen twice (so TED scores too)."""
+def pruned_plan(name: str, seed: int, pass_index: int, **hparams):
+    """A pruner planned at `pass_index` on an exponential score table seen twice (so TED scores too)."""
     pruner = build_pruner(name, NUM_SAMPLES, 40, seed=seed, **hparams)
     rng = np.random.default_rng(11)
     ids = np.arange(NUM_SAMPLES)
@@ -60,7 +60,7 @@ def pruned_plan(name: str, seed: int, epoch: int, **hparams):
         for start in range(0, NUM_SAMPLES, 4096):
             pruner.update(ids[start : start + 4096], scores[start : start + 4096])
         pruner.on_step(0.5)
-    pruner.plan(epoch)
+    pruner.plan(pass_index)
     return pruner.weights(ids)
 
 
@@ -74,11 +74,11 @@ def pruned_plan(name: str, seed: int, epoch: int, **hparams):
     ],
 )
 def test_the_flip_is_independent_of_every_pruners_keep_coin(name, hparams):
-    seed, epoch = 3, 5
-    weights = pruned_plan(name, seed, epoch, **hparams)
+    seed, pass_index = 3, 5
+    weights = pruned_plan(name, seed, pass_index, **hparams)
     kept, up_weighted = weights > 0, weights > 1
     assert 0 < kept.sum() < NUM_SAMPLES and up_weighted.sum() > 0, "the plan prunes and up-weights"
-    flips = flipped_by_decoder(seed, epoch, np.arange(NUM_SAMPLES))
+    flips = flipped_by_decoder(seed, pass_index, np.arange(NUM_SAMPLES))
     assert_half(flips[kept], f"{name}: kept samples")
     assert_half(flips[up_weighted], f"{name}: kept samples of weight > 1")
     assert_half(flips[~kept], f"{name}: skipped samples (had they been decoded)")
@@ -148,13 +148,13 @@ def test_the_crop_is_cut_from_the_original_image_and_resized_bicubic_as_torchvis
     assert not torch.equal(pixels, centre)
 
 
-def images_by_id(index, decoder, *, world: int, workers: int, epoch: int = 2) -> dict[int, torch.Tensor]:
+def images_by_id(index, decoder, *, world: int, workers: int, pass_index: int = 2) -> dict[int, torch.Tensor]:
     found = {}
     for rank in range(world):
         stream = ShardStream(
             index, batch_size=16, decoder=decoder, seed=4, rank=rank, world_size=world, shuffle_buffer=32
         )
-        for batch in stream.pass_loader(epoch, num_workers=workers):
+        for batch in stream.pass_loader(pass_index, num_workers=workers):
             found.update(zip(batch.ids.tolist(), batch.images))
         stream.close()
     return found

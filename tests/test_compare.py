@@ -89,16 +89,16 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
         yaml.safe_dump({"name": name, "task": "mae", "seed": seed, "passes": len(curve), "pruner": {"name": pruner}})
     )
     with open(path / "metrics.jsonl", "w") as f:
-        for epoch, value in enumerate(curve):
+        for pass_index, value in enumerate(curve):
             f.write(
                 json.dumps(
                     {
                         "kind": "pass",
-                        "epoch": epoch,
-                        "optimizer_steps": 10 * (epoch + 1),
-                        "samples_forwarded": int(samples_per_pass * (epoch + 1)),
+                        "pass_index": pass_index,
+                        "optimizer_steps": 10 * (pass_index + 1),
+                        "samples_forwarded": int(samples_per_pass * (pass_index + 1)),
                         "kept_fraction": kept,
-                        "wall_seconds": seconds_per_pass * (epoch + 1),
+                        "wall_seconds": seconds_per_pass * (pass_index + 1),
                         "held_out": {"masked_mse": value, "num_samples": 100},
                     }
                 )

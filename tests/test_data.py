@@ -22,9 +22,9 @@ from prunepipe.pruning.pass_plan import PassPlan
 BATCH = 16
 
 
-def half_dropping_plan(index: ShardIndex, epoch: int) -> PassPlan:
+def half_dropping_plan(index: ShardIndex, pass_index: int) -> PassPlan:
     """A pre-decode stage that drops a deterministic pseudo-random half and weights the rest by 2."""
-    return PassPlan(epoch, FrozenPlan(1234, epoch, index.num_samples, 0.5, None))  # every sample a candidate
+    return PassPlan(pass_index, FrozenPlan(1234, pass_index, index.num_samples, 0.5, None))  # every sample a candidate
 
 
 class CountingDecoder(SampleDecoder):
@@ -34,19 +34,19 @@ class CountingDecoder(SampleDecoder):
         super().__init__(**kw)
         self.decoded: list[int] = []
 
-    def decode(self, sample, sample_id, epoch=0):
+    def decode(self, sample, sample_id, pass_index=0):
         self.decoded.append(sample_id)
-        return super().decode(sample, sample_id, epoch)
+        return super().decode(sample, sample_id, pass_index)
 
 
-def run_pass(index, epoch, plan=None, *, world=2, workers=2, seed=0, skip=0, decoder=None):
+def run_pass(index, pass_index, plan=None, *, world=2, workers=2, seed=0, skip=0, decoder=None):
     """Every rank's batches of one pass (ranks run one after the other in this process)."""
     per_rank = []
     for rank in range(world):
         stream = ShardStream(
             index, batch_size=BATCH, seed=seed, rank=rank, world_size=world, decoder=decoder, shuffle_buffer=64
         )
-        loader = stream.pass_loader(epoch, plan, num_workers=workers, skip_batches=skip)
+        loader = stream.pass_loader(pass_index, plan, num_workers=workers, skip_batches=skip)
         batches = list(loader)
         assert len(batches) == len(loader)
         per_rank.append(batches)
@@ -61,9 +61,9 @@ def ids_of(batches) -> np.ndarray:
 def test_each_pass_covers_every_kept_id_once_with_equal_steps_per_rank(digits_train, pruned):
     index = ShardIndex.load(digits_train)
     orders = []
-    for epoch in range(3):
-        plan = half_dropping_plan(index, epoch) if pruned else None
-        per_rank, layout = run_pass(index, epoch, plan)
+    for pass_index in range(3):
+        plan = half_dropping_plan(index, pass_index) if pruned else None
+        per_rank, layout = run_pass(index, pass_index, plan)
         steps = {len(b) for b in per_rank}
         assert steps == {layout.steps}, "every rank must take the same number of steps"
         seen = np.concatenate([ids_of(b) for b in per_rank])
@@ -113,22 +113,22 @@ def test_resume_after_n_batches_yields_exactly_the_rest(digits_train, workers):
 class PidLabels(SampleDecoder):
     """The real decoder, labelling each sample with the process that decoded it."""
 
-    def decode(self, sample, sample_id, epoch=0):
-        return super().decode(sample, sample_id, epoch)[0], os.getpid()
+    def decode(self, sample, sample_id, pass_index=0):
+        return super().decode(sample, sample_id, pass_index)[0], os.getpid()
 
 
 def test_loader_workers_persist_across_passes_and_serve_each_the_latest_pass(digits_train):
     index = ShardIndex.load(digits_train)
 
-    def fresh(epoch):  # what a new stream (new workers) delivers for this pass
+    def fresh(pass_index):  # what a new stream (new workers) delivers for this pass
         stream = ShardStream(index, batch_size=BATCH, shuffle_buffer=64)
-        return list(stream.pass_loader(epoch, half_dropping_plan(index, epoch), num_workers=2))
+        return list(stream.pass_loader(pass_index, half_dropping_plan(index, pass_index), num_workers=2))
 
     stream = ShardStream(index, batch_size=BATCH, decoder=PidLabels(resolution=32), shuffle_buffer=64)
     decoded_by = set()
-    for epoch in range(3):
-        batches = list(stream.pass_loader(epoch, half_dropping_plan(index, epoch), num_workers=2))
-        expected = fresh(epoch)
+    for pass_index in range(3):
+        batches = list(stream.pass_loader(pass_index, half_dropping_plan(index, pass_index), num_workers=2))
+        expected = fresh(pass_index)
         assert len(batches) == len(expected)
         for a, b in zip(batches, expected):
             assert torch.equal(a.ids, b.ids) and torch.equal(a.images, b.images) and torch.equal(a.weights, b.weights)
@@ -162,7 +162,7 @@ def test_layout_balances_kept_samples_over_ranks_and_workers():
     index = ShardIndex(tuple(f"s{i}.tar" for i in range(5)), np.array([100, 37, 250, 80, 3]))
     kept = uniform_coin(0, 0, np.arange(index.num_samples)) < 0.3
     kept_per_shard = np.add.reduceat(kept, index.first_ids)
-    layout = pass_layout(index, kept_per_shard, seed=0, epoch=0, world_size=2, num_workers=3, batch_size=8)
+    layout = pass_layout(index, kept_per_shard, seed=0, pass_index=0, world_size=2, num_workers=3, batch_size=8)
     sizes = [sum(p.kept_end - p.kept_start for p in slot) for slot in layout.slices]
     assert sum(sizes) == kept.sum() and max(sizes) - min(sizes) <= 1
     assert layout.batches.sum(axis=1).tolist() == [layout.steps, layout.steps]

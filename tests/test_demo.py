@@ -46,7 +46,9 @@ def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(t
     assert short["reference"].startswith("full run demo_mae_full_short ")
     assert report["equal_compute"]["demo_mae_infobatch_s1"]["reference"].startswith("full run demo_mae_full_short_s1")
     records = [json.loads(line) for line in open(runs / "demo_mae_full_short" / "metrics.jsonl")]
-    assert max(r["epoch"] for r in records if r["kind"] == "pass") + 1 < 4  # fewer passes: the pruned run's compute
+    assert (
+        max(r["pass_index"] for r in records if r["kind"] == "pass") + 1 < 4
+    )  # fewer passes: the pruned run's compute
     assert "## Quality at equal passes" in out and "## Quality at equal compute" in out
     # each seed's baseline, equal-compute and half-length runs are its frontier: a saving per seed
     [setting] = report["equal_quality"]["settings"]

@@ -113,8 +113,8 @@ def assert_held_out_flow_loss_fell(before: dict, records: list[dict]) -> dict:
     return after
 
 
-def debug_file(run_dir, what, epoch, world, rank=None):
-    name = f"{what}_pass{epoch:04d}_world{world}" + ("" if rank is None else f"_rank{rank}")
+def debug_file(run_dir, what, pass_index, world, rank=None):
+    name = f"{what}_pass{pass_index:04d}_world{world}" + ("" if rank is None else f"_rank{rank}")
     return os.path.join(run_dir, "debug", name)
 
 
@@ -137,15 +137,15 @@ def test_two_ranks_infobatch_equal_steps_full_coverage_and_identical_scores(five
     records = passes_of(run_dir)
     assert len(records) == 4
     for record in records:
-        epoch = record["epoch"]
-        ids = [np.load(debug_file(run_dir, "ids", epoch, 2, r) + ".npy") for r in range(2)]
+        pass_index = record["pass_index"]
+        ids = [np.load(debug_file(run_dir, "ids", pass_index, 2, r) + ".npy") for r in range(2)]
         assert len(ids[0]) == len(ids[1]) == record["steps_in_pass"] * 32, "ranks took different step counts"
         union = np.concatenate(ids)
         assert len(np.unique(union)) == len(union), "an id was trained twice in one pass"
-        kept = np.flatnonzero(np.load(debug_file(run_dir, "plan", epoch, 2) + ".npy"))
+        kept = np.flatnonzero(np.load(debug_file(run_dir, "plan", pass_index, 2) + ".npy"))
         assert set(union) <= set(kept)
         assert len(kept) - len(union) == record["tail"] <= 2 * (0 + 1) * 32
-        digests = [open(debug_file(run_dir, "digest", epoch, 2, r) + ".txt").read() for r in range(2)]
+        digests = [open(debug_file(run_dir, "digest", pass_index, 2, r) + ".txt").read() for r in range(2)]
         assert digests[0] == digests[1], "score tables or plans differ between ranks"
     assert records[1]["kept_fraction"] < 1.0, "InfoBatch pruned from the second pass on"
     assert "pruner tables: one copy per node" in output, "torchrun's two local ranks share one table"
@@ -262,7 +262,7 @@ def test_two_rank_checkpoint_resumed_on_one_rank_finishes_the_pass_with_the_same
         *TINY_MAE,
     ]
     index = ShardIndex.load(f"{five_shards}/train")
-    first_pass_steps = pass_layout(index, None, seed=0, epoch=0, world_size=2, num_workers=0, batch_size=32).steps
+    first_pass_steps = pass_layout(index, None, seed=0, pass_index=0, world_size=2, num_workers=0, batch_size=32).steps
     launch(2, "mae_tiny_infobatch.yaml", common + [f"max_steps={first_pass_steps + 5}"])
     run_dir = str(tmp_path / "shrink")
     assert latest_checkpoint(run_dir).endswith(f"step_{first_pass_steps + 5:06d}")
@@ -279,4 +279,4 @@ def test_two_rank_checkpoint_resumed_on_one_rank_finishes_the_pass_with_the_same
     kept = set(np.flatnonzero(plan_one))
     assert set(after) <= kept
     assert len(kept) - len(before) - len(after) < 2 * 32, "the pass was finished up to a tail"
-    assert passes_of(run_dir)[-1]["epoch"] == 2
+    assert passes_of(run_dir)[-1]["pass_index"] == 2

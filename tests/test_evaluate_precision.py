@@ -143,7 +143,7 @@ def eval_run(root, name, pruner, precision, masked_mse):
         json.dumps(
             {
                 "kind": "pass",
-                "epoch": 0,
+                "pass_index": 0,
                 "optimizer_steps": 10,
                 "samples_forwarded": 1000,
                 "kept_fraction": 1.0,

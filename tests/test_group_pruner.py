@@ -54,8 +54,8 @@ def spread_groups(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 N = SINGLES + PER_SIZE * sum(GROUP_SIZES)
 
 
-def grouped(num_epochs: int = 400, seed: int = 2, sizes: np.ndarray | None = None, **hparams) -> Dedup:
-    pruner = Dedup(N, num_epochs, seed=seed, **hparams)
+def grouped(num_passes: int = 400, seed: int = 2, sizes: np.ndarray | None = None, **hparams) -> Dedup:
+    pruner = Dedup(N, num_passes, seed=seed, **hparams)
     pruner.use_groups(spread_groups()[1] if sizes is None else sizes, digest="layout-0", source="spread_groups(0)")
     return pruner
 
@@ -72,8 +72,8 @@ def scored(pruner: Dedup, seen_share: float = 1.0) -> np.ndarray:
 def kept_over_passes(pruner: Dedup, passes: range) -> np.ndarray:
     """bool [passes, N]: kept in each pass."""
     kept = []
-    for epoch in passes:
-        pruner.plan(epoch)
+    for pass_index in passes:
+        pruner.plan(pass_index)
         kept.append(pruner.weights(np.arange(N)) > 0)
     return np.array(kept)
 
@@ -107,7 +107,7 @@ def test_over_ceil_n_over_m_passes_every_member_is_kept(per_group):
     passes = 60
     kept = kept_over_passes(pruner, range(passes))
     shares = pruner.frozen_plan.group_probs.astype(np.float64)
-    coins = np.array([uniform_coin(5, epoch, np.arange(N)) < shares for epoch in range(passes)])
+    coins = np.array([uniform_coin(5, pass_index, np.arange(N)) < shares for pass_index in range(passes)])
     independent_missed = 0
     for size in GROUP_SIZES:
         window = math.ceil(size / per_group)
@@ -165,8 +165,8 @@ def test_expected_weight_per_group_member_follows_group_rescale(group_rescale):
     scored(pruner)
     passes = 300
     total = np.zeros(N)
-    for epoch in range(passes):
-        pruner.plan(epoch)  # the same scores every pass: only the coins and the rotation move
+    for pass_index in range(passes):
+        pruner.plan(pass_index)  # the same scores every pass: only the coins and the rotation move
         total += pruner.weights(np.arange(N))
     assert abs(pruner.stats()["expected_keep"] - 0.25) < 2e-3
     mean_weight = total / passes
@@ -236,12 +236,12 @@ def test_the_first_pass_prunes_by_groups_alone():
 
 
 def test_annealing_passes_are_full_with_weight_one():
-    pruner = grouped(num_epochs=8, keep=0.25, delta=0.5)
+    pruner = grouped(num_passes=8, keep=0.25, delta=0.5)
     scored(pruner)
     pruner.plan(3)
     assert pruner.stats()["kept_fraction"] < 0.3 and not pruner.stats()["annealing"]
-    for epoch in range(4, 8):
-        pruner.plan(epoch)
+    for pass_index in range(4, 8):
+        pruner.plan(pass_index)
         np.testing.assert_array_equal(pruner.weights(np.arange(N)), np.ones(N, np.float32))
         assert pruner.stats()["annealing"] and pruner.stats()["kept_fraction"] == 1.0
 
@@ -456,9 +456,9 @@ report = {{"token": token, "digest": digest, "mapped": type(sizes).__name__,
           "read_only": not sizes.flags.writeable, "plans": [], "same_as_alone": True}}
 rng = np.random.default_rng(rank)  # each rank its own batches; the gathered batch is the same everywhere
 ids = np.arange(N)
-for epoch in range(5):
+for pass_index in range(5):
     for pruner in (shared, alone):
-        pruner.plan(epoch)
+        pruner.plan(pass_index)
     weights = shared.weights(ids)
     report["plans"].append(hashlib.sha256(weights.tobytes()).hexdigest())
     report["same_as_alone"] &= bool(np.array_equal(weights, alone.weights(ids)))
@@ -516,8 +516,8 @@ def test_two_ranks_train_dedup_through_the_loop_with_one_plan(redundant, tmp_pat
     run_dir = str(tmp_path / "ddp")
     assert output.count("near-duplicate groups: ") == 1 and "pruner tables: one copy per node" in output
     for record in passes_of(run_dir):
-        digests = [open(debug_file(run_dir, "digest", record["epoch"], 2, r) + ".txt").read() for r in range(2)]
+        digests = [open(debug_file(run_dir, "digest", record["pass_index"], 2, r) + ".txt").read() for r in range(2)]
         assert digests[0] == digests[1], "the ranks' plans (group shares included) or scores differ"
-        ids = [np.load(debug_file(run_dir, "ids", record["epoch"], 2, r) + ".npy") for r in range(2)]
+        ids = [np.load(debug_file(run_dir, "ids", record["pass_index"], 2, r) + ".npy") for r in range(2)]
         assert len(ids[0]) == len(ids[1]) and not set(ids[0]) & set(ids[1])
         assert abs(record["pruner"]["expected_keep"] - 0.6) < 5e-3

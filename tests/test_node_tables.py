@@ -32,17 +32,17 @@ def one_rank(rank: int, port: int, name: str, token: str, out: str) -> None:
     index = ShardIndex(tuple(f"s{i}.tar" for i in range(3)), np.array([1000, 1001, 1000]))
     rng = np.random.default_rng(rank)
     report = {"writer": tables.writer, "shared": tables.shared, "same_plans": True, "steps": [], "steps_alone": []}
-    for epoch in range(PASSES):
+    for pass_index in range(PASSES):
         tables.settle()
         for pruner, steps in ((shared, report["steps"]), (alone, report["steps_alone"])):
-            pruner.plan(epoch)
+            pruner.plan(pass_index)
             plan = PassPlan.from_pruner(pruner)
             steps.append(
                 pass_layout(
                     index,
                     plan.kept_per_shard(index.first_ids, index.counts),
                     seed=1,
-                    epoch=epoch,
+                    pass_index=pass_index,
                     world_size=2,
                     num_workers=1,
                     batch_size=8,

@@ -1,5 +1,5 @@
 """Every pass number a user reads is 1-based, "pass k/N": the bar, the pass line, the resume line,
-the errors naming a step, and the eval record of a checkpoint; records keep the 0-based `epoch`."""
+the errors naming a step, and the eval record of a checkpoint; records keep the 0-based `pass_index`."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_the_resume_line_and_the_pass_line_name_the_same_pass(digits_shards, tmp
     assert re.search(r"^pass 1/2: kept", out, re.M) and re.search(r"^pass 2/2: kept", out, re.M), out
     assert not re.search(r"\bpass 0\b", out), out
 
-    # the final checkpoint is between passes (2 done): its eval record is after pass 2/2, epoch 1
+    # the final checkpoint is between passes (2 done): its eval record is after pass 2/2, pass_index 1
     # (0-based), as the pass record of the same step
     record = evaluate_checkpoint(
         str(tmp_path / "run"),
@@ -62,4 +62,4 @@ def test_the_resume_line_and_the_pass_line_name_the_same_pass(digits_shards, tmp
     )
     [last] = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "pass"][-1:]
     assert record["pass"] == "after pass 2/2"
-    assert record["epoch"] == last["epoch"] == 1 and record["optimizer_steps"] == last["optimizer_steps"]
+    assert record["pass_index"] == last["pass_index"] == 1 and record["optimizer_steps"] == last["optimizer_steps"]

@@ -38,7 +38,7 @@ def dense_candidates(pruner) -> np.ndarray | None:
         missing = count - int(selected.sum())
         if missing > 0:
             tied = np.flatnonzero(scored & (pruner._score == lowest))
-            coin = uniform_coin(pruner.seed ^ 0x7ED_71E5, pruner.epoch, tied)
+            coin = uniform_coin(pruner.seed ^ 0x7ED_71E5, pruner.pass_index, tied)
             selected[tied[np.argpartition(coin, missing - 1)[:missing]]] = True
         return selected
     return None
@@ -47,7 +47,7 @@ def dense_candidates(pruner) -> np.ndarray | None:
 def dense_weights(plan: FrozenPlan, candidates: np.ndarray | None) -> np.ndarray:
     """float32 [N], a weight per sample: the dense reference of the packed plan."""
     ids = np.arange(plan.num_samples)
-    coin = uniform_coin(plan.seed, plan.epoch, ids)
+    coin = uniform_coin(plan.seed, plan.pass_index, ids)
     if plan.keep_probs is not None:
         return np.where(
             coin < plan.keep_probs, np.float32(1) / plan.keep_probs if plan.rescale else np.float32(1), np.float32(0)
@@ -66,8 +66,8 @@ def test_packed_plans_give_the_dense_weights_kept_counts_and_steps_of_before(nam
     index = ShardIndex(tuple(f"s{i}.tar" for i in range(7)), np.array([1000, 3, 800, 1200, 0, 1000, 1000]))
     rng = np.random.default_rng(0)
     ids = np.arange(N)
-    for epoch in range(8):
-        pruner.plan(epoch)
+    for pass_index in range(8):
+        pruner.plan(pass_index)
         plan = PassPlan.from_pruner(pruner)
         reference = dense_weights(pruner.frozen_plan, dense_candidates(pruner))
         np.testing.assert_array_equal(plan.weights(ids), reference)
@@ -82,13 +82,19 @@ def test_packed_plans_give_the_dense_weights_kept_counts_and_steps_of_before(nam
                 index,
                 plan.kept_per_shard(index.first_ids, index.counts),
                 seed=4,
-                epoch=epoch,
+                pass_index=pass_index,
                 world_size=world,
                 num_workers=workers,
                 batch_size=4,
             )
             dense = pass_layout(
-                index, dense_per_shard, seed=4, epoch=epoch, world_size=world, num_workers=workers, batch_size=4
+                index,
+                dense_per_shard,
+                seed=4,
+                pass_index=pass_index,
+                world_size=world,
+                num_workers=workers,
+                batch_size=4,
             )
             assert packed.steps == dense.steps and packed.slices == dense.slices
         visit = rng.permutation(N)[: N * 3 // 4]  # not every sample each pass: unseen ones stay unseen
@@ -139,7 +145,7 @@ def test_bitmap_agrees_with_a_bool_array():
 def test_consumed_flags_are_bits_in_memory_and_load_from_checkpoints_of_before():
     flags = np.random.default_rng(4).random(N) < 0.5
     old_state = {
-        "epoch": 2,
+        "pass_index": 2,
         "consumed": torch.from_numpy(np.packbits(flags)),
         "consumed_len": N,
     }  # as a checkpoint holds it

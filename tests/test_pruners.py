@@ -36,9 +36,9 @@ def record_scores(pruner: Pruner, ids: np.ndarray, scores: np.ndarray) -> None:
         pruner.update(ids[start : start + 256], scores[start : start + 256])
 
 
-def trained(name: str, num_samples: int = 5000, num_epochs: int = 40, seed: int = 3, **hparams) -> Pruner:
+def trained(name: str, num_samples: int = 5000, num_passes: int = 40, seed: int = 3, **hparams) -> Pruner:
     """A pruner with scores for most samples (two visits, so TED has scores too), planned at pass 12."""
-    pruner = build_pruner(name, num_samples, num_epochs, seed=seed, **hparams)
+    pruner = build_pruner(name, num_samples, num_passes, seed=seed, **hparams)
     rng = np.random.default_rng(11)
     ids = np.arange(num_samples)
     seen = ids[rng.random(num_samples) < 0.9]  # 10% stay unseen
@@ -63,7 +63,7 @@ def test_coin_is_uniform_and_a_pure_function_of_seed_epoch_id():
     assert scipy.stats.kstest(coin, "uniform").pvalue > ALPHA
     order = np.random.default_rng(0).permutation(len(ids))
     np.testing.assert_array_equal(uniform_coin(7, 3, ids[order]), coin[order])
-    # another epoch or seed is another, uncorrelated coin
+    # another pass_index or seed is another, uncorrelated coin
     for other in (uniform_coin(7, 4, ids), uniform_coin(8, 3, ids)):
         assert abs(np.corrcoef(coin, other)[0, 1]) < 4 / np.sqrt(len(ids))
         assert scipy.stats.kstest(other, "uniform").pvalue > ALPHA
@@ -166,9 +166,9 @@ def test_infobatch_compares_with_the_exact_mean_not_a_float32_rounding_of_it():
     assert pruner.stats()["below_threshold"] == 1
 
 
-# Pass `epoch` is pruned iff epoch < num_epochs * delta, computed exactly on delta as written.
+# Pass `pass_index` is pruned iff pass_index < num_passes * delta, computed exactly on delta as written.
 ANNEALING_CASES = [
-    # (num_epochs, delta, first full pass)
+    # (num_passes, delta, first full pass)
     (8, 0.875, 7),  # 7.0 exactly: passes 0-6 pruned, the last (1 - delta) * 8 = 1 pass full
     (200, 0.875, 175),  # the paper's setting: 25 full passes (the reference code anneals 24)
     (10, 0.875, 9),  # 8.75: passes 0-8 pruned
@@ -182,19 +182,19 @@ ANNEALING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("num_epochs,delta,first_full", ANNEALING_CASES)
-def test_infobatch_annealing_passes_are_full_with_weight_one(num_epochs, delta, first_full):
-    pruner = InfoBatch(2000, num_epochs, seed=1, prune_ratio=0.5, delta=delta)
+@pytest.mark.parametrize("num_passes,delta,first_full", ANNEALING_CASES)
+def test_infobatch_annealing_passes_are_full_with_weight_one(num_passes, delta, first_full):
+    pruner = InfoBatch(2000, num_passes, seed=1, prune_ratio=0.5, delta=delta)
     record_scores(pruner, np.arange(2000), np.linspace(0.0, 1.0, 2000, dtype=np.float32))
-    for epoch in range(num_epochs):
-        pruner.plan(epoch)
+    for pass_index in range(num_passes):
+        pruner.plan(pass_index)
         weights = pruner.weights(np.arange(2000))
-        if epoch >= first_full:
-            np.testing.assert_array_equal(weights, np.ones(2000, np.float32), err_msg=f"pass {epoch}")
+        if pass_index >= first_full:
+            np.testing.assert_array_equal(weights, np.ones(2000, np.float32), err_msg=f"pass {pass_index}")
             assert pruner.stats()["annealing"]
         else:
             # ~1000 below-mean samples each skipped with probability 0.5: never none
-            assert np.count_nonzero(weights == 0) > 0, f"pass {epoch} should be pruned"
+            assert np.count_nonzero(weights == 0) > 0, f"pass {pass_index} should be pruned"
 
 
 def test_pruned_so_far_adds_passes_and_replanning_a_pass_replaces_it():
@@ -221,9 +221,9 @@ def least_squares_gradients(num_samples: int = 400, dim: int = 3):
     return residuals[:, None] * features, 0.5 * residuals**2
 
 
-def scored_pruner(name: str, losses: np.ndarray, num_epochs: int) -> Pruner:
+def scored_pruner(name: str, losses: np.ndarray, num_passes: int) -> Pruner:
     """A pruner whose scores are fixed: two visits (TED needs two), then plans only."""
-    pruner = build_pruner(name, len(losses), num_epochs, seed=9)
+    pruner = build_pruner(name, len(losses), num_passes, seed=9)
     ids = np.arange(len(losses))
     pruner.update(ids, losses.astype(np.float32))
     pruner.on_step(1.0)
@@ -237,11 +237,11 @@ def test_pruners_keep_the_expected_gradient(name):
     gradients, losses = least_squares_gradients()
     full_gradient = gradients.sum(axis=0)
     num_passes = 2000
-    pruner = scored_pruner(name, losses, num_epochs=10 * num_passes)
+    pruner = scored_pruner(name, losses, num_passes=10 * num_passes)
     ids = np.arange(len(losses))
     estimates, unweighted = [], []
-    for epoch in range(num_passes // 2, num_passes // 2 + num_passes):  # past TED's ramp, before annealing
-        pruner.plan(epoch)
+    for pass_index in range(num_passes // 2, num_passes // 2 + num_passes):  # past TED's ramp, before annealing
+        pruner.plan(pass_index)
         weights = pruner.weights(ids).astype(np.float64)
         estimates.append(weights @ gradients)
         unweighted.append((weights > 0) @ gradients)  # pruning without rescaling: biased
@@ -296,7 +296,7 @@ def test_state_dict_round_trip_through_torch_save_gives_identical_plans(name):
     restored.load_state_dict(torch.load(buffer, weights_only=True))
 
     ids = np.arange(5000)
-    assert restored.epoch == original.epoch == 12
+    assert restored.pass_index == original.pass_index == 12
     np.testing.assert_array_equal(restored.weights(ids), original.weights(ids))
     assert restored.stats() == original.stats()
     # and they keep agreeing: same updates, next pass
@@ -391,7 +391,7 @@ def test_losses_at_ids_near_5e9_in_half_precision_are_recorded_at_the_right_id(c
 
 
 def test_a_frozen_plan_decides_for_ids_near_5e9():
-    plan = FrozenPlan(seed=0, epoch=3, num_samples=HUGE, keep_prob=0.5, candidates=None)  # Random's plan
+    plan = FrozenPlan(seed=0, pass_index=3, num_samples=HUGE, keep_prob=0.5, candidates=None)  # Random's plan
     ids = np.arange(5_000_000_000, 5_000_000_100)
     weights = plan.weights(ids)
     assert set(np.unique(weights).tolist()) == {0.0, 2.0}

@@ -77,17 +77,17 @@ def test_recording_losses_without_reporting_learning_rates_is_an_error():
         ted.plan(5)
 
 
-@pytest.mark.parametrize("num_epochs,ramp,delta", [(20, 0.25, 0.875), (7, 0.5, 0.9), (10, 0.0, 1.0)])
-def test_kept_fraction_target_ramps_linearly_from_one_to_target_then_anneals(num_epochs, ramp, delta):
-    ted = TED(10, num_epochs, target=0.6, ramp=ramp, delta=delta)
-    for epoch in range(num_epochs + 2):
-        if epoch >= math.ceil(round(num_epochs * delta, 9)):
+@pytest.mark.parametrize("num_passes,ramp,delta", [(20, 0.25, 0.875), (7, 0.5, 0.9), (10, 0.0, 1.0)])
+def test_kept_fraction_target_ramps_linearly_from_one_to_target_then_anneals(num_passes, ramp, delta):
+    ted = TED(10, num_passes, target=0.6, ramp=ramp, delta=delta)
+    for pass_index in range(num_passes + 2):
+        if pass_index >= math.ceil(round(num_passes * delta, 9)):
             expected = 1.0
         elif ramp == 0:
             expected = 0.6
         else:
-            expected = 1.0 - 0.4 * min(1.0, epoch / (ramp * num_epochs))
-        assert ted.kept_fraction_target(epoch) == pytest.approx(expected), f"pass {epoch}"
+            expected = 1.0 - 0.4 * min(1.0, pass_index / (ramp * num_passes))
+        assert ted.kept_fraction_target(pass_index) == pytest.approx(expected), f"pass {pass_index}"
 
 
 def test_equal_scores_are_broken_by_a_coin_not_by_id():
@@ -121,8 +121,8 @@ def simulate_internal_generalization():
     group_a = ids % 2 == 0
     base_loss = rng.uniform(2.0, 3.0, NUM_SAMPLES)
     lr, lr_mass, passes = 0.01, 0.0, []
-    for epoch in range(NUM_EPOCHS):
-        ted.plan(epoch)
+    for pass_index in range(NUM_EPOCHS):
+        ted.plan(pass_index)
         weights, stats = ted.weights(ids), ted.stats()
         last_loss_before = ted.score_of(ids)[1]
         visit_order = rng.permutation(np.flatnonzero(weights > 0))
@@ -142,37 +142,37 @@ def run():
 
 def test_ted_prunes_the_group_learned_through_the_others_first(run):
     _, group_a, passes = run
-    for epoch, (weights, stats, _, _) in enumerate(passes):
+    for pass_index, (weights, stats, _, _) in enumerate(passes):
         pruned_set = weights != 1.0
-        assert not np.any(pruned_set & ~group_a), f"pass {epoch} pruned a sample of group B"
-        if 2 <= epoch < FIRST_FULL_PASS:
-            assert stats["skipped_this_pass"] > 0, f"pass {epoch} should prune"
+        assert not np.any(pruned_set & ~group_a), f"pass {pass_index} pruned a sample of group B"
+        if 2 <= pass_index < FIRST_FULL_PASS:
+            assert stats["skipped_this_pass"] > 0, f"pass {pass_index} should prune"
 
 
 def test_kept_fraction_follows_the_schedule(run):
     _, _, passes = run
-    for epoch, (weights, stats, _, _) in enumerate(passes):
+    for pass_index, (weights, stats, _, _) in enumerate(passes):
         kept = int(np.count_nonzero(weights))
-        if epoch < 2 or epoch >= FIRST_FULL_PASS:
+        if pass_index < 2 or pass_index >= FIRST_FULL_PASS:
             # nothing is scored before two visits (passes 0, 1); full data when annealing
-            assert kept == NUM_SAMPLES, f"pass {epoch}"
+            assert kept == NUM_SAMPLES, f"pass {pass_index}"
             continue
-        target = 1.0 - (1.0 - TARGET) * min(1.0, epoch / (RAMP * NUM_EPOCHS))
+        target = 1.0 - (1.0 - TARGET) * min(1.0, pass_index / (RAMP * NUM_EPOCHS))
         assert stats["kept_fraction_target"] == pytest.approx(target)
         pruned_set = int(np.count_nonzero(weights != 1.0))
         spread = math.sqrt(pruned_set * EXPLORE * (1 - EXPLORE))  # kept count is binomial in the pruned set
-        assert abs(kept - target * NUM_SAMPLES) <= 4 * spread + 1, f"pass {epoch}: kept {kept}"
+        assert abs(kept - target * NUM_SAMPLES) <= 4 * spread + 1, f"pass {pass_index}: kept {kept}"
 
 
 def test_pruned_samples_come_back_through_the_exploration_slice_and_are_remeasured(run):
     _, _, passes = run
     readmitted_total = pruned_set_total = 0
-    for epoch, (weights, _, last_loss_before, last_loss_after) in list(enumerate(passes))[2:FIRST_FULL_PASS]:
+    for pass_index, (weights, _, last_loss_before, last_loss_after) in list(enumerate(passes))[2:FIRST_FULL_PASS]:
         pruned_set = weights != 1.0
         readmitted = pruned_set & (weights > 0)
         assert np.all(weights[readmitted] == np.float32(1 / EXPLORE))
         # re-measured: a whole skipped pass of learning-rate mass lies behind a sample skipped last pass
-        returning = readmitted & (passes[epoch - 1][0] == 0)
+        returning = readmitted & (passes[pass_index - 1][0] == 0)
         assert np.all(last_loss_after[returning] != last_loss_before[returning])
         skipped = weights == 0
         np.testing.assert_array_equal(last_loss_after[skipped], last_loss_before[skipped])

@@ -97,7 +97,7 @@ def test_the_ema_warmup_follows_pass_progress_so_pruned_and_full_runs_average_al
     # the decay of a full run's step count: 1 - (1 + n)^(-2/3), n = the full run's steps at that pass
     steps_per_pass = ShardIndex.load(f"{digits_shards}/train").num_samples / 64  # the full run's, batch 64
     for p in full:
-        assert p["ema_decay"] == pytest.approx(1 - (1 + (p["epoch"] + 1) * steps_per_pass) ** (-2 / 3))
+        assert p["ema_decay"] == pytest.approx(1 - (1 + (p["pass_index"] + 1) * steps_per_pass) ** (-2 / 3))
 
 
 def test_without_ema_warmup_the_decay_is_constant_from_the_first_step(digits_shards, tmp_path):

@@ -52,34 +52,34 @@ def test_a_resumed_run_marks_the_resume_and_readers_keep_the_latest_record_per_s
 
     lines = raw_lines(run_dir)
     [marker] = [r for r in lines if r["kind"] == "resume"]
-    assert marker["event"] == "resume" and marker["from_step"] == 20 and marker["epoch"] == 0
+    assert marker["event"] == "resume" and marker["from_step"] == 20 and marker["pass_index"] == 0
     assert marker["batch_in_pass"] == 20 and marker["checkpoint"].endswith("step_000020")
     assert isinstance(marker["time"], float)
     at = lines.index(marker)
-    assert [r["epoch"] for r in lines if r["kind"] == "pass"] == [0, 0, 1]  # pass 1 logged by both processes
+    assert [r["pass_index"] for r in lines if r["kind"] == "pass"] == [0, 0, 1]  # pass 1 logged by both processes
     assert [r["optimizer_steps"] for r in lines[:at] if r["kind"] == "train"][-2:] == [25, 30]
 
     kept = read_metrics(str(run_dir / "metrics.jsonl"))
     passes = [r for r in kept if r["kind"] == "pass"]
-    assert [r["epoch"] for r in passes] == [0, 1]
+    assert [r["pass_index"] for r in passes] == [0, 1]
     assert passes[0] == next(r for r in lines[at:] if r["kind"] == "pass")  # the resumed process's record
     steps = [r["optimizer_steps"] for r in kept if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and 25 in steps and 30 in steps
     run = load_run(str(run_dir))
-    assert [r["epoch"] for r in run.trajectory] == [0, 1] and run.passes_done == 2
+    assert [r["pass_index"] for r in run.trajectory] == [0, 1] and run.passes_done == 2
     assert run.optimizer_steps == passes[-1]["optimizer_steps"]
 
 
 def test_the_marker_drops_what_the_stopped_process_logged_after_the_checkpoint_and_the_later_record_wins(tmp_path):
     log = MetricsLog(str(tmp_path), enabled=True)
-    log.write({"kind": "train", "optimizer_steps": 10, "epoch": 0, "loss": 1.0})
-    log.write({"kind": "pass", "optimizer_steps": 20, "epoch": 0, "train_loss": 0.9})
-    log.write({"kind": "train", "optimizer_steps": 30, "epoch": 1, "loss": 0.8})  # never logged again
+    log.write({"kind": "train", "optimizer_steps": 10, "pass_index": 0, "loss": 1.0})
+    log.write({"kind": "pass", "optimizer_steps": 20, "pass_index": 0, "train_loss": 0.9})
+    log.write({"kind": "train", "optimizer_steps": 30, "pass_index": 1, "loss": 0.8})  # never logged again
     with open(log.path, "a") as f:
         f.write('{"kind": "train", "optimizer_st')  # the kill cut this line
-    log.resumed(str(tmp_path / "checkpoints" / "step_000020"), optimizer_steps=20, epoch=0, batch_in_pass=20)
-    log.write({"kind": "pass", "optimizer_steps": 20, "epoch": 0, "train_loss": 0.7})  # written again at 20
-    log.write({"kind": "train", "optimizer_steps": 25, "epoch": 1, "loss": 0.6})
+    log.resumed(str(tmp_path / "checkpoints" / "step_000020"), optimizer_steps=20, pass_index=0, batch_in_pass=20)
+    log.write({"kind": "pass", "optimizer_steps": 20, "pass_index": 0, "train_loss": 0.7})  # written again at 20
+    log.write({"kind": "train", "optimizer_steps": 25, "pass_index": 1, "loss": 0.6})
 
     with open(log.path) as f:
         assert f.read().splitlines()[3] == '{"kind": "train", "optimizer_st'  # the marker has a line of its own

@@ -262,7 +262,7 @@ def test_periodic_evaluation_is_logged_every_e_passes(digits_shards, tmp_path):
     train(cfg)
     records = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["epoch"] for r in evals] == [1], "after the second pass only"
+    assert [r["pass_index"] for r in evals] == [1], "after the second pass only"
     assert {"masked_mse", "psnr", "probe_accuracy"} <= set(evals[0]["metrics"])
 
 
@@ -373,7 +373,7 @@ def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
     held = {"denoise_mse": 0.25, **{f"flow_mse_s{s:03d}": 0.1 for s in range(5, 100, 10)}, "num_samples": 64}
     line = format_pass(
         {
-            "epoch": 0,
+            "pass_index": 0,
             "kept_fraction": 1.0,
             "steps_in_pass": 3,
             "train_loss": 0.5,

@@ -44,7 +44,7 @@ AGREE_PROGRAM = textwrap.dedent("""
     index = ShardIndex.load(sys.argv[2])
     local = [7, 5][rank]  # what each rank's own `auto` could say on uneven nodes
     agreed = agree_worker_count(local)
-    steps = {w: pass_layout(index, None, seed=0, epoch=0, world_size=2, num_workers=w, batch_size=16).steps
+    steps = {w: pass_layout(index, None, seed=0, pass_index=0, world_size=2, num_workers=w, batch_size=16).steps
              for w in (local, agreed)}
     print(json.dumps({"rank": rank, "cpus": len(usable_cpus()), "agreed": agreed,
                       "auto": agreed_loader_workers("auto", device_type="cuda"),

@@ -16,7 +16,7 @@ from prunepipe.pruning.bitmap import Bitmap
 class TrainingPosition:
     """Where the run is: enough, with the pruner's frozen plan, to continue the pass exactly."""
 
-    epoch: int = 0
+    pass_index: int = 0
     batch_in_pass: int = 0  # micro-batches of this rank already trained in the pass (or segment)
     optimizer_steps: int = 0
     samples_forwarded: int = 0  # over all ranks, padding excluded

@@ -214,6 +214,6 @@ def load_checkpoint_states(checkpoint: str, read_model: bool = True) -> dict:
             found["ema"] = state
         elif isinstance(state, dict) and "tables" in state and "pruner" in state:
             found["pruner"] = resolve_tables(state, checkpoint)
-        elif isinstance(state, dict) and "optimizer_steps" in state and "epoch" in state:
+        elif isinstance(state, dict) and "optimizer_steps" in state and "pass_index" in state:
             found["position"] = state
     return found

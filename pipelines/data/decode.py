@@ -2,7 +2,7 @@
 text when the task reads one: the caption, or its precomputed text-encoder features.
 
 This is the expensive step that pruned samples never reach. Augmentation randomness is a
-pure function of (seed, epoch, id) with a stream per purpose (pipelines/data/augment.py), so resumed
+pure function of (seed, pass_index, id) with a stream per purpose (pipelines/data/augment.py), so resumed
 runs and any worker layout see the same crops and flips.
 """
 
@@ -66,12 +66,12 @@ class SampleDecoder:
         if self.crop not in CROPS:
             raise ValueError(f"data.crop: got {self.crop!r}, accepted: {', '.join(CROPS)}")
 
-    def __call__(self, sample: dict, sample_id: int, epoch: int) -> tuple[torch.Tensor, int]:
-        pixels, label = self.decode(sample, sample_id, epoch)
-        return self.finish(pixels[None], np.array([sample_id]), epoch)[0], label
+    def __call__(self, sample: dict, sample_id: int, pass_index: int) -> tuple[torch.Tensor, int]:
+        pixels, label = self.decode(sample, sample_id, pass_index)
+        return self.finish(pixels[None], np.array([sample_id]), pass_index)[0], label
 
-    def decode(self, sample: dict, sample_id: int, epoch: int = 0) -> tuple[torch.Tensor, int]:
-        """(uint8 [C, H, W] pixels, or a float32 latent; the label) of one sample in pass `epoch`."""
+    def decode(self, sample: dict, sample_id: int, pass_index: int = 0) -> tuple[torch.Tensor, int]:
+        """(uint8 [C, H, W] pixels, or a float32 latent; the label) of one sample in pass `pass_index`."""
         latent_field = next((f for f in LATENT_FIELDS if f in sample), None)
         if latent_field is not None:
             if self.crop != "center":
@@ -80,7 +80,7 @@ class SampleDecoder:
                     f"latents; use data.crop=center (crop before encoding instead)"
                 )
             if self.hflip:
-                latent_field = self._latent_flip_choice(sample, latent_field, sample_id, epoch)
+                latent_field = self._latent_flip_choice(sample, latent_field, sample_id, pass_index)
             tensor = self._latent(sample, latent_field)
         else:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
@@ -89,7 +89,7 @@ class SampleDecoder:
                     f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS + LATENT_FIELDS)}; "
                     f"has: {_fields(sample)})"
                 )
-            tensor = self._image(sample, field, sample_id, epoch)
+            tensor = self._image(sample, field, sample_id, pass_index)
         return tensor, self._label(sample)
 
     def text(self, sample: dict) -> str | np.ndarray | None:
@@ -98,19 +98,19 @@ class SampleDecoder:
             return text_features(sample, self.text_width, self.text_max_length)
         return caption(sample) if self.captions else None
 
-    def finish(self, stacked: torch.Tensor, ids: np.ndarray, epoch: int) -> torch.Tensor:
+    def finish(self, stacked: torch.Tensor, ids: np.ndarray, pass_index: int) -> torch.Tensor:
         """A batch of `decode` outputs, stacked, as the model reads it: pixels in [-1, 1], each
-        image flipped where its flip coin of (seed, epoch, id) says (latents were chosen in `decode`)."""
+        image flipped where its flip coin of (seed, pass_index, id) says (latents were chosen in `decode`)."""
         if stacked.dtype != torch.uint8:
             return stacked
         batch = stacked.float().div_(127.5).sub_(1.0)
         if self.hflip:
-            flip = torch.from_numpy(flip_coin(self.seed, epoch, ids))
+            flip = torch.from_numpy(flip_coin(self.seed, pass_index, ids))
             if bool(flip.any()):
                 batch[flip] = batch[flip].flip(-1)
         return batch
 
-    def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, epoch: int) -> str:
+    def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, pass_index: int) -> str:
         """The field of the plain latent or, where the flip coin says, of the mirrored image's."""
         if FLIPPED_LATENT_FIELD not in sample:
             raise ValueError(
@@ -118,9 +118,9 @@ class SampleDecoder:
                 f"image ({FLIPPED_LATENT_FIELD}): encode with `prunepipe latents encode --flip`, "
                 f"or set data.hflip=false"
             )
-        return FLIPPED_LATENT_FIELD if flip_coin(self.seed, epoch, [sample_id])[0] else plain_field
+        return FLIPPED_LATENT_FIELD if flip_coin(self.seed, pass_index, [sample_id])[0] else plain_field
 
-    def _image(self, sample: dict, field: str, sample_id: int, epoch: int) -> torch.Tensor:
+    def _image(self, sample: dict, field: str, sample_id: int, pass_index: int) -> torch.Tensor:
         data = sample[field]
         pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
         random_crop = self.crop == "random_resized"
@@ -133,7 +133,9 @@ class SampleDecoder:
                 with Image.open(io.BytesIO(data)) as opened:
                     img = opened.convert("RGB" if self.channels == 3 else "L")
             if random_crop:  # on the original image, before any resize (MAE's RandomResizedCrop)
-                box = random_resized_crop_box(*img.size, self.crop_scale, crop_uniforms(self.seed, epoch, sample_id))
+                box = random_resized_crop_box(
+                    *img.size, self.crop_scale, crop_uniforms(self.seed, pass_index, sample_id)
+                )
                 img = resize_crop(img, self.resolution, box)
             else:
                 img = resize_center_crop(img, self.resolution)

@@ -1,4 +1,4 @@
-"""One pass laid out before any byte is read: the shard order is a pure function of (seed, epoch),
+"""One pass laid out before any byte is read: the shard order is a pure function of (seed, pass_index),
 and the *kept* samples of that order are cut into equal contiguous slices, one per (rank, loader
 worker). Every rank derives every rank's batch count from the plan and the index alone, so all ranks
 stop at the same step with no collective (docs/design.md, principle 3). Reads no shard.
@@ -49,7 +49,7 @@ def pass_layout(
     kept_per_shard: np.ndarray | None,
     *,
     seed: int,
-    epoch: int,
+    pass_index: int,
     world_size: int,
     num_workers: int,
     batch_size: int,
@@ -68,7 +68,7 @@ def pass_layout(
                 f"plan gives kept counts for {len(kept_per_shard)} shards but {index.path} "
                 f"indexes {len(index)} (or more kept than a shard holds)"
             )
-    order = np.random.default_rng([seed, epoch]).permutation(len(index)).astype(np.int64)
+    order = np.random.default_rng([seed, pass_index]).permutation(len(index)).astype(np.int64)
     ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
     total = int(ordered_cum[-1])
     slots = world_size * workers

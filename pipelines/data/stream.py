@@ -31,7 +31,7 @@ BAD_SAMPLE_POLICIES = ("skip", "stop")
 
 
 class ShardStream:
-    """Batches of one rank for one pass at a time; call `pass_loader(epoch, plan)` per pass.
+    """Batches of one rank for one pass at a time; call `pass_loader(pass_index, plan)` per pass.
 
     Loader workers persist across passes: each pass hands every worker its part through a mailbox
     instead of starting new processes (a start and a shutdown cost about a tenth of a second, a
@@ -66,7 +66,7 @@ class ShardStream:
         self._loader_settings: tuple | None = None
         self._passes_posted = 0
 
-    def layout(self, epoch: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
+    def layout(self, pass_index: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
         if plan is not None and plan.num_samples != self.index.num_samples:
             raise ValueError(
                 f"plan covers {plan.num_samples} samples but {self.index.path} indexes {self.index.num_samples}"
@@ -75,7 +75,7 @@ class ShardStream:
             self.index,
             None if plan is None else plan.kept_per_shard(self.index.first_ids, self.index.counts),
             seed=self.seed,
-            epoch=epoch,
+            pass_index=pass_index,
             world_size=self.world_size,
             num_workers=num_workers,
             batch_size=self.batch_size,
@@ -83,7 +83,7 @@ class ShardStream:
 
     def pass_loader(
         self,
-        epoch: int,
+        pass_index: int,
         plan: PassPlan | None = None,
         *,
         num_workers: int = 0,
@@ -92,16 +92,16 @@ class ShardStream:
         pin_memory: bool = False,
         start_method: str | None = None,
     ) -> "PassLoader":
-        """This rank's batches of pass `epoch`, after skipping its first `skip_batches` undecoded.
+        """This rank's batches of pass `pass_index`, after skipping its first `skip_batches` undecoded.
 
         `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
         `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
         exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
         starts the loader workers; under each they read the plan without a copy of it. Iterate
         one pass's loader before asking for the next: the workers serve the latest pass."""
-        if plan is not None and plan.epoch != epoch:
-            raise ValueError(f"plan is for pass {plan.epoch + 1}, not pass {epoch + 1} (counted from 1)")
-        layout = self.layout(epoch, plan, num_workers)
+        if plan is not None and plan.pass_index != pass_index:
+            raise ValueError(f"plan is for pass {plan.pass_index + 1}, not pass {pass_index + 1} (counted from 1)")
+        layout = self.layout(pass_index, plan, num_workers)
         workers = max(1, num_workers)
         mine = layout.batches[self.rank]
         skipped, first_worker = batches_taken_per_worker(mine, skip_batches)
@@ -117,7 +117,7 @@ class ShardStream:
             parts.append(
                 PartOfPass(
                     self._passes_posted,
-                    epoch,
+                    pass_index,
                     plan,
                     part,
                     layout.slices[self.rank * workers + part],
@@ -175,7 +175,7 @@ class PartOfPass:
     """What one loader worker reads in one pass: its part of this rank's slice."""
 
     token: int  # which posted pass this is: a worker drops parts of passes abandoned before it read them
-    epoch: int
+    pass_index: int
     plan: PassPlan | None
     part: int  # the worker part it plays (resume may rotate them)
     slices: tuple[SliceOfShard, ...]
@@ -250,8 +250,8 @@ class _PartReader(IterableDataset):
         info = get_worker_info()
         part = self._in_process if info is None else self._mailbox.receive(info.id)
         if part is None:
-            raise RuntimeError("iterate a ShardStream through pass_loader(epoch, plan)")
-        rng = np.random.default_rng([self.seed, part.epoch, self.rank, part.part])
+            raise RuntimeError("iterate a ShardStream through pass_loader(pass_index, plan)")
+        rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part])
         events: list[BadInput] = []
         raw = self._kept_raw_samples(part.slices, part.plan, events)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
@@ -262,7 +262,7 @@ class _PartReader(IterableDataset):
         template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
         for k in range(part.skip, part.batches):
             yield self._next_batch(
-                samples, part.epoch, events, template, replayed, part.part, last=k == part.batches - 1
+                samples, part.pass_index, events, template, replayed, part.part, last=k == part.batches - 1
             )
 
     def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
@@ -303,7 +303,7 @@ class _PartReader(IterableDataset):
                 self._bad(events, BadInput(message, len(mine) - delivered))
 
     def _next_batch(
-        self, samples, epoch: int, events: list, template: list, replayed, worker: int, last: bool
+        self, samples, pass_index: int, events: list, template: list, replayed, worker: int, last: bool
     ) -> Batch:
         ids, weights, pixels, labels, texts = [], [], [], [], []
         while len(ids) < self.batch_size:
@@ -313,7 +313,7 @@ class _PartReader(IterableDataset):
             sample_id, weight, sample = item
             try:
                 text = self.decoder.text(sample)  # before the pixels: cheap to refuse
-                decoded, label = self.decoder.decode(sample, sample_id, epoch)
+                decoded, label = self.decoder.decode(sample, sample_id, pass_index)
             except BadInputError as e:
                 self._bad(events, BadInput(str(e), undecodable=True))
                 continue
@@ -323,16 +323,16 @@ class _PartReader(IterableDataset):
             labels.append(label)
             texts.append(text)
         if pixels:
-            images = self.decoder.finish(torch.stack(pixels), np.array(ids, dtype=np.int64), epoch)
+            images = self.decoder.finish(torch.stack(pixels), np.array(ids, dtype=np.int64), pass_index)
             template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
             # same number of steps; padding has id -1 and never reaches a pruner.
             if not template:  # a resumed worker that has decoded nothing yet: shape it like a replayed sample
-                template[:] = self._first_decodable(reversed(replayed), epoch)
+                template[:] = self._first_decodable(reversed(replayed), pass_index)
             if not template:
                 raise BadInputError(
-                    f"rank {self.rank}: no decodable sample in pass {epoch + 1} (counted from 1) to shape padding"
+                    f"rank {self.rank}: no decodable sample in pass {pass_index + 1} (counted from 1) to shape padding"
                 )
             missing = self.batch_size - len(ids)
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
@@ -356,13 +356,13 @@ class _PartReader(IterableDataset):
             **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
-    def _first_decodable(self, items, epoch: int) -> list[torch.Tensor]:
+    def _first_decodable(self, items, pass_index: int) -> list[torch.Tensor]:
         """[the first of these (id, weight, raw sample) items that decodes, decoded], or []."""
         for item in items:
             if item is None:
                 continue
             try:
-                return [self.decoder(item[2], item[0], epoch)[0]]
+                return [self.decoder(item[2], item[0], pass_index)[0]]
             except BadInputError:
                 continue
         return []

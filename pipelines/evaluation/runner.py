@@ -531,14 +531,14 @@ def evaluate_checkpoint(
     position = trained.position
     at = {
         key: position[key]
-        for key in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")
+        for key in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")
         if key in position
     }
-    if "epoch" in position:
-        # between passes a checkpoint's epoch counts the passes done; the record names the pass its
+    if "pass_index" in position:
+        # between passes a checkpoint's pass_index counts the passes done; the record names the pass its
         # weights finished (0-based), as the training loop's own eval record of the same step does
-        inside = position.get("batch_in_pass", 0) > 0 or position["epoch"] == 0
-        at["epoch"] = position["epoch"] if inside else position["epoch"] - 1
-        at["pass"] = position_label(position["epoch"], position.get("batch_in_pass", 0), run_cfg.passes)
+        inside = position.get("batch_in_pass", 0) > 0 or position["pass_index"] == 0
+        at["pass_index"] = position["pass_index"] if inside else position["pass_index"] - 1
+        at["pass"] = position_label(position["pass_index"], position.get("batch_in_pass", 0), run_cfg.passes)
     at["checkpoint"] = os.path.abspath(folder)
     return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)

@@ -88,9 +88,9 @@ def plot_kept_fraction(runs: list[RunSummary], path: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for run in runs:
-        epochs = [rec["epoch"] + 1 for rec in run.trajectory]
+        passes_done = [rec["pass_index"] + 1 for rec in run.trajectory]
         ax.plot(
-            epochs,
+            passes_done,
             [rec["kept_fraction"] for rec in run.trajectory],
             marker="o",
             markersize=4,
@@ -107,7 +107,7 @@ def plot_kept_fraction(runs: list[RunSummary], path: str) -> str | None:
 
 
 def checkpoint_scores(run_path: str) -> list[dict]:
-    """[{"epoch", "optimizer_steps", "scores", "threshold"}] from the pruner state of each complete
+    """[{"pass_index", "optimizer_steps", "scores", "threshold"}] from the pruner state of each complete
     checkpoint (scores of samples the pruner has measured: InfoBatch's `seen`, TED's `visits` > 0)."""
     from prunepipe.pipelines.checkpoint.manifest import verify
     from prunepipe.pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
@@ -135,17 +135,17 @@ def checkpoint_scores(run_path: str) -> list[dict]:
         )
         scalars = pruner.get("scalars") or {}
         threshold = scalars.get("threshold", scalars.get("score_threshold"))
-        epoch, steps = position.get("epoch", 0), position.get("optimizer_steps", 0)
-        # mid-pass, `epoch` is the pass in progress (0-based); between passes, the number completed
+        pass_index, steps = position.get("pass_index", 0), position.get("optimizer_steps", 0)
+        # mid-pass, `pass_index` is the pass in progress (0-based); between passes, the number completed
         label = (
-            f"step {steps}, in pass {epoch + 1}"
+            f"step {steps}, in pass {pass_index + 1}"
             if position.get("batch_in_pass", 0)
-            else f"step {steps}, after pass {epoch}"
+            else f"step {steps}, after pass {pass_index}"
         )
         found.append(
             {
                 "label": label,
-                "epoch": epoch,
+                "pass_index": pass_index,
                 "optimizer_steps": steps,
                 "scores": scores[measured & np.isfinite(scores)],
                 "threshold": None if threshold is None else float(threshold),

@@ -86,7 +86,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
     )
     if run.trajectory:
         last = run.trajectory[-1]
-        run.passes_done = int(last["epoch"]) + 1
+        run.passes_done = int(last["pass_index"]) + 1
         run.samples_forwarded = int(last["samples_forwarded"])
         run.optimizer_steps = int(last["optimizer_steps"])
         run.wall_seconds = float(last["wall_seconds"])
@@ -129,7 +129,7 @@ def _step_key(record: dict) -> tuple:
     """What makes two records the same record written twice (a resume marker is never one)."""
     if record.get("kind") == RESUME:
         return (RESUME, id(record))
-    return (record.get("kind"), record.get("optimizer_steps"), record.get("epoch"), record.get("weights"))
+    return (record.get("kind"), record.get("optimizer_steps"), record.get("pass_index"), record.get("weights"))
 
 
 def held_out_metrics(record: dict) -> dict:

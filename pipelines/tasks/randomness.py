@@ -72,8 +72,8 @@ class SampleRandomness:
     """Random tensors [B, *shape] for one batch, on the ids' device; each call draws from a fresh
     stream (draw number 1, 2, ... keyed apart), so a task's draws must come in a fixed order."""
 
-    def __init__(self, seed: int, epoch: int, ids: torch.Tensor, device: torch.device | str | None = None):
-        self.seed, self.epoch = int(seed), int(epoch)
+    def __init__(self, seed: int, pass_index: int, ids: torch.Tensor, device: torch.device | str | None = None):
+        self.seed, self.pass_index = int(seed), int(pass_index)
         ids = torch.as_tensor(ids, dtype=torch.int64)
         self.ids = ids.to(device, non_blocking=True) if device is not None else ids
         self.device = self.ids.device
@@ -85,7 +85,7 @@ class SampleRandomness:
     def _bits(self, elements: int) -> torch.Tensor:
         """int64 [B, elements] for the next draw."""
         self._calls += 1
-        key = _stream_key(self.seed * 7919 + self._calls, self.epoch)  # one stream per (seed, draw, pass)
+        key = _stream_key(self.seed * 7919 + self._calls, self.pass_index)  # one stream per (seed, draw, pass)
         return hash_bits(key, self.ids, elements)
 
     def rand(self, *shape: int) -> torch.Tensor:

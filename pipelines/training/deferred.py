@@ -23,7 +23,7 @@ class StepRecord:
     """One micro-batch's gathered batch and what its consumer needs to know about the step."""
 
     step: int  # optimizer steps before this micro-batch
-    epoch: int
+    pass_index: int
     micro: int  # micro-batch within the pass
     lr: float
     is_step: bool  # the optimizer stepped after this micro-batch

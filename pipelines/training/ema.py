@@ -30,7 +30,7 @@ class PassProgressEMA(EMAModel):
         self._progress = 0.0
 
     def step(self, parameters, progress: float) -> None:
-        """Average in the weights reached at pass progress `progress` (epoch + fraction of the pass)."""
+        """Average in the weights reached at pass progress `progress` (pass_index + fraction of the pass)."""
         self._progress = progress
         super().step(parameters)
 

@@ -58,7 +58,7 @@ SCORE_LAG = 1
 
 # ----------------------------------------------------------------------------- helpers
 def learning_rate(cfg: RunConfig, progress: float) -> float:
-    """Linear warmup then cosine or constant (optim.schedule), driven by pass progress (epoch +
+    """Linear warmup then cosine or constant (optim.schedule), driven by pass progress (pass_index +
     fraction of the pass), so a pass shortened by pruning keeps the schedule aligned with the full
     run's (docs/design.md, principle 6)."""
     o = cfg.optim
@@ -71,10 +71,10 @@ def learning_rate(cfg: RunConfig, progress: float) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
 
 
-def pass_progress(epoch: int, pass_offset: float, batches_done: int, total: int) -> float:
-    """Pass progress after `batches_done` of this pass's (or resumed segment's) `total` batches: epoch
+def pass_progress(pass_index: int, pass_offset: float, batches_done: int, total: int) -> float:
+    """Pass progress after `batches_done` of this pass's (or resumed segment's) `total` batches: pass_index
     + fraction of the pass, where a segment starts at the fraction `pass_offset` already trained."""
-    return epoch + pass_offset + (1 - pass_offset) * batches_done / max(total, 1)
+    return pass_index + pass_offset + (1 - pass_offset) * batches_done / max(total, 1)
 
 
 def with_peak_learning_rate(cfg: RunConfig, world: int, announce: bool) -> RunConfig:
@@ -103,7 +103,7 @@ def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int,
     on as a segment over the kept samples no rank had trained on, with the same frozen plan.
     """
     if position.batch_in_pass == 0 and position.excluded is None:
-        pruner.plan(position.epoch)
+        pruner.plan(position.pass_index)
         position.consumed = Bitmap.zeros(num_samples)
         position.pass_offset = 0.0
     plan = PassPlan.from_pruner(pruner)
@@ -230,7 +230,7 @@ def train(cfg: RunConfig) -> dict:
         checkpointed.finish_load(resume_from)
         if main:
             print(
-                f"resumed from {resume_from}: {position_label(position.epoch, position.batch_in_pass, cfg.passes)}, "
+                f"resumed from {resume_from}: {position_label(position.pass_index, position.batch_in_pass, cfg.passes)}, "
                 f"step {position.optimizer_steps}"
             )
     text_identity = task.text_identity  # "" unless text-conditional
@@ -271,7 +271,7 @@ def train(cfg: RunConfig) -> dict:
         metrics.resumed(
             resume_from,
             optimizer_steps=position.optimizer_steps,
-            epoch=position.epoch,
+            pass_index=position.pass_index,
             batch_in_pass=position.batch_in_pass,
         )
     pass_lines = EveryFewSeconds()
@@ -287,15 +287,15 @@ def train(cfg: RunConfig) -> dict:
     if cfg.debug_device_sync and device.type != "cuda":
         raise ValueError("debug_device_sync=true checks CUDA synchronisation; this run has no CUDA device")
 
-    while position.epoch < cfg.passes and not stop:
-        epoch = position.epoch
+    while position.pass_index < cfg.passes and not stop:
+        pass_index = position.pass_index
         node_tables.settle()  # the node's writer has recorded every update (or loaded the state) first
         plan = begin_pass(position, pruner, index.num_samples, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
         undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
         loader = stream.pass_loader(
-            epoch,
+            pass_index,
             plan,
             num_workers=workers,
             skip_batches=position.batch_in_pass,
@@ -310,7 +310,7 @@ def train(cfg: RunConfig) -> dict:
             total,
             initial=position.batch_in_pass,
             disable=not main,
-            desc=pass_label(epoch, cfg.passes),
+            desc=pass_label(pass_index, cfg.passes),
             unit="sample",
             unit_scale=cfg.data.batch_size * world,
         )
@@ -322,7 +322,7 @@ def train(cfg: RunConfig) -> dict:
                 ids, gathered, strata = record.host()
                 real = ids >= 0
                 if not np.isfinite(gathered[real]).all():  # on_nonfinite_loss=stop; skip never gets here
-                    report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.epoch, record.micro)
+                    report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.pass_index, record.micro)
                 position.consumed.set(ids[real])
                 pruner.update(ids, scorer(ids, gathered, strata))
                 task.observe(ids, strata, gathered)
@@ -337,7 +337,7 @@ def train(cfg: RunConfig) -> dict:
                         {
                             "kind": "train",
                             "optimizer_steps": steps,
-                            "epoch": record.epoch,
+                            "pass_index": record.pass_index,
                             "loss": pass_losses[-1],
                             "lr": record.lr,
                             "samples_forwarded": position.samples_forwarded,
@@ -350,7 +350,7 @@ def train(cfg: RunConfig) -> dict:
             device_waits.step()
             micro = position.batch_in_pass
             is_step, group_size = accumulation.group(micro, total)
-            lr = learning_rate(cfg, pass_progress(epoch, position.pass_offset, micro, total))
+            lr = learning_rate(cfg, pass_progress(pass_index, position.pass_offset, micro, total))
             if debug is not None:
                 debug.saw(batch.ids)
             lost_here += sum(e.samples_lost for e in batch.bad)
@@ -358,10 +358,10 @@ def train(cfg: RunConfig) -> dict:
             undecodable_here[batch.worker] += batch.undecodable()
             step_at = position.optimizer_steps
             batch = batch.to(device, non_blocking=True)
-            randomness = SampleRandomness(cfg.seed, epoch, batch.ids)
+            randomness = SampleRandomness(cfg.seed, pass_index, batch.ids)
             if not accumulation.buckets_settled:  # DDP's bucket layout, the same in fresh and resumed processes
                 accumulation.settle_buckets(
-                    lambda: fresh_forward_losses(accelerator, task, model, batch, cfg.seed, epoch)
+                    lambda: fresh_forward_losses(accelerator, task, model, batch, cfg.seed, pass_index)
                 )
             with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
                 with accelerator.autocast():
@@ -373,7 +373,7 @@ def train(cfg: RunConfig) -> dict:
                 if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
                     # skipping needs the answer before backward: one host read per step, under this policy only
                     report_nonfinite(
-                        cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, epoch, micro
+                        cfg, accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, pass_index, micro
                     )
                     position.skipped_nonfinite += 1
                     host = [None, None, None]
@@ -389,12 +389,12 @@ def train(cfg: RunConfig) -> dict:
                         accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                ema.step(trained, pass_progress(epoch, position.pass_offset, micro + 1, total))
+                ema.step(trained, pass_progress(pass_index, position.pass_offset, micro + 1, total))
                 accumulation.stepped()
                 position.optimizer_steps += 1
             position.batch_in_pass += 1
             bar.update(1)
-            deferred.push(StepRecord(step_at, epoch, micro, lr, is_step, *host, ready=ready))
+            deferred.push(StepRecord(step_at, pass_index, micro, lr, is_step, *host, ready=ready))
             if is_step:
                 if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
                     device_waits.pause()
@@ -417,7 +417,7 @@ def train(cfg: RunConfig) -> dict:
         settle_bad_input(accelerator, position, lost_here, undecodable_here)
         lost_here = 0
         if debug is not None:
-            debug.end_pass(epoch)
+            debug.end_pass(pass_index)
         if stop and position.batch_in_pass < total:
             break
         summary = end_of_pass(
@@ -425,19 +425,19 @@ def train(cfg: RunConfig) -> dict:
         )
         summary["ema_decay"] = ema.cur_decay_value  # at the pass end: pruned and full runs alike
         metrics.write(summary)
-        if main and pass_lines.due(force=position.epoch + 1 == cfg.passes):
+        if main and pass_lines.due(force=position.pass_index + 1 == cfg.passes):
             print(format_pass(summary, cfg.passes), flush=True)
-        if evaluator is not None and (epoch + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
-            at = {k: summary[k] for k in ("epoch", "optimizer_steps", "samples_forwarded", "wall_seconds")}
-            at["pass"] = f"after {pass_label(epoch, cfg.passes)}"
+        if evaluator is not None and (pass_index + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
+            at = {k: summary[k] for k in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")}
+            at["pass"] = f"after {pass_label(pass_index, cfg.passes)}"
             metrics.write(evaluator.evaluate(task, weights_for_eval(model, ema, cfg.eval.weights), at=at))
-        position.epoch += 1
+        position.pass_index += 1
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
 
     stream.close()  # the loader workers, kept from pass to pass
     if position.optimizer_steps != last_saved:
         save_checkpoint(accelerator, run_dir, position.optimizer_steps, cfg.checkpoint.keep, checkpointed.write_tables)
-    if main and position.epoch >= cfg.passes:
+    if main and position.pass_index >= cfg.passes:
         ema_model = copy.deepcopy(accelerator.unwrap_model(model))
         ema.copy_to(ema_model.parameters())
         task.export(accelerator.unwrap_model(model), ema_model, os.path.join(run_dir, "export"))
@@ -446,11 +446,11 @@ def train(cfg: RunConfig) -> dict:
     return summary
 
 
-def fresh_forward_losses(accelerator, task, model, batch, seed: int, epoch: int) -> torch.Tensor:
+def fresh_forward_losses(accelerator, task, model, batch, seed: int, pass_index: int) -> torch.Tensor:
     """The batch's per-sample losses from a forward of its own draws (a task's draws come in a fixed
     order per SampleRandomness, so the real step keeps its own)."""
     with accelerator.autocast():
-        return task.per_sample(model, batch, SampleRandomness(seed, epoch, batch.ids)).loss.float()
+        return task.per_sample(model, batch, SampleRandomness(seed, pass_index, batch.ids)).loss.float()
 
 
 class DeviceWaitCheck:
@@ -471,11 +471,11 @@ class DeviceWaitCheck:
 
 
 def report_nonfinite(
-    cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, epoch: int, micro: int
+    cfg: RunConfig, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, pass_index: int, micro: int
 ) -> None:
     """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
     bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
-    where = f"step {step} ({pass_label(epoch, cfg.passes)}, batch {micro})"
+    where = f"step {step} ({pass_label(pass_index, cfg.passes)}, batch {micro})"
     if cfg.on_nonfinite_loss == "stop":
         raise NonFiniteLossError(
             f"non-finite loss at {where} for sample ids {bad_ids}; set on_nonfinite_loss=skip to skip such batches"
@@ -502,7 +502,7 @@ def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad
     last = bad[-1].message if bad else "see the warnings above"
     raise BadInputError(
         f"{position.bad_samples + lost_here} samples lost to bad input by "
-        f"{pass_label(position.epoch, cfg.passes)} "
+        f"{pass_label(position.pass_index, cfg.passes)} "
         f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
         f"data.max_bad_samples={budget}; the latest: {last}"
     )
@@ -528,14 +528,14 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
     steps = layout.steps
     summary = {
         "kind": "pass",
-        "epoch": position.epoch,
+        "pass_index": position.pass_index,
         "optimizer_steps": position.optimizer_steps,
         "steps_in_pass": steps,
         "kept_fraction": layout.kept / plan.num_samples,
         "kept_samples": layout.kept,
         "tail": layout.tail,
         "peak_lr": cfg.optim.lr,
-        "lr_at_pass_start": learning_rate(cfg, float(position.epoch)),
+        "lr_at_pass_start": learning_rate(cfg, float(position.pass_index)),
         "samples_forwarded": position.samples_forwarded,
         "train_loss": float(np.mean(pass_losses)) if pass_losses else float("nan"),
         "wall_seconds": position.wall_seconds,
@@ -558,7 +558,7 @@ def format_pass(summary: dict, passes: int) -> str:
         if isinstance(v, float) and not GRID_POINT.search(k)
     )  # denoise_mse is the grid's mean
     return (
-        f"{pass_label(summary['epoch'], passes)}: kept {summary['kept_fraction']:.1%}, "
+        f"{pass_label(summary['pass_index'], passes)}: kept {summary['kept_fraction']:.1%}, "
         f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
         f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total"
     )

@@ -3,8 +3,8 @@ TensorBoard when it is installed. Train lines every `log_every` steps, pass summ
 and a resume marker each time a run resumes from a checkpoint.
 
 Every record has `kind` (train | pass | eval | resume) and `optimizer_steps` (the steps done when it
-was written). `epoch` is the 0-based index of the pass: data, as in checkpoints and eval records,
-while every line a user reads names that pass 1-based, "pass epoch+1/N" (pipelines/progress.py).
+was written). `pass_index` is the 0-based index of the pass: data, as in checkpoints and eval records,
+while every line a user reads names that pass 1-based, "pass pass_index+1/N" (pipelines/progress.py).
 An eval record's `pass` is that line's words ("after pass 5/40").
 
 A resumed run trains again, and logs again, the steps between its checkpoint and the point the
@@ -52,9 +52,9 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "optimizer_steps":
                     self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
 
-    def resumed(self, checkpoint: str, *, optimizer_steps: int, epoch: int, batch_in_pass: int) -> None:
+    def resumed(self, checkpoint: str, *, optimizer_steps: int, pass_index: int, batch_in_pass: int) -> None:
         """The resume marker: this process continues from `checkpoint`, at step `optimizer_steps`,
-        `batch_in_pass` batches into pass `epoch` (0-based, as in every record)."""
+        `batch_in_pass` batches into pass `pass_index` (0-based, as in every record)."""
         if not self.enabled:
             return
         self._append(
@@ -63,7 +63,7 @@ class MetricsLog:
                 "event": RESUME,
                 "from_step": int(optimizer_steps),
                 "optimizer_steps": int(optimizer_steps),
-                "epoch": int(epoch),
+                "pass_index": int(pass_index),
                 "batch_in_pass": int(batch_in_pass),
                 "checkpoint": os.path.abspath(checkpoint),
                 "time": time.time(),

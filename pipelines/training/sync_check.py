@@ -20,7 +20,7 @@ def plan_digest(plan: PassPlan, pruner) -> str:
     """A hash of the pass plan and the pruner's tables: equal on every rank when in sync."""
     frozen = plan.frozen  # the plan's compact form: equal compact forms give equal weights everywhere
     digest = hashlib.sha256(
-        repr((plan.epoch, frozen.seed, frozen.keep_prob, frozen.rescale, frozen.group_rescale)).encode()
+        repr((plan.pass_index, frozen.seed, frozen.keep_prob, frozen.rescale, frozen.group_rescale)).encode()
     )
     for array in (
         frozen.candidates and frozen.candidates.packed,
@@ -42,23 +42,23 @@ class SyncDebug:
         os.makedirs(self.folder, exist_ok=True)
         self.seen: list[np.ndarray] = []
 
-    def _path(self, what: str, epoch: int, rank: bool = True) -> str:
-        name = f"{what}_pass{epoch:04d}_world{self.world}" + (f"_rank{self.rank}" if rank else "")
+    def _path(self, what: str, pass_index: int, rank: bool = True) -> str:
+        name = f"{what}_pass{pass_index:04d}_world{self.world}" + (f"_rank{self.rank}" if rank else "")
         return os.path.join(self.folder, name)
 
     def begin_pass(self, plan: PassPlan, pruner) -> None:
         mine = plan_digest(plan, pruner)
-        with open(self._path("digest", plan.epoch) + ".txt", "w") as f:
+        with open(self._path("digest", plan.pass_index) + ".txt", "w") as f:
             f.write(mine)
         if self.main:  # the frozen plan itself, before any resume segment excludes samples
-            np.save(self._path("plan", plan.epoch, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
+            np.save(self._path("plan", plan.pass_index, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
         # a disagreement means the pruner state is no longer in sync
-        same_on_every_rank(mine, f"digest {mine}", f"pass {plan.epoch + 1} plans or pruner scores")
+        same_on_every_rank(mine, f"digest {mine}", f"pass {plan.pass_index + 1} plans or pruner scores")
         self.seen = []
 
     def saw(self, ids: torch.Tensor) -> None:
         self.seen.append(ids.detach().cpu().numpy().copy())
 
-    def end_pass(self, epoch: int) -> None:
+    def end_pass(self, pass_index: int) -> None:
         ids = np.concatenate(self.seen) if self.seen else np.zeros(0, np.int64)
-        np.save(self._path("ids", epoch) + ".npy", ids)
+        np.save(self._path("ids", pass_index) + ".npy", ids)

@@ -28,9 +28,9 @@ def median_seconds(function, repeats: int) -> float:
     return float(np.median(times))
 
 
-def scored(name: str, num_samples: int, num_epochs: int = 100) -> Pruner:
+def scored(name: str, num_samples: int, num_passes: int = 100) -> Pruner:
     """A pruner that has seen every sample twice (so TED has a score for each), lr reported."""
-    pruner = build_pruner(name, num_samples, num_epochs, seed=0)
+    pruner = build_pruner(name, num_samples, num_passes, seed=0)
     rng = np.random.default_rng(0)
     chunk = 1 << 20
     for visit in range(2):
@@ -53,10 +53,10 @@ def state_bytes_per_sample(pruner: Pruner) -> float:
 
 def bench(name: str, plan_sizes: list[int], weight_ids: int, batch_sizes: list[int], repeats: int) -> dict:
     row: dict = {"pruner": name}
-    epochs = iter(range(10, 10_000))  # a fresh pass each call: plan() of a new pass, inside pruning passes
+    fresh_passes = iter(range(10, 10_000))  # a fresh pass each call: plan() of a new pass, inside pruning passes
     for size in plan_sizes:
         pruner = scored(name, size)
-        row[f"plan() over {size:,}"] = median_seconds(lambda: pruner.plan(next(epochs) % 80 + 5), repeats)
+        row[f"plan() over {size:,}"] = median_seconds(lambda: pruner.plan(next(fresh_passes) % 80 + 5), repeats)
         if size == weight_ids:
             ids = np.random.default_rng(1).permutation(size)
             weights_time = median_seconds(lambda: pruner.weights(ids), repeats)

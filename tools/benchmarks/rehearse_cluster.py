@@ -223,10 +223,10 @@ def kill_step(reference: list[dict], every_steps: int) -> int:
     kills the run after it, so the requeue resumes mid-pass with a pruned plan."""
     total = reference[-1]["optimizer_steps"]
     ends = [r["optimizer_steps"] for r in reference]
-    pruned = {r["epoch"] for r in reference if r["kept_fraction"] < 1.0}
+    pruned = {r["pass_index"] for r in reference if r["kept_fraction"] < 1.0}
     for step in range(every_steps, total, every_steps):
-        epoch = next(e for e, end in enumerate(ends) if step <= end)
-        if step not in ends and epoch in pruned:
+        pass_index = next(e for e, end in enumerate(ends) if step <= end)
+        if step not in ends and pass_index in pruned:
             return step
     raise ValueError(
         f"no checkpoint.every_steps={every_steps} checkpoint falls inside a pruned pass "
@@ -237,26 +237,26 @@ def kill_step(reference: list[dict], every_steps: int) -> int:
 def compare_passes(reference: list[dict], requeued: list[dict]) -> list[str]:
     """Every pass of the reference has a summary in the requeued run (the killed attempt's and the
     requeue's, last one per pass counting) that agrees on PASS_FIELDS."""
-    theirs = {r["epoch"]: r for r in requeued}
+    theirs = {r["pass_index"]: r for r in requeued}
     problems = []
     for mine in reference:
-        other = theirs.get(mine["epoch"])
+        other = theirs.get(mine["pass_index"])
         if other is None:
-            problems.append(f"pass {mine['epoch'] + 1}: no summary after the requeue")
+            problems.append(f"pass {mine['pass_index'] + 1}: no summary after the requeue")
             continue
         for field in PASS_FIELDS:
             if mine.get(field) != other.get(field):
-                problems.append(f"pass {mine['epoch'] + 1} {field}: {mine.get(field)} != {other.get(field)}")
+                problems.append(f"pass {mine['pass_index'] + 1} {field}: {mine.get(field)} != {other.get(field)}")
     return problems
 
 
 def compare_evals(reference: list[dict], requeued: list[dict]) -> list[str]:
     """The in-loop evaluations (EMA weights at each pass end) of both runs, metric by metric."""
-    theirs = {r["epoch"]: r["metrics"] for r in requeued}
+    theirs = {r["pass_index"]: r["metrics"] for r in requeued}
     return [
-        f"eval after pass {r['epoch'] + 1}: {r['metrics']} != {theirs.get(r['epoch'])}"
+        f"eval after pass {r['pass_index'] + 1}: {r['metrics']} != {theirs.get(r['pass_index'])}"
         for r in reference
-        if r["metrics"] != theirs.get(r["epoch"])
+        if r["metrics"] != theirs.get(r["pass_index"])
     ]
 
 
@@ -399,7 +399,7 @@ def _rehearse(
     progress(
         f"reference done in {verdict['reference_seconds']} s: "
         + ", ".join(
-            f"pass {r['epoch'] + 1} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}" for r in reference
+            f"pass {r['pass_index'] + 1} {r['steps_in_pass']} micro-batches kept {r['kept_samples']}" for r in reference
         )
     )
 
@@ -443,19 +443,19 @@ def _rehearse(
     if not position or position["batch_in_pass"] == 0 or checkpoint_step(newest) >= verdict["killed_after_step"]:
         problems.append(
             f"the kill did not fall after a mid-pass checkpoint (newest: {newest}, "
-            f"position {position and {k: position[k] for k in ('epoch', 'batch_in_pass')}})"
+            f"position {position and {k: position[k] for k in ('pass_index', 'batch_in_pass')}})"
         )
         return finish()
     verdict["resume_checkpoint"] = {
         "step": checkpoint_step(newest),
-        "epoch": position["epoch"],
+        "pass_index": position["pass_index"],
         "batch_in_pass": position["batch_in_pass"],
     }
 
     # (c) the requeue: both nodes again, from the newest intact checkpoint
     progress(
         f"(c) requeue with checkpoint.resume=latest (newest: step {checkpoint_step(newest)}, "
-        f"pass {position['epoch'] + 1}, micro-batch {position['batch_in_pass']})"
+        f"pass {position['pass_index'] + 1}, micro-batch {position['batch_in_pass']})"
     )
     if not run_to_end("requeue", "rehearsal-job", "requeued", ["checkpoint.resume=latest"]):
         return finish()
@@ -475,7 +475,7 @@ def _rehearse(
         "evals": len(metric_records(os.path.join(runs, "reference"), "eval")),
     }
     verdict["pass_summaries"] = [
-        {k: r[k] for k in ("epoch", "optimizer_steps", "steps_in_pass", "kept_samples", "samples_forwarded")}
+        {k: r[k] for k in ("pass_index", "optimizer_steps", "steps_in_pass", "kept_samples", "samples_forwarded")}
         for r in reference
     ]
     return finish()
@@ -496,7 +496,7 @@ def describe(verdict: dict) -> str:
     if "resume_checkpoint" in verdict:
         r = verdict["resume_checkpoint"]
         lines.append(
-            f"  requeue resumed from step {r['step']} (pass {r['epoch'] + 1}, micro-batch {r['batch_in_pass']})"
+            f"  requeue resumed from step {r['step']} (pass {r['pass_index'] + 1}, micro-batch {r['batch_in_pass']})"
         )
     if "compared" in verdict:
         c = verdict["compared"]
@@ -507,7 +507,7 @@ def describe(verdict: dict) -> str:
         )
         for r in verdict["pass_summaries"]:
             lines.append(
-                f"    pass {r['epoch'] + 1}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
+                f"    pass {r['pass_index'] + 1}: {r['steps_in_pass']} micro-batches, kept {r['kept_samples']}, "
                 f"forwarded {r['samples_forwarded']}, optimizer step {r['optimizer_steps']}"
             )
     lines += [f"  problem: {p}" for p in verdict["problems"]]

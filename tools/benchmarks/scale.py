@@ -11,7 +11,7 @@ What is measured, and how:
   in groups of 4, per sample; per rank = all four, for a process alone.
 - `peak RSS`: the child's high-water resident memory (VmHWM, reset after the imports) above its RSS
   after imports, per sample: before loading a saved state, and with it.
-- `plan + layout`: one `pruner.plan(epoch)`, the pass's per-shard kept counts and `pass_layout` for
+- `plan + layout`: one `pruner.plan(pass_index)`, the pass's per-shard kept counts and `pass_layout` for
   nodes x ranks_per_node ranks (what each rank computes at a pass boundary), on one thread.
 - `node`: `--node-ranks` real processes (gloo) of one node sharing their tables as training does
   (pipelines/training/node_tables.py), each planning and laying out the pass, holding the plan's
@@ -138,7 +138,7 @@ def measure(
         index,
         plan.kept_per_shard(index.first_ids, index.counts),
         seed=0,
-        epoch=5,
+        pass_index=5,
         world_size=world,
         num_workers=workers,
         batch_size=256,
@@ -249,7 +249,7 @@ def node_rank(
         index,
         plan.kept_per_shard(index.first_ids, index.counts),
         seed=0,
-        epoch=5,
+        pass_index=5,
         world_size=nodes * ranks_per_node,
         num_workers=workers,
         batch_size=256,

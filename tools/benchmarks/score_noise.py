@@ -127,11 +127,11 @@ def skip_probability(run_cfg, folder: str, num_samples: int, passes: int = 4) ->
     ids = np.arange(num_samples, dtype=np.int64)
     last = max(pruner.first_full_pass - 1, 0)
     skipped = np.zeros(num_samples)
-    epochs = range(max(last - passes + 1, 0), last + 1)
-    for epoch in epochs:
-        pruner.plan(epoch)
+    recent = range(max(last - passes + 1, 0), last + 1)
+    for pass_index in recent:
+        pruner.plan(pass_index)
         skipped += pruner.weights(ids) == 0
-    return skipped / len(epochs)
+    return skipped / len(recent)
 
 
 def analyse(

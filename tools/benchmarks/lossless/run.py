@@ -196,7 +196,7 @@ def execute(
         pruner_seconds=dict(timed[0].seconds) if timed else {},
         curve=[
             {
-                "pass": r["epoch"] + 1,
+                "pass": r["pass_index"] + 1,
                 "samples_forwarded": r["samples_forwarded"],
                 "wall_seconds": r["wall_seconds"],
                 "held_out": r.get("held_out", {}).get(plan.main),
