@@ -520,7 +520,9 @@ def evaluate_checkpoint(
     )
     eval_cfg = eval_cfg or load_eval_config(eval_config_of(run_cfg), config_path, list(overrides))
     if write and not overwrite:
-        refuse_to_overwrite(run_dir, trained.position.get("optimizer_steps", 0), eval_cfg.weights)
+        # rank 0 decides: a record written between two ranks' checks would send them different ways
+        steps = trained.position.get("optimizer_steps", 0)
+        decided_on_rank0(lambda: refuse_to_overwrite(run_dir, steps, eval_cfg.weights))
     check_text_identity(folder, trained.position.get("text_identity", ""), task, eval_cfg.val or run_cfg.data.val)
     if eval_cfg.weights == "ema":
         if trained.ema is None:
