@@ -54,7 +54,7 @@ def load_autoencoder(
 
 def autoencoder_folder(name: str, subfolder: str = "", cache_dir: str = "") -> str:
     """The local folder holding the AutoencoderKL `name` names (its `subfolder` included): the folder
-    itself, or the repo's snapshot in the hub cache. Call after load_autoencoder succeeded."""
+    itself, or the repo's snapshot in the hub cache (OSError when the cache lacks it); nothing is read."""
     if _is_path(name):
         folder = os.path.abspath(os.path.expanduser(name))
     else:

@@ -21,12 +21,12 @@ import os
 import shutil
 
 import diffusers
-from diffusers import DDIMScheduler
+from diffusers import AutoencoderKL, DDIMScheduler
 
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
 from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
+from prunepipe.pipelines.tasks.diffusion.text import TextEncoder, quiet_transformers
 from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
 MODEL_FOLDERS = {"unet": "unet", "dit": "transformer"}  # as diffusers pipelines name them
@@ -169,16 +169,19 @@ def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
                 "",
                 ("the latent shards' index.json names no VAE (pass vae= to sample())"),
             )
-        try:
-            vae = load_autoencoder(name, subfolder, cfg.cache_dir, setting="the latent shards' vae")
-        except FileNotFoundError as e:
-            return task.scaling_factor or 0.0, 0.0, "", str(e).split(": ", 1)[-1].split(". ")[0]
-        scale = task.scaling_factor or float(meta.get("scaling_factor") or vae.config.scaling_factor)
-        shift = float(meta.get("shift_factor") or getattr(vae.config, "shift_factor", None) or 0.0)
+        try:  # its config alone: rank 0 exports while the other ranks wait at the end of training
+            config = AutoencoderKL.load_config(
+                autoencoder_folder(name, subfolder, cfg.cache_dir), local_files_only=True
+            )
+        except (OSError, ValueError) as e:
+            return task.scaling_factor or 0.0, 0.0, "", f"the latent shards' vae {name!r}: {str(e).splitlines()[0]}"
+        scale = task.scaling_factor or float(meta.get("scaling_factor") or config["scaling_factor"])
+        shift = float(meta.get("shift_factor") or config.get("shift_factor") or 0.0)
     else:
-        name, subfolder, vae = cfg.autoencoder, cfg.vae_subfolder, task.autoencoder
+        name, subfolder, config = cfg.autoencoder, cfg.vae_subfolder, task.autoencoder.config
         scale, shift = task.scaling_factor, task.shift_factor
-    if scale != float(vae.config.scaling_factor):
+    if scale != float(config["scaling_factor"]):
+        vae = task.autoencoder or load_autoencoder(name, subfolder, cfg.cache_dir, setting="the latent shards' vae")
         vae.register_to_config(scaling_factor=scale)
         vae.save_pretrained(target)
     else:
@@ -197,11 +200,14 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
             f"the text encoder that made its features is not on this machine ({', '.join(missing)}, as "
             f"`latents encode` recorded them)"
         )
-    encoder = (
-        task.text_encoder
-        if isinstance(task.text_encoder, TextEncoder)
-        else TextEncoder(info["text_encoder"], info["tokenizer"], info["max_length"], setting="text encoder")
-    )
+    if isinstance(task.text_encoder, TextEncoder):
+        tokenizer_class = type(task.text_encoder.tokenizer).__name__
+    else:  # the tokenizer alone names its class: rank 0 exports while the others wait, so no T5-XXL load
+        import transformers
+
+        with quiet_transformers():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(info["tokenizer"], local_files_only=True)
+        tokenizer_class = type(tokenizer).__name__
     written = []
     for name, folder in folders.items():
         target = os.path.join(out_dir, name)
@@ -212,8 +218,8 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
             _link_or_copy(folder, target, copy)
         written.append(target)
     components = {
-        "text_encoder": ["transformers", encoder.class_name],
-        "tokenizer": ["transformers", type(encoder.tokenizer).__name__],
+        "text_encoder": ["transformers", info["class"]],
+        "tokenizer": ["transformers", tokenizer_class],
     }
     return {"components": components, "written": written}, ""
 
