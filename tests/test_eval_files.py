@@ -9,23 +9,13 @@ import os
 import re
 
 import pytest
+from test_trainer import ROOT, TINY_MAE
 
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.runner import EvalRecordExistsError, evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = [
-    "mae.embed_dim=32",
-    "mae.depth=1",
-    "mae.num_heads=2",
-    "mae.decoder_embed_dim=32",
-    "mae.decoder_depth=1",
-    "mae.decoder_num_heads=2",
-    "data.batch_size=64",
-    "data.val_batches=1",
-]
 QUICK = ["probe.enabled=false", "val_samples=64"]
 
 

@@ -6,24 +6,14 @@ from __future__ import annotations
 import os
 import re
 
+from test_trainer import ROOT, TINY_MAE
+
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.progress import pass_label, position_label
 from prunepipe.pipelines.report.runs import read_metrics
 from prunepipe.pipelines.training.loop import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = [
-    "mae.embed_dim=32",
-    "mae.depth=1",
-    "mae.num_heads=2",
-    "mae.decoder_embed_dim=32",
-    "mae.decoder_depth=1",
-    "mae.decoder_num_heads=2",
-    "data.batch_size=64",
-    "data.val_batches=1",
-]
 
 
 def test_labels_are_one_based():

@@ -8,22 +8,12 @@ import json
 import os
 import shutil
 
+from test_trainer import ROOT, TINY_MAE
+
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.report.runs import load_run, read_metrics
 from prunepipe.pipelines.training.loop import train
 from prunepipe.pipelines.training.metrics import MetricsLog
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MAE = [
-    "mae.embed_dim=32",
-    "mae.depth=1",
-    "mae.num_heads=2",
-    "mae.decoder_embed_dim=32",
-    "mae.decoder_depth=1",
-    "mae.decoder_num_heads=2",
-    "data.batch_size=64",
-    "data.val_batches=1",
-]
 
 
 def raw_lines(run_dir) -> list[dict]:
