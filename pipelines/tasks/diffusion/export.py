@@ -16,7 +16,6 @@ Writes files only; never downloads, never trains.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -24,6 +23,7 @@ import diffusers
 from diffusers import AutoencoderKL, DDIMScheduler
 
 from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
 from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
 from prunepipe.pipelines.tasks.diffusion.text import TextEncoder, quiet_transformers
@@ -251,8 +251,7 @@ def _remove(path: str) -> None:
 
 def _write_json(out_dir: str, name: str, content: dict) -> str:
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        json.dump(content, f, indent=1)
+    write_json(path, content)
     return path
 
 

@@ -181,16 +181,7 @@ def load_pipeline(export_dir: str, ema: bool = True) -> DiffusionPipeline:
     """The diffusers pipeline model_index.json names (DDPMPipeline, DiTPipeline or PixArtAlphaPipeline), with
     the live weights in place of the EMA when not `ema`. Text-conditional exports load through
     `pixart_pipeline`, which reads prompts as the run did."""
-    if not os.path.exists(os.path.join(export_dir, PIPELINE_INDEX)):
-        readme = os.path.join(export_dir, "README.md")
-        why = ""
-        if os.path.exists(readme):
-            with open(readme) as f:
-                why = next((line.strip() for line in f if line.startswith("No diffusers pipeline")), "")
-        raise ValueError(
-            f"{export_dir}: no {PIPELINE_INDEX}. {why or 'No diffusers pipeline samples it.'} "
-            f"Sample it with prunepipe: use sample() (`prunepipe sample`)"
-        )
+    _check_pipeline_index(export_dir)
     if os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO)):
         return pixart_pipeline(export_dir, ema=ema)
     pipe = DiffusionPipeline.from_pretrained(export_dir)
@@ -222,7 +213,7 @@ def pixart_pipeline(
 
     read_info(export_dir, TEXT_ENCODER_INFO)
     if not os.path.exists(os.path.join(export_dir, PIPELINE_INDEX)):
-        load_pipeline(export_dir)  # raises, saying why no pipeline samples it
+        _check_pipeline_index(export_dir)
     parts = {}
     if vae is not None:
         parts["vae"] = load_autoencoder(vae, vae_subfolder, setting="vae")
@@ -232,10 +223,23 @@ def pixart_pipeline(
     return _with_weights(CaptionsAsWritten.from_pretrained(export_dir, **parts), export_dir, ema)
 
 
+def _check_pipeline_index(export_dir: str) -> None:
+    """Raises, with the export README's reason, when no diffusers pipeline samples the export."""
+    if os.path.exists(os.path.join(export_dir, PIPELINE_INDEX)):
+        return
+    readme, why = os.path.join(export_dir, "README.md"), ""
+    if os.path.exists(readme):
+        with open(readme) as f:
+            why = next((line.strip() for line in f if line.startswith("No diffusers pipeline")), "")
+    raise ValueError(
+        f"{export_dir}: no {PIPELINE_INDEX}. {why or 'No diffusers pipeline samples it.'} "
+        f"Sample it with prunepipe: use sample() (`prunepipe sample`)"
+    )
+
+
 def _with_weights(pipe, export_dir: str, ema: bool):
     """`pipe` with the export's live weights in place of the EMA when not `ema`."""
     if not ema:
         name = "transformer" if hasattr(pipe, "transformer") else "unet"
-        setattr(pipe, name, load_model(export_dir, ema=False))
-        pipe.register_modules(**{name: getattr(pipe, name)})
+        pipe.register_modules(**{name: load_model(export_dir, ema=False)})  # sets the attribute too
     return pipe
