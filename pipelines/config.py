@@ -60,7 +60,7 @@ class DataConfig:
     on_bad_sample: str = "stop"  # stop | skip
     # under skip: the run stops once more samples than this were lost to bad input (-1: no limit)
     max_bad_samples: int = 1000
-    # pipe: and http(s) shards: a failed read reopens the shard at the byte reached (pipelines/data/remote.py)
+    # remote shards (pipe:, http(s), s3, gs, hf): a failed read reopens the shard at the byte reached (pipelines/data/remote.py)
     remote: ReadRetry = field(default_factory=ReadRetry)
     val_batches: int = 8  # held-out batches per evaluation
 
@@ -307,20 +307,18 @@ def _validate_remote(cfg: RunConfig) -> None:
         raise ConfigError(f"config: {e}") from None
     if cfg.data.max_bad_samples < -1:
         raise ConfigError(f"config: data.max_bad_samples must be -1 (no limit) or >= 0, got {cfg.data.max_bad_samples}")
-    worst = cfg.data.remote.worst_case_seconds()
-    if worst >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
-        remote = cfg.data.remote
+    deadline = cfg.data.remote.deadline_seconds
+    if deadline >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
         raise ConfigError(
-            f"config: data.remote lets one shard read stall for up to {worst:.0f} s ({remote.retries + 1} "
-            f"attempts of timeout_seconds={remote.timeout_seconds:g} and their backoffs), not less than "
-            f"dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their "
-            f"next collective before the read failed with its own message; lower data.remote.retries or "
-            f"timeout_seconds, or raise dist_timeout_seconds"
+            f"config: data.remote.deadline_seconds={deadline:g} lets one shard read stall that long, not less "
+            f"than dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their next "
+            f"collective before the read failed with its own message; lower data.remote.deadline_seconds or raise "
+            f"dist_timeout_seconds"
         )
 
 
 def _reads_remote_shards(cfg: RunConfig) -> bool:
-    """Whether data.train's or data.val's index names a pipe: or http(s) shard (the retried ones)."""
+    """Whether data.train's or data.val's index names a remote shard (pipe:, http(s), s3, gs, hf)."""
     for folder in (cfg.data.train, cfg.data.val):
         if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
             return True

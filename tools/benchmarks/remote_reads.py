@@ -5,7 +5,9 @@ side by side in one run on the same shards.
    by the retrying stream (pipelines/data/remote.py), interleaved rounds, the median of each.
 2. A command that dies half-way through each shard once (curl's exit 56): the retrying stream gives
    the same samples, byte for byte; the time beside a clean read.
-3. A command that hangs after its first bytes: when the timeout fires, and the message.
+3. Stalls of every kind (a hung command, a command whose reopen re-reads its prefix slowly, an http
+   connection that stalls after each reopen, a link that drops every 64 KiB, a server that ignores
+   Range and stalls re-sending): when each read stopped against data.remote.deadline_seconds.
 """
 
 from __future__ import annotations
@@ -97,22 +99,67 @@ def flaky(paths: list[str], work: str) -> dict:
     }
 
 
-def hanging(path: str, timeout: float) -> dict:
-    retry = ReadRetry(retries=1, timeout_seconds=timeout, backoff_seconds=0.0)
-    start = time.perf_counter()
-    try:
-        samples_of(f"pipe:head -c 20000 {shlex.quote(path)}; sleep 600", retry)
-        message = "(no error)"
-    except BadInputError as e:
-        message = str(e)
-    return {"seconds": time.perf_counter() - start, "bound": retry.worst_case_seconds(), "message": message}
+SLOW_PREFIX = """\
+import os, sys, time
+data, marker = open(sys.argv[1], "rb").read(), sys.argv[2]
+if not os.path.exists(marker):  # the first run dies past the middle, the next ones crawl from byte 0
+    open(marker, "w").close()
+    sys.stdout.buffer.write(data[: len(data) * 3 // 4])
+    sys.exit(56)
+for at in range(0, len(data), 2048):  # 20 kB/s: no timeout fires, the prefix takes many seconds
+    sys.stdout.buffer.write(data[at : at + 2048]); sys.stdout.flush(); time.sleep(0.1)
+"""
+
+
+def stalls(path: str, work: str, deadline: float) -> list[dict]:
+    """Each stall case against data.remote.deadline_seconds: when the read stopped, and its message."""
+    from prunepipe.tools.fixtures.fault_server import Fault, FaultServer
+
+    data = open(path, "rb").read()
+    slow = os.path.join(work, "slow_prefix.py")
+    with open(slow, "w") as f:
+        f.write(SLOW_PREFIX)
+    many = ReadRetry(retries=1000, timeout_seconds=1.0, deadline_seconds=deadline, backoff_seconds=0.1)
+    cases = []
+    with FaultServer() as server:
+        plans = {
+            "pipe: command hangs after 20,000 bytes": (f"pipe:head -c 20000 {shlex.quote(path)}; sleep 600", None),
+            "pipe: reopen re-reads its prefix slowly": (
+                "pipe:" + " ".join(map(shlex.quote, (sys.executable, slow, path, f"{path}.slow-once"))),
+                None,
+            ),
+            "http: connection stalls after each reopen's first 100 kB": (
+                "stall",
+                Fault("stall", at=100_000, seconds=600),
+            ),
+            "http: link drops every 64 KiB": ("drops", Fault("drop", at=64 * 1024)),
+            "http: server ignores Range, stalls re-sending": ("ignores", None),
+        }
+        server.put("ignores", data, ranges=False)
+        server.fault(
+            "ignores", Fault("drop", at=len(data) * 3 // 4), standing=Fault("stall", at=len(data) // 2, seconds=600)
+        )
+        for name, (url, standing) in plans.items():
+            if not url.startswith("pipe:"):
+                if standing is not None:
+                    server.put(url, data)
+                    server.fault(url, standing=standing)
+                url = server.url(url)
+            start = time.perf_counter()
+            try:
+                samples_of(url, many)
+                message = "(no error)"
+            except BadInputError as e:
+                message = str(e)
+            cases.append({"case": name, "seconds": time.perf_counter() - start, "message": message})
+    return cases
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=8, help="digits shards of --per-shard samples")
     parser.add_argument("--per-shard", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved throughput rounds (median)")
-    parser.add_argument("--timeout", type=float, default=2.0, help="data.remote.timeout_seconds of the hang")
+    parser.add_argument("--deadline", type=float, default=4.0, help="data.remote.deadline_seconds of the stall cases")
 
 
 def run_from_args(args) -> int:
@@ -133,9 +180,11 @@ def run_from_args(args) -> int:
             f"failed once; samples identical to a clean read: {result['identical']}; "
             f"{result['flaky_seconds']:.2f} s against {result['clean_seconds']:.2f} s clean"
         )
-        hang = hanging(paths[0], args.timeout)
-        print(
-            f"a hanging command (timeout {args.timeout:g} s, 1 retry): stopped after {hang['seconds']:.2f} s "
-            f"(bound {hang['bound']:.1f} s): {hang['message']}"
-        )
+        print(f"stalls against data.remote.deadline_seconds={args.deadline:g} (timeout 1 s, 1000 retries):")
+        for case in stalls(paths[0], work, args.deadline):
+            reason = case["message"].split("reading failed at byte")[-1][:110]
+            print(
+                f"  {case['case']:55s} stopped after {case['seconds']:5.2f} s = {case['seconds'] / args.deadline:.2f} "
+                f"of the deadline: ...at byte{reason}..."
+            )
     return 0
