@@ -7,8 +7,12 @@ import importlib
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from prunepipe.tools.commands.redundant_options import add_redundant_arguments, redundant_options
+
+if TYPE_CHECKING:  # imported where used: a subcommand's startup pays only for what it runs
+    from prunepipe.pipelines.data.remote import ReadRetry
 
 DEFAULT_DATA = "data/digits"
 
@@ -87,7 +91,9 @@ def _shards_index(args) -> None:
     from prunepipe.pipelines.data.shards import ShardIndex
     from prunepipe.tools.commands.shards import index_shards
 
-    path = index_shards(args.shards, args.out, workers=args.workers, verify=args.verify)
+    path = index_shards(
+        args.shards, args.out, workers=args.workers, verify=args.verify, checksums=not args.no_checksums
+    )
     index = ShardIndex.load(path)
     counted = index.meta["counted"]
     print(
@@ -95,7 +101,30 @@ def _shards_index(args) -> None:
         f"{counted['img2dataset_stats']} shard(s) counted from img2dataset's *_stats.json"
         + (" (--verify to count their tar headers too)" if counted["img2dataset_stats"] and not args.verify else "")
         + f", {counted['tar_headers_read']} from their tar headers"
+        + ("; sizes recorded, no CRC-32 (--no-checksums)" if args.no_checksums else "; sizes and CRC-32s recorded")
     )
+
+
+def _shards_verify(args) -> int:
+    """Each shard's bytes against index.json: a line per bad shard, a summary, exit 1 when any is bad."""
+    from prunepipe.tools.commands.shards import verify_shards
+
+    checked, bad, read = {"size and crc32": 0, "size": 0, "nothing": 0}, 0, 0
+    for check in verify_shards(args.location, workers=args.workers, retry=read_retry(args)):
+        checked[check.checked] += 1
+        read += check.bytes_read
+        if check.problem is not None:
+            bad += 1
+            print(f"shard {check.url}: {check.problem}", flush=True)
+    shards = sum(checked.values())
+    hint = " (index.json records neither size nor CRC-32: index them again with `prunepipe shards index`)"
+    print(
+        f"{args.location}: {shards} shard(s), {bad} bad; {checked['size and crc32']} checked by size and CRC-32, "
+        f"{checked['size']} by size alone, {checked['nothing']} not checked"
+        + (hint if checked["nothing"] else "")
+        + f"; {read / 2**20:.1f} MiB read"
+    )
+    return 1 if bad else 0
 
 
 def _shards_inspect(args) -> None:
@@ -120,6 +149,7 @@ def _shards_embed(args) -> None:
         rank=args.rank,
         world=args.world,
         wait_hours=args.wait_hours,
+        retry=read_retry(args),
     )
     if path is None:
         return
@@ -196,9 +226,48 @@ def _latents_encode(args) -> None:
         rank=args.rank,
         world=args.world,
         wait_hours=args.wait_hours,
+        retry=read_retry(args),
     )
     if path:
         print(path)
+
+
+def add_read_retry_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a `pipe:`, http(s) or object-store shard's failed read is retried: the run config's
+    `data.remote` fields (pipelines/data/remote.py:ReadRetry), with its defaults."""
+    from prunepipe.pipelines.data.remote import ReadRetry
+
+    default = ReadRetry()
+    parser.add_argument(
+        "--read-retries",
+        type=int,
+        default=default.retries,
+        help="reopens of a remote shard within one stall of its read, as data.remote.retries (0: fail at once)",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=default.timeout_seconds,
+        help="seconds without a byte that fail an attempt, as data.remote.timeout_seconds",
+    )
+    parser.add_argument(
+        "--read-deadline",
+        type=float,
+        default=default.deadline_seconds,
+        help="the most seconds one stall may block the reader, as data.remote.deadline_seconds",
+    )
+
+
+def read_retry(args) -> ReadRetry:
+    """The ReadRetry the --read-* flags give (`add_read_retry_arguments`), checked."""
+    from prunepipe.pipelines.data.remote import ReadRetry
+
+    retry = ReadRetry(retries=args.read_retries, timeout_seconds=args.read_timeout, deadline_seconds=args.read_deadline)
+    try:
+        retry.check()
+    except ValueError as e:
+        raise ValueError(f"--read-retries/--read-timeout/--read-deadline: {e}") from None
+    return retry
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, on_bad_sample: str, skip_means: str, bad: str) -> None:
@@ -495,7 +564,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="count the tar headers of shards that have img2dataset's *_stats.json too; they must agree",
     )
+    index.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="record each shard's size (a stat) but not its CRC-32, which reads every byte of a shard "
+        "whose count did not (large local members, img2dataset's stats files): for huge local folders",
+    )
     index.set_defaults(func=_shards_index)
+    check = shards_sub.add_parser(
+        "verify",
+        help="read every shard and check its size and CRC-32 against index.json (exit 1 when any is bad)",
+    )
+    check.add_argument("location", help="folder with index.json (or the index file)")
+    check.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="shards read at a time, in threads (default: the usable cores; more for remote storage)",
+    )
+    add_read_retry_arguments(check)
+    check.set_defaults(func=_shards_verify)
     inspect = shards_sub.add_parser("inspect", help="counts, fields, labels and a PNG grid")
     inspect.add_argument("location", help="folder with index.json")
     inspect.add_argument("--grid", help="write a PNG grid of the first images here")
@@ -519,6 +607,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "--out", help="the embeddings' name (default from the model: phash, feature-net, timm-ARCH, ...)"
     )
     add_job_arguments(embed, "skip", "a zero row, listed as missing; no id moves", "cannot be read or decoded")
+    add_read_retry_arguments(embed)
     embed.set_defaults(func=_shards_embed)
     imports = shards_sub.add_parser(
         "import-embeddings",
@@ -624,6 +713,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "down, so embeddings or groups made on the image shards no longer line up",
         "cannot be read or decoded, or has no caption (txt, or json's 'caption') where one is needed",
     )
+    add_read_retry_arguments(encode)
     encode.set_defaults(func=_latents_encode)
 
     text = sub.add_parser("text-encoder", help="text encoders for ldm.conditioning=text")

@@ -34,7 +34,7 @@ def outcome(path: str):
 def walked(path: str, monkeypatch):
     """What `count_samples` answers by the header walk alone."""
     with monkeypatch.context() as patch:
-        patch.setattr(shards, "count_plain_archive", lambda stream: None)
+        patch.setattr(shards, "count_plain_archive", lambda stream, seen=None: None)
         return outcome(path)
 
 

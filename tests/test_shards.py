@@ -19,8 +19,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
+from prunepipe.pipelines.checkpoint.manifest import file_crc32
 from prunepipe.pipelines.data.decode import SampleDecoder
-from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard
+from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard, survey_shard
 from prunepipe.pipelines.data.stream import ShardStream
 from prunepipe.tools.commands.shards import describe_counting, index_shards, inspect_shards
 
@@ -680,7 +681,8 @@ def test_written_shards_carry_their_counts_and_are_indexed_again_without_being_o
     shutil.copytree(train, moved)
     (moved / "index.json").unlink()
     opened = []
-    monkeypatch.setattr(shard_tools, "count_samples", lambda url: opened.append(url) or count_samples(url))
+    monkeypatch.setattr(shard_tools, "survey_shard", lambda url, **kw: opened.append(url) or survey_shard(url, **kw))
+    monkeypatch.setattr(shard_tools, "file_crc32", lambda path: opened.append(path) or file_crc32(path))
     again = ShardIndex.load(index_shards([str(moved)], str(moved), workers=2))
     assert again.counts.tolist() == written.counts.tolist() and again.meta["keys"] == ["cls", "png"]
     assert [os.path.basename(u) for u in opened] == [os.path.basename(written.urls[0])], "only the first is read"

@@ -276,6 +276,10 @@ def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards
     digit_shards(digits_shards, shards, shards=3, per_shard=64, broken=lambda shard, position: position % 16 == 3)
     cut = shards / "1.tar"  # and one shard cut short after indexing: its lost samples are met while reading
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])
+    index = json.loads((shards / "index.json").read_text())  # as an index without sizes (img2dataset's) has it:
+    for entry in index["shards"]:  # with them, the cut shard is refused whole at open (tests/test_shard_checksums.py)
+        entry.pop("bytes", None), entry.pop("crc32", None)
+    (shards / "index.json").write_text(json.dumps(index))
     config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
     common = [
         f"data.train={shards}",

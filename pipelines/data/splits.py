@@ -50,7 +50,7 @@ def read_split(
     for shard, url in enumerate(index.urls):
         first = int(index.first_ids[shard])
         mine = None if world_size == 1 else (lambda p, first=first: (first + p) % world_size == rank)
-        for position, sample in read_shard(url, mine):
+        for position, sample in read_shard(url, mine, expected=index.expected(shard)):
             if ordinal >= total:
                 break
             if sample is not None and (first + position) % world_size == rank:
@@ -80,8 +80,8 @@ def read_captions(folder: str, max_samples: int = 0) -> list[str]:
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
     texts: list[str] = []
-    for url in index.urls:
-        for _, sample in read_shard(url):
+    for shard, url in enumerate(index.urls):
+        for _, sample in read_shard(url, expected=index.expected(shard)):
             if len(texts) == total:
                 return texts
             texts.append(caption(sample))
@@ -103,7 +103,8 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
         first, count = int(index.first_ids[shard]), int(index.counts[shard])
         if not any(first <= i < first + count for i in wanted):
             continue
-        for position, sample in read_shard(url, lambda p, first=first: first + p in wanted):
+        expected = index.expected(shard)
+        for position, sample in read_shard(url, lambda p, first=first: first + p in wanted, expected=expected):
             if sample is not None:
                 found[first + position] = text_features(sample, width, max_length)
     missing = sorted(wanted - found.keys())

@@ -281,8 +281,12 @@ class _PartReader(IterableDataset):
             try:
                 # Pruned samples and other slots' samples are skipped inside the tar reader: their
                 # bytes are seeked past (read and dropped on a pipe), never decoded. A sample past
-                # the index's count is read so that the error can name it.
-                for position, sample in read_shard(url, lambda p: p >= count or bool(want[p]), retry=self.retry):
+                # the index's count is read so that the error can name it. A local shard of another
+                # size than its index records is refused at open (a shard replaced since indexing).
+                expected = self.index.expected(piece.shard)
+                for position, sample in read_shard(
+                    url, lambda p: p >= count or bool(want[p]), retry=self.retry, expected=expected
+                ):
                     seen = position + 1
                     if position >= count:
                         raise BadInputError(

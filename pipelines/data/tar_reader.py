@@ -23,7 +23,7 @@ import stat
 import struct
 import tarfile
 import threading
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 from zlib import adler32
 
 import numpy as np
@@ -372,14 +372,16 @@ class _HeaderChain:
         return np.concatenate(self.names)
 
 
-def plain_member_names(stream: BinaryIO) -> np.ndarray | None:
+def plain_member_names(stream: BinaryIO, seen: Callable[[memoryview], None] | None = None) -> np.ndarray | None:
     """The 100-byte name fields [N, 100] of the regular members of a plain local tar file of small
     members, in archive order, exactly what `TarMembers(stream).members()` would yield; None when
     it declines, so that the caller walks the headers and gets the walk's result or error: not a
     regular file, compressed, large members (the walk seeks past their data), a broken chain, a bad
     checksum, a number not in plain octal, a type other than a regular file or a pax header, a
     ustar name prefix, a pax header that names or sizes a member, no end block, or one right after
-    a pax header. Reads with pread: the stream's position is left where it was."""
+    a pax header. Reads with pread: the stream's position is left where it was. `seen` is handed
+    every byte read, in file order (an index's CRC-32 of the shard, `count_samples`); when the names
+    come back, it has been handed the whole file."""
     fd = _regular_file(stream)
     if fd is None:
         return None
@@ -388,6 +390,8 @@ def plain_member_names(stream: BinaryIO) -> np.ndarray | None:
         buffer = _buffers.chunk = np.empty(CHUNK, np.uint8)
     view = memoryview(buffer)
     filled = _pread(fd, view[:HEAD], 0)
+    if seen is not None:
+        seen(view[:filled])
     if filled < BLOCK or bytes(view[:6]).startswith(COMPRESSED_MAGIC):
         return None
     if len(_magic_blocks(buffer[: filled // BLOCK * BLOCK].reshape(-1, BLOCK))) < SMALL_MEMBERS:
@@ -395,6 +399,8 @@ def plain_member_names(stream: BinaryIO) -> np.ndarray | None:
     chain, base, offset = _HeaderChain(), 0, filled
     while True:
         got = _pread(fd, view[filled:], offset)
+        if seen is not None:
+            seen(view[filled : filled + got])
         filled, offset = filled + got, offset + got
         final = filled < len(buffer)
         blocks = buffer[: filled // BLOCK * BLOCK].reshape(-1, BLOCK)

@@ -59,7 +59,7 @@ def known_families(keys: list[str]) -> np.ndarray:
 
 def split_keys(folder: str) -> list[str]:
     index = ShardIndex.load(folder)
-    return [key for url in index.urls for key, _ in read_keys(url)]
+    return [key for shard, url in enumerate(index.urls) for key, _ in read_keys(url, expected=index.expected(shard))]
 
 
 # write_shards' options -> the flag that sets them, for the message when a folder was written otherwise

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import webdataset as wds
 
-from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.checkpoint.manifest import file_crc32
+from prunepipe.pipelines.data.shards import ShardEntry, ShardIndex
 from prunepipe.tools.commands.latents import LATENT_FIELD, npy_bytes
 
 
@@ -24,6 +25,6 @@ def write_random_latents(folder: str, count: int, shape: tuple[int, ...], shard_
             for i in range(first, first + n):
                 latent = rng.standard_normal(shape).astype(np.float32)
                 sink.write({"__key__": f"latent{i:07d}", LATENT_FIELD: npy_bytes(latent)})
-        shards.append((path, n))
+        shards.append(ShardEntry(path, n, os.path.getsize(path), file_crc32(path)))
     ShardIndex.write(folder, shards, latent_shape=list(shape))
     return folder

@@ -45,8 +45,9 @@ NORMALISER_BUCKETS = 20
 def sample_keys(folder: str, count: int) -> list[str]:
     """The `__key__` of the first `count` samples of a split, in id order."""
     keys: list[str] = []
-    for url in ShardIndex.load(folder).urls:
-        for _, sample in read_shard(url):
+    index = ShardIndex.load(folder)
+    for shard, url in enumerate(index.urls):
+        for _, sample in read_shard(url, expected=index.expected(shard)):
             keys.append("" if sample is None else str(sample.get("__key__", "")))
             if len(keys) == count:
                 return keys

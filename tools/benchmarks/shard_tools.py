@@ -1,10 +1,11 @@
 """Benchmark: the shard tools at scale. Generates an image folder of class subfolders (crops of the
 photographs bundled with scikit-image and scikit-learn, with jitter), writes it with `prunepipe
 shards write --source folder` (wall time, peak memory of the process tree), then indexes the written
-shards with this tree's `shards index` and another tree's (today's code: a checkout of main), run
+shards with this tree's `shards index`, with and without `--no-checksums` (each shard's CRC-32 for
+its index entry, or its size alone), and another tree's (today's code: a checkout of main), run
 alternately, warm and with the shards evicted from the page cache, as written (shards write leaves
 img2dataset's stats files beside its tars) and without the stats files (every shard's headers read);
-prints the times and the ratio.
+prints the times and the ratios: what the checksums cost, and old / new.
 
     python -m prunepipe.tools.benchmarks.shard_tools --folder /tmp/bench_folder --images 100000 --old-tree /tmp/old_main
 
@@ -101,15 +102,18 @@ def run_measured(command: list[str], tree: str) -> tuple[float, int, int]:
 
 
 IMPORTS_ONLY = "import prunepipe.tools.commands.shards, time; time.sleep(1)"
+NO_CHECKSUMS = "new --no-checksums"  # this tree's index, each shard's size recorded and no CRC-32
 
 
 # ---------------------------------------------------------------------------- indexing, old and new
 INDEX_TIMER = """
 import sys, time
 from prunepipe.tools.commands.shards import index_shards
-workers = {"workers": int(sys.argv[3])} if len(sys.argv) > 3 else {}  # today's index_shards has no workers
+options = {"workers": int(sys.argv[3])} if len(sys.argv) > 3 and sys.argv[3] != "-" else {}  # the old: none
+if len(sys.argv) > 4:
+    options["checksums"] = False
 start = time.perf_counter()
-index_shards([sys.argv[1]], sys.argv[2], **workers)
+index_shards([sys.argv[1]], sys.argv[2], **options)
 seconds = time.perf_counter() - start
 try:  # bytes this process and its reaped workers had fetched from storage (page-cache misses)
     with open("/proc/self/io") as f:
@@ -120,11 +124,13 @@ print(seconds, fetched)
 """
 
 
-def index_seconds(tree: str, shards: str, out: str, workers: int | None = None) -> tuple[float, int]:
+def index_seconds(
+    tree: str, shards: str, out: str, workers: int | None = None, checksums: bool = True
+) -> tuple[float, int]:
     """(seconds one `index_shards` call takes in a fresh process of `tree`, imports not counted; bytes
-    it read from storage, -1 where /proc/self/io is missing)."""
+    it read from storage, -1 where /proc/self/io is missing). `checksums` False is `--no-checksums`."""
     env = {**os.environ, "PYTHONPATH": tree, "TQDM_DISABLE": "1"}
-    extra = [] if workers is None else [str(workers)]
+    extra = ([] if workers is None else [str(workers)]) if checksums else [str(workers or "-"), "no-checksums"]
     done = subprocess.run(
         [sys.executable, "-c", INDEX_TIMER, shards, out, *extra],
         env=env,
@@ -206,8 +212,9 @@ def tars_only(shards: str) -> str:
 def compare_index(
     label: str, shards: str, sides: list[tuple[str, str]], repeats: int, workers: int | None = None
 ) -> None:
-    """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold, the new one
-    with `workers` (default: its own); print medians and, with an "old" side, old / new."""
+    """Time `index_shards` on `shards` for each (name, tree), alternated, warm and cold, this tree's
+    with `workers` (default: its own) and, as the side NO_CHECKSUMS, `--no-checksums`; print medians,
+    what the checksums cost (new / NO_CHECKSUMS) and, with an "old" side, old / new."""
     urls = sorted(glob.glob(os.path.join(shards, "*.tar")))
     print(f"{label}: {len(urls)} shards, {sum(os.path.getsize(u) for u in urls) / 2**20:.0f} MiB in {shards}")
     index_out = shards.rstrip("/") + "_index"
@@ -223,7 +230,9 @@ def compare_index(
             for name, tree in sides:  # alternated, so that changing load falls on both
                 if cache == "cold":
                     evict(urls + glob.glob(os.path.join(shards, "*_stats.json")))  # what index reads
-                seconds, read_bytes = index_seconds(tree, shards, index_out, workers if name == "new" else None)
+                seconds, read_bytes = index_seconds(
+                    tree, shards, index_out, workers if tree == HERE else None, checksums=name != NO_CHECKSUMS
+                )
                 times[name].append(seconds)
                 fetched[name].append(read_bytes)
         line = ", ".join(
@@ -232,6 +241,11 @@ def compare_index(
             for name, t in times.items()
         )
         ratio = (
+            f"; with / without checksums = {statistics.median(times['new']) / statistics.median(times[NO_CHECKSUMS]):.2f}x"
+            if NO_CHECKSUMS in times
+            else ""
+        )
+        ratio += (
             f"; old / new = {statistics.median(times['old']) / statistics.median(times['new']):.1f}x"
             if "old" in times
             else ""
@@ -312,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             f"largest process {rss / 2**20:.0f} MiB (RSS)"
         )
 
-    sides = [("new", HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
+    sides = [("new", HERE), (NO_CHECKSUMS, HERE)] + ([("old", os.path.abspath(args.old_tree))] if args.old_tree else [])
     workers = args.index_workers
     train = os.path.join(out, "train")
     if not args.skip_write or os.path.isdir(train):

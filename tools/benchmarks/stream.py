@@ -41,7 +41,11 @@ def time_reading(index: ShardIndex, workers: int, keep: bool) -> tuple[float, in
     """Every shard through the tar reader, each sample's bytes read (keep) or skipped."""
     now = clock(workers)
     start = now()
-    n = sum(sample is not None for url in index.urls for _, sample in read_shard(url, lambda _: keep))
+    n = sum(
+        sample is not None
+        for shard, url in enumerate(index.urls)
+        for _, sample in read_shard(url, lambda _: keep, expected=index.expected(shard))
+    )
     return now() - start, n
 
 

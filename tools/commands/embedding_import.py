@@ -37,8 +37,9 @@ def sample_keys(index: ShardIndex, how: str) -> list[str | None]:
     elif how != "key":
         raise ValueError(f"--sample-key {how!r}; accepted: {', '.join(SAMPLE_KEYS)}")
     keys: list[str | None] = []
-    for url, count in tracked(list(zip(index.urls, index.counts.tolist())), desc="reading keys", unit="shard"):
-        found = read_keys(url, "json" if field else None)
+    shards = list(enumerate(zip(index.urls, index.counts.tolist())))
+    for shard, (url, count) in tracked(shards, desc="reading keys", unit="shard"):
+        found = read_keys(url, "json" if field else None, expected=index.expected(shard))
         if len(found) != count:
             raise ValueError(
                 f"shard {url}: holds {len(found)} samples, {index.path} lists {count}; index the shards "

@@ -32,7 +32,9 @@ def thumbnails(index: ShardIndex, ids: list[int], side: int) -> dict[int, Image.
     for shard in np.unique(shard_of):
         wanted = {int(i) - int(first_ids[shard]) for i in np.asarray(ids)[shard_of == shard]}
         try:
-            for position, sample in read_shard(index.urls[shard], lambda p: p in wanted):
+            for position, sample in read_shard(
+                index.urls[shard], lambda p: p in wanted, expected=index.expected(int(shard))
+            ):
                 if sample is not None and position in wanted:
                     pixels, _ = decoder.decode(sample, int(first_ids[shard]) + position)
                     images[int(first_ids[shard]) + position] = Image.fromarray(pixels.permute(1, 2, 0).numpy())

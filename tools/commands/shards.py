@@ -1,10 +1,12 @@
-"""`prunepipe shards write | index | inspect`: make WebDataset shards, index shards written
-elsewhere, and look at what a shard folder holds.
+"""`prunepipe shards write | index | verify | inspect`: make WebDataset shards, index shards written
+elsewhere, check shards against their index, and look at what a shard folder holds.
 
 Layout written: OUT/train/shard-000000.tar ... + OUT/train/index.json, and the same for val (and, for
 the redundant source, val_mix: held-out data drawn from the train mix; val is clean). An image folder
 is written in a seeded global shuffle, holding its list of paths and one chunk of images at a time;
-indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel threads.
+indexing reads tar headers only (or img2dataset's per-shard stats), shards in parallel threads, and
+each shard's bytes once more for its CRC-32 only where the count did not read them all. Every index
+written here records each shard's size and CRC-32 (`--no-checksums`: the size alone).
 """
 
 from __future__ import annotations
@@ -27,7 +29,19 @@ import webdataset as wds
 from braceexpand import braceexpand
 from PIL import Image
 
-from prunepipe.pipelines.data.shards import INDEX_NAME, BadInputError, ShardIndex, count_samples, read_shard
+from prunepipe.pipelines.checkpoint.manifest import file_crc32
+from prunepipe.pipelines.data.remote import ReadRetry
+from prunepipe.pipelines.data.shards import (
+    CRC32_HEX,
+    DEFAULT_RETRY,
+    INDEX_NAME,
+    BadInputError,
+    ShardEntry,
+    ShardIndex,
+    read_shard,
+    shard_checksum,
+    survey_shard,
+)
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.progress import progress, tracked
 from prunepipe.tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
@@ -295,7 +309,7 @@ def write_samples(
 ) -> str:
     """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
     `keys`); returns its path."""
-    entries: list[tuple[str, int]] = []
+    entries: list[ShardEntry] = []
     with counted_shard_writer(folder, entries, maxcount=shard_size) as writer:
         for sample in tracked(samples, total=total, desc=desc, unit="img"):
             writer.write(sample)
@@ -303,11 +317,11 @@ def write_samples(
 
 
 @contextlib.contextmanager
-def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) -> Iterator[wds.ShardWriter]:
+def counted_shard_writer(folder: str, entries: list[ShardEntry], **limits) -> Iterator[wds.ShardWriter]:
     """webdataset's ShardWriter over `folder`/shard-NNNNNN.tar. Each shard it closes is appended to
-    `entries` as (path, samples) and gets img2dataset's shard-NNNNNN_stats.json beside it, so that
-    `shards index` counts these shards again, wherever the folder is copied on local or mounted
-    storage, from a stat and the stats file (it reads the first shard's headers to check)."""
+    `entries` (path, samples, bytes, CRC-32) and gets img2dataset's shard-NNNNNN_stats.json beside it,
+    so that `shards index` counts these shards again, wherever the folder is copied on local or
+    mounted storage, from a stat and the stats file (it reads the first shard's headers to check)."""
     os.makedirs(folder, exist_ok=True)
     # an earlier write's shards, stats and index go first: a write that dies midway leaves no index
     # over a mix of old and new tars
@@ -317,17 +331,20 @@ def counted_shard_writer(folder: str, entries: list[tuple[str, int]], **limits) 
     with wds.ShardWriter(os.path.join(folder, "shard-%06d.tar"), verbose=0, **limits) as writer:
 
         def closed(path: str) -> None:
-            entries.append((path, writer.count))
-            write_shard_stats(path, writer.count)
+            # read back just written, from the page cache: a few ms a 500-sample shard
+            entry = ShardEntry(path, writer.count, os.path.getsize(path), file_crc32(path))
+            entries.append(entry)
+            write_shard_stats(path, writer.count, entry.crc32)
 
         writer.post = closed
         yield writer
 
 
-def write_shard_stats(tar_path: str, samples: int) -> None:
+def write_shard_stats(tar_path: str, samples: int, crc32: int | None = None) -> None:
     """The counts of img2dataset's NNNNN_stats.json (img2dataset/logger.py `write_stats`) for a shard
-    of `samples` samples, none failed, and the tar's size (`tar_bytes`, ours): a tar cut short or
-    written again since no longer matches it."""
+    of `samples` samples, none failed, the tar's size (`tar_bytes`, ours: a tar cut short or written
+    again since no longer matches it) and its CRC-32 (`tar_crc32`, ours: `shards index` takes it from
+    here instead of reading the tar)."""
     write_json(
         tar_path[: -len(".tar")] + STATS_SUFFIX,
         {
@@ -336,6 +353,7 @@ def write_shard_stats(tar_path: str, samples: int) -> None:
             "failed_to_download": 0,
             "failed_to_resize": 0,
             "tar_bytes": os.path.getsize(tar_path),
+            **({"tar_crc32": f"{crc32:08x}"} if crc32 is not None else {}),
             "written_by": "prunepipe",
         },
     )
@@ -369,14 +387,14 @@ def local_path(url: str) -> str:
     return url.removeprefix("file://").removeprefix("file:")
 
 
-def img2dataset_count(stats_path: str) -> tuple[int, int | None]:
+def img2dataset_count(stats_path: str) -> tuple[int, int | None, int | None]:
     """The samples img2dataset wrote to a shard, its stats file's `successes` (the others failed to
-    download or resize and are not in the tar), and the tar's size when the file records it
-    (`tar_bytes`, which `shards write` adds)."""
+    download or resize and are not in the tar), and the tar's size and CRC-32 when the file records
+    them (`tar_bytes` and `tar_crc32`, which `shards write` and `latents encode` add)."""
     try:
         with open(stats_path) as f:
             stats = json.load(f)
-        successes, size = stats["successes"], stats.get("tar_bytes")
+        successes, size, crc = stats["successes"], stats.get("tar_bytes"), stats.get("tar_crc32")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{stats_path}: expected img2dataset's stats, a JSON object with an integer 'successes': {e!r}"
@@ -384,7 +402,9 @@ def img2dataset_count(stats_path: str) -> tuple[int, int | None]:
     for name, value in (("successes", successes), ("tar_bytes", size)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{stats_path}: '{name}' must be a non-negative integer, got {value!r}")
-    return successes, size
+    if crc is not None and (not isinstance(crc, str) or not CRC32_HEX.fullmatch(crc)):
+        raise ValueError(f"{stats_path}: 'tar_crc32' must be 8 hex digits (zlib.crc32 of the tar), got {crc!r}")
+    return successes, size, None if crc is None else int(crc, 16)
 
 
 def looks_whole(tar_path: str, size: int | None) -> bool:
@@ -407,25 +427,40 @@ class ShardCount(NamedTuple):
     fields: list[str]  # known only when the headers were read
     had_stats: bool  # an img2dataset stats file sat beside the shard
     headers_read: bool
+    size: int | None = None  # the shard's bytes
+    crc32: int | None = None  # zlib.crc32 of them; None with checksums off
 
 
-def count_shard(url: str, read_headers: bool) -> ShardCount:
+def count_shard(url: str, read_headers: bool, checksums: bool = True) -> ShardCount:
     """One shard's samples: the count of img2dataset's stats file when one sits beside it, else (or
-    also, with `read_headers`, and then the two must agree) from its tar headers."""
+    also, with `read_headers`, and then the two must agree) from its tar headers; and its size and,
+    with `checksums`, its CRC-32: from the stats file when it records one (`tar_crc32`), else from the
+    bytes as the count reads them (`survey_shard`), else, for a shard counted from img2dataset's
+    stats alone, from reading the tar (its stats record none)."""
     stats_path = img2dataset_stats_path(url)
-    stated, size = img2dataset_count(stats_path) if stats_path else (None, None)
-    if stated is not None and not read_headers and looks_whole(local_path(url), size):
-        return ShardCount(stated, [], True, False)
-    count, fields = count_samples(url)
+    stated, stated_size, stated_crc = img2dataset_count(stats_path) if stats_path else (None, None, None)
+    if stated is not None and not read_headers and looks_whole(local_path(url), stated_size):
+        path = local_path(url)
+        crc = (stated_crc if stated_crc is not None else file_crc32(path)) if checksums else None
+        return ShardCount(stated, [], True, False, os.path.getsize(path), crc)
+    count, fields, size, crc = survey_shard(url, checksum=checksums)
     if stated is not None and stated != count:
         raise BadInputError(
             f"shard {url}: its tar headers hold {count} samples, but {stats_path} says "
             f"{stated} successes; re-index without the stats file or fix the shard"
         )
-    return ShardCount(count, fields, stated is not None, True)
+    if checksums and stated_crc is not None and crc != stated_crc:
+        raise BadInputError(
+            f"shard {url}: its bytes have CRC-32 {crc:08x}, but {stats_path} records {stated_crc:08x} "
+            f"(tar_crc32); the tar changed since the stats file was written: re-index without the stats "
+            f"file or restore the shard"
+        )
+    return ShardCount(count, fields, stated is not None, True, size, crc)
 
 
-def index_shards(sources: list[str], out: str, *, workers: int | None = None, verify: bool = False) -> str:
+def index_shards(
+    sources: list[str], out: str, *, workers: int | None = None, verify: bool = False, checksums: bool = True
+) -> str:
     """Count each shard's samples and write `out`/index.json (img2dataset and plain-tar layouts).
 
     A shard with img2dataset's NNNNN_stats.json beside it is counted from the stats' `successes`; the
@@ -435,6 +470,10 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
     the shards by where their count came from, so the two add up to `shards`: `img2dataset_stats`
     (the stats file alone) and `tar_headers_read` (the headers, of which `checked_against_stats` had
     a stats file that agreed); `describe_counting` says it in a sentence.
+
+    Each shard's entry records its size (`bytes`) and, with `checksums`, its CRC-32 (`crc32`,
+    `count_shard` says where it comes from): without them, a shard of img2dataset's (whose stats
+    record no CRC-32) costs a stat, not a read of every byte, and readers check its size alone.
     """
     urls = shard_urls(sources)
     workers = usable_cores() if workers is None else workers
@@ -446,7 +485,7 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
         if workers == 1 or len(urls) == 1:
             counted = []
             for url, headers in zip(urls, read_headers):
-                counted.append(count_shard(url, headers))
+                counted.append(count_shard(url, headers, checksums))
                 bar.update(1)
         else:
             # Threads, not processes: counting a shard is reading it and numpy's array work, which
@@ -454,7 +493,7 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
             # costs more, ~10 ms a worker and copy-on-write faults after, than 180 small shards take.
             with ThreadPoolExecutor(min(workers, len(urls))) as pool:
                 counted = []
-                for result in pool.map(count_shard, urls, read_headers, chunksize=1):
+                for result in pool.map(count_shard, urls, read_headers, [checksums] * len(urls), chunksize=1):
                     counted.append(result)
                     bar.update(1)
     finally:
@@ -467,7 +506,8 @@ def index_shards(sources: list[str], out: str, *, workers: int | None = None, ve
         "checked_against_stats": sum(shard.headers_read and shard.had_stats for shard in counted),
     }
     os.makedirs(out, exist_ok=True)
-    return ShardIndex.write(out, [(url, shard.samples) for url, shard in zip(urls, counted)], keys=keys, counted=how)
+    entries = [ShardEntry(url, shard.samples, shard.size, shard.crc32) for url, shard in zip(urls, counted)]
+    return ShardIndex.write(out, entries, keys=keys, counted=how)
 
 
 def describe_counting(counted: dict, verify: bool = False) -> str:
@@ -488,6 +528,72 @@ def describe_counting(counted: dict, verify: bool = False) -> str:
     return f"of {counted['shards']} shard(s), " + ", ".join(parts) if parts else "no shards"
 
 
+class ShardCheck(NamedTuple):
+    """What `verify_shards` found of one shard: `problem` None when its bytes are what the index says."""
+
+    shard: int
+    url: str
+    problem: str | None
+    checked: str  # "size and crc32", "size" or "nothing" (what the index records of it)
+    bytes_read: int
+
+
+def check_shard(index: ShardIndex, shard: int, retry: ReadRetry = DEFAULT_RETRY) -> ShardCheck:
+    """One shard against its index entry: a local file's size by a stat, then (when the index records
+    it) its CRC-32 by reading it; any other url is read whole, as the training stream reads it."""
+    url, expected = index.urls[shard], index.expected(shard)
+    checked = "size and crc32" if expected.crc32 is not None else "size" if expected.size is not None else "nothing"
+
+    def found(problem: str | None, read: int = 0) -> ShardCheck:
+        return ShardCheck(shard, url, problem, checked, read)
+
+    if expected.size is None and expected.crc32 is None:
+        return found(None)
+    if urlparse(url).scheme in ("", "file"):
+        path = local_path(url)
+        if not os.path.isfile(path):
+            return found(f"missing ({index.path} lists it)")
+        size = os.path.getsize(path)
+        if expected.size is not None and size != expected.size:
+            return found(f"is {size} bytes, {index.path} records {expected.size} (replaced, cut short or grown)")
+        if expected.crc32 is None:
+            return found(None)
+        crc = file_crc32(path)
+    else:
+        try:
+            size, crc = shard_checksum(url, retry)
+        except BadInputError as e:
+            return found(str(e).removeprefix(f"shard {url}: "))
+        if expected.size is not None and size != expected.size:
+            return found(
+                f"holds {size} bytes, {index.path} records {expected.size} (replaced, cut short or grown)", size
+            )
+    if expected.crc32 is not None and crc != expected.crc32:
+        return found(f"has CRC-32 {crc:08x}, {index.path} records {expected.crc32:08x} (its bytes changed)", size)
+    return found(None, size)
+
+
+def verify_shards(
+    location: str, *, workers: int | None = None, retry: ReadRetry = DEFAULT_RETRY
+) -> Iterator[ShardCheck]:
+    """Every shard of the index at `location` checked against its `bytes` and `crc32` (`check_shard`),
+    `workers` at a time in threads (default: the usable cores; zlib's CRC-32 and the reads release
+    the GIL), yielded in index order under a progress bar. The training reader checks a local
+    shard's size only (it seeks past unwanted members): this is where its CRC-32 is checked."""
+    index = ShardIndex.load(location)
+    workers = usable_cores() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    bar = progress(len(index), desc="verifying", unit="shard")
+    try:
+        with ThreadPoolExecutor(min(workers, len(index))) as pool:
+            for result in pool.map(check_shard, [index] * len(index), range(len(index)), [retry] * len(index)):
+                bar.update(1)
+                yield result
+    finally:
+        bar.close()
+
+
 def inspect_shards(location: str, grid_path: str | None = None, grid_count: int = 64) -> dict:
     """Counts, fields and labels of an indexed shard folder; optionally a PNG grid of images."""
     from prunepipe.pipelines.data.decode import SampleDecoder
@@ -496,8 +602,8 @@ def inspect_shards(location: str, grid_path: str | None = None, grid_count: int 
     fields, labels = Counter(), Counter()
     images = []
     decoder = SampleDecoder(resolution=int(index.meta.get("size", 32)))
-    for url in index.urls:
-        for _, sample in read_shard(url):
+    for shard, url in enumerate(index.urls):
+        for _, sample in read_shard(url, expected=index.expected(shard)):
             fields.update(k for k in sample if not k.startswith("__"))
             if "cls" in sample:
                 labels[int(sample["cls"])] += 1

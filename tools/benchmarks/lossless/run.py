@@ -84,9 +84,9 @@ def prepare_data(work: str, plan: TaskPlan, size: int = 16) -> str:
         write_shards("digits", root, size=size, shard_size=train_samples, captions=captioned)
         train = os.path.join(root, "train")
         # the first shard only, with the rest of what write_shards recorded (source, size, keys, ...)
-        ShardIndex.write(
-            train, [(os.path.join(train, "shard-000000.tar"), train_samples)], **ShardIndex.load(train).meta
-        )
+        written = ShardIndex.load(train)
+        first = written.expected(0)
+        ShardIndex.write(train, [(written.urls[0], train_samples, first.size, first.crc32)], **written.meta)
         if captioned:
             write_tiny_text_encoder(os.path.join(root, "text_encoder"), read_captions(train))
     return root
