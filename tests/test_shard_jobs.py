@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,14 +234,17 @@ def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(image
     said = capsys.readouterr().out
     assert "2 of 3 shard(s) not sealed yet (shard-000000.npy, shard-000002.npy)" in said, said
     assert "written by the task that seals the last one" in said
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    lock = os.path.join(images, "embeddings", ".split.parts.lock")
-    with open(lock, "w") as f:
-        f.write(f"{socket.gethostname()} {gone.pid} {time.time()}")  # a writer killed while it held the lock
+    from test_job_storage import hold_and_die
+
+    lock = os.path.join(images, "embeddings", ".split.parts.locks")
+    hold_and_die(lock)  # a writer killed while it held the lock
     path = embed_shards(images, "phash", name="split", batch_size=16, rank=0, world=2)
     assert open(path, "rb").read() == open(whole, "rb").read()
-    assert not os.path.exists(lock), "the gone writer's lock taken over, then released"
+    from prunepipe.tools.commands.shard_jobs import JobLock
+
+    after = JobLock(lock)
+    assert after.acquire(), f"the gone writer's lock taken over, then released ({after.describe()})"
+    after.release()
     table = open_embeddings(images, "split")
     assert table.header["missing"]["count"] == 0 and len(table) == 180
     assert not os.path.exists(os.path.join(images, "embeddings", "split.parts"))
@@ -255,8 +260,10 @@ def test_an_array_element_running_several_srun_tasks_gives_each_a_share(monkeypa
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "13")
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "10")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MAX", "13")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # srun's tasks, not the batch script
     ranks = set()
     for task in range(8):
         monkeypatch.setenv("SLURM_PROCID", str(task))
@@ -294,3 +301,91 @@ def test_a_rerun_removes_the_partials_of_writers_that_are_gone_and_only_those(tm
     assert (tmp_path / left["alive"]).exists() and (tmp_path / left["elsewhere"]).exists(), (
         "a live writer's, and another host's (whose writers this host cannot see), are left"
     )
+
+
+def test_latents_encode_sets_an_unreadable_shard_aside_and_names_it_after_sealing_the_rest(images, vae, tmp_path):
+    from test_job_storage import sealed_parts, serving, split_served
+
+    out = str(tmp_path / "latents")
+    with serving(images, gone={"shard-000000.tar"}) as (base, requests):
+        split = split_served(images, tmp_path / "split", {0: f"{base}/shard-000000.tar"})
+        with pytest.raises(BadInputError, match=r"1 shard\(s\) left unsealed.*shard-000000\.tar: .*HTTP 404"):
+            encode_shards(split, vae, out, batch_size=16)
+    assert len(requests["shard-000000.tar"]) == 2, "tried once more after the others"
+    assert sealed_parts(out) == ["shard-000001_stats.json", "shard-000002_stats.json"], "the rest sealed"
+    assert not os.path.exists(os.path.join(out, "index.json"))
+    assert not [name for name in os.listdir(out) if name.endswith(".partial")]
+
+
+def test_a_vae_and_text_encoder_are_known_by_their_files_not_their_folders(messy, vae, tmp_path):
+    folder, encoder = messy
+    out = str(tmp_path / "latents")
+    common = dict(resolution=16, on_bad_sample="skip", world=2)
+    assert encode_shards(folder, vae, out, text_encoder=encoder, rank=1, **common) is None
+    # the same files staged elsewhere ($TMPDIR on the node of a requeue): the same job, continued
+    staged_vae, staged_encoder = str(tmp_path / "tmp" / "vae"), str(tmp_path / "tmp" / "encoder")
+    shutil.copytree(vae, staged_vae)
+    shutil.copytree(encoder, staged_encoder)
+    index_path = encode_shards(folder, staged_vae, out, text_encoder=staged_encoder, rank=0, **common)
+    assert index_path == os.path.join(out, "index.json")
+    assert len({seal["settings_digest"] for seal in seals(out).values()}) == 1
+
+
+def test_new_weights_at_the_same_path_are_another_vae(images, tmp_path):
+    import torch
+
+    folder = str(tmp_path / "vae")
+    tiny_vae(3, 16).save_pretrained(folder)
+    out = str(tmp_path / "latents")
+    assert encode_shards(images, folder, out, batch_size=16, rank=1, world=2) is None
+    before = {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+    retrained = tiny_vae(3, 16)
+    with torch.no_grad():
+        next(retrained.parameters()).add_(0.5)
+    retrained.save_pretrained(folder)  # the same config, the same path, other weights
+    after = {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+    assert before["config.json"] == after["config.json"] and before != after
+    with pytest.raises(ValueError, match=r"shard-000001_stats\.json: sealed by .* with other settings \(vae differ\)"):
+        encode_shards(images, folder, out, batch_size=16, rank=0, world=2)
+
+
+def test_latents_encode_over_a_lying_store_writes_the_same_bytes_or_names_url_offset_and_cause(
+    images, vae, one_process, tmp_path
+):
+    from prunepipe.pipelines.data.remote import ReadRetry
+    from prunepipe.tools.commands.shard_jobs import UnsealedShards
+    from prunepipe.tools.fixtures.fault_server import Fault, FaultServer
+
+    index = ShardIndex.load(images)
+    names = [os.path.basename(url) for url in index.urls]
+    quick = ReadRetry(retries=3, timeout_seconds=5.0, deadline_seconds=30.0, backoff_seconds=0.0)
+    with FaultServer() as server:
+        for url, name in zip(index.urls, names):
+            server.put(name, open(url, "rb").read())
+        served = str(tmp_path / "served")
+        os.makedirs(served)
+        ShardIndex.write(
+            served,
+            [
+                (server.url(n), int(c), int(s), int(k))
+                for n, c, s, k in zip(names, index.counts, index.sizes, index.crcs)
+            ],
+            **index.meta,
+        )
+        half = int(index.sizes[0]) // 2
+        server.fault(names[0], Fault("drop", at=half), Fault("lie_range"))
+        server.fault(names[1], Fault("busy", seconds=0), Fault("drop", at=half), Fault("ignore_range"))
+        server.fault(names[2], Fault("no_terminator"))
+        out = str(tmp_path / "lying")
+        encode_on_one_thread(served, vae, out, batch_size=16, retry=quick)
+        assert tars(out) == tars(one_process), "every latent as from the local images"
+
+        other = open(index.urls[2], "rb").read()
+        server.fault(names[1], Fault("drop", at=half), *(Fault("replace", data=other) for _ in range(2)))
+        with pytest.raises(UnsealedShards) as caught:
+            encode_on_one_thread(served, vae, str(tmp_path / "replaced"), batch_size=16, retry=quick)
+    message = str(caught.value)
+    assert server.url(names[1]) in message and re.search(r"at byte \d+", message), message
+    assert "changed between attempts" in message or "changed since it was indexed" in message, message
+    written = sorted(n for n in os.listdir(tmp_path / "replaced") if n.endswith(".tar"))
+    assert written == ["shard-000000.tar", "shard-000002.tar"], "the other shards are sealed"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prunepipe.pipelines.data.shards import INDEX_NAME
+from prunepipe.pipelines.data.writer_names import temporary_name
 
 FORMAT = "prunepipe-side-table"
 KINDS = {"embeddings": np.dtype("float16"), "groups": np.dtype("int32")}
@@ -61,7 +62,7 @@ def table_paths(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
 def write_json(path: str, data: dict) -> None:
     """`data` as JSON at `path`, atomically (a reader sees the old file or the new one)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"  # a writer of its own: another process may write the same file
+    tmp = temporary_name(path)  # a writer of its own: another process, host or thread may write the same file
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
         f.flush()

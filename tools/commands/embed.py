@@ -19,8 +19,8 @@ import shutil
 import numpy as np
 
 from prunepipe.pipelines.data.decode import SampleDecoder
-from prunepipe.pipelines.data.remote import ShardReadError
-from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
+from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardIndex, read_shard
 from prunepipe.pipelines.data.side_tables import index_fingerprint, make_header, table_paths, write_json
 from prunepipe.tools.commands.feature_models import FeatureModel, load_feature_model
 from prunepipe.tools.commands.shard_jobs import (
@@ -31,6 +31,7 @@ from prunepipe.tools.commands.shard_jobs import (
     job_rank,
     join_group,
     partial_path,
+    remove_gone_partials,
 )
 
 MISSING_SHOWN = 20  # missing ids (and keys) named in a header and a message; all are in NAME.missing.npy
@@ -61,18 +62,21 @@ def normalised(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class EmbeddingWriter:
-    """A whole table written in place into NAME.npy.<pid>.partial (a memory map: a billion rows never sit
-    in memory); `finish` seals it (the .npy renamed into place, then its header: a table is readable only
-    when both are there). Any earlier table of the name is removed first, not left half replaced."""
+    """A whole table written in place into NAME.npy.HOST.PID-TOKEN.partial (a memory map: a billion rows
+    never sit in memory); `finish` seals it (the .npy renamed into place, then its header: a table is
+    readable only when both are there). Any earlier table of the name is removed first, not left half
+    replaced, and so are the partials of writers that are gone (a killed join's, any table's:
+    shard_jobs.remove_gone_partials says when a writer is gone)."""
 
     def __init__(self, shards_dir: str, name: str, num_samples: int, dim: int, made_by: dict):
         self.shards_dir, self.made_by = shards_dir, made_by
         self.array_path, self.header_path = table_paths(shards_dir, "embeddings", name)
-        self.partial_path = f"{self.array_path}.{os.getpid()}.partial"
+        self.partial_path = partial_path(self.array_path)
         self.missing_path = self.array_path[: -len(".npy")] + ".missing.npy"
         self.missing: list[int] = []
         self.reasons: list[str] = []
         os.makedirs(os.path.dirname(self.array_path), exist_ok=True)
+        remove_gone_partials(os.path.dirname(self.array_path))
         for stale in (self.header_path, self.array_path, self.missing_path):
             if os.path.exists(stale):
                 os.remove(stale)
@@ -117,14 +121,15 @@ class EmbeddingWriter:
         return self.array_path
 
 
-def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder):
+def shard_pixels(index: ShardIndex, shard: int, decoder: SampleDecoder, retry: ReadRetry = DEFAULT_RETRY):
     """(position, uint8 pixels or None, problem or None) for every position of one shard, in order: a
-    sample, or the rest of a shard, that cannot be read or decoded yields None and the reason."""
+    sample, or the rest of a shard, that cannot be read or decoded (or is not the shard its index
+    describes: `ShardIndex.expected`) yields None and the reason."""
     url, count = index.urls[shard], int(index.counts[shard])
     first = int(index.first_ids[shard])
     seen = 0
     try:
-        for position, sample in read_shard(url):
+        for position, sample in read_shard(url, retry=retry, expected=index.expected(shard)):
             if position >= count:  # the ids of every later shard would be off: nothing after this can be trusted
                 raise ValueError(
                     f"shard {url}: holds more than the {count} samples {index.path} lists; index the "
@@ -153,6 +158,7 @@ def embed_shard(
     decoder: SampleDecoder,
     batch_size: int,
     on_bad_sample: str,
+    retry: ReadRetry = DEFAULT_RETRY,
 ) -> dict:
     """One shard's rows into `part` (PART.partial, then moved into place); returns its seal record."""
     import torch
@@ -173,7 +179,7 @@ def embed_shard(
                 reasons.append(f"id {first + position}: the model gave a zero or non-finite vector")
             batch.clear()
 
-    for position, pixels, problem in shard_pixels(index, shard, decoder):
+    for position, pixels, problem in shard_pixels(index, shard, decoder, retry):
         if pixels is None:
             if on_bad_sample == "stop":
                 raise BadInputError(f"{problem} (--on-bad-sample stop; skip gives it a zero row, listed as missing)")
@@ -212,10 +218,13 @@ def embed_shards(
     rank: int | None = None,
     world: int | None = None,
     wait_hours: float = WAIT_HOURS,
+    retry: ReadRetry = DEFAULT_RETRY,
 ) -> str | None:
     """Embed every sample of the split in `shards_dir` with the model `spec` names (tools/commands/feature_models.py);
     writes embeddings/NAME.npy and NAME.json beside its index.json and returns the .npy path (None in a
-    process that leaves the table to another). Continues an unfinished run of the same settings."""
+    process that leaves the table to another). Continues an unfinished run of the same settings.
+    `retry` is how a remote shard's failed read is retried (`--read-retries` ...; not a setting of
+    the table: the rows are the same however often a read was retried)."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     if on_bad_sample not in BAD_SAMPLE_POLICIES:
@@ -236,7 +245,7 @@ def embed_shards(
         return array_path
     join_group(me)
     settings = {
-        **made_by,
+        **path_free(made_by),
         "shards": [os.path.basename(url) for url in index.urls],
         "counts": index.counts.tolist(),
         "on_bad_sample": on_bad_sample,
@@ -244,6 +253,7 @@ def embed_shards(
     job = ShardJob(
         parts_dir, settings, me, what=f"embed {name}", command=f"prunepipe shards embed {shards_dir} --model {spec}"
     )
+    remove_gone_partials(os.path.dirname(array_path))  # a killed join's table (gigabytes) goes now, not at the join
     parts = [os.path.join(parts_dir, f"shard-{shard:06d}.npy") for shard in range(len(index))]
     decoder = SampleDecoder(resolution=model.image_size, channels=model.channels)
     mine = me.mine(len(index))
@@ -253,10 +263,13 @@ def embed_shards(
             if os.path.exists(stale):  # the old table is unreadable from now on, not half replaced
                 os.remove(stale)
     progress = Progress(me, f"embed {name}", len(mine), len(mine) - len(todo))
-    for shard in todo:
-        record = embed_shard(index, shard, parts[shard], model, decoder, batch_size, on_bad_sample)
+
+    def embed_one(shard: int) -> None:
+        record = embed_shard(index, shard, parts[shard], model, decoder, batch_size, on_bad_sample, retry)
         job.seal(parts[shard], record)
         progress.shard_done(os.path.basename(parts[shard]), record["successes"], len(record["missing"]))
+
+    job.work(todo, parts, embed_one)  # a shard whose store fails is tried again after the others, then named
 
     def write_table() -> str:
         return join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, model.dim)
@@ -273,10 +286,23 @@ def finished_table(shards_dir: str, header_path: str, made_by: dict) -> bool:
         return False
     wanted = json.loads(json.dumps(made_by))  # as the header holds them (tuples as lists)
     return (
-        all(header.get(key) == value for key, value in wanted.items())
+        path_free({key: header.get(key) for key in wanted}) == path_free(wanted)
         and header.get("index") == index_fingerprint(shards_dir)
         and os.path.exists(header_path[: -len(".json")] + ".npy")
     )
+
+
+def path_free(made_by: dict) -> dict:
+    """What made the rows, less the paths the model was read from (its header keeps them, for humans):
+    the spec's kind (with a timm architecture or a phash side, which are no paths) and the weights by
+    their sha256. The same model staged to another folder makes the same rows; other weights at the
+    same path do not."""
+    kind, _, target = str(made_by.get("model", "")).partition(":")
+    by_path = kind in ("mae", "feature-net") or (kind == "timm" and (os.sep in target or os.path.isdir(target)))
+    found = {key: value for key, value in made_by.items() if key != "weights"}
+    if by_path:
+        found["model"] = kind
+    return found
 
 
 def join_parts(shards_dir, index, job, parts, parts_dir, name, made_by, dim) -> str:

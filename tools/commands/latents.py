@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
+from prunepipe.pipelines.checkpoint.manifest import file_crc32
 from prunepipe.pipelines.data.decode import (
     CAPTION_FIELD,
     FLIPPED_LATENT_FIELD,
@@ -30,11 +31,11 @@ from prunepipe.pipelines.data.decode import (
     SampleDecoder,
     caption,
 )
-from prunepipe.pipelines.data.remote import ShardReadError
-from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
+from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardEntry, ShardIndex, read_shard
 from prunepipe.pipelines.data.side_tables import write_json
-from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder
+from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder, identity_key
 from prunepipe.tools.commands.shard_jobs import (
     WAIT_HOURS,
     Progress,
@@ -42,6 +43,7 @@ from prunepipe.tools.commands.shard_jobs import (
     job_device,
     job_rank,
     join_group,
+    model_files,
     partial_path,
 )
 
@@ -104,6 +106,7 @@ def encode_shards(
     rank: int | None = None,
     world: int | None = None,
     wait_hours: float = WAIT_HOURS,
+    retry: ReadRetry = DEFAULT_RETRY,
 ) -> str | None:
     """Write OUT/shard-%06d.tar (one per input shard) + OUT/index.json; return the index path (None in
     a process that leaves the index to another, tools/commands/shard_jobs.py).
@@ -120,7 +123,9 @@ def encode_shards(
     each sample also holds `text.npy`: its caption's features, [n, D] for its n real tokens (at most
     `text_max_length`, by default the encoder's), in `dtype`; OUT/text_null.npy holds the empty
     caption's, and index.json the encoder's identity (ldm.text.encoder=precomputed reads them;
-    docs/diffusion.md, "Text features"). `resolution` defaults to the image index's size.
+    docs/diffusion.md, "Text features"). `resolution` defaults to the image index's size. `retry` is
+    how a remote input shard's failed read is retried (`--read-retries` ...; no setting of the
+    outputs), and every input shard is checked against what its index records of its bytes.
     """
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"--dtype: got {dtype!r}, accepted: {', '.join(LATENT_DTYPES)}")
@@ -142,20 +147,22 @@ def encode_shards(
             text_encoder, tokenizer, text_max_length or 1, setting="--text-encoder", tokenizer_setting="--tokenizer"
         )
         encoder.max_length = text_max_length or encoder_max_length(encoder)
-    # what the outputs depend on; the source by its shards' names and counts, not its path: a requeue may
-    # see the same folder under another mount
+    # what the outputs depend on, and nothing that does not: the source by its shards' names and counts,
+    # the VAE by its config and the sha256 of its weights, the text encoder by its files, never by a path
+    # (a requeue may see the same folder under another mount, or the VAE staged to $TMPDIR; new weights
+    # at the same path are another VAE)
     settings = {
         "source_shards": [os.path.basename(url) for url in index.urls],
         "source_counts": index.counts.tolist(),
-        "vae": os.path.abspath(vae) if os.path.isdir(vae) else vae,
-        "subfolder": subfolder,
+        "vae": model_files(autoencoder_folder(vae, subfolder, cache_dir)),
         "resolution": resolution,
         "dtype": dtype,
         "flip": flip,
         "batch_size": batch_size,
         "on_bad_sample": on_bad_sample,
-        "text_encoder": encoder.identity() if encoder else None,
+        "text_encoder": identity_key(encoder.identity()) if encoder else None,
     }
+    vae_source = {"vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder}  # for humans
     join_group(me)  # every rank has its models: nobody encodes for hours beside a rank that could not start
     job = ShardJob(
         out_folder,
@@ -175,16 +182,40 @@ def encode_shards(
     progress = Progress(me, "latents encode", len(mine), len(mine) - len(todo))
     if encoder is not None and me.rank == 0:
         print(f"prunepipe: latents encode: captions at most {encoder.max_length} tokens", flush=True)
-    for shard in todo:
+
+    def encode_one(shard: int) -> None:
         record = encode_shard(
-            index, shard, outputs[shard], decoder, encode, encoder, dtype, flip, batch_size, on_bad_sample, device
+            index,
+            shard,
+            outputs[shard],
+            decoder,
+            encode,
+            encoder,
+            dtype,
+            flip,
+            batch_size,
+            on_bad_sample,
+            device,
+            retry,
         )
         job.seal(outputs[shard], record)
         progress.shard_done(os.path.basename(outputs[shard]), record["successes"], len(record["skipped"]))
 
+    job.work(todo, outputs, encode_one)  # a shard whose store fails is tried again after the others, then named
+
     def write_index() -> str:
         return _write_index(
-            index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling, shift
+            index,
+            image_shards_folder,
+            out_folder,
+            outputs,
+            job,
+            encoder,
+            device,
+            dtype,
+            {**settings, **vae_source},
+            scaling,
+            shift,
         )
 
     return job.finish(outputs, write_index, wait_hours)
@@ -202,9 +233,12 @@ def encode_shard(
     batch_size: int,
     on_bad_sample: str,
     device,
+    retry: ReadRetry = DEFAULT_RETRY,
 ) -> dict:
     """One input shard into `output` (written as OUTPUT.partial, then moved into place); returns its
-    stats record: img2dataset's counts, the latent shape, the fields seen and the samples skipped."""
+    stats record: img2dataset's counts, the output's bytes and CRC-32 (`tar_bytes`, `tar_crc32`: its
+    index entry, and what `shards index` reads instead of the tar), the latent shape, the fields seen
+    and the samples skipped."""
     url, count, first_id = index.urls[shard], int(index.counts[shard]), int(index.first_ids[shard])
     skipped: list[dict] = []
     fields_seen: set[str] = set()
@@ -251,7 +285,7 @@ def encode_shard(
 
         seen = 0
         try:
-            for position, sample in read_shard(url):
+            for position, sample in read_shard(url, retry=retry, expected=index.expected(shard)):
                 if position >= count:  # every later id would be off: never skipped
                     raise BadInputError(
                         f"shard {url}: holds more than the {count} samples {index.path} lists; "
@@ -289,6 +323,7 @@ def encode_shard(
         "failed_to_download": 0,
         "failed_to_resize": 0,
         "tar_bytes": os.path.getsize(output),
+        "tar_crc32": f"{file_crc32(output):08x}",  # read back just written, from the page cache
         "latent_shape": latent_shape,
         "fields": sorted(fields_seen),
         "skipped": skipped,
@@ -310,14 +345,20 @@ def _write_index(
     text_meta = {}
     if encoder is not None:
         null = real_tokens(encoder.encode([""], device), dtype, ["(the empty caption)"])[0]
-        tmp = os.path.join(out_folder, f"{TEXT_NULL_FILE}.{os.getpid()}.tmp.npy")
-        np.save(tmp, null, allow_pickle=False)
-        os.replace(tmp, os.path.join(out_folder, TEXT_NULL_FILE))
+        null_path = os.path.join(out_folder, TEXT_NULL_FILE)
+        tmp = partial_path(null_path)  # a killed writer's is removed by the next run, as a shard's
+        with open(tmp, "wb") as f:  # a file, not a name: np.save would add `.npy` to the name
+            np.save(f, null, allow_pickle=False)
+        os.replace(tmp, null_path)
         text_meta = {"text_encoder": encoder.identity(), "text_width": encoder.hidden_size}
     fields = sorted({field for seal in seals for field in seal["fields"]})
     path = ShardIndex.write(
         out_folder,
-        [(output, seal["successes"]) for output, seal in zip(outputs, seals)],
+        [
+            # a seal written before seals held the CRC-32 gives the size alone
+            ShardEntry(output, seal["successes"], seal["tar_bytes"], _seal_crc32(seal))
+            for output, seal in zip(outputs, seals)
+        ],
         source=os.path.abspath(image_shards_folder),
         vae=settings["vae"],
         subfolder=settings["subfolder"],
@@ -342,6 +383,12 @@ def _write_index(
         flush=True,
     )
     return path
+
+
+def _seal_crc32(seal: dict) -> int | None:
+    """An output shard's CRC-32 as its seal records it (`encode_shard`), None in an older seal."""
+    crc = seal.get("tar_crc32")
+    return None if crc is None else int(crc, 16)
 
 
 def real_tokens(condition: TextCondition, dtype: str, keys: list[str]) -> list[np.ndarray]:
