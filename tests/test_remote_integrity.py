@@ -288,3 +288,110 @@ def test_an_s3_object_replaced_between_attempts_is_an_error(s3):
     retry = ReadRetry(retries=3, timeout_seconds=1.0, deadline_seconds=30.0, backoff_seconds=0.0)
     with pytest.raises(ShardReadError, match="changed between attempts"):
         read("s3://bucket/a.tar", retry)
+
+
+def test_a_shard_read_to_its_end_is_checked_against_the_index_crc_even_past_its_end_blocks(server, tmp_path):
+    from prunepipe.pipelines.data.shards import BadInputError, read_shard
+    from prunepipe.tools.commands.shards import write_shards
+
+    write_shards("digits", str(tmp_path), size=8, shard_size=50, val_fraction=0.0)
+    tar = sorted(p for p in (tmp_path / "train").iterdir() if p.suffix == ".tar")[0]
+    data = tar.read_bytes()
+    url = server.put("a.tar", data)
+    right = Expected(size=len(data), crc32=zlib.crc32(data))
+    assert len(list(read_shard(url, retry=QUICK, expected=right))) == 50
+    with pytest.raises(BadInputError, match=f"shard {url}: reading ended at byte {len(data)}: the shard's CRC-32"):
+        list(read_shard(url, retry=QUICK, expected=Expected(size=len(data), crc32=right.crc32 ^ 1)))
+
+
+def test_a_trickle_that_never_trips_the_timeout_is_too_slow_and_ends_at_the_deadline(server, data):
+    url = server.put("a.tar", data)
+    server.fault("a.tar", standing=Fault("trickle", seconds=0.2))  # a byte every 0.2 s, the timeout 1 s
+    retry = ReadRetry(retries=100, timeout_seconds=1.0, deadline_seconds=3.0, backoff_seconds=0.0)
+    start = time.monotonic()
+    with pytest.raises(
+        ShardReadError, match=r"the stall reached data.remote.deadline_seconds=3 .*too slow: \d+ bytes in"
+    ):
+        read(url, retry)
+    assert time.monotonic() - start < 3.0 * 1.5
+
+
+def test_a_body_of_no_stated_length_that_ends_early_is_resumed_not_taken_for_the_whole(server, data):
+    url = server.put("a.tar", data)
+    server.fault("a.tar", Fault("no_length", at=300_000))  # closes as a whole body would: no sign of the cut
+    assert read(url) == data
+    assert server.statuses("a.tar") == [200, 206], "a ranged request asked whether the object ended there"
+
+
+def test_a_body_of_no_stated_length_is_taken_whole_once_the_store_says_it_ends_there(server, data):
+    url = server.put("a.tar", data)
+    server.fault("a.tar", Fault("no_length", at=len(data)))
+    assert read(url) == data
+    assert server.statuses("a.tar") == [200, 206], "the check read the overlap and then the end"
+
+
+def test_a_server_that_caps_each_range_answer_is_read_whole_without_failures(server):
+    big = random.Random(5).randbytes(3 * MIB)
+    url = server.put("big.tar", big, cap=256 * 1024)
+    server.fault("big.tar", Fault("drop", at=100_000))
+    retry = ReadRetry(retries=1, timeout_seconds=5.0, deadline_seconds=30.0, backoff_seconds=0.0)
+    assert read(url, retry) == big, "each capped answer's end asks for the rest, none counted as a failure"
+
+
+def test_a_reopen_asks_where_the_first_answer_came_from_not_the_redirector(server, data, other):
+    server.put("mirror-1/a.tar", data)
+    server.put("mirror-2/a.tar", other)  # the redirector sends a later request elsewhere
+    server.put("a.tar", b"")
+    server.fault(
+        "a.tar",
+        Fault("redirect", data=server.url("mirror-1/a.tar").encode()),
+        standing=Fault("redirect", data=server.url("mirror-2/a.tar").encode()),
+    )
+    server.fault("mirror-1/a.tar", Fault("drop", at=300_000))
+    assert read(server.url("a.tar")) == data
+    assert server.statuses("mirror-1/a.tar") == [200, 206] and server.statuses("mirror-2/a.tar") == []
+
+
+def test_a_url_no_try_can_mend_is_not_retried():
+    with pytest.raises(ShardReadError, match="not retried"):
+        read("http://127.0.0.1:notaport/a.tar")
+
+
+def test_retry_after_gets_the_jitter_on_top_so_workers_that_met_one_503_spread_out():
+    from prunepipe.pipelines.data.remote import RetryingStream
+    from prunepipe.pipelines.data.remote_sources import Failed
+
+    waits = []
+    for worker in range(8):
+        stream = RetryingStream("http://127.0.0.1:1/a.tar", ReadRetry(backoff_seconds=2.0), draw=random.Random(worker))
+        slept = []
+        stream._sleep = slept.append
+        stream._failed(Failed("HTTP 503", retry_after=2.0), time.monotonic())
+        waits += slept
+    assert all(wait >= 2.0 for wait in waits) and len(set(waits)) == 8
+
+
+def test_an_https_stall_stops_at_the_deadline_tls_sockets_included(tmp_path, data, monkeypatch):
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.setattr(ssl, "_create_default_https_context", lambda: ssl.create_default_context(cafile=cert))
+    with FaultServer(tls=(cert, key)) as server:
+        url = server.put("a.tar", data)
+        assert url.startswith("https://")
+        server.fault("a.tar", standing=Fault("stall", at=100_000, seconds=60))
+        retry = ReadRetry(retries=5, timeout_seconds=30.0, deadline_seconds=2.0, backoff_seconds=0.0)
+        start = time.monotonic()
+        with pytest.raises(ShardReadError, match="data.remote.deadline_seconds=2"):
+            read(url, retry)
+        assert time.monotonic() - start < 2.0 * 1.5, "the TLS socket is the one given the waits"

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 from prunepipe.pipelines.data.remote_sources import (
     HTTP_SCHEMES,
     OBJECT_STORE_SCHEMES,
+    AnswerEnded,
     Failed,
     Version,
     open_source,
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 BUFFER = 256 * 1024  # a pipe hands over at most 64 KiB a read; a tar header walk reads 512 bytes at a time
 OVERLAP = 64 * 1024  # re-read and compared before a ranged reopen hands out a new byte
 HEALTHY_BYTES = 1 << 20  # new bytes from one attempt that end a stall (a link that drops every 64 KiB never does)
+# an attempt blocked timeout_seconds for fewer bytes than this is too slow: a trickle is a stall, not progress
+FLOOR_BYTES = BUFFER
 RETRIED_SCHEMES = HTTP_SCHEMES + OBJECT_STORE_SCHEMES
 CLOSE_SECONDS = 5.0  # the longest a close of a healthy attempt waits for its command to go
 
@@ -111,16 +114,29 @@ class RetryingStream(io.RawIOBase):
         self.offset = 0  # bytes handed to the reader
         self.failures: list[tuple[int, Failed]] = []  # (offset, failure) of each failed attempt of this stall
         self.version: Version | None = None  # what the first attempt read
-        self._crc_before_tail = 0  # CRC-32 of the bytes handed out, but for the last OVERLAP of them
-        self._tail = b""  # the last OVERLAP bytes handed out
+        self._crc_before_tail = 0  # CRC-32 of the bytes handed out, but for those of the tail
+        self._tail = bytearray()  # the last OVERLAP to 2 OVERLAP bytes handed out
+        self._window_seconds, self._window_bytes = 0.0, 0  # the current attempt's blocked time and bytes
+        self._confirming = False  # a reopen that asks whether a body of no stated length ended with the object
+        self._resume_url = url  # where a reopen asks first: the first answer's after its redirects
         self._source = None
         self._new_bytes = 0  # handed out from the current attempt
         self._stalled: float | None = None  # seconds the reader was blocked in this stall's earlier calls
         self._ended = False
         self._draw = draw or random.Random()
+        self._sleep = time.sleep  # the backoff's wait
 
     def readable(self) -> bool:
         return True
+
+    def readall(self) -> bytes:
+        """All the rest, in BUFFER steps (io's default reads 8 KiB at a time)."""
+        parts, chunk = [], bytearray(BUFFER)
+        while True:
+            n = self.readinto(chunk)
+            if not n:
+                return b"".join(parts)
+            parts.append(bytes(chunk[:n]))
 
     def readinto(self, buffer) -> int:
         if self._ended:
@@ -157,12 +173,36 @@ class RetryingStream(io.RawIOBase):
                     if self.failures and self._known_length() == self.offset:
                         return b""  # all of it was handed out before the failure (a chunked body's lost terminator)
                     self._source = self._reopen(started)
-                data = self._source.read(size, self._wait(started))
+                data = self._timed_read(size, started)
+                if not data and getattr(self._source, "unsure_end", False) and self._known_length() is None:
+                    self._confirming = True  # a body of no stated length ended: ask whether the object did
+                    self._drop_source(started)
+                    continue
                 if not data and self._known_length() is not None and self.offset < self._known_length():
                     raise Failed(f"the stream ended at byte {self.offset} of {self._known_length()}")
                 return data
+            except AnswerEnded:  # a server that caps its answers: ask for the rest, no failure
+                if self._new_bytes == 0:
+                    self._failed(Failed(f"an answer from byte {self.offset} brought no new byte"), started)
+                self._drop_source(started)
             except Failed as failure:
                 self._failed(failure, started)
+
+    def _timed_read(self, size: int, started: float) -> bytes:
+        """One read of the attempt; an attempt that was blocked timeout_seconds for fewer than FLOOR_BYTES
+        has failed (a byte every half second never trips a timeout, and would hold a rank for days)."""
+        before = time.monotonic()
+        data = self._source.read(size, self._wait(started))
+        self._window_seconds += time.monotonic() - before
+        self._window_bytes += len(data)
+        if self._window_seconds >= self.retry.timeout_seconds:
+            if data and self._window_bytes < FLOOR_BYTES:
+                raise Failed(
+                    f"too slow: {self._window_bytes} bytes in {self._window_seconds:.3g} s of waiting, fewer than "
+                    f"{FLOOR_BYTES} per data.remote.timeout_seconds"
+                )
+            self._window_seconds, self._window_bytes = 0.0, 0
+        return data
 
     def _known_length(self) -> int | None:
         if self.expected.size is not None:
@@ -187,8 +227,8 @@ class RetryingStream(io.RawIOBase):
                 )
             )
         wait = self.retry.backoff(attempts, self._draw)
-        if failure.retry_after is not None:
-            wait = max(wait, failure.retry_after)
+        if failure.retry_after is not None:  # the jitter on top: every worker that met the 503 was told the same
+            wait += failure.retry_after
         if wait >= left or left <= 0.01:
             asked = f"the server asks to wait {failure.retry_after:g} s, " if failure.retry_after else ""
             raise ShardReadError(
@@ -207,12 +247,19 @@ class RetryingStream(io.RawIOBase):
             self.retry.retries,
             left,
         )
-        time.sleep(wait)
+        self._sleep(wait)
 
     def _reopen(self, started: float):
         """A new attempt that has proved it reads the object read before, positioned at `offset`."""
-        start = max(0, self.offset - len(self._tail)) if ranged(self.url) else 0
-        source = open_source(self.url, start, self._wait(started), self.version)
+        start = max(0, self.offset - min(len(self._tail), OVERLAP)) if ranged(self.url) else 0
+        try:
+            source = open_source(self._resume_url, start, self._wait(started), self.version)
+        except Failed as failure:
+            if self._resume_url == self.url or failure.status is None or not 400 <= failure.status < 500:
+                raise
+            # the redirect's target is gone (an expired presigned url): the original url redirects anew
+            self._resume_url = self.url
+            raise Failed(f"{failure.reason} at the redirected url; asking the original url again") from None
         try:
             self._check_version(source.version)
             if source.start > self.offset:
@@ -223,7 +270,12 @@ class RetryingStream(io.RawIOBase):
         except BaseException:
             source.close(min(self._wait(started), CLOSE_SECONDS))
             raise
-        self._new_bytes = 0
+        self._resume_url = getattr(source, "final_url", None) or self._resume_url
+        self._new_bytes, self._window_seconds, self._window_bytes = 0, 0.0, 0
+        if self._confirming:
+            self._confirming = False
+            if getattr(source, "unsure_end", False) and source.version.length is None:
+                source.unsure_end = False  # no length said again (no Range either): its end is the end
         return source
 
     def _check_version(self, version: Version) -> None:
@@ -241,6 +293,12 @@ class RetryingStream(io.RawIOBase):
                 f"the object changed between attempts: {self.offset} bytes were read of ({self.version}), "
                 f"the store now serves ({version})",
                 final=True,
+            )
+        else:  # the same object: what the first answer did not say (a length), a later one may
+            self.version = Version(
+                self.version.etag or version.etag,
+                self.version.last_modified or version.last_modified,
+                self.version.length if self.version.length is not None else version.length,
             )
         size = self.expected.size
         if size is not None and version.length is not None and version.length != size:
@@ -299,11 +357,12 @@ class RetryingStream(io.RawIOBase):
                 f"reading failed at byte {self.offset}: the shard runs past the {self.expected.size} bytes the "
                 f"index lists: it changed since it was indexed"
             )
-        stream = self._tail + data
-        cut = max(0, len(stream) - OVERLAP)
-        if cut:  # bytes leaving the tail join the CRC-32 of everything before it
-            self._crc_before_tail = zlib.crc32(memoryview(stream)[:cut], self._crc_before_tail)
-        self._tail = stream[cut:]
+        self._tail += data
+        excess = len(self._tail) - OVERLAP
+        if excess >= OVERLAP:  # trimmed in steps of at least OVERLAP: one copy a byte, whatever the read sizes
+            with memoryview(self._tail) as view:
+                self._crc_before_tail = zlib.crc32(view[:excess], self._crc_before_tail)
+            del self._tail[:excess]
         self.offset += len(data)
         self._new_bytes += len(data)
         if self._stalled is not None and self._new_bytes >= HEALTHY_BYTES:

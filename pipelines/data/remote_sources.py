@@ -43,12 +43,45 @@ class Failed(Exception):
     """One attempt's failure: why, the command's last stderr lines, whether another try can help, and
     how long the server asked to be left alone (Retry-After)."""
 
-    def __init__(self, reason: str, stderr: str = "", final: bool = False, retry_after: float | None = None):
+    def __init__(
+        self,
+        reason: str,
+        stderr: str = "",
+        final: bool = False,
+        retry_after: float | None = None,
+        status: int | None = None,
+    ):
         super().__init__(reason)
-        self.reason, self.stderr, self.final, self.retry_after = reason, stderr, final, retry_after
+        self.reason, self.stderr, self.final, self.retry_after, self.status = reason, stderr, final, retry_after, status
 
     def describe(self) -> str:
         return self.reason + (f"; stderr: {self.stderr}" if self.stderr else "")
+
+
+class AnswerEnded(Exception):
+    """A 206 ended where it said it would, short of the object's end: a server that caps each answer.
+    The rest is asked for; no failure."""
+
+
+def within(seconds: float, what: str, call, *args):
+    """`call(*args)` in a thread of its own, given up after `seconds`: an SDK's or a resolver's wait is
+    not the reader's to choose. Returns its value or raises its exception; Failed when it takes longer."""
+    answer: dict = {}
+
+    def run() -> None:
+        try:
+            answer["value"] = call(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the reader's thread below
+            answer["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)  # one stuck for good is left behind
+    worker.start()
+    worker.join(max(seconds, 0.001))
+    if worker.is_alive():
+        raise Failed(f"no answer for {seconds:.3g} s ({what})")
+    if "error" in answer:
+        raise answer["error"]
+    return answer.get("value")
 
 
 @dataclass(frozen=True)
@@ -157,10 +190,12 @@ def _status_text(status: int) -> str:
 
 class Http:
     """An http(s) body from a byte offset: a Range request that names the version read before (If-Range),
-    so that a changed object answers with all of itself instead of a piece of another version."""
+    so that a changed object answers with all of itself instead of a piece of another version. The
+    whole open (name resolution, connecting, every redirect, the headers) ends within `wait`."""
 
     def __init__(self, url: str, start: int, wait: float, known: Version | None):
         self.sockets: list[socket.socket] = []
+        self.response = None
         headers = {}
         if start:
             headers["Range"] = f"bytes={start}-"
@@ -168,28 +203,43 @@ class Http:
             if validator:
                 headers["If-Range"] = validator
         opener = urllib.request.build_opener(_HttpHandler(wait, self.sockets), _HttpsHandler(wait, self.sockets))
+        request = urllib.request.Request(url, headers=headers)
         try:
-            self.response = opener.open(urllib.request.Request(url, headers=headers), timeout=wait)
+            self.response = within(wait, "connecting and reading the headers", opener.open, request, None, wait)
         except urllib.error.HTTPError as e:
-            if e.code == 416:  # Range Not Satisfiable: `bytes */LENGTH` says where the object ends
-                self._past_the_end(e, start)
-                return
-            final = 400 <= e.code < 500 and e.code not in TRANSIENT_HTTP
-            retry_after = _retry_after(e.headers.get("Retry-After")) if e.headers else None
-            said = f" (Retry-After: {e.headers.get('Retry-After')})" if retry_after is not None else ""
-            raise Failed(f"HTTP {e.code} {e.reason}{said}", final=final, retry_after=retry_after) from None
+            try:
+                if e.code == 416:  # Range Not Satisfiable: `bytes */LENGTH` says where the object ends
+                    self._past_the_end(e, start)
+                    return
+                final = 400 <= e.code < 500 and e.code not in TRANSIENT_HTTP
+                retry_after = _retry_after(e.headers.get("Retry-After")) if e.headers else None
+                said = f" (Retry-After: {e.headers.get('Retry-After')})" if retry_after is not None else ""
+                raise Failed(
+                    f"HTTP {e.code} {e.reason}{said}", final=final, retry_after=retry_after, status=e.code
+                ) from None
+            finally:
+                e.close()  # its socket, now: kept alive through the failure's context it would wait for the GC
+                self._close_sockets()
+        except Failed:
+            self._close_sockets()  # wakes the thread still waiting on them
+            raise
+        except (http.client.InvalidURL, ValueError) as e:  # no try can mend a url
+            raise Failed(f"not a url to read: {e}", final=True) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            self._close_sockets()
             reason = getattr(e, "reason", e)
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise Failed(f"no answer for {wait:.3g} s (connecting)") from None
             raise Failed(f"cannot connect: {reason}") from None
+        self.final_url = self.response.geturl()  # after redirects: where a reopen asks first
         status, answer = self.response.status, self.response.headers
         length = answer.get("Content-Length")
         length = int(length) if length is not None and length.isdigit() else None
+        chunked = "chunked" in (answer.get("Transfer-Encoding") or "").lower()
         if status == 206:
             match = CONTENT_RANGE.fullmatch((answer.get("Content-Range") or "").strip())
             if not match:
-                self.response.close()
+                self.close(0.0)
                 raise Failed(
                     f"HTTP 206 with Content-Range {answer.get('Content-Range')!r}, not `bytes FIRST-LAST/LENGTH`",
                     final=True,
@@ -199,6 +249,8 @@ class Http:
             total_length = None if total == "*" else int(total)
         else:  # a 200: all of the object, whether the server ignores Range or the version changed (If-Range)
             self.start, self.end, total_length = 0, length, length
+        # a body that may end early with no sign of it: a clean end is confirmed by a ranged request
+        self.unsure_end = self.end is None and not chunked
         self.version = Version(answer.get("ETag"), answer.get("Last-Modified"), total_length)
         self.position = self.start
 
@@ -207,7 +259,7 @@ class Http:
         if not match:
             raise Failed(f"HTTP 416 for a read from byte {start}, the object's length not said", final=True) from None
         length = int(match.group(1))
-        self.response = None
+        self.final_url, self.unsure_end = error.geturl(), False
         self.start = self.end = self.position = length  # nothing to read: the object ends there
         self.version = Version(error.headers.get("ETag"), error.headers.get("Last-Modified"), length)
 
@@ -227,14 +279,22 @@ class Http:
             raise Failed(f"the connection failed: {type(e).__name__}: {e}") from None
         if not data and self.end is not None and self.position < self.end:
             raise Failed(f"the connection closed at byte {self.position}, short of the body's end at {self.end}")
+        if not data and self.end is not None and self.version.length is not None and self.end < self.version.length:
+            raise AnswerEnded()
         self.position += len(data)
         return data
 
     def close(self, wait: float) -> None:
         if self.response is not None:
             self.response.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         for sock in self.sockets:
-            sock.close()
+            try:
+                sock.close()
+            except OSError:
+                pass
 
 
 def _if_range(known: Version | None) -> str | None:
@@ -260,7 +320,7 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _connect_within(seconds: float, sockets: list, address, timeout=None, source_address=None, *args):
+def _connect_within(seconds: float, address, timeout=None, source_address=None, *args):
     """socket.create_connection with the name resolved within `seconds` too: getaddrinfo has no timeout
     of its own, and a resolver that hangs would hold the reader past any deadline."""
     host, port = address
@@ -291,21 +351,33 @@ def _connect_within(seconds: float, sockets: list, address, timeout=None, source
             sock.close()
             error = e
             continue
-        sockets.append(sock)
         return sock
     raise error
 
 
 class _HttpConnection(http.client.HTTPConnection):
+    """A connection that resolves names within the wait and hands its socket to the attempt, for the
+    timeouts of later reads."""
+
     def __init__(self, *args, within: float, sockets: list, **kwargs):
         super().__init__(*args, **kwargs)
-        self._create_connection = functools.partial(_connect_within, within, sockets)
+        self._create_connection = functools.partial(_connect_within, within)
+        self._sockets = sockets
+
+    def connect(self):
+        super().connect()
+        self._sockets.append(self.sock)
 
 
 class _HttpsConnection(http.client.HTTPSConnection):
     def __init__(self, *args, within: float, sockets: list, **kwargs):
         super().__init__(*args, **kwargs)
-        self._create_connection = functools.partial(_connect_within, within, sockets)
+        self._create_connection = functools.partial(_connect_within, within)
+        self._sockets = sockets
+
+    def connect(self):
+        super().connect()
+        self._sockets.append(self.sock)  # the TLS socket: the plain one under it is detached
 
 
 class _HttpHandler(urllib.request.HTTPHandler):
@@ -331,58 +403,51 @@ class _HttpsHandler(urllib.request.HTTPSHandler):
 
 class ObjectStore:
     """An object store's file through fsspec (s3fs, gcsfs, huggingface_hub), read from an offset by ranged
-    GETs. Every call runs in a thread of its own that is given up after the wait: the SDKs retry inside
-    and have timeouts of their own, which the reader's deadline must not depend on."""
+    GETs. Every call runs in a thread of its own that is given up after the wait (`within`): the SDKs
+    retry inside and have timeouts of their own, which the reader's deadline must not depend on. The
+    open's steps share one wait."""
 
     def __init__(self, url: str, start: int, wait: float):
-        self.url = url
+        self.url, self.file = url, None
+        until = time.monotonic() + wait
+        scheme = urlparse(url).scheme
         try:
             import fsspec
 
             fs, path = fsspec.core.url_to_fs(url)
         except ImportError as e:
-            package = OBJECT_STORE_PACKAGES.get(urlparse(url).scheme, "the fsspec backend")
-            raise Failed(
-                f"{urlparse(url).scheme}:// needs {package} (pip install {package}): {e}", final=True
-            ) from None
+            package = OBJECT_STORE_PACKAGES.get(scheme, "the fsspec backend")
+            raise Failed(f"{scheme}:// needs {package} (pip install {package}): {e}", final=True) from None
         except ValueError as e:  # fsspec knows no such protocol
             raise Failed(f"fsspec cannot open this url: {e}", final=True) from None
-        fs.invalidate_cache(path)  # a listing cached by an earlier attempt would hide a new version
-        info = self._within(wait, "asking for the object's details", fs.info, path)
-        self.version = _store_version(info)
-        self.file = self._within(wait, "opening", fs.open, path, "rb", OBJECT_BLOCK)
-        self._within(wait, f"seeking to byte {start}", self.file.seek, start)
+        fs.invalidate_cache(path)  # details cached by an earlier attempt would hide a new version
+        if isinstance(getattr(fs, "retries", None), int):  # s3fs's own retry loop: what an abandoned call
+            fs.retries = 1  # may still do in its thread, once, not five times against a store that struggles
+        self.file = self._within(until - time.monotonic(), "opening", fs.open, path, "rb", OBJECT_BLOCK)
+        details = getattr(self.file, "details", None) or self._within(
+            until - time.monotonic(), "details", fs.info, path
+        )
+        self.version = _store_version(details)  # the HEAD the file itself reads by, not a second one
+        self._within(until - time.monotonic(), f"seeking to byte {start}", self.file.seek, start)
         self.start = start
 
     def _within(self, wait: float, what: str, call, *args):
-        answer: dict = {}
-
-        def run() -> None:
-            try:
-                answer["value"] = call(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the reader's thread below
-                answer["error"] = e
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(wait)
-        if worker.is_alive():
-            raise Failed(f"no answer for {wait:.3g} s ({what})")
-        error = answer.get("error")
-        if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-            raise Failed(f"{what}: {type(error).__name__}: {error}", final=True)
-        if error is not None:
-            raise Failed(f"{what}: {type(error).__name__}: {error}")
-        return answer.get("value")
+        try:
+            return within(wait, what, call, *args)
+        except Failed:
+            raise
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:
+            raise Failed(f"{what}: {type(error).__name__}: {error}", final=True) from None
+        except Exception as error:  # noqa: BLE001 - an SDK's errors are many; each is one failed attempt
+            raise Failed(f"{what}: {type(error).__name__}: {error}") from None
 
     def read(self, size: int, wait: float) -> bytes:
         return self._within(wait, "reading", self.file.read, size)
 
     def close(self, wait: float) -> None:
-        file = getattr(self, "file", None)
-        if file is not None:
+        if self.file is not None:
             try:
-                self._within(wait, "closing", file.close)
+                self._within(wait, "closing", self.file.close)
             except Failed:
                 pass
 
