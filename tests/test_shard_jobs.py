@@ -389,3 +389,25 @@ def test_latents_encode_over_a_lying_store_writes_the_same_bytes_or_names_url_of
     assert "changed between attempts" in message or "changed since it was indexed" in message, message
     written = sorted(n for n in os.listdir(tmp_path / "replaced") if n.endswith(".tar"))
     assert written == ["shard-000000.tar", "shard-000002.tar"], "the other shards are sealed"
+
+
+def test_latents_encode_reads_remote_shards_with_the_retry_settings_it_is_given(images, vae, tmp_path):
+    from prunepipe.launch.cli import main
+    from prunepipe.tools.fixtures.fault_server import Fault, FaultServer
+
+    index = ShardIndex.load(images)
+    with FaultServer() as server:
+        served = str(tmp_path / "served")
+        os.makedirs(served)
+        for url in index.urls:
+            server.put(os.path.basename(url), open(url, "rb").read())
+        ShardIndex.write(
+            served, [(server.url(os.path.basename(u)), int(c)) for u, c in zip(index.urls, index.counts)], **index.meta
+        )
+        for name in map(os.path.basename, index.urls):  # two for the first run (its read, its retry at the end)
+            server.fault(name, *(Fault("drop", at=1000) for _ in range(3)))
+        flags = ["--vae", vae, "--batch-size", "16", "--read-timeout", "5"]
+        assert main(["latents", "encode", served, "--out", str(tmp_path / "none"), *flags, "--read-retries", "0"]) != 0
+        assert main(["latents", "encode", served, "--out", str(tmp_path / "one"), *flags, "--read-retries", "1"]) == 0
+    # the first run: its read and the retry after the others, no reopen; the second: a read and one reopen
+    assert len(server.statuses(os.path.basename(index.urls[0]))) == 4

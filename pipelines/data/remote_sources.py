@@ -355,9 +355,9 @@ def _connect_within(seconds: float, address, timeout=None, source_address=None, 
     raise error
 
 
-class _HttpConnection(http.client.HTTPConnection):
+class _WithinWait:
     """A connection that resolves names within the wait and hands its socket to the attempt, for the
-    timeouts of later reads."""
+    timeouts of later reads (on https the TLS socket: the plain one under it is detached)."""
 
     def __init__(self, *args, within: float, sockets: list, **kwargs):
         super().__init__(*args, **kwargs)
@@ -369,15 +369,12 @@ class _HttpConnection(http.client.HTTPConnection):
         self._sockets.append(self.sock)
 
 
-class _HttpsConnection(http.client.HTTPSConnection):
-    def __init__(self, *args, within: float, sockets: list, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._create_connection = functools.partial(_connect_within, within)
-        self._sockets = sockets
+class _HttpConnection(_WithinWait, http.client.HTTPConnection):
+    pass
 
-    def connect(self):
-        super().connect()
-        self._sockets.append(self.sock)  # the TLS socket: the plain one under it is detached
+
+class _HttpsConnection(_WithinWait, http.client.HTTPSConnection):
+    pass
 
 
 class _HttpHandler(urllib.request.HTTPHandler):
