@@ -1,11 +1,12 @@
 """A diffusion run's export as a diffusers pipeline folder. `model_index.json` names the pipeline that
 samples it where one does (DDPMPipeline: an unconditional pixel-space UNet; DiTPipeline: a class-
-conditional latent DiT; PixArtAlphaPipeline: a text-conditional latent DiT; flow-matching runs have none,
-see `pipeline_for`), so `Pipeline.from_pretrained(export)` needs nothing else. Beside it:
+conditional latent DiT; PixArtAlphaPipeline: a text-conditional latent DiT, PixArtSigmaPipeline for flow;
+the others none, see `pipeline_for`), so `Pipeline.from_pretrained(export)` needs nothing else. Beside it:
 
   unet/ or transformer/   the weights to sample: the EMA when the run kept one, the live weights then
                           as the `non_ema` variant (Stable Diffusion's repositories' layout)
-  scheduler/              the sampler FID measured: DDIM (eta 0) from the training schedule, or Euler for flow
+  scheduler/              the sampler FID measured: DDIM (eta 0) from the training schedule, or for flow
+                          Euler as DPMSolverMultistepScheduler at first order (sampler.flow_sampler)
   vae/ text_encoder/ tokenizer/   the run's frozen parts, as relative links to their folders (`copy`: copies)
   autoencoder.json        the latent scaling, for prunepipe's own sampler
   text_encoder.json       the text encoder's identity (folders relative to the export, digest)
@@ -40,7 +41,8 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
     """Write `task`'s export into `out_dir` (its entries replaced, anything else there kept); returns
     the paths written. `model` holds the live weights, `ema_model` the EMA (or None)."""
     os.makedirs(out_dir, exist_ok=True)
-    written = [_write_model(task, model, ema_model, out_dir), _write_scheduler(task, out_dir)]
+    scheduler_folder, scheduler_class = _write_scheduler(task, out_dir)
+    written = [_write_model(task, model, ema_model, out_dir), scheduler_folder]
     scale, shift, vae_folder, vae_note = _place_vae(task, out_dir, copy)
     written.append(
         _write_json(
@@ -71,7 +73,7 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
     _remove(index_path)  # an earlier export's pipeline may not fit this one
     if pipeline is not None:
         components = {
-            "scheduler": ["diffusers", "DDIMScheduler"],
+            "scheduler": ["diffusers", scheduler_class],
             MODEL_FOLDERS[task.cfg.backbone]: ["diffusers", type(unwrap(model)).__name__],
         }
         if vae_folder:
@@ -97,11 +99,6 @@ def pipeline_for(
 ) -> tuple[str | None, str]:
     """(the diffusers pipeline class that samples this export, "") or (None, why none does)."""
     cfg = task.cfg
-    if cfg.objective == "flow":
-        return None, (
-            "a flow-matching run: diffusers' DDPMPipeline, DiTPipeline and PixArtAlphaPipeline call "
-            "scheduler.scale_model_input, which FlowMatchEulerDiscreteScheduler has not"
-        )
     latent = cfg.autoencoder != PIXEL_SPACE
     if latent and not vae:
         return None, f"no VAE to decode its latents with: {vae_note}"
@@ -113,11 +110,10 @@ def pipeline_for(
     if task.text_encoder is not None:
         if text is None:
             return None, text_note
-        return (
-            ("PixArtAlphaPipeline", "")
-            if latent
-            else (None, "PixArtAlphaPipeline decodes latents with a VAE; this run trained in pixel space")
-        )
+        # flow: Sigma, since PixArtAlphaPipeline called with one step reads the step's second output
+        # (pred_original_sample), which DPMSolverMultistepScheduler (flow's sampler) does not return
+        name = "PixArtSigmaPipeline" if cfg.objective == "flow" else "PixArtAlphaPipeline"
+        return (name, "") if latent else (None, f"{name} decodes latents with a VAE; this run trained in pixel space")
     if cfg.backbone == "dit":
         if not latent:
             return None, "DiTPipeline decodes latents with a VAE; this run trained in pixel space"
@@ -141,14 +137,15 @@ def _write_model(task, model, ema_model, out_dir: str) -> str:
     return folder
 
 
-def _write_scheduler(task, out_dir: str) -> str:
-    """The sampling scheduler, not the training one: what `sample()` and FID step with, so a pipeline's
-    default call draws what FID measured. Its config carries the training schedule (betas, T, prediction)."""
+def _write_scheduler(task, out_dir: str) -> tuple[str, str]:
+    """(the folder, the scheduler's class): the sampling scheduler, not the training one: what `sample()`
+    and FID step with, so a pipeline's default call draws what FID measured. Its config carries the
+    training schedule (betas, T, prediction; for flow T and the velocity prediction)."""
     folder = os.path.join(out_dir, "scheduler")
     _remove(folder)
     scheduler = task.sampler() if task.cfg.objective == "flow" else DDIMScheduler.from_config(task.scheduler.config)
     scheduler.save_pretrained(folder)
-    return folder
+    return folder, type(scheduler).__name__
 
 
 def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
@@ -282,14 +279,16 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
             "",
         ]
         return "\n".join(lines)
+    pixart_call = (
+        f"pipe(prompt, num_inference_steps=50, max_sequence_length="
+        f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
+        f"use_resolution_binning=False, clean_caption=False)"
+    )
     call = {
         "DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
         "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
-        "PixArtAlphaPipeline": (
-            f"pipe(prompt, num_inference_steps=50, max_sequence_length="
-            f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
-            f"use_resolution_binning=False, clean_caption=False)"
-        ),
+        "PixArtAlphaPipeline": pixart_call,
+        "PixArtSigmaPipeline": pixart_call,
     }[pipeline]
     model, folder = type(unwrap(task.model)).__name__, MODEL_FOLDERS[cfg.backbone]
     lines += ["```python", f"from diffusers import {pipeline}", "", f'pipe = {pipeline}.from_pretrained("EXPORT")']
@@ -299,11 +298,20 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
             f'subfolder="{folder}", variant="{RAW_VARIANT}")'
         ]
     lines += [f"images = {call}.images", "```", ""]
-    if pipeline == "PixArtAlphaPipeline":
+    if pipeline.startswith("PixArt"):
         lines += [
             "`max_sequence_length` is the caption length the run trained with; resolution binning knows "
             "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
             "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).",
+            "",
+        ]
+    if cfg.objective == "flow":
+        lines += [
+            "`scheduler/` is DPMSolverMultistepScheduler in its flow mode at first order: the Euler step "
+            "x + (s' - s) v on the straight path, over s = (1 - 1/T)(1 - k/N), k < N, then 0, the model fed "
+            "timestep floor(s T): the sampler prunepipe's FID and `prunepipe sample` use. "
+            "`pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config, solver_order=2)` "
+            "samples with DPM-Solver++(2M) instead (fewer steps for the same quality, other images).",
             "",
         ]
     if pipeline == "DiTPipeline":

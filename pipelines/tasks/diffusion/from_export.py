@@ -138,7 +138,8 @@ def sample(
 ) -> torch.Tensor:
     """[num_images, C, H, W] float images in [0, 1] from an export: DDIM (eta 0), or Euler for flow,
     over `steps` steps from torch.randn(generator), then the VAE decoder for latent runs. Runs on
-    generator.device. The same loop as the FID evaluator's (sampler.py).
+    generator.device. The same loop as the FID evaluator's (sampler.py), stepped by the export's scheduler/,
+    as its pipeline steps.
 
     class_labels [N] for class-conditional models (default: the null class), with classifier-free
     guidance when guidance_scale != 1. Text-conditional models take `prompts` (one per image; the
@@ -178,9 +179,9 @@ def sample(
 
 
 def load_pipeline(export_dir: str, ema: bool = True) -> DiffusionPipeline:
-    """The diffusers pipeline model_index.json names (DDPMPipeline, DiTPipeline or PixArtAlphaPipeline), with
-    the live weights in place of the EMA when not `ema`. Text-conditional exports load through
-    `pixart_pipeline`, which reads prompts as the run did."""
+    """The diffusers pipeline model_index.json names (DDPMPipeline, DiTPipeline, PixArtAlphaPipeline or, for
+    flow, PixArtSigmaPipeline), with the live weights in place of the EMA when not `ema`. Text-conditional
+    exports load through `pixart_pipeline`, which reads prompts as the run did."""
     _check_pipeline_index(export_dir)
     if os.path.exists(os.path.join(export_dir, TEXT_ENCODER_INFO)):
         return pixart_pipeline(export_dir, ema=ema)
@@ -196,14 +197,20 @@ def pixart_pipeline(
     vae_subfolder: str = "",
     text_encoder: str | None = None,
 ):
-    """diffusers' PixArtAlphaPipeline loaded from a text-conditional export, reading prompts as written
-    (the run saw the captions stripped only, never lowercased); `vae` and `text_encoder` override the
-    export's. Call it with `max_sequence_length=` the run's text length and `use_resolution_binning=False`
-    (binning knows PixArt's own sizes only)."""
-    from diffusers import PixArtAlphaPipeline
+    """The PixArt pipeline a text-conditional export's model_index.json names (PixArtAlphaPipeline, or
+    PixArtSigmaPipeline for flow), reading prompts as written (the run saw the captions stripped only,
+    never lowercased); `vae` and `text_encoder` override the export's. Call it with
+    `max_sequence_length=` the run's text length and `use_resolution_binning=False` (binning knows
+    PixArt's own sizes only)."""
+    import diffusers
 
-    class CaptionsAsWritten(PixArtAlphaPipeline):
-        """PixArtAlphaPipeline lowercases every prompt, clean_caption=False included (diffusers 0.42), and
+    read_info(export_dir, TEXT_ENCODER_INFO)
+    _check_pipeline_index(export_dir)
+    with open(os.path.join(export_dir, PIPELINE_INDEX)) as f:
+        named = getattr(diffusers, json.load(f)["_class_name"])
+
+    class CaptionsAsWritten(named):
+        """The PixArt pipelines lowercase every prompt, clean_caption=False included (diffusers 0.42), and
         T5's tokenizer is case-sensitive: the run trained on captions as written, stripped only."""
 
         def _text_preprocessing(self, text, clean_caption=False):
@@ -211,9 +218,6 @@ def pixart_pipeline(
                 return super()._text_preprocessing(text, clean_caption)
             return [t.strip() for t in (text if isinstance(text, (tuple, list)) else [text])]
 
-    read_info(export_dir, TEXT_ENCODER_INFO)
-    if not os.path.exists(os.path.join(export_dir, PIPELINE_INDEX)):
-        _check_pipeline_index(export_dir)
     parts = {}
     if vae is not None:
         parts["vae"] = load_autoencoder(vae, vae_subfolder, setting="vae")
