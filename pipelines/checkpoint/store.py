@@ -192,10 +192,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def load_checkpoint_states(checkpoint: str, read_model: bool = True) -> dict:
+def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables: bool = True) -> dict:
     """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
     of one accelerate `save_state` folder; the registered objects are told apart by their keys.
-    `read_model=False` leaves the weights unread ("model": None), for readers of the pruner state only."""
+    `read_model=False` leaves the weights unread ("model": None), for readers of the pruner state only;
+    `read_tables=False` leaves the pruner's table files unread (their names stay), for readers of the weights."""
     from safetensors.torch import load_file
 
     weights = os.path.join(checkpoint, "model.safetensors")
@@ -213,7 +214,7 @@ def load_checkpoint_states(checkpoint: str, read_model: bool = True) -> dict:
         if isinstance(state, dict) and "shadow_params" in state:
             found["ema"] = state
         elif isinstance(state, dict) and "tables" in state and "pruner" in state:
-            found["pruner"] = resolve_tables(state, checkpoint)
+            found["pruner"] = resolve_tables(state, checkpoint) if read_tables else state
         elif isinstance(state, dict) and "optimizer_steps" in state and "pass_index" in state:
             found["position"] = state
     return found
