@@ -24,6 +24,7 @@ from omegaconf.errors import (
 from prunepipe.pipelines.data.augment import CROPS
 from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD
 from prunepipe.pipelines.data.group_table import group_table_path
+from prunepipe.pipelines.data.mixture import first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
 from prunepipe.pipelines.data.stream import BAD_SAMPLE_POLICIES
@@ -47,8 +48,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    train: str = MISSING  # folder with index.json (or the index file)
-    val: str = ""  # held-out shards; "" (the override `data.val=`) = no held-out evaluation
+    # a folder with index.json (or the index file), or a mixture: a list of sources {name, path, weight |
+    # repeat | count}, ids laid end to end in the order listed (pipelines/data/mixture.py, docs/data.md)
+    train: Any = MISSING
+    # held-out shards: a folder, or a list of sources {name, path} each judged on its own as well; ""
+    # (the override `data.val=`) = no held-out evaluation
+    val: Any = ""
+    samples_per_pass: int = 0  # a weighted mixture's pass length (0: every source's samples once)
     resolution: int = 32
     channels: int = 3
     batch_size: int = 32  # per rank and micro-batch
@@ -96,6 +102,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class InitConfig:
+    """A new run started from another run's weights (a stage: 256 px, then 512 from its weights, as
+    PixArt-alpha trains): the live weights and the EMA are loaded, nothing else; the optimizer, the
+    schedule, the pruner's scores and the data position are the new run's (pipelines/training/init_weights.py).
+    The issue asks for `init.from`, but `from` is a Python keyword and cannot be a dataclass field that
+    OmegaConf maps, so the key is `init.weights`: what it names is where the weights come from."""
+
+    weights: str = ""  # "" (a fresh model) | a RUN folder (its newest intact checkpoint) | a CHECKPOINT | an EXPORT
+    strict: bool = True  # false: load the tensors that match, name the ones skipped, start those afresh
+
+
+@dataclass
 class ScoreConfig:
     """What the pruner is told about each sample (pruning/scores.py): its loss, or its loss made
     comparable within its stratum (ldm: the timestep bucket). The training loss is never changed."""
@@ -103,6 +121,9 @@ class ScoreConfig:
     normalise: str = "none"  # none | stratum_mean (loss / bucket's running mean) | stratum_zscore
     buckets: int = 20  # equal-width strata buckets (ldm: of the T timesteps)
     momentum: float = 0.99  # per-sample momentum of the buckets' running statistics
+    # a mixture's sources as strata too (beside the task's): each source's losses are normalised within
+    # it, so that a source of larger losses does not leave the other below every mean threshold
+    per_source: bool = False
 
 
 @dataclass
@@ -134,6 +155,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    init: InitConfig = field(default_factory=InitConfig)  # another run's weights, unless the run resumes
     mae: MAEConfig = field(default_factory=MAEConfig)
     ldm: DiffusionConfig = field(default_factory=DiffusionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # evaluators; eval.every_passes > 0 runs them in training
@@ -262,15 +284,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"config: optim.blr must be >= 0 (0 = use optim.lr), got {cfg.optim.blr}")
     if cfg.optim.lr <= 0 or not 0.0 <= cfg.ema_decay < 1.0:
         raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
-    for name in ("train", "val"):
-        folder = getattr(cfg.data, name)
-        if folder and not os.path.exists(index_file(folder)):
-            raise ConfigError(
-                f"config: data.{name}={folder!r} holds no index.json; write shards with "
-                f"`prunepipe shards write --out DIR` (then data.{name}=DIR/{name}) or index yours with "
-                f"`prunepipe shards index`"
-            )
+    _validate_sources(cfg)
     _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
+    _validate_init(cfg)
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
     if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
@@ -297,6 +313,37 @@ def validate(cfg: RunConfig) -> None:
     _validate_groups(cfg, name)
 
 
+def _validate_sources(cfg: RunConfig) -> None:
+    """data.train and data.val as sources (a folder, or a list of them), each folder with its index."""
+    for name in ("train", "val"):
+        key = f"data.{name}"
+        try:
+            sources = parse_sources(getattr(cfg.data, name), key, rules=name == "train")
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
+        for i, source in enumerate(sources):
+            if not os.path.exists(index_file(source.path)):
+                where = key if isinstance(getattr(cfg.data, name), str) else f"{key}[{i}].path"
+                raise ConfigError(
+                    f"config: {where}={source.path!r} holds no index.json; write shards with "
+                    f"`prunepipe shards write --out DIR` (then {where}=DIR/{name}) or index yours with "
+                    f"`prunepipe shards index`"
+                )
+    if cfg.data.samples_per_pass < 0:
+        raise ConfigError(f"config: data.samples_per_pass must be >= 0, got {cfg.data.samples_per_pass}")
+    weighted = all(s.weight is not None for s in parse_sources(cfg.data.train))
+    if cfg.data.samples_per_pass and not weighted:
+        raise ConfigError(
+            f"config: data.samples_per_pass={cfg.data.samples_per_pass} sets a weighted mixture's pass length; "
+            f"data.train gives no weights (repeat and count fix each source's share themselves)"
+        )
+    if cfg.score.per_source and cfg.score.normalise == "none":
+        raise ConfigError(
+            "config: score.per_source=true normalises each source's scores within it; choose how with "
+            "score.normalise=stratum_mean or stratum_zscore"
+        )
+
+
 def _validate_remote(cfg: RunConfig) -> None:
     """A remote shard's retries end before a collective's timeout: while one loader retries, its rank
     reaches no collective, and the others would fail on the process group's timeout first, without
@@ -319,10 +366,26 @@ def _validate_remote(cfg: RunConfig) -> None:
 
 def _reads_remote_shards(cfg: RunConfig) -> bool:
     """Whether data.train's or data.val's index names a remote shard (pipe:, http(s), s3, gs, hf)."""
-    for folder in (cfg.data.train, cfg.data.val):
+    folders = source_paths(cfg.data.train) + source_paths(cfg.data.val, "data.val")
+    for folder in folders:
         if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
             return True
     return False
+
+
+def _validate_init(cfg: RunConfig) -> None:
+    """init.weights names another run's weights: this run's own are checkpoint.resume's. Whether the
+    folder holds weights is checked where they are read (at the start of training): a stage's config
+    is written before the stage it starts from has run."""
+    weights = cfg.init.weights
+    if not weights:
+        return
+    own = os.path.abspath(cfg.run_dir)
+    if os.path.abspath(weights) == own or os.path.abspath(weights).startswith(own + os.sep):
+        raise ConfigError(
+            f"config: init.weights={weights!r} is inside this run's own folder {cfg.run_dir!r}; a run continues "
+            f"from its own checkpoints with checkpoint.resume=latest, init.weights names another run"
+        )
 
 
 def pruner_hparams(pruner: dict) -> dict:
@@ -340,7 +403,13 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
             "config: pruner.name=dedup needs pruner.groups: a near-duplicate group table beside "
             "data.train (NAME for groups/NAME.npy there, or a path)"
         )
-    train = cfg.data.train
+    if groups and len(source_paths(cfg.data.train)) > 1:
+        raise ConfigError(
+            f"config: pruner.groups={groups!r} reads one group table beside one shard folder; data.train is a "
+            f"mixture of {len(source_paths(cfg.data.train))} sources (near-duplicate groups across sources: "
+            f"write one folder, or group each source and train them apart)"
+        )
+    train = first_path(cfg.data.train)
     if groups and train and os.path.exists(index_file(train)):
         path = group_table_path(str(groups), train)
         if not os.path.exists(path):
@@ -397,7 +466,9 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
     """ldm.text.encoder=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     made_by = {}
-    for setting, folder in (("data.train", cfg.data.train), ("data.val", cfg.data.val), ("eval.val", cfg.eval.val)):
+    splits = [("data.train", p) for p in source_paths(cfg.data.train)]
+    splits += [("data.val", p) for p in source_paths(cfg.data.val, "data.val")] + [("eval.val", cfg.eval.val)]
+    for setting, folder in splits:
         if not folder or not os.path.exists(index_file(folder)):
             continue  # a missing split is named where it is read
         index = ShardIndex.load(folder)
@@ -408,7 +479,9 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
                 f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                 f"encode ... --text-encoder PATH`"
             )
-        made_by[setting] = f"{identity}, width {index.meta.get('text_width')}"
+        made_by[setting if setting not in made_by else f"{setting} ({folder})"] = (
+            f"{identity}, width {index.meta.get('text_width')}"
+        )
     if len(set(made_by.values())) > 1:
         listed = "; ".join(f"{setting}: {made}" for setting, made in made_by.items())
         raise ConfigError(
@@ -430,7 +503,7 @@ def _validate_augmentations(cfg: RunConfig) -> None:
             f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
             f"precomputed latents, which cannot be cropped; use data.crop=center"
         )
-    train = cfg.data.train
+    train = first_path(cfg.data.train)  # a mixture's sources hold one kind of sample (pipelines/data/mixture.py)
     if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):
         return
     index = ShardIndex.load(train)
@@ -455,7 +528,7 @@ def latent_shard_notes(cfg: RunConfig) -> list[str]:
     unused. Each may name the latents (their side, their channels) or the images they were encoded
     from (index.json's resolution, the VAE's in_channels); a value that names neither is a recipe
     meant for other latents (a 256 px recipe on latents of 512 px images), said plainly, once."""
-    train = cfg.data.train
+    train = first_path(cfg.data.train)
     if cfg.task != "ldm" or cfg.ldm.autoencoder != PRECOMPUTED or not train or not os.path.exists(index_file(train)):
         return []
     index = ShardIndex.load(train)

@@ -96,7 +96,8 @@ def trained_from_its_first_model(cfg):
 
     torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
     task = build_task(cfg)
-    before = task.held_out(task.model, load_held_out(cfg, task), seed=cfg.eval.seed)
+    held_out = [batch for part in load_held_out(cfg, task).values() for batch in part]  # every source's
+    before = task.held_out(task.model, held_out, seed=cfg.eval.seed)
     train(cfg)
     return before, passes_of(cfg.run_dir)
 

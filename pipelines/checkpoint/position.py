@@ -37,12 +37,16 @@ class TrainingPosition:
     # text-conditional runs: the text encoder's files and caption length (pipelines/tasks/diffusion/text.py
     # identity_key), in the loop or behind precomputed features; a resume refuses others (other features)
     text_identity: str = ""
+    # the sources of data.train as pipelines/data/mixture.py records them (JSON: names, sizes, offsets,
+    # rules); a resume refuses another mixture
+    mixture: str = ""
+    forwarded_by_source: np.ndarray | None = None  # int64 [K]: samples each source forwarded so far, all ranks
 
     def state_dict(self) -> dict:
         state = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "undecodable" and value is not None:
+            if f.name in ("undecodable", "forwarded_by_source") and value is not None:
                 state[f.name] = [int(v) for v in value]
             elif isinstance(value, Bitmap):  # packed bits as in memory: N / 8 bytes, no unpacked copy
                 state[f.name] = torch.from_numpy(value.packed)
@@ -61,7 +65,7 @@ class TrainingPosition:
                     None if packed is None else Bitmap(np.array(packed, dtype=np.uint8), int(state[f.name + "_len"]))
                 )
                 setattr(self, f.name, value)
-            elif f.name == "undecodable":
+            elif f.name in ("undecodable", "forwarded_by_source"):
                 value = state.get(f.name)
                 setattr(self, f.name, None if value is None else np.asarray(value, dtype=np.int64))
             elif f.name in state:

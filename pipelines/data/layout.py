@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prunepipe.pipelines.data.mixture import PassUnits
 from prunepipe.pipelines.data.shards import ShardIndex
 
 
@@ -21,17 +22,19 @@ class SliceOfShard:
     kept_start: int
     kept_end: int
     to_shard_end: bool  # the slice ends with the shard: read to its end, checking its length
+    copy: int = 0  # which walk of its source this is (pipelines/data/mixture.py); 0 for a single folder
 
 
 @dataclass(frozen=True)
 class PassLayout:
     """Who reads what in one pass, identical on every rank and worker."""
 
-    shard_order: np.ndarray  # int64 [S]
+    shard_order: np.ndarray  # int64 [U]: the units (shards, or walks over shards in a mixture) in reading order
     slices: tuple[tuple[SliceOfShard, ...], ...]  # per slot = rank * workers + worker
     batches: np.ndarray  # int64 [world, workers]: batches each worker yields
     kept: int  # kept samples in the pass
     batch_size: int
+    kept_per_source: np.ndarray | None = None  # int64 [K] in a mixture: each source's kept samples
 
     @property
     def steps(self) -> int:
@@ -53,13 +56,21 @@ def pass_layout(
     world_size: int,
     num_workers: int,
     batch_size: int,
+    units: PassUnits | None = None,
 ) -> PassLayout:
     """Deterministic shard order, split of kept samples over ranks then workers, batch counts.
 
     `kept_per_shard` (int64 [S], the plan's `kept_per_shard`; None = all kept) is all the layout
-    needs of the plan: nothing per sample."""
+    needs of the plan: nothing per sample. A mixture's pass walks some shards more than once or in
+    part: `units` then lists the walks and their kept counts, and the order permutes the walks."""
     workers = max(1, num_workers)
-    if kept_per_shard is None:
+    unit_shard = unit_copy = None
+    if units is not None:
+        unit_shard, unit_copy, kept_per_shard = units.shard, units.copy, units.kept
+        shard_counts = index.counts[unit_shard]
+        if (kept_per_shard > shard_counts).any():
+            raise ValueError(f"a mixture's walk keeps more samples than its shard of {index.path} holds")
+    elif kept_per_shard is None:
         kept_per_shard = index.counts.copy()
     else:
         kept_per_shard = np.asarray(kept_per_shard, dtype=np.int64)
@@ -68,7 +79,8 @@ def pass_layout(
                 f"plan gives kept counts for {len(kept_per_shard)} shards but {index.path} "
                 f"indexes {len(index)} (or more kept than a shard holds)"
             )
-    order = np.random.default_rng([seed, pass_index]).permutation(len(index)).astype(np.int64)
+    num_units = len(index) if units is None else len(unit_shard)
+    order = np.random.default_rng([seed, pass_index]).permutation(num_units).astype(np.int64)
     ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
     total = int(ordered_cum[-1])
     slots = world_size * workers
@@ -83,7 +95,11 @@ def pass_layout(
             end = min(hi, ordered_cum[j + 1]) - ordered_cum[j]
             if end > start:
                 to_end = bool(end == ordered_cum[j + 1] - ordered_cum[j])
-                mine.append(SliceOfShard(int(order[j]), int(start), int(end), to_end))
+                u = int(order[j])
+                if units is None:
+                    mine.append(SliceOfShard(u, int(start), int(end), to_end))
+                else:
+                    mine.append(SliceOfShard(int(unit_shard[u]), int(start), int(end), to_end, int(unit_copy[u])))
             j += 1
         slices.append(tuple(mine))
     sizes = np.diff(bounds).reshape(world_size, workers)

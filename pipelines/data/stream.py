@@ -8,6 +8,7 @@ principle 2). Nothing here knows about models, tasks or pruners beyond the froze
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing
 import queue as queue_module
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from prunepipe.pipelines.data.batch import PADDING_ID, Batch, text_fields
 from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder
 from prunepipe.pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
+from prunepipe.pipelines.data.mixture import Mixture, PassDraw, pass_units
 from prunepipe.pipelines.data.remote import ReadRetry
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
 from prunepipe.pruning.pass_plan import PassPlan
@@ -49,7 +51,12 @@ class ShardStream:
         shuffle_buffer: int = 1000,
         on_bad_sample: str = "stop",
         retry: ReadRetry = DEFAULT_RETRY,
+        mixture: Mixture | None = None,
     ):
+        """`mixture`: the sources `index` was laid out from (pipelines/data/mixture.py); each pass then
+        walks them by its draw. None: `index` is one source, taken whole each pass."""
+        if mixture is not None and mixture.index is not index:
+            raise ValueError("a mixture's stream reads the mixture's own index (Mixture.index)")
         if on_bad_sample not in BAD_SAMPLE_POLICIES:
             raise ValueError(f"data.on_bad_sample: got {on_bad_sample!r}, accepted: {', '.join(BAD_SAMPLE_POLICIES)}")
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -59,27 +66,58 @@ class ShardStream:
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
+        self.mixture = mixture
         self._reader = _PartReader(
-            index, batch_size, decoder or SampleDecoder(), seed, rank, shuffle_buffer, on_bad_sample, retry
+            index,
+            batch_size,
+            decoder or SampleDecoder(),
+            seed,
+            rank,
+            shuffle_buffer,
+            on_bad_sample,
+            retry,
+            None if mixture is None else mixture.shard_source,
         )
         self._loader: DataLoader | None = None
         self._loader_settings: tuple | None = None
         self._passes_posted = 0
+
+    def draw(self, pass_index: int) -> PassDraw | None:
+        """How pass `pass_index` takes each source (None: one source, whole)."""
+        return None if self.mixture is None else self.mixture.draw(self.seed, pass_index)
 
     def layout(self, pass_index: int, plan: PassPlan | None, num_workers: int) -> PassLayout:
         if plan is not None and plan.num_samples != self.index.num_samples:
             raise ValueError(
                 f"plan covers {plan.num_samples} samples but {self.index.path} indexes {self.index.num_samples}"
             )
-        return pass_layout(
+        kept = None if plan is None else plan.kept_per_shard(self.index.first_ids, self.index.counts)
+        draw = self.draw(pass_index)
+        units = None
+        if draw is not None:
+            everything = self.index.counts if kept is None else kept
+            units = pass_units(
+                self.index,
+                self.mixture.shard_source,
+                draw,
+                everything,
+                (lambda a, b: np.ones(b - a, dtype=bool)) if plan is None else plan.kept_between,
+            )
+        layout = pass_layout(
             self.index,
-            None if plan is None else plan.kept_per_shard(self.index.first_ids, self.index.counts),
+            kept,
             seed=self.seed,
             pass_index=pass_index,
             world_size=self.world_size,
             num_workers=num_workers,
             batch_size=self.batch_size,
+            units=units if draw is not None and not draw.whole else None,
         )
+        if units is not None:
+            sources = self.mixture.shard_source[units.shard]
+            per_source = np.bincount(sources, weights=units.kept, minlength=len(self.mixture.sources))
+            layout = dataclasses.replace(layout, kept_per_source=per_source.astype(np.int64))
+        return layout
 
     def pass_loader(
         self,
@@ -119,6 +157,7 @@ class ShardStream:
                     self._passes_posted,
                     pass_index,
                     plan,
+                    self.draw(pass_index),
                     part,
                     layout.slices[self.rank * workers + part],
                     int(mine[part]),
@@ -177,6 +216,7 @@ class PartOfPass:
     token: int  # which posted pass this is: a worker drops parts of passes abandoned before it read them
     pass_index: int
     plan: PassPlan | None
+    draw: PassDraw | None  # how the pass takes each source of a mixture (None: one source, whole)
     part: int  # the worker part it plays (resume may rotate them)
     slices: tuple[SliceOfShard, ...]
     batches: int
@@ -222,8 +262,10 @@ class _PartReader(IterableDataset):
         shuffle_buffer: int,
         on_bad_sample: str,
         retry: ReadRetry,
+        shard_source: np.ndarray | None = None,
     ):
         self.index = index
+        self.shard_source = shard_source  # int64 [S]: each shard's source in a mixture
         self.batch_size = batch_size
         self.decoder = decoder
         self.seed = seed
@@ -253,7 +295,7 @@ class _PartReader(IterableDataset):
             raise RuntimeError("iterate a ShardStream through pass_loader(pass_index, plan)")
         rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part])
         events: list[BadInput] = []
-        raw = self._kept_raw_samples(part.slices, part.plan, events)
+        raw = self._kept_raw_samples(part.slices, part.plan, events, part.draw)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
         replayed = collections.deque(maxlen=8)
         for _ in range(min(part.skip, part.batches) * self.batch_size + part.undecodable):
@@ -265,13 +307,18 @@ class _PartReader(IterableDataset):
                 samples, part.pass_index, events, template, replayed, part.part, last=k == part.batches - 1
             )
 
-    def _kept_raw_samples(self, slices, plan: PassPlan | None, events: list) -> Iterator[tuple[int, float, dict]]:
+    def _kept_raw_samples(
+        self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None
+    ) -> Iterator[tuple[int, float, dict]]:
         """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
         first_ids = self.index.first_ids
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
             count = int(self.index.counts[piece.shard])
             weights = np.ones(count) if plan is None else plan.weights_between(first, first + count)
+            if draw is not None and not draw.whole:  # a partial walk of its source takes the draw's samples
+                source = int(self.shard_source[piece.shard])
+                weights = weights * draw.in_copy(source, piece.copy, np.arange(first, first + count))
             mine = np.flatnonzero(weights)[piece.kept_start : piece.kept_end]  # positions this slot delivers
             want = np.zeros(count, dtype=bool)
             want[mine] = True

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from prunepipe.pipelines.data.mixture import first_path
 from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
@@ -127,7 +128,7 @@ class Evaluator:
         if cfg.probe.enabled:
             data = self.run_cfg.data
             train = read_split(
-                data.train,
+                first_path(data.train),
                 resolution=data.resolution,
                 channels=data.channels,
                 batch_size=cfg.batch_size,
@@ -163,7 +164,7 @@ class Evaluator:
         if not (fid_cfg.enabled or rep_cfg.enabled or clip_on):
             return results
         data = self.run_cfg.data
-        latent_index = index_metadata(data.train) if task.cfg.autoencoder == "latents" else None
+        latent_index = index_metadata(first_path(data.train)) if task.cfg.autoencoder == "latents" else None
         decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
         captions = prompts = None
         if task.text_conditional:  # sample i is drawn from held-out caption i; a short val set caps the counts
@@ -270,7 +271,7 @@ class Evaluator:
 
     def _held_out_folder(self, why: str) -> str:
         """The held-out shards (the eval setting val, else data.val); none is an error saying `why` they are needed."""
-        folder = self.cfg.val or self.run_cfg.data.val
+        folder = self.cfg.val or first_path(self.run_cfg.data.val, "data.val")
         if not folder:
             raise ValueError(
                 f"run {self.run_cfg.name}: {why}, and data.val is empty; set data.val=DIR or the eval setting val=DIR"
@@ -311,7 +312,7 @@ class Evaluator:
         from prunepipe.pipelines.evaluation.replication import measure_replication
 
         rep, data = self.cfg.replication, self.run_cfg.data
-        train = rep.train or data.train
+        train = rep.train or first_path(data.train)
         held_out = rep.held_out or self._held_out_folder(
             "replication needs held-out image shards as its baseline (or replication.held_out=DIR)"
         )
@@ -359,7 +360,8 @@ class Evaluator:
                 folder = self._captioned_images()
                 fid_cfg = dataclasses.replace(fid_cfg, reference_samples=captioned)
             else:
-                folder = {"train": data.train, "val": data.val}.get(fid_cfg.reference, fid_cfg.reference)
+                sources = {"train": first_path(data.train), "val": first_path(data.val, "data.val")}
+                folder = sources.get(fid_cfg.reference, fid_cfg.reference)
             if not folder:
                 raise ValueError(
                     f"eval config: fid.reference={fid_cfg.reference!r} names no shards (data.val is empty)"
@@ -523,7 +525,12 @@ def evaluate_checkpoint(
         # rank 0 decides: a record written between two ranks' checks would send them different ways
         steps = trained.position.get("optimizer_steps", 0)
         decided_on_rank0(lambda: refuse_to_overwrite(run_dir, steps, eval_cfg.weights))
-    check_text_identity(folder, trained.position.get("text_identity", ""), task, eval_cfg.val or run_cfg.data.val)
+    check_text_identity(
+        folder,
+        trained.position.get("text_identity", ""),
+        task,
+        eval_cfg.val or first_path(run_cfg.data.val, "data.val"),
+    )
     if eval_cfg.weights == "ema":
         if trained.ema is None:
             raise ValueError(f"{folder}: holds no EMA state; evaluate the raw weights with weights=raw")

@@ -247,6 +247,22 @@ def equal_quality_notes(found: dict, pruned: list[RunSummary]) -> list[str]:
     return notes
 
 
+def by_source(runs: list[RunSummary]) -> dict:
+    """Per run of a mixture, per source: samples drawn and kept in the last pass, forwarded in the run,
+    and the held-out metrics of the source's own held-out split (the last pass's). {} without mixtures."""
+    found = {}
+    for run in runs:
+        last = run.trajectory[-1] if run.trajectory else {}
+        if not last.get("sources"):
+            continue
+        held = last.get("held_out_by_source") or {}
+        found[run.name] = {
+            name: {**counts, "held_out": held_out_metrics({"held_out": held.get(name, {})})}
+            for name, counts in last["sources"].items()
+        }
+    return found
+
+
 def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     """Refuse to judge eval records of different `eval.precision` against each other: a precision
     shifts every number it measures the same way, a bias that the tolerances (seed noise) do not
@@ -348,6 +364,7 @@ def compare_runs(
             base + same + curve, runs, unit=float(np.mean([b.samples_forwarded for b in base])) or 1.0
         ),
         "notes": notes_on(base, runs, given, k),
+        "sources": by_source(base + runs),
     }
     report["notes"] += equal_quality_notes(report["equal_quality"], runs)
     report["plots"] = write_plots(base, runs, out, report["equal_quality"]) if plots else []

@@ -78,6 +78,29 @@ def equal_quality_section(found: dict | None) -> list[str]:
     return lines
 
 
+def sources_section(found: dict | None) -> list[str]:
+    """A mixture's runs side by side per source: what each forwarded and kept, and its held-out quality."""
+    if not found:
+        return []
+    runs = list(found)
+    sources = list(dict.fromkeys(name for per_run in found.values() for name in per_run))
+    metrics = list(dict.fromkeys(m for per_run in found.values() for s in per_run.values() for m in s["held_out"]))
+    header = ["source"] + [h for run in runs for h in (f"{run} forwarded", f"{run} kept / drawn (last pass)")]
+    header += [f"{run} {metric}" for metric in metrics for run in runs]
+    rows = []
+    for source in sources:
+        row = [source]
+        for run in runs:
+            cell = found[run].get(source)
+            row += [_num(cell["forwarded"]), f"{cell['kept']:,} / {cell['drawn']:,}"] if cell else ["n/a"] * 2
+        for metric in metrics:
+            for run in runs:
+                cell = found[run].get(source)
+                row.append(_num(cell["held_out"].get(metric)) if cell else "n/a")
+        rows.append(row)
+    return ["## Per source", "", *_table(header, rows), ""]
+
+
 def render_markdown(report: dict) -> str:
     base, pruned = report["baseline"], report["pruned"]
     names = [r["name"] for r in pruned]
@@ -91,6 +114,7 @@ def render_markdown(report: dict) -> str:
     ]
 
     lines += equal_quality_section(report.get("equal_quality"))
+    lines += sources_section(report.get("sources"))
     lines += ["## Quality at equal passes", ""]
     metrics = [m for m in PRIMARY_METRICS if any(m in report["equal_passes"][n]["metrics"] for n in names)]
     header = ["metric", "better", "baseline"] + [h for n in names for h in (n, f"delta {n}", f"verdict {n}")]

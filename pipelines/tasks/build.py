@@ -4,6 +4,7 @@ export). Shared by the training loop and the evaluators, so neither imports the 
 
 from __future__ import annotations
 
+from prunepipe.pipelines.data.mixture import first_path
 from prunepipe.pipelines.data.shards import ShardIndex
 
 
@@ -21,10 +22,11 @@ def build_task(cfg, *, strata: bool | None = None):
 
     size, channels = cfg.data.resolution, cfg.data.channels
     if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
-        shape = ShardIndex.load(cfg.data.train).meta.get("latent_shape")
+        # a mixture's sources agree on it (pipelines/data/mixture.py)
+        shape = ShardIndex.load(first_path(cfg.data.train)).meta.get("latent_shape")
         if shape:
             channels, size = int(shape[0]), int(shape[-1])
-    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, shards=cfg.data.train)
+    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, shards=first_path(cfg.data.train))
 
 
 def text_reading(task) -> dict:

@@ -25,7 +25,8 @@ from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
 from prunepipe.pipelines.checkpoint.store import choose_resume, load_resume, save_checkpoint
 from prunepipe.pipelines.config import RunConfig, latent_shard_notes, pruner_hparams, to_yaml
 from prunepipe.pipelines.data.decode import SampleDecoder
-from prunepipe.pipelines.data.shards import BadInputError, ShardIndex
+from prunepipe.pipelines.data.mixture import Mixture, first_path, parse_sources
+from prunepipe.pipelines.data.shards import BadInputError
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.data.stream import ShardStream
 from prunepipe.pipelines.data.workers import agreed_loader_workers
@@ -39,8 +40,15 @@ from prunepipe.pipelines.training.deferred import DeferredRecords, StepRecord, t
 from prunepipe.pipelines.training.device import build_optimizer, place_model, set_backend_flags
 from prunepipe.pipelines.training.ema import PassProgressEMA
 from prunepipe.pipelines.training.groups import use_group_table
+from prunepipe.pipelines.training.init_weights import init_from_weights
 from prunepipe.pipelines.training.metrics import MetricsLog
 from prunepipe.pipelines.training.node_tables import NodeTables, local_rank_and_size, run_token
+from prunepipe.pipelines.training.sources import (
+    SourceStrata,
+    check_same_mixture,
+    forwarded_by_source,
+    pass_accounting,
+)
 from prunepipe.pipelines.training.sync_check import SyncDebug
 from prunepipe.pruning import ScoreNormaliser, build_pruner, gather_tensors
 from prunepipe.pruning.bitmap import Bitmap
@@ -123,25 +131,29 @@ def mixed_precision(cfg: RunConfig) -> str:
     return cfg.mixed_precision
 
 
-def load_held_out(cfg: RunConfig, task, rank: int = 0, world: int = 1) -> list | None:
-    """This rank's share of the first `data.val_batches` batches of the val shards in index order,
-    decoded once (possibly empty), with the text `task` reads for a text-conditional run; None when the
-    run has no val shards."""
-    if not cfg.data.val:
+def load_held_out(cfg: RunConfig, task, rank: int = 0, world: int = 1) -> dict[str, list] | None:
+    """Per held-out source (data.val: one folder, or a list of sources), this rank's share of the first
+    `data.val_batches` batches of its shards in index order, decoded once (possibly empty), with the text
+    `task` reads for a text-conditional run; None when the run has no val shards."""
+    sources = parse_sources(cfg.data.val, "data.val", rules=False)
+    if not sources:
         return None
-    return list(
-        read_split(
-            cfg.data.val,
-            resolution=cfg.data.resolution,
-            channels=cfg.data.channels,
-            batch_size=cfg.data.batch_size,
-            max_samples=cfg.data.val_batches * cfg.data.batch_size,
-            rank=rank,
-            world_size=world,
-            desc="held-out samples",
-            **text_reading(task),
+    return {
+        source.name: list(
+            read_split(
+                source.path,
+                resolution=cfg.data.resolution,
+                channels=cfg.data.channels,
+                batch_size=cfg.data.batch_size,
+                max_samples=cfg.data.val_batches * cfg.data.batch_size,
+                rank=rank,
+                world_size=world,
+                desc=f"held-out samples{' of ' + source.name if len(sources) > 1 else ''}",
+                **text_reading(task),
+            )
         )
-    )
+        for source in sources
+    }
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -173,7 +185,11 @@ def train(cfg: RunConfig) -> dict:
             f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
             "text encoders (files and caption length)",
         )
-    index = ShardIndex.load(cfg.data.train)
+    mixture = Mixture.load(cfg.data.train, samples_per_pass=cfg.data.samples_per_pass)
+    index = mixture.index
+    pass_length = int(mixture.per_pass().sum())  # samples the sources' rules draw a pass, before pruning
+    if main and len(mixture.sources) > 1:
+        print(f"data.train: {len(mixture.sources)} sources, ids laid end to end\n{mixture.describe()}", flush=True)
     pruner = build_pruner(
         cfg.pruner["name"], index.num_samples, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner)
     )
@@ -186,7 +202,7 @@ def train(cfg: RunConfig) -> dict:
         trained,
         decay=cfg.ema_decay,
         warmup=cfg.ema_warmup,
-        full_steps_per_pass=index.num_samples / (world * cfg.data.batch_size * cfg.optim.grad_accum),
+        full_steps_per_pass=pass_length / (world * cfg.data.batch_size * cfg.optim.grad_accum),
     )
     ema.to(device)
     local_rank, local_size = local_rank_and_size() if world > 1 else (0, 1)
@@ -200,7 +216,7 @@ def train(cfg: RunConfig) -> dict:
         path, digest = use_group_table(
             pruner,
             cfg.pruner["groups"],
-            cfg.data.train,
+            first_path(cfg.data.train),  # one source: the config refuses groups over a mixture
             index,
             rank=rank,
             local_rank=local_rank,
@@ -216,8 +232,12 @@ def train(cfg: RunConfig) -> dict:
     position = TrainingPosition()
     checkpointed = CheckpointedPruner(pruner)  # its tables as files of their own, written once
     accelerator.register_for_checkpointing(checkpointed, ema, position)
+    source_strata = SourceStrata(mixture, task.num_strata, cfg.score.per_source)
     scorer = ScoreNormaliser(
-        cfg.score.normalise, max(task.num_strata, 1), buckets=cfg.score.buckets, momentum=cfg.score.momentum
+        cfg.score.normalise,
+        source_strata.num_strata,
+        buckets=source_strata.buckets(cfg.score.buckets),
+        momentum=cfg.score.momentum,
     )
     if cfg.score.normalise != "none":  # registered only when used: custom_checkpoint_3.pkl
         accelerator.register_for_checkpointing(scorer)
@@ -233,6 +253,8 @@ def train(cfg: RunConfig) -> dict:
                 f"resumed from {resume_from}: {position_label(position.pass_index, position.batch_in_pass, cfg.passes)}, "
                 f"step {position.optimizer_steps}"
             )
+    # a stage's first start: another run's weights and EMA (init.weights); a resume wins (docs/recipes.md, "Stages")
+    init_from_weights(cfg, accelerator.unwrap_model(model), ema, resumed_from=resume_from, main=main)
     text_identity = task.text_identity  # "" unless text-conditional
     if position.text_identity and position.text_identity != text_identity:  # alike on every rank (agreed above)
         raise ValueError(
@@ -241,6 +263,9 @@ def train(cfg: RunConfig) -> dict:
             f"Resume with the run's encoder (or its features), or start a new run"
         )
     position.text_identity = text_identity
+    position.mixture = check_same_mixture(mixture, position.mixture, resume_from)
+    if position.forwarded_by_source is None:
+        position.forwarded_by_source = np.zeros(len(mixture.sources), dtype=np.int64)
 
     stream = ShardStream(
         index,
@@ -261,6 +286,7 @@ def train(cfg: RunConfig) -> dict:
         shuffle_buffer=cfg.data.shuffle_buffer,
         on_bad_sample=cfg.data.on_bad_sample,
         retry=cfg.data.remote,
+        mixture=mixture,
     )
     held_out = load_held_out(cfg, task, rank, world)  # every rank evaluates its share at each pass end
     debug = SyncDebug(accelerator, run_dir) if cfg.debug_sync else None
@@ -304,7 +330,7 @@ def train(cfg: RunConfig) -> dict:
         )
         total = loader.layout.steps
         pass_start, pass_losses = time.perf_counter(), []
-        kept_fraction = loader.layout.kept / index.num_samples
+        kept_fraction = loader.layout.kept / pass_length
         # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
         bar = progress(
             total,
@@ -324,7 +350,8 @@ def train(cfg: RunConfig) -> dict:
                 if not np.isfinite(gathered[real]).all():  # on_nonfinite_loss=stop; skip never gets here
                     report_nonfinite(cfg, accelerator, ids, gathered, record.step, record.pass_index, record.micro)
                 position.consumed.set(ids[real])
-                pruner.update(ids, scorer(ids, gathered, strata))
+                position.forwarded_by_source += forwarded_by_source(mixture, ids[real])
+                pruner.update(ids, scorer(ids, gathered, source_strata(ids, strata)))
                 task.observe(ids, strata, gathered)
                 position.samples_forwarded += int(real.sum())
                 if real.any():  # a batch of padding only has no loss to report
@@ -423,6 +450,9 @@ def train(cfg: RunConfig) -> dict:
         summary = end_of_pass(
             cfg, task, accelerator, model, pruner, plan, loader.layout, position, held_out, pass_losses
         )
+        if len(mixture.sources) > 1:
+            summary["kept_fraction"] = loader.layout.kept / pass_length  # of what the sources' rules drew
+            summary["sources"] = pass_accounting(mixture, loader.layout.kept_per_source, position.forwarded_by_source)
         summary["ema_decay"] = ema.cur_decay_value  # at the pass end: pruned and full runs alike
         metrics.write(summary)
         if main and pass_lines.due(force=position.pass_index + 1 == cfg.passes):
@@ -544,7 +574,13 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "pruner": {k: v for k, v in pruner.stats().items() if isinstance(v, (int, float, str))},
     }
     if held_out is not None:  # not `if held_out`: a rank's share may be empty, and every rank must join
-        summary["held_out"] = held_out_over_ranks(task, model, held_out, cfg.eval)
+        summary["held_out"] = held_out_over_ranks(
+            task, model, [b for part in held_out.values() for b in part], cfg.eval
+        )
+        if len(held_out) > 1:  # each held-out source on its own too
+            summary["held_out_by_source"] = {
+                name: held_out_over_ranks(task, model, batches, cfg.eval) for name, batches in held_out.items()
+            }
     return summary
 
 

@@ -46,6 +46,7 @@ PASS_FIELDS = (
     "tail",
     "samples_forwarded",
     "held_out",
+    "sources",  # a mixture's per-source accounting (--mixture)
 )
 
 
@@ -307,6 +308,7 @@ def rehearse(
     kill: str = "rank0",
     hang_limit: float = 180.0,
     run_limit: float = 600.0,
+    mixture: bool = False,
     say=print,
 ) -> dict:
     """Reference run, killed run, requeue; returns the verdict (verdict["pass"] is the PASS/FAIL).
@@ -322,6 +324,7 @@ def rehearse(
             kill=kill,
             hang_limit=hang_limit,
             run_limit=run_limit,
+            mixture=mixture,
             say=say,
         )
     finally:
@@ -340,6 +343,7 @@ def _rehearse(
     kill: str,
     hang_limit: float,
     run_limit: float,
+    mixture: bool,
     say,
 ) -> dict:
     start = time.time()
@@ -353,6 +357,19 @@ def _rehearse(
         from prunepipe.tools.commands.shards import write_shards
 
         write_shards("digits", data, size=32, shard_size=200, val_fraction=0.1)
+    mixed: list[str] = []
+    if mixture:  # digits and photo crops 3:1, each source's scores normalised within it
+        photos = os.path.join(work, "photos")
+        if not os.path.exists(os.path.join(photos, "train", "index.json")):
+            from prunepipe.tools.commands.shards import write_shards
+
+            write_shards("photos", photos, size=32, shard_size=100, val_fraction=0.1, crops_per_photo=150)
+        mixed = [
+            f"data.train=[{{name: digits, path: {data}/train, weight: 3}}, {{name: photos, path: {photos}/train, weight: 1}}]",
+            f"data.val=[{{name: digits, path: {data}/val}}, {{name: photos, path: {photos}/val}}]",
+            "score.normalise=stratum_mean",
+            "score.per_source=true",
+        ]
     shutil.rmtree(runs, ignore_errors=True)  # runs of an earlier rehearsal would be resumed and appended to
     verdict: dict = {
         "work": work,
@@ -362,6 +379,7 @@ def _rehearse(
         "every_steps": every_steps,
         "dist_timeout_seconds": dist_timeout,
         "killed_node": kill,
+        "mixture": mixture,
         "problems": [],
     }
     problems = verdict["problems"]
@@ -372,7 +390,7 @@ def _rehearse(
         return verdict
 
     def job(label: str, rdzv_id: str, name: str, extra: list[str] = ()) -> list[Node]:
-        overrides = [*run_overrides(data, runs, name, passes, every_steps, dist_timeout), *extra]
+        overrides = [*run_overrides(data, runs, name, passes, every_steps, dist_timeout), *mixed, *extra]
         nodes = start_nodes(work, label, rdzv_id, overrides)
         started.extend(nodes)
         return nodes
@@ -532,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         default=180.0,
         help="seconds the surviving node may take to exit before it counts as hung",
     )
+    parser.add_argument(
+        "--mixture",
+        action="store_true",
+        help="train on two sources (digits and photo crops, weights 3:1), scores per source",
+    )
     parser.add_argument("--json", help="write the verdict here too")
     args = parser.parse_args(argv)
     verdict = rehearse(
@@ -541,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         dist_timeout=args.dist_timeout,
         kill=args.kill,
         hang_limit=args.hang_limit,
+        mixture=args.mixture,
     )
     print(describe(verdict))
     if args.json:

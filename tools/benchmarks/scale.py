@@ -18,6 +18,12 @@ What is measured, and how:
   shared-memory copy for loader workers and a full consumed bitmap: the sum of their Pss growth
   (shared pages counted once) per sample, and the largest private (Uss) growth of a rank other
   than local rank 0, per sample.
+- `--sources K` (K > 1): the same N samples as K sources instead (K index.json folders, weighted so
+  that a pass takes the first source 2.5 times, the second 0.3 times and the others alike, in part),
+  measured side by side with one folder of the same N samples, each in its own child: the pass
+  boundary as training computes it with a mixture (`ShardStream.layout`: `pruner.plan`, the plan's
+  per-shard kept counts, the mixture's draw, `pass_units`, `pass_layout`), its peak RSS growth above
+  the filled tables and its time, and the ratios mixture / single.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -300,6 +307,180 @@ def measure_node(
     }
 
 
+# ----------------------------------------------------------------------------- --sources: a mixture's pass boundary
+FIRST_TAKEN, SECOND_TAKEN = 2.5, 0.3  # times a pass takes the first and second source of a mixture
+
+
+def source_sizes(samples: int, sources: int) -> np.ndarray:
+    """int64 [K]: `samples` split into K sources as evenly as whole samples allow."""
+    return np.diff(np.arange(sources + 1, dtype=np.int64) * samples // sources)
+
+
+def mixture_weights(sources: int) -> list[float]:
+    """Weights for K sources of equal size whose pass (the sources' total) takes the first 2.5 times,
+    the second 0.3 times and each other source (K - 2.8) / (K - 2) times (in part for K > 2)."""
+    if sources == 1:
+        return [1.0]
+    rest = (sources - FIRST_TAKEN - SECOND_TAKEN) / (sources - 2) if sources > 2 else 0.0
+    return [FIRST_TAKEN, SECOND_TAKEN] + [rest] * (sources - 2)
+
+
+def write_sources(samples: int, sources: int, shard_size: int, folder: str) -> Any:
+    """`data.train` for `samples` in `sources` index.json folders (shards of `shard_size`, the last
+    of each source short), written once under `folder`; K = 1: the folder itself, as a single run has it."""
+    from prunepipe.pipelines.data.shards import ShardIndex
+
+    entries = []
+    for k, size in enumerate(source_sizes(samples, sources)):
+        path = os.path.join(folder, f"sources-{samples}-{sources}", f"source-{k:04d}")
+        if not os.path.exists(os.path.join(path, "index.json")):
+            os.makedirs(path, exist_ok=True)
+            counts = np.full(-(-int(size) // shard_size), shard_size, dtype=np.int64)
+            counts[-1] = size - shard_size * (len(counts) - 1)
+            ShardIndex.write(path, [(f"shard-{i:07d}.tar", int(c)) for i, c in enumerate(counts)])
+        entries.append({"name": f"source-{k}", "path": path})
+    if sources == 1:
+        return entries[0]["path"]
+    return [{**e, "weight": w} for e, w in zip(entries, mixture_weights(sources))]
+
+
+def mixture_boundary(mixture, plan, *, seed: int, pass_index: int, world: int, workers: int, batch_size: int) -> dict:
+    """One pass boundary as `ShardStream.layout` computes it for a mixture, a step at a time: the
+    plan's per-shard kept counts, the draw, the pass's units, the layout; the seconds of each."""
+    from prunepipe.pipelines.data.layout import pass_layout
+    from prunepipe.pipelines.data.mixture import pass_units
+
+    index = mixture.index
+    start = time.perf_counter()
+    kept = plan.kept_per_shard(index.first_ids, index.counts)
+    counted = time.perf_counter()
+    draw = mixture.draw(seed, pass_index)
+    units = pass_units(index, mixture.shard_source, draw, kept, plan.kept_between)
+    walked = time.perf_counter()
+    layout = pass_layout(
+        index,
+        kept,
+        seed=seed,
+        pass_index=pass_index,
+        world_size=world,
+        num_workers=workers,
+        batch_size=batch_size,
+        units=None if draw.whole else units,
+    )
+    per_source = np.bincount(mixture.shard_source[units.shard], weights=units.kept, minlength=len(mixture.sources))
+    laid = time.perf_counter()
+    return {
+        "draw": draw,
+        "units": units,
+        "layout": layout,
+        "kept_per_source": per_source.astype(np.int64),
+        "kept_s": counted - start,
+        "units_s": walked - counted,
+        "layout_s": laid - walked,
+    }
+
+
+def measure_sources(
+    name: str, samples: int, sources: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int, folder: str
+) -> dict:
+    """One pruner's pass boundary over `samples` in `sources` sources (a child process: see `main`)."""
+    from prunepipe.pipelines.data.mixture import Mixture
+    from prunepipe.pruning import build_pruner
+    from prunepipe.pruning.pass_plan import PassPlan
+
+    torch.set_num_threads(1)
+    train = write_sources(samples, sources, shard_size, folder)  # on disk before the baseline
+    reset_peak_rss()
+    baseline = rss_bytes()
+    mixture = Mixture.load(train)
+    index_bytes = sum(a.nbytes for a in (mixture.index.counts, mixture.index.sizes, mixture.index.crcs))
+    index_bytes += mixture.shard_source.nbytes + mixture.offsets.nbytes
+    pruner = build_pruner(name, samples, 100, seed=0)
+    fill_seconds = score_everything(pruner, 2 if name == "ted" else 1)
+    filled_peak, filled = peak_rss_bytes(), rss_bytes()
+    reset_peak_rss()  # from here: what the pass boundary adds above the filled tables
+    start = time.perf_counter()
+    pruner.plan(5)
+    plan = PassPlan.from_pruner(pruner)
+    planned = time.perf_counter()
+    done = mixture_boundary(
+        mixture, plan, seed=0, pass_index=5, world=nodes * ranks_per_node, workers=workers, batch_size=256
+    )
+    boundary = time.perf_counter() - start
+    boundary_peak = peak_rss_bytes()
+    draw, units, layout = done["draw"], done["units"], done["layout"]
+    if layout.kept != int(units.kept.sum()) or layout.kept != int(done["kept_per_source"].sum()):
+        raise AssertionError(f"kept: layout {layout.kept}, units {units.kept.sum()}, sources {done['kept_per_source']}")
+    return {
+        "pruner": name,
+        "samples": samples,
+        "sources": sources,
+        "shards": len(mixture.index),
+        "units": len(units.shard),
+        "partial_units": int(np.count_nonzero(units.copy == np.asarray(draw.full)[mixture.shard_source[units.shard]])),
+        "drawn": int(draw.drawn.sum()),
+        "kept": layout.kept,
+        "drawn_per_source": draw.drawn.tolist(),
+        "kept_per_source": done["kept_per_source"].tolist(),
+        "steps": layout.steps,
+        "tables_B": sum(t.nbytes for t in pruner._tables().values()) / samples,
+        "plan_B": sum(a.nbytes for a in plan_arrays(plan.frozen)) / samples,
+        "index_B": index_bytes / samples,
+        "units_B": (units.shard.nbytes + units.copy.nbytes + units.kept.nbytes) / samples,
+        "order_B": layout.shard_order.nbytes / samples,
+        "peak_rss_B": (max(filled_peak, boundary_peak) - baseline) / samples,
+        "boundary_peak_B": (boundary_peak - filled) / samples,
+        "plan_s": planned - start,
+        "kept_s": done["kept_s"],
+        "units_s": done["units_s"],
+        "layout_s": done["layout_s"],
+        "boundary_s": boundary,
+        "fill_s": fill_seconds,
+    }
+
+
+def compare_sources(single: dict, mixed: dict) -> dict:
+    """The mixture's row over the single folder's: ratios of memory and time."""
+    row = {"pruner": single["pruner"], "samples": single["samples"], "sources": mixed["sources"]}
+    for key in ("peak_rss_B", "boundary_peak_B", "boundary_s", "units_s"):
+        row[f"{key}_ratio"] = mixed[key] / single[key] if single[key] else float("nan")
+    return row
+
+
+def format_sources_table(rows: list[dict]) -> str:
+    columns = [
+        ("pruner", "{}"),
+        ("samples", "{:.0e}"),
+        ("sources", "{}"),
+        ("units", "{}"),
+        ("partial_units", "{}"),
+        ("drawn", "{}"),
+        ("kept", "{}"),
+        ("tables_B", "{:.3f}"),
+        ("plan_B", "{:.3f}"),
+        ("index_B", "{:.4f}"),
+        ("units_B", "{:.4f}"),
+        ("peak_rss_B", "{:.2f}"),
+        ("boundary_peak_B", "{:.3f}"),
+        ("plan_s", "{:.1f}"),
+        ("units_s", "{:.1f}"),
+        ("layout_s", "{:.1f}"),
+        ("boundary_s", "{:.1f}"),
+    ]
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        if "peak_rss_B_ratio" in row:
+            cells = [row["pruner"], f"{row['samples']:.0e}", f"ratio {row['sources']}/1"] + [""] * (len(columns) - 3)
+            for key, at in (("peak_rss_B", "peak_rss_B"), ("boundary_peak_B", "boundary_peak_B")):
+                cells[[n for n, _ in columns].index(at)] = f"x{row[key + '_ratio']:.3f}"
+            cells[[n for n, _ in columns].index("units_s")] = f"x{row['units_s_ratio']:.1f}"
+            cells[[n for n, _ in columns].index("boundary_s")] = f"x{row['boundary_s_ratio']:.2f}"
+            lines.append("| " + " | ".join(cells) + " |")
+        else:
+            lines.append("| " + " | ".join(fmt.format(row[n]) if n in row else "-" for n, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     columns = [
         ("pruner", "{}"),
@@ -341,13 +522,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="real processes of one simulated node that share their tables (1: skip the node measurement)",
     )
+    parser.add_argument(
+        "--sources",
+        type=int,
+        default=1,
+        help="K > 1: the samples as K weighted sources (one taken 2.5x, one 0.3x, the rest in part), "
+        "the pass boundary measured beside one folder of the same samples; 1: the measurement above",
+    )
     parser.add_argument("--json", action="store_true", help="JSON lines instead of the table")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child's own pruner
+    parser.add_argument("--mixture-child", type=int, default=0, help=argparse.SUPPRESS)  # its sources
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     samples = int(args.samples)
     folder = args.folder or tempfile.mkdtemp(prefix="prunepipe-scale-")
+    if args.sources < 1:
+        print(f"--sources: at least 1, got {args.sources}", file=sys.stderr)
+        return 2
+    if args.one and args.mixture_child:
+        row = measure_sources(
+            args.one,
+            samples,
+            args.mixture_child,
+            args.nodes,
+            args.ranks_per_node,
+            args.workers,
+            args.shard_size,
+            folder,
+        )
+        print(json.dumps(row))
+        return 0
     if args.one:
         row = measure(args.one, samples, args.nodes, args.ranks_per_node, args.workers, args.shard_size, folder)
         if args.node_ranks > 1:
@@ -357,7 +562,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(json.dumps(row))
         return 0
     rows = []
-    for name in args.pruners:
+    children = [(name, k) for name in args.pruners for k in ((1, args.sources) if args.sources > 1 else (0,))]
+    for name, sources in children:
         command = [
             sys.executable,
             "-m",
@@ -378,6 +584,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             folder,
             "--node-ranks",
             str(args.node_ranks),
+            "--mixture-child",
+            str(sources),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(
@@ -393,7 +601,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         if args.json:
             print(json.dumps(rows[-1]), flush=True)
-    if not args.json:
+        if sources > 1:  # beside the single folder measured just before
+            rows.append(compare_sources(rows[-2], rows[-1]))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
+    if args.sources > 1 and not args.json:
+        print(
+            f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
+            f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
+            f"{args.workers} workers per rank, shards of {args.shard_size}; 1 folder vs {args.sources} sources -->"
+        )
+        print(format_sources_table(rows))
+    elif not args.json:
         print(
             f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy "
             f"{np.__version__}, torch {torch.__version__}; {args.nodes} nodes x {args.ranks_per_node} ranks, "
