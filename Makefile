@@ -29,4 +29,4 @@ format: $(STAMP)
 	$(BIN)/ruff format --quiet .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -206,6 +206,12 @@ def _train(args) -> None:
         print(f"run folder: {cfg.run_dir}")
 
 
+def _configs(args) -> None:
+    from prunepipe.launch.configs import CONFIGS
+
+    print(CONFIGS)
+
+
 def _latents_encode(args) -> None:
     from prunepipe.tools.commands.latents import encode_shards
 
@@ -665,9 +671,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     dedup.set_defaults(func=_shards_dedup)
 
     train = sub.add_parser("train", help="train from a YAML config with key=value overrides")
-    train.add_argument("config", help="YAML config (see configs/)")
+    train.add_argument("config", help="YAML config (`prunepipe configs` prints the folder of the shipped ones)")
     train.add_argument("overrides", nargs="*", help="key=value, e.g. pruner.prune_ratio=0.3 data.batch_size=64")
     train.set_defaults(func=_train)
+
+    configs = sub.add_parser(
+        "configs", help="print the folder of the shipped YAML configs: prunepipe train $(prunepipe configs)/NAME.yaml"
+    )
+    configs.set_defaults(func=_configs)
 
     latents = sub.add_parser("latents", help="precompute VAE latents (and text features) of image shards")
     latents_sub = latents.add_subparsers(dest="latents_command", required=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 
+from prunepipe.launch.configs import CONFIGS
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.report.compare import compare_runs
 from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.commands.shards import write_shards
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 # Raw weights: after runs this short the EMA (decay 0.999) still lags far behind them.
 EVAL_OVERRIDES = ["weights=raw"]
 

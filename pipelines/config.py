@@ -206,7 +206,9 @@ def _empty(merged, key: str) -> None:
 def _file_layers(path: str, seen: tuple[str, ...] = ()) -> list:
     """A YAML file and, first, the files its `base:` key names (relative to it), recursively."""
     if not os.path.exists(path):
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(
+            f"config file {path} does not exist (`prunepipe configs` prints the folder of the shipped ones)"
+        )
     if os.path.abspath(path) in seen:
         raise ConfigError(f"config file {path}: `base:` chain loops back to itself")
     layer = OmegaConf.load(path)

@@ -308,20 +308,19 @@ def test_the_layout_map_of_docs_design_names_every_module_and_only_modules_that_
 
 
 def test_the_four_folders_install_as_the_prunepipe_namespace_and_are_imported_only_by_it():
-    """pyproject.toml maps every package under `prunepipe.` (no generic top-level names in a user's
-    environment), and no module or test imports a folder by its bare name (which would load a second
-    copy of it from the working directory)."""
+    """src/prunepipe/ is the namespace: a relative link to each of the four folders and to configs/, nothing
+    else, and pyproject.toml finds the packages there (no generic top-level names in a user's environment,
+    and src/ is what an editable install puts on sys.path); no module or test imports a folder by its bare
+    name (which would load a second copy of it from the working directory)."""
     import tomllib
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         setuptools = tomllib.load(f)["tool"]["setuptools"]
-    packages = {
-        path[: -len("/__init__.py")].replace("/", ".")
-        for path in project_modules().values()
-        if path.endswith("__init__.py")
-    }
-    assert set(setuptools["packages"]) == {f"{NAMESPACE}.{p}" for p in packages}
-    assert setuptools["package-dir"] == {f"{NAMESPACE}.{p}": p for p in PACKAGES}
+    assert setuptools["packages"] == {"find": {"where": ["src"]}}
+    assert "package-dir" not in setuptools
+    namespace = os.path.join(ROOT, "src", NAMESPACE)
+    links = {name: os.readlink(os.path.join(namespace, name)) for name in os.listdir(namespace)}
+    assert links == {name: f"../../{name}" for name in (*PACKAGES, "configs")}
     bare = []
     sources = list(project_modules().values()) + [
         os.path.join("tests", n) for n in os.listdir(os.path.join(ROOT, "tests")) if n.endswith(".py")

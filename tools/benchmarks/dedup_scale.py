@@ -92,7 +92,7 @@ def write_planted(
 
 def run_dedup(folder: str, threshold: float, clusters: int | None, report_thresholds: list[float]) -> dict:
     """`prunepipe shards dedup` in a fresh process: wall seconds, peak RSS, load average before and after."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     command = [
         sys.executable,
         "-m",

@@ -22,7 +22,7 @@ import time
 
 from prunepipe.tools.benchmarks.rehearse_cluster import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 def make_vae(folder: str, width: int) -> None:

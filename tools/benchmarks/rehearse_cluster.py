@@ -25,7 +25,7 @@ import torch
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.tools.benchmarks.resume_check import differences
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
 NODES, RANKS_PER_NODE = 2, 2
 TINY_MAE = (

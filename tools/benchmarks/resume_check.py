@@ -18,7 +18,7 @@ import torch
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 
 COMPARED = ("model", "ema", "pruner")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 def launch(config: str, args: list[str]) -> subprocess.Popen:

@@ -593,7 +593,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             capture_output=True,
             text=True,
             env=env,
-            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))),
         )
         if done.returncode != 0:
             print(f"{name}: the measuring child failed:\n{done.stderr[-2000:]}", file=sys.stderr)

@@ -27,7 +27,7 @@ from PIL import Image, ImageEnhance
 
 from prunepipe.tools.commands.sources import photo_files
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 # ---------------------------------------------------------------------------- the image folder

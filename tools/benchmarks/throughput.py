@@ -38,7 +38,7 @@ CONFIGS = {
     "dit": "configs/ldm_dit_tiny_full.yaml",
 }
 LATENTS_4x32x32 = ["ldm.autoencoder=latents", "ldm.in_channels=4", "ldm.sample_size=32", "data.resolution=32"]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 @dataclass

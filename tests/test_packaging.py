@@ -1,0 +1,154 @@
+"""The package as others meet it: static analysers resolve `prunepipe.*` in the editable install (they run
+no import hook: src/ is on sys.path by a plain .pth line), a bare folder name imports nothing outside the
+repository, and a wheel holds every module and config and runs the demo from a venv that cannot see the
+checkout (pyproject.toml, docs/design.md "Layout")."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+
+import pytest
+from eval_runs import TINY_MAE
+from test_layout import PACKAGES, ROOT, project_modules
+
+PROBE = textwrap.dedent("""
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pruning import build_pruner
+
+    reveal_type(load_config)
+    reveal_type(build_pruner)
+""")
+
+
+def run_mypy(folder, *options: str) -> subprocess.CompletedProcess:
+    """mypy, as the dev environment runs it, on PROBE from a folder outside the repository."""
+    probe = folder / "probe.py"
+    probe.write_text(PROBE)
+    command = [sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", str(folder / "cache"), *options]
+    return subprocess.run([*command, str(probe)], cwd=folder, capture_output=True, text=True, timeout=600)
+
+
+def assert_mypy_resolved(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout + done.stderr  # no import-not-found, no import-untyped
+    assert "-> prunepipe.pipelines.config.RunConfig" in done.stdout, done.stdout  # read the source, not Any
+    assert "-> prunepipe.pruning.base.Pruner" in done.stdout, done.stdout
+
+
+def test_mypy_finds_the_namespace_of_the_editable_install(tmp_path):
+    # The project followed silently, third-party packages skipped: 2 s of CPU, where following torch's
+    # sources too takes a minute (the slow test below runs exactly that)
+    (tmp_path / "mypy.ini").write_text("[mypy]\nfollow_imports = skip\n[mypy-prunepipe.*]\nfollow_imports = silent\n")
+    assert_mypy_resolved(run_mypy(tmp_path, "--config-file", str(tmp_path / "mypy.ini")))
+
+
+@pytest.mark.slow
+def test_mypy_follow_imports_silent_finds_the_namespace(tmp_path):
+    assert_mypy_resolved(run_mypy(tmp_path, "--follow-imports=silent"))
+
+
+def test_the_namespace_imports_from_the_repository_and_a_bare_folder_name_from_nowhere(tmp_path):
+    script = "import os, prunepipe.launch.configs as c; print(os.path.realpath(c.__file__), c.CONFIGS)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    root = os.path.realpath(ROOT)
+    assert done.stdout.split() == [os.path.join(root, "launch", "configs.py"), os.path.join(root, "configs")], (
+        done.stderr
+    )
+    for bare in PACKAGES:
+        done = subprocess.run([sys.executable, "-c", f"import {bare}"], cwd=tmp_path, env=env, capture_output=True)
+        assert done.returncode != 0, f"`import {bare}` works outside the repository"
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory):
+    """The wheel, built from a copy of the sources, installed into a fresh venv whose only other path is the
+    dev environment's site-packages as a plain directory: its .pth files (the editable install's src/) are
+    not read there, so `prunepipe` can come from the wheel alone. Nothing is downloaded."""
+    pytest.importorskip("setuptools", minversion="77")  # pyproject's build backend, used without isolation
+    top = tmp_path_factory.mktemp("wheel")
+    source = top / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "src", "configs", *PACKAGES):
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    done = subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(top), str(source)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    [wheel] = glob.glob(str(top / "prunepipe-*.whl"))
+    venv = top / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    with open(os.path.join(purelib, "dev_dependencies.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    done = subprocess.run(
+        [*pip, "--python", python, "install", "--no-deps", "--no-index", wheel], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return wheel, venv, purelib
+
+
+def in_venv(venv, *command: str, cwd) -> str:
+    """A command of the wheel's venv, run outside the repository, with nothing of it on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(command, cwd=cwd, env={**env, "PATH": f"{venv}/bin:{env['PATH']}"}, capture_output=True)
+    output = done.stdout.decode() + done.stderr.decode()
+    assert done.returncode == 0, f"{' '.join(command)}:\n{output[-4000:]}"
+    return done.stdout.decode()
+
+
+def test_the_wheel_holds_every_module_and_config_and_imports_alone(wheel_venv, tmp_path):
+    wheel, venv, purelib = wheel_venv
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {f"prunepipe/{path}" for path in project_modules().values()}
+    configs = {f"prunepipe/configs/{os.path.basename(p)}" for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))}
+    marks = {f"prunepipe/{p}/py.typed" for p in PACKAGES} | {"prunepipe/launch/slurm.sbatch"}
+    assert not (modules | configs | marks) - names, sorted((modules | configs | marks) - names)
+    assert not [n for n in names if not n.startswith(("prunepipe/", "prunepipe-"))], "top-level names besides prunepipe"
+
+    # prunepipe and its configs come from the venv; no path of the repository is on sys.path
+    script = "import json, sys, prunepipe.launch.cli as c; print(json.dumps([c.__file__, sys.path]))"
+    cli, path = json.loads(in_venv(venv, "python", "-c", script, cwd=tmp_path))
+    installed = os.path.join(purelib, "prunepipe")
+    assert cli == os.path.join(installed, "launch", "cli.py")
+    root, dependencies = os.path.realpath(ROOT), os.path.realpath(sysconfig.get_paths()["purelib"])
+    seen = [os.path.realpath(p or tmp_path) for p in path]
+    assert not [p for p in seen if p.startswith(root + os.sep) and p != dependencies], path  # .venv may be in ROOT
+    assert in_venv(venv, "prunepipe", "configs", cwd=tmp_path).strip() == os.path.join(installed, "configs")
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_the_demo_and_trains_a_shipped_config_from_any_folder(wheel_venv, tmp_path):
+    # 53 s on 2 cores, 90 s when they are busy: the digits written as shards, a pruned run and its two Full
+    # runs, evaluated, compared; then a shipped config trained from another folder
+    _, venv, purelib = wheel_venv
+    (tmp_path / "demo").mkdir()
+    out = in_venv(venv, "prunepipe", "demo", "--passes", "2", "--seeds", "1", *TINY_MAE, cwd=tmp_path / "demo")
+    assert "writing scikit-learn's digits as shards" in out and "Verdicts for demo_mae_infobatch" in out
+    config = os.path.join(purelib, "prunepipe", "configs", "mae_tiny_full.yaml")
+    data = tmp_path / "demo" / "data" / "digits"
+    (tmp_path / "elsewhere").mkdir()
+    overrides = [f"data.train={data}/train", f"data.val={data}/val", "passes=1", "name=elsewhere", *TINY_MAE]
+    out = in_venv(venv, "prunepipe", "train", config, *overrides, cwd=tmp_path / "elsewhere")
+    assert "run folder: runs/elsewhere" in out, out
+    assert os.path.isfile(tmp_path / "elsewhere" / "runs" / "elsewhere" / "metrics.jsonl")
