@@ -152,3 +152,56 @@ def test_the_wheel_runs_the_demo_and_trains_a_shipped_config_from_any_folder(whe
     out = in_venv(venv, "prunepipe", "train", config, *overrides, cwd=tmp_path / "elsewhere")
     assert "run folder: runs/elsewhere" in out, out
     assert os.path.isfile(tmp_path / "elsewhere" / "runs" / "elsewhere" / "metrics.jsonl")
+
+
+# pyproject.toml's floors against what the code needs: (requirement, lowest version that has it, a line of
+# the code that needs it, its file, where the version comes from). NumPy 2 changed the C ABI: a compiled
+# package built against NumPy 1 does not load beside NumPy 2, so with numpy>=2.0 every compiled dependency's
+# floor is its first release built against NumPy 2.
+FLOORS = [
+    ("python", "3.11", "import tomllib", "tests/test_layout.py", "What's New in Python 3.11: tomllib"),
+    ("numpy", "2.0", "np.bitwise_count(", "pruning/bitmap.py", "NumPy 2.0.0 release notes: new ufunc bitwise_count"),
+    (
+        "timm",
+        "1.0.16",
+        '"local-dir:',
+        "tools/commands/feature_models.py",
+        "timm PR #2476; 1.0.15's _factory.py lacks it",
+    ),
+    (
+        "diffusers",
+        "0.29",
+        "FlowMatchEulerDiscreteScheduler",
+        "pipelines/tasks/diffusion/task.py",
+        "diffusers 0.29.0 (Stable Diffusion 3) adds the flow-matching scheduler",
+    ),
+    ("torch", "2.4", "import torch", "pruning/sync.py", "PyTorch 2.4.0 release notes: NumPy 2 support"),
+    ("torchvision", "0.19", "from torchvision", "pipelines/data/decode.py", "the release paired with torch 2.4"),
+    ("scipy", "1.13", "from scipy import stats", "pipelines/report/frontier.py", "SciPy 1.13.0: built against NumPy 2"),
+    ("scikit-learn", "1.4.2", "from sklearn", "pipelines/evaluation/probe.py", "scikit-learn 1.4.2: NumPy 2 support"),
+    ("scikit-image", "0.24", "import skimage", "tools/commands/sources.py", "scikit-image 0.24.0: NumPy 2 support"),
+    ("matplotlib", "3.8.4", "import matplotlib", "pipelines/report/plots.py", "Matplotlib 3.8.4: NumPy 2 support"),
+    ("pyarrow", "16", "import pyarrow", "tools/commands/embedding_import.py", "numpy/numpy#26191: 16.0 the first"),
+    ("faiss-cpu", "1.9", "import faiss", "tools/commands/near_duplicates.py", "1.8.0.post1 requires numpy<2, 1.9.0 <3"),
+]
+
+
+def test_dependency_floors_are_at_least_what_the_code_uses():
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    floors = {"python": project["requires-python"].removeprefix(">=")}
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        floors[requirement.name] = next((s.version for s in requirement.specifier if s.operator == ">="), "0")
+    low = []
+    for name, needed, use, path, _ in FLOORS:
+        with open(os.path.join(ROOT, path)) as f:
+            assert use in f.read(), f"{path} no longer has {use!r}: drop or move its row of FLOORS"
+        if Version(floors[name]) < Version(needed):
+            low.append(f"{name}>={floors[name]}, but {path} needs {needed} ({use})")
+    assert not low, "floors below what the code uses:\n" + "\n".join(low)
