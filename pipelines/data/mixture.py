@@ -161,28 +161,33 @@ class PassDraw:
 
 
 def permuted(local: np.ndarray, size: int, seed: int, pass_index: int, source: int) -> np.ndarray:
-    """Each local id's place in a seeded permutation of [0, size): a balanced Feistel network on the
-    smallest even number of bits covering `size`, walked again while it lands outside (under 4
-    walks on average). A bijection, so taking the places below k takes exactly k samples."""
+    """Each local id's place in a seeded permutation of [0, size): a Feistel network on the fewest bits
+    covering `size` (halves of unequal width when the count is odd), walked again while it lands
+    outside (under 2 walks on average, as the domain is less than twice `size`). A bijection, so
+    taking the places below k takes exactly k samples."""
     x = np.asarray(local, dtype=np.int64).copy()
     if size <= 1:
         return x
-    half = max(1, math.ceil(math.log2(size) / 2))
+    bits = max(2, (size - 1).bit_length())
     outside = np.ones(len(x), dtype=bool)
     while outside.any():
-        x[outside] = _feistel(x[outside], half, seed, pass_index, source)
+        x[outside] = _feistel(x[outside], bits, seed, pass_index, source)
         outside = x >= size
     return x
 
 
-def _feistel(x: np.ndarray, half: int, seed: int, pass_index: int, source: int) -> np.ndarray:
-    mask = (1 << half) - 1
-    left, right = x >> half, x & mask
+def _feistel(x: np.ndarray, bits: int, seed: int, pass_index: int, source: int) -> np.ndarray:
+    """One pass of an unbalanced Feistel network over `bits`-bit numbers: the halves (widths a and b)
+    trade places each round, so after an even number of rounds they are back at their widths."""
+    wide, narrow = bits - bits // 2, bits // 2
+    left, right = x >> narrow, x & ((1 << narrow) - 1)  # `left` is `wide` bits, `right` `narrow`
+    widths = (wide, narrow)
     for round_ in range(_FEISTEL_ROUNDS):
         key = ((pass_index * MAX_SOURCES + source) * _FEISTEL_ROUNDS + round_) & ((1 << 62) - 1)
-        f = (uniform_coin(seed ^ _DRAW_SALT, key, right) * (1 << half)).astype(np.int64)
-        left, right = right, left ^ (f & mask)
-    return (left << half) | right
+        width = widths[round_ % 2]  # the width of `left`, which the round function's output is folded into
+        f = (uniform_coin(seed ^ _DRAW_SALT, key, right) * (1 << width)).astype(np.int64)
+        left, right = right, left ^ f
+    return (left << narrow) | right
 
 
 @dataclass(frozen=True)
