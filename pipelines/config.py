@@ -24,7 +24,7 @@ from omegaconf.errors import (
 from prunepipe.pipelines.data.augment import CROPS
 from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD
 from prunepipe.pipelines.data.group_table import group_table_path
-from prunepipe.pipelines.data.mixture import first_path, parse_sources, source_paths
+from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
 from prunepipe.pipelines.data.stream import BAD_SAMPLE_POLICIES
@@ -331,14 +331,10 @@ def _validate_sources(cfg: RunConfig) -> None:
                     f"`prunepipe shards write --out DIR` (then {where}=DIR/{name}) or index yours with "
                     f"`prunepipe shards index`"
                 )
-    if cfg.data.samples_per_pass < 0:
-        raise ConfigError(f"config: data.samples_per_pass must be >= 0, got {cfg.data.samples_per_pass}")
-    weighted = all(s.weight is not None for s in parse_sources(cfg.data.train))
-    if cfg.data.samples_per_pass and not weighted:
-        raise ConfigError(
-            f"config: data.samples_per_pass={cfg.data.samples_per_pass} sets a weighted mixture's pass length; "
-            f"data.train gives no weights (repeat and count fix each source's share themselves)"
-        )
+    try:
+        check_pass_length(parse_sources(cfg.data.train), cfg.data.samples_per_pass)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
     if cfg.score.per_source and cfg.score.normalise == "none":
         raise ConfigError(
             "config: score.per_source=true normalises each source's scores within it; choose how with "

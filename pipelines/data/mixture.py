@@ -106,6 +106,17 @@ def source_paths(value: Any, key: str = "data.train") -> list[str]:
     return [s.path for s in parse_sources(value, key, rules=key == "data.train")]
 
 
+def check_pass_length(sources: tuple[Source, ...], samples_per_pass: int, key: str = "data.train") -> None:
+    """data.samples_per_pass: >= 0, and only for a weighted mixture (repeat and count fix a pass themselves)."""
+    if samples_per_pass < 0:
+        raise ValueError(f"data.samples_per_pass must be >= 0, got {samples_per_pass}")
+    if samples_per_pass and not all(s.weight is not None for s in sources):
+        raise ValueError(
+            f"data.samples_per_pass={samples_per_pass} sets a weighted mixture's pass length; {key} gives no "
+            f"weights (repeat and count fix each source's share themselves)"
+        )
+
+
 def first_path(value: Any, key: str = "data.train") -> str:
     """The first folder of `value` ("" for none): where a run reads what all its sources share."""
     paths = source_paths(value, key)
@@ -223,10 +234,7 @@ class Mixture:
         sizes = np.array([i.num_samples for i in indexes], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         shard_source = np.repeat(np.arange(len(sources), dtype=np.int64), [len(i) for i in indexes])
-        if samples_per_pass and not all(s.weight is not None for s in sources):
-            raise ValueError(
-                f"data.samples_per_pass={samples_per_pass} sets a weighted pass's length; {key} is not weighted"
-            )
+        check_pass_length(sources, samples_per_pass, key)
         return cls(sources, index, offsets, shard_source, int(samples_per_pass))
 
     @property
@@ -247,7 +255,7 @@ class Mixture:
         if self.sources[0].weight is not None:
             length = self.samples_per_pass or int(sizes.sum())
             weights = np.array([s.weight for s in self.sources], dtype=np.float64)
-            return _apportion(length, weights / weights.sum())
+            return apportion(length, weights)
         counts = []
         for source, size in zip(self.sources, sizes):
             if source.count is not None:
@@ -311,14 +319,19 @@ class Mixture:
         return "\n".join(lines)
 
 
-def _apportion(total: int, shares: np.ndarray) -> np.ndarray:
-    """`total` split by `shares` into whole numbers that add up to it (largest remainders first)."""
-    exact = shares * total
-    counts = np.floor(exact).astype(np.int64)
-    left = total - int(counts.sum())
-    order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[:left]] += 1
+def integer_counts(real: np.ndarray, total: int) -> np.ndarray:
+    """int64 counts summing to `total` from real ones summing to at most `total`: each rounded down,
+    then the largest remainders (ties to the first) rounded up."""
+    counts = np.floor(real).astype(np.int64)
+    short = int(total - counts.sum())
+    counts[np.argsort(-(real - counts), kind="stable")[:short]] += 1
     return counts
+
+
+def apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """int64 counts that sum to `total`, in proportion to `weights`."""
+    weights = np.asarray(weights, dtype=np.float64)
+    return integer_counts(total * weights / weights.sum(), total)
 
 
 def _check_alike(sources: tuple[Source, ...], indexes: list[ShardIndex], key: str) -> None:

@@ -14,6 +14,7 @@ from typing import Iterator, Mapping
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from prunepipe.pipelines.data.mixture import apportion, integer_counts  # copies per original, as shares of a pass
 from prunepipe.pipelines.data.resize import resize_center_crop, resize_crop
 from prunepipe.tools.commands.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
 
@@ -192,21 +193,6 @@ def check_copy_kinds(shares: Mapping[str, float] | None) -> dict[str, float]:
             f"redundant: copy_kinds shares must sum to 1, got {dict(shares)} (sum {sum(shares.values()):g})"
         )
     return {kind: float(shares.get(kind, 0.0)) for kind in COPY_KINDS}
-
-
-def integer_counts(real: np.ndarray, total: int) -> np.ndarray:
-    """int64 counts summing to `total` from real ones summing to at most `total`: each rounded down,
-    then the largest remainders (ties to the first) rounded up."""
-    counts = np.floor(real).astype(np.int64)
-    short = int(total - counts.sum())
-    counts[np.argsort(-(real - counts), kind="stable")[:short]] += 1
-    return counts
-
-
-def apportion(total: int, weights: np.ndarray) -> np.ndarray:
-    """int64 counts that sum to `total`, in proportion to `weights`."""
-    weights = np.asarray(weights, dtype=np.float64)
-    return integer_counts(total * weights / weights.sum(), total)
 
 
 def heavy_copy_counts(total: int, originals: int) -> np.ndarray:
