@@ -67,6 +67,29 @@ def kept_an_ema(export) -> bool:
     return any("non_ema" in name for name in os.listdir(os.path.join(export, "transformer")))
 
 
+def pipeline_and_sample(pipe, export: str, *, steps: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PROMPTS drawn by a loaded text pipeline and by `sample()`, from the same generator seed."""
+    images = pipe(
+        PROMPTS,
+        num_inference_steps=steps,
+        guidance_scale=scale,
+        generator=torch.Generator().manual_seed(7),
+        use_resolution_binning=False,
+        max_sequence_length=8,
+        output_type="pt",
+    ).images
+    ours = sample(
+        export,
+        2,
+        steps,
+        torch.Generator().manual_seed(7),
+        ema=kept_an_ema(export),
+        prompts=PROMPTS,
+        guidance_scale=scale,
+    )
+    return images, ours
+
+
 def test_prunepipe_export_writes_a_folder_pixart_alpha_pipeline_loads_alone_and_it_draws_prunepipes_images(
     text_run, tmp_path, capsys
 ):
@@ -78,18 +101,7 @@ def test_prunepipe_export_writes_a_folder_pixart_alpha_pipeline_loads_alone_and_
     with open(os.path.join(export, "model_index.json")) as f:
         assert json.load(f)["_class_name"] == "PixArtAlphaPipeline"
     pipe = PixArtAlphaPipeline.from_pretrained(export)
-    images = pipe(
-        PROMPTS,
-        num_inference_steps=4,
-        guidance_scale=2.0,
-        generator=torch.Generator().manual_seed(7),
-        use_resolution_binning=False,
-        max_sequence_length=8,
-        output_type="pt",
-    ).images
-    ours = sample(
-        export, 2, 4, torch.Generator().manual_seed(7), ema=kept_an_ema(export), prompts=PROMPTS, guidance_scale=2.0
-    )
+    images, ours = pipeline_and_sample(pipe, export, steps=4, scale=2.0)
     torch.testing.assert_close(images, ours, rtol=0, atol=1e-5)
     assert not torch.equal(ours[0], ours[1]), "the prompt chooses the image"
 
@@ -237,24 +249,7 @@ def test_a_text_to_image_flow_run_loads_as_pixart_sigma_and_draws_prunepipes_ima
     assert isinstance(pipe, PixArtSigmaPipeline) and isinstance(pipe.scheduler, DPMSolverMultistepScheduler)
     assert pipe.scheduler.config.solver_order == 1 and pipe.scheduler.config.prediction_type == "flow_prediction"
     for steps, scale in ((1, 1.0), (4, 2.0)):
-        images = pipe(
-            PROMPTS,
-            num_inference_steps=steps,
-            guidance_scale=scale,
-            generator=torch.Generator().manual_seed(7),
-            use_resolution_binning=False,
-            max_sequence_length=8,
-            output_type="pt",
-        ).images
-        ours = sample(
-            export,
-            2,
-            steps,
-            torch.Generator().manual_seed(7),
-            ema=kept_an_ema(export),
-            prompts=PROMPTS,
-            guidance_scale=scale,
-        )
+        images, ours = pipeline_and_sample(pipe, export, steps=steps, scale=scale)
         torch.testing.assert_close(images, ours, rtol=0, atol=1e-5)
     assert not torch.equal(ours[0], ours[1]), "the prompt chooses the image"
     assert isinstance(load_pipeline(export), PixArtSigmaPipeline)  # reading prompts as written
