@@ -238,3 +238,32 @@ def test_a_mixture_on_two_gloo_ranks_of_two_workers_stopped_mid_pass_resumes_bit
     )
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert_states_equal(pruner_a, pruner_b)
+
+
+def test_a_single_folder_run_resumes_from_its_shards_moved_elsewhere(digits_shards, tmp_path):
+    import shutil
+
+    moved = tmp_path / "scratch" / "train"
+    shutil.copytree(f"{digits_shards}/train", moved)  # a requeue that stages the shards to a node's scratch disk
+    base = [f"runs_dir={tmp_path}", "name=moved", "data.val=", "checkpoint.every_steps=5", *TINY_MAE]
+    config = os.path.join(ROOT, "configs", "mae_tiny_full.yaml")
+    train(load_config(config, [f"data.train={digits_shards}/train", *base, "max_steps=5"]))
+    train(load_config(config, [f"data.train={moved}", *base, "max_steps=8", "checkpoint.resume=latest"]))
+    assert final_state(tmp_path / "moved")[0].endswith("step_000008")
+
+
+def test_a_pass_walking_a_source_twice_is_not_split_into_segments_on_another_layout(digits_shards, tmp_path):
+    def run(*extra):
+        return mixture_run(
+            digits_shards,
+            tmp_path,
+            "twice",
+            "mae_tiny_full.yaml",
+            ["passes=2", "data.val=", "checkpoint.every_steps=3", "data.samples_per_pass=0", *extra],
+        )
+
+    # 3:1 of both sources' 1,797 samples a pass: 449 of the 180 held ones, walked twice whole and once in part
+    train(run("max_steps=3"))
+    resumed = run("data.num_workers=1", "checkpoint.resume=latest")
+    with pytest.raises(ValueError, match="walks a source more than once .* cannot be split"):
+        train(resumed)

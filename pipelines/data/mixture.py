@@ -39,6 +39,7 @@ class Source:
     weight: float | None = None  # share of a pass's samples (all sources weighted, or none)
     repeat: float | None = None  # passes over this source per pass; fractional allowed
     count: int | None = None  # samples of this source per pass
+    named: bool = False  # the name was given, not taken from the folder (which moves with the shards)
 
     @property
     def rule(self) -> str:
@@ -71,6 +72,7 @@ def parse_sources(value: Any, key: str = "data.train", *, rules: bool = True) ->
         path = entry.get("path")
         if not isinstance(path, str) or not path:
             raise ValueError(f"{where}.path: a shard folder (with index.json) is required")
+        named = bool(entry.get("name"))
         name = str(entry.get("name") or _folder_name(path))
         given = [r for r in RULES if entry.get(r) is not None]
         if not rules and given:
@@ -86,7 +88,7 @@ def parse_sources(value: Any, key: str = "data.train", *, rules: bool = True) ->
         if rule != "count" and amount < 0 or rule == "weight" and amount == 0:
             raise ValueError(f"{where}.{rule}: must be {'> 0' if rule == 'weight' else '>= 0'}, got {amount!r}")
         sources.append(
-            Source(name, path, **{rule: int(amount) if rule == "count" else float(amount)})  # type: ignore[arg-type]
+            Source(name, path, named=named, **{rule: int(amount) if rule == "count" else float(amount)})  # type: ignore[arg-type]
         )
     names = [s.name for s in sources]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -280,32 +282,38 @@ class Mixture:
         )
 
     def record(self) -> dict:
-        """What a resume must find again: names, sizes, offsets and rules (not paths: shards move)."""
+        """What a resume must find again: sizes, offsets, rules and the names given (not paths, nor
+        names taken from folders: shards move between clusters and scratch disks)."""
         return {
             "sources": [
-                {"name": s.name, "samples": int(n), "offset": int(o), "rule": s.rule, s.rule: getattr(s, s.rule)}
+                {
+                    "name": s.name if s.named else None,
+                    "samples": int(n),
+                    "offset": int(o),
+                    "rule": s.rule,
+                    s.rule: getattr(s, s.rule),
+                }
                 for s, n, o in zip(self.sources, self.sizes, self.offsets)
             ],
             "samples_per_pass": self.samples_per_pass,
         }
 
     def changed_from(self, recorded: dict) -> str:
-        """ "" when `recorded` (a checkpoint's `record()`) is this mixture, else what changed, said plainly."""
-        now = self.record()
-        if recorded == now:
-            return ""
-        was = {s["name"]: s for s in recorded.get("sources", [])}
-        is_ = {s["name"]: s for s in now["sources"]}
-        said = [f"source {n!r} was removed" for n in was if n not in is_]
-        said += [f"source {n!r} was added" for n in is_ if n not in was]
-        for name in (n for n in is_ if n in was):
-            for field in sorted(set(was[name]) | set(is_[name])):
-                if was[name].get(field) != is_[name].get(field):
-                    said.append(f"source {name!r}: {field} {was[name].get(field)!r} -> {is_[name].get(field)!r}")
-        if not said and list(was) != list(is_):
-            said.append(f"the order of the sources changed ({', '.join(was)} -> {', '.join(is_)})")
-        if recorded.get("samples_per_pass") != now["samples_per_pass"]:
-            said.append(f"data.samples_per_pass {recorded.get('samples_per_pass')} -> {now['samples_per_pass']}")
+        """ "" when `recorded` (a checkpoint's `record()`) is this mixture, else what changed, said plainly.
+        Sources are matched by position; an unnamed one matches any name."""
+        was, now = recorded.get("sources", []), self.record()["sources"]
+        said = []
+        if len(was) != len(now):
+            said.append(f"{len(was)} source(s) then, {len(now)} now")
+        for i, (a, b) in enumerate(zip(was, now)):
+            label = repr(b["name"] or a["name"] or f"#{i + 1}")
+            for field in sorted(set(a) | set(b)):
+                if field == "name" and (a["name"] is None or b["name"] is None):
+                    continue
+                if a.get(field) != b.get(field):
+                    said.append(f"source {label}: {field} {a.get(field)!r} -> {b.get(field)!r}")
+        if recorded.get("samples_per_pass") != self.samples_per_pass:
+            said.append(f"data.samples_per_pass {recorded.get('samples_per_pass')} -> {self.samples_per_pass}")
         return "; ".join(said)
 
     def describe(self) -> str:

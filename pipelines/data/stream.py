@@ -316,8 +316,8 @@ class _PartReader(IterableDataset):
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
             count = int(self.index.counts[piece.shard])
             weights = np.ones(count) if plan is None else plan.weights_between(first, first + count)
-            if draw is not None and not draw.whole:  # a partial walk of its source takes the draw's samples
-                source = int(self.shard_source[piece.shard])
+            source = None if draw is None or draw.whole else int(self.shard_source[piece.shard])
+            if source is not None and piece.copy >= draw.full[source]:  # a partial walk takes the draw's samples
                 weights = weights * draw.in_copy(source, piece.copy, np.arange(first, first + count))
             mine = np.flatnonzero(weights)[piece.kept_start : piece.kept_end]  # positions this slot delivers
             want = np.zeros(count, dtype=bool)

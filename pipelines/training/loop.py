@@ -46,6 +46,7 @@ from prunepipe.pipelines.training.node_tables import NodeTables, local_rank_and_
 from prunepipe.pipelines.training.sources import (
     SourceStrata,
     check_same_mixture,
+    combine_held_out,
     forwarded_by_source,
     pass_accounting,
 )
@@ -103,21 +104,34 @@ def with_peak_learning_rate(cfg: RunConfig, world: int, announce: bool) -> RunCo
     return dataclasses.replace(cfg, optim=dataclasses.replace(o, lr=peak))
 
 
-def begin_pass(position: TrainingPosition, pruner, num_samples: int, world: int, num_workers: int) -> PassPlan:
+def begin_pass(position: TrainingPosition, pruner, stream: ShardStream, world: int, num_workers: int) -> PassPlan:
     """The plan this pass (or the rest of it) runs under.
 
     A fresh pass freezes the pruner's plan. A pass resumed under the layout it ran under skips
     its consumed batches exactly. A pass resumed under another world size or worker count goes
-    on as a segment over the kept samples no rank had trained on, with the same frozen plan.
+    on as a segment over the kept samples no rank had trained on, with the same frozen plan; the
+    consumed samples are known by id, so a mixture pass that walks a source twice cannot (refused).
     """
+    num_samples = stream.index.num_samples
     if position.batch_in_pass == 0 and position.excluded is None:
         pruner.plan(position.pass_index)
         position.consumed = Bitmap.zeros(num_samples)
         position.pass_offset = 0.0
     plan = PassPlan.from_pruner(pruner)
     if position.batch_in_pass > 0 and (position.world_size, position.num_workers) != (world, num_workers):
+        draw = stream.draw(position.pass_index)
+        if draw is not None and int(draw.copies.max()) > 1:
+            raise ValueError(
+                f"{pass_label(position.pass_index, pruner.num_passes)} was checkpointed mid-pass on "
+                f"{position.world_size} rank(s) x {position.num_workers} loader worker(s), resumed on {world} x "
+                f"{num_workers}: a pass that walks a source more than once (repeat above 1) cannot be split "
+                f"into segments, as its trained samples are known by id only. Resume on the checkpoint's ranks "
+                f"and data.num_workers, or from a checkpoint at a pass end"
+            )
         position.excluded = position.consumed.copy()
-        position.pass_offset = float(plan.count_kept(among=position.consumed) / max(plan.count_kept(), 1))
+        # the share of the pass's samples (what its walks keep, on any layout) trained before the segment
+        kept_in_pass = stream.layout(position.pass_index, plan, num_workers).kept
+        position.pass_offset = float(plan.count_kept(among=position.consumed) / max(kept_in_pass, 1))
         position.batch_in_pass = 0
     position.world_size, position.num_workers = world, num_workers
     if position.excluded is not None:
@@ -185,7 +199,8 @@ def train(cfg: RunConfig) -> dict:
             f"{task.text_encoder.identity()['text_encoder']}: {task.text_identity}",
             "text encoders (files and caption length)",
         )
-    mixture = Mixture.load(cfg.data.train, samples_per_pass=cfg.data.samples_per_pass)
+    # every source's index.json from each rank's node: one that cannot read it stops every rank here
+    mixture = on_every_rank(lambda: Mixture.load(cfg.data.train, samples_per_pass=cfg.data.samples_per_pass))
     index = mixture.index
     pass_length = int(mixture.per_pass().sum())  # samples the sources' rules draw a pass, before pruning
     if main and len(mixture.sources) > 1:
@@ -316,7 +331,7 @@ def train(cfg: RunConfig) -> dict:
     while position.pass_index < cfg.passes and not stop:
         pass_index = position.pass_index
         node_tables.settle()  # the node's writer has recorded every update (or loaded the state) first
-        plan = begin_pass(position, pruner, index.num_samples, world, workers)
+        plan = begin_pass(position, pruner, stream, world, workers)
         if debug is not None:
             debug.begin_pass(plan, pruner)
         undecodable_here = undecodable_of_rank(position, rank, world, max(1, workers))
@@ -574,13 +589,10 @@ def end_of_pass(cfg, task, accelerator, model, pruner, plan, layout, position, h
         "pruner": {k: v for k, v in pruner.stats().items() if isinstance(v, (int, float, str))},
     }
     if held_out is not None:  # not `if held_out`: a rank's share may be empty, and every rank must join
-        summary["held_out"] = held_out_over_ranks(
-            task, model, [b for part in held_out.values() for b in part], cfg.eval
-        )
-        if len(held_out) > 1:  # each held-out source on its own too
-            summary["held_out_by_source"] = {
-                name: held_out_over_ranks(task, model, batches, cfg.eval) for name, batches in held_out.items()
-            }
+        by_source = {name: held_out_over_ranks(task, model, batches, cfg.eval) for name, batches in held_out.items()}
+        summary["held_out"] = next(iter(by_source.values())) if len(by_source) == 1 else combine_held_out(by_source)
+        if len(by_source) > 1:  # each held-out source on its own too
+            summary["held_out_by_source"] = by_source
     return summary
 
 

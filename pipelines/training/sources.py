@@ -54,6 +54,21 @@ def pass_accounting(mixture: Mixture, kept_per_source: np.ndarray | None, forwar
     }
 
 
+def combine_held_out(by_source: dict[str, dict]) -> dict:
+    """The held-out metrics over every source's samples from each source's (means over its samples,
+    every rank's already, as `mean_over_ranks` leaves them): weighted by their counts, so the model
+    runs over each held-out sample once."""
+    first = next(iter(by_source.values()))
+    counts = {name: int(m["num_samples"]) for name, m in by_source.items()}
+    total = sum(counts.values())
+    combined = {k: v for k, v in first.items() if not isinstance(v, float)}
+    for key in (k for k, v in first.items() if isinstance(v, float)):
+        combined[key] = sum(m[key] * counts[name] for name, m in by_source.items()) / max(total, 1)
+    combined["num_samples"] = total
+    combined["num_samples_by_rank"] = [sum(r) for r in zip(*(m["num_samples_by_rank"] for m in by_source.values()))]
+    return combined
+
+
 def check_same_mixture(mixture: Mixture, recorded: str, checkpoint: str) -> str:
     """The record of `mixture` to keep in the position; a resume whose checkpoint `recorded` another
     mixture is refused, naming what changed (ids would mean other samples, the pruner's scores too)."""
