@@ -56,7 +56,7 @@ def reference_targets(task, x0, generator, prediction_type):
 def test_per_sample_losses_average_to_F_mse_loss(prediction_type):
     task = make_task(ddpm__prediction_type=prediction_type)
     batch = random_batch()
-    losses = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(5))
+    losses = task.per_sample(task.model, batch, torch.Generator().manual_seed(5)).loss
     assert losses.shape == (4,) and losses.dtype == torch.float32
 
     noisy, timesteps, target = reference_targets(task, batch.images, torch.Generator().manual_seed(5), prediction_type)
@@ -83,9 +83,9 @@ class PerSampleDraws:
 def test_with_per_sample_draws_a_samples_loss_does_not_depend_on_its_batch_mates(vae_folder):
     for task in (make_task(), make_task(autoencoder=vae_folder)):
         batch = random_batch(4)
-        together = task.per_sample_loss(task.model, batch, PerSampleDraws(batch.ids))
+        together = task.per_sample(task.model, batch, PerSampleDraws(batch.ids)).loss
         alone = Batch(batch.ids[2:3], batch.weights[2:3], batch.images[2:3], batch.labels[2:3])
-        torch.testing.assert_close(task.per_sample_loss(task.model, alone, PerSampleDraws(alone.ids))[0], together[2])
+        torch.testing.assert_close(task.per_sample(task.model, alone, PerSampleDraws(alone.ids)).loss[0], together[2])
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
@@ -107,9 +107,9 @@ def test_min_snr_weights_are_in_0_1_and_one_where_snr_is_below_gamma(prediction_
 
     # the weighted per-sample loss is the unweighted one times the weight of its timestep
     batch = random_batch()
-    weighted = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(1))
+    weighted = task.per_sample(task.model, batch, torch.Generator().manual_seed(1)).loss
     task.cfg.ddpm.min_snr_gamma = 0.0
-    plain = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(1))
+    plain = task.per_sample(task.model, batch, torch.Generator().manual_seed(1)).loss
     _, drawn, _ = reference_targets(task, batch.images, torch.Generator().manual_seed(1), prediction_type)
     torch.testing.assert_close(weighted, plain * weights[drawn])
 
@@ -118,10 +118,10 @@ def test_class_conditional_maps_missing_labels_to_the_null_class():
     task = make_task(num_classes=10)
     assert task.model.config.num_class_embeds == 11
     assert task.class_labels(torch.tensor([-1, 3, 9])).tolist() == [10, 3, 9]
-    losses = task.per_sample_loss(task.model, random_batch(labels=[-1, 3, 9, 0]), torch.Generator().manual_seed(0))
+    losses = task.per_sample(task.model, random_batch(labels=[-1, 3, 9, 0]), torch.Generator().manual_seed(0)).loss
     assert torch.isfinite(losses).all()
     with pytest.raises(ValueError, match=r"ldm\.num_classes=10"):
-        task.per_sample_loss(task.model, random_batch(labels=[10, 0, 0, 0]), torch.Generator())
+        task.per_sample(task.model, random_batch(labels=[10, 0, 0, 0]), torch.Generator())
     assert make_task().class_labels(torch.tensor([3])) is None  # unconditional ignores labels
 
 
@@ -167,7 +167,7 @@ def test_export_loads_with_diffusers_and_samples_with_ddpm_pipeline(tmp_path):
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
     for step in range(2):  # EMAModel copies the weights at its first step and averages from the second
         optimizer.zero_grad()
-        task.per_sample_loss(task.model, random_batch(), torch.Generator().manual_seed(step)).mean().backward()
+        task.per_sample(task.model, random_batch(), torch.Generator().manual_seed(step)).loss.mean().backward()
         optimizer.step()
         ema.step(task.model.parameters())
 
@@ -207,7 +207,7 @@ def test_vae_from_a_local_folder_sets_the_latent_space_and_encodes_in_the_loss(v
     assert not any(p is q for p in task.model.parameters() for q in vae.parameters())  # only the UNet trains
 
     batch = random_batch()
-    losses = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(2))
+    losses = task.per_sample(task.model, batch, torch.Generator().manual_seed(2)).loss
     generator = torch.Generator().manual_seed(2)  # posterior sample first, then noise and timesteps
     with torch.no_grad():
         x0 = vae.encode(batch.images).latent_dist.sample(generator) * vae.config.scaling_factor
@@ -236,7 +236,7 @@ def test_vae_by_repo_id_from_the_hub_cache_offline(vae_folder, tmp_path, monkeyp
     expected = AutoencoderKL.from_pretrained(vae_folder)
     for loaded, saved in zip(task.autoencoder.parameters(), expected.parameters()):
         assert torch.equal(loaded, saved)
-    assert torch.isfinite(task.per_sample_loss(task.model, random_batch(), torch.Generator())).all()
+    assert torch.isfinite(task.per_sample(task.model, random_batch(), torch.Generator()).loss).all()
 
     with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder='local/other'.*hub cache.*hf download"):
         make_task(autoencoder="local/other", cache_dir=str(tmp_path / "hub"))

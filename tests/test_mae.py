@@ -57,10 +57,10 @@ def paper_batch_loss(model, images, pred, mask, norm_pix_loss: bool) -> torch.Te
 def test_per_sample_losses_average_to_the_papers_batch_loss(norm_pix_loss):
     task = make_task(norm_pix_loss=norm_pix_loss)
     batch = random_batch()
-    losses = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(7))
+    losses = task.per_sample(task.model, batch, torch.Generator().manual_seed(7)).loss
     assert losses.shape == (6,) and losses.dtype == torch.float32
 
-    # the same mask noise, drawn the way per_sample_loss draws it
+    # the same mask noise, drawn the way per_sample draws it
     noise = torch.rand(6, task.num_patches, generator=torch.Generator().manual_seed(7))
     latent, mask, ids_restore = task.model.forward_encoder(batch.images, noise)
     pred = task.model.forward_decoder(latent, ids_restore)
@@ -98,7 +98,7 @@ def test_masking_keeps_exactly_the_unmasked_fraction_with_the_smallest_noise():
 
 def test_gradients_reach_encoder_and_decoder_but_not_the_fixed_positions():
     task = make_task()
-    task.per_sample_loss(task.model, random_batch(), torch.Generator().manual_seed(0)).mean().backward()
+    task.per_sample(task.model, random_batch(), torch.Generator().manual_seed(0)).loss.mean().backward()
     named = dict(task.model.named_parameters())
     for frozen in ("encoder.pos_embed", "decoder_pos_embed"):
         assert not named[frozen].requires_grad and named[frozen].grad is None
@@ -132,13 +132,13 @@ def test_unmasked_mae_encoder_path_is_timms_forward_features():
     torch.testing.assert_close(latent, task.model.encoder.forward_features(images))
 
 
-def test_per_sample_loss_takes_randomness_only_from_the_callers_generator():
+def test_per_sample_takes_randomness_only_from_the_callers_generator():
     task = make_task()
     batch = random_batch()
     state = torch.random.get_rng_state()
-    first = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(3))
-    again = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(3))
-    other = task.per_sample_loss(task.model, batch, torch.Generator().manual_seed(4))
+    first = task.per_sample(task.model, batch, torch.Generator().manual_seed(3)).loss
+    again = task.per_sample(task.model, batch, torch.Generator().manual_seed(3)).loss
+    other = task.per_sample(task.model, batch, torch.Generator().manual_seed(4)).loss
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert torch.equal(torch.random.get_rng_state(), state)
 
@@ -156,9 +156,9 @@ class PerSampleMaskNoise:
 def test_with_per_sample_draws_a_samples_loss_does_not_depend_on_its_batch_mates():
     task = make_task()
     batch = random_batch(4)
-    together = task.per_sample_loss(task.model, batch, PerSampleMaskNoise(batch.ids))
+    together = task.per_sample(task.model, batch, PerSampleMaskNoise(batch.ids)).loss
     alone = Batch(batch.ids[1:2], batch.weights[1:2], batch.images[1:2], batch.labels[1:2])
-    torch.testing.assert_close(task.per_sample_loss(task.model, alone, PerSampleMaskNoise(alone.ids))[0], together[1])
+    torch.testing.assert_close(task.per_sample(task.model, alone, PerSampleMaskNoise(alone.ids)).loss[0], together[1])
 
 
 def train_steps(task: MAETask, batches, steps: int) -> None:
@@ -166,7 +166,7 @@ def train_steps(task: MAETask, batches, steps: int) -> None:
     generator = torch.Generator().manual_seed(0)
     for _, batch in zip(range(steps), batches):
         optimizer.zero_grad()
-        (task.per_sample_loss(task.model, batch, generator) * batch.weights).mean().backward()
+        (task.per_sample(task.model, batch, generator).loss * batch.weights).mean().backward()
         optimizer.step()
 
 

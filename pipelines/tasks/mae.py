@@ -316,8 +316,13 @@ class MAETask:
         """Nothing of MAE learns from the gathered batch."""
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
-        """The masked-patch MSE of each sample, with its mask's hidden share as the stratum when
-        the task was built with strata."""
+        """[B] float32 masked-patch MSE of each sample under a fresh random mask drawn from `generator`
+        (a torch.Generator, or per-sample draws such as prunepipe.pipelines.tasks.randomness.SampleRandomness),
+        with its mask's hidden share as the stratum when the task was built with strata.
+
+        `model` is self.model or its DDP/accelerate wrapper: always call the one passed, so the
+        wrapper's gradient hooks run.
+        """
         images = batch.images
         noise = batch_draws(generator, len(images)).rand(self.num_patches).to(images.device)  # [B, L]
         stratum = None
@@ -325,15 +330,6 @@ class MAETask:
             share = hidden_share(unwrap(model).patchify(images.float()), noise, self.cfg.mask_ratio)
             stratum = (share * MASK_SHARE_STRATA).long().clamp_(0, MASK_SHARE_STRATA - 1)
         return SampleLosses(model(images, noise), stratum)
-
-    def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
-        """[B] float32 masked-patch MSE with a fresh random mask drawn from `generator` (a
-        torch.Generator, or per-sample draws such as prunepipe.pipelines.tasks.randomness.SampleRandomness).
-
-        `model` is self.model or its DDP/accelerate wrapper: always call the one passed, so the
-        wrapper's gradient hooks run.
-        """
-        return self.per_sample(model, batch, generator).loss
 
     @torch.no_grad()
     def held_out(self, model: nn.Module, batches: Iterable, seed: int = 0) -> dict:

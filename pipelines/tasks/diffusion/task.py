@@ -282,10 +282,6 @@ class DiffusionTask:
             return timestep_stratum
         return timestep_stratum + dropped.long() * self.cfg.num_train_timesteps
 
-    def per_sample_loss(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> torch.Tensor:
-        """`per_sample(...).loss`."""
-        return self.per_sample(model, batch, generator).loss
-
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
         """[B] float32 denoising MSE over all non-batch dims, min-SNR weighted when configured, with
         each sample's timestep as its stratum. With importance-sampled timesteps the loss is also
