@@ -86,11 +86,3 @@ def load_classifier(path: str) -> SmallClassifier:
     model = SmallClassifier(**json.loads(metadata["config"]))
     model.load_state_dict(load_file(path), strict=True)
     return model.eval().requires_grad_(False)
-
-
-def classifier_info(path: str) -> dict:
-    """How the saved classifier was trained (shards, seed, epochs, val accuracy)."""
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return json.loads((f.metadata() or {}).get("info", "{}"))

@@ -151,11 +151,6 @@ class ReferenceStats:
     cov_sum: torch.Tensor  # float64 [D, D]: sum of outer products
     num_samples: int
 
-    def mean_and_covariance(self) -> tuple[np.ndarray, np.ndarray]:
-        n = self.num_samples
-        mean = self.features_sum.numpy() / n
-        return mean, (self.cov_sum.numpy() - n * np.outer(mean, mean)) / (n - 1)
-
 
 def reference_cache_path(folder: str, net: FeatureNet, resolution: int, count: int, stats_dir: str = "") -> str:
     """`fid_stats/<network>_<resolution>px_<count>_<index digest>.npz` beside the shards (or in
