@@ -311,7 +311,3 @@ class Dedup(Pruner):
             "annealing": self.pass_index is not None and self.pass_index >= self.first_full_pass,
             "first_full_pass": self.first_full_pass,
         }
-
-    def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(recorded score, seen) at `ids`, for inspection and tests."""
-        return self._score[ids].copy(), self._seen[ids].astype(np.bool_)

@@ -119,7 +119,3 @@ class Importance(Pruner):
             "expected_keep": self._expected_keep,
             "annealing": self.pass_index is not None and self.pass_index >= self.first_full_pass,
         }
-
-    def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(recorded score, seen) at `ids`, for inspection and tests."""
-        return self._score[ids].copy(), self._seen[ids].astype(np.bool_)

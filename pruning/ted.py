@@ -267,7 +267,3 @@ class TED(Pruner):
             "annealing": pass_index is not None and pass_index >= self.first_full_pass,
             "first_full_pass": self.first_full_pass,
         }
-
-    def score_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(score, last loss, visits) at `ids`, for inspection and tests."""
-        return self._score[ids].copy(), self._last_loss[ids].copy(), self._visits[ids].copy()

@@ -327,7 +327,7 @@ def test_loaded_state_is_a_copy():
     restored = build_pruner("infobatch", 5000, 40, seed=3)
     restored.load_state_dict(original.state_dict())
     restored.update(np.array([0]), np.array([123.0], np.float32))
-    assert original.score_of(np.array([0]))[0][0] != 123.0
+    assert original.tables()["score"][0] != 123.0
 
 
 @pytest.mark.parametrize(
@@ -379,14 +379,14 @@ def test_losses_at_ids_near_5e9_in_half_precision_are_recorded_at_the_right_id(c
     ids = torch.tensor([5_000_000_000, 5_000_000_001, 5_000_000_099, 4_999_999_999 - 2**31], dtype=torch.int64)
     losses = torch.tensor([1.5, 0.333, 7.0, 2.0], dtype=dtype)  # 0.333 is inexact in both dtypes
     pruner.update(ids, losses)
-    recorded = pruner.score_of(ids.numpy())
+    tables, at = pruner.tables(), ids.numpy()
     expected = losses.float().numpy()
     if cls in (InfoBatch, Importance):
-        np.testing.assert_array_equal(recorded[0], expected)
-        assert recorded[1].all() and not pruner.score_of(np.array([5_000_000_002]))[1][0]
+        np.testing.assert_array_equal(tables["score"][at], expected)
+        assert tables["seen"][at].all() and not tables["seen"][5_000_000_002]
     else:
-        np.testing.assert_array_equal(recorded[1], expected)  # last loss
-        assert (recorded[2] == 1).all() and pruner.score_of(np.array([5_000_000_002]))[2][0] == 0
+        np.testing.assert_array_equal(tables["last_loss"][at], expected)
+        assert (tables["visits"][at] == 1).all() and tables["visits"][5_000_000_002] == 0
     assert resident_bytes() - before < 64 << 20  # untouched pages of the tables cost nothing
 
 
@@ -405,9 +405,9 @@ def test_nonfinite_losses_are_not_recorded_and_are_counted():
     nan, inf = float("nan"), float("inf")
     losses = torch.tensor([nan, inf, -inf, nan, 9.0, nan], dtype=torch.bfloat16)
     pruner.update(torch.tensor([0, 1, 2, 4, 5, -1]), losses)
-    scores, seen = pruner.score_of(np.arange(6))
-    np.testing.assert_array_equal(scores[:4], [1.0, 2.0, 3.0, 4.0])  # earlier losses survive
-    np.testing.assert_array_equal(seen, [True, True, True, True, False, True])
+    tables = pruner.tables()
+    np.testing.assert_array_equal(tables["score"][:4], [1.0, 2.0, 3.0, 4.0])  # earlier losses survive
+    np.testing.assert_array_equal(tables["seen"].astype(bool), [True, True, True, True, False, True])
     assert pruner.stats()["nonfinite_losses"] == 4  # the padding id -1 is not a sample
     pruner.plan(1)
     assert pruner.stats()["threshold"] == pytest.approx((1 + 2 + 3 + 4 + 9) / 5)
@@ -417,9 +417,9 @@ def test_nonfinite_losses_are_not_recorded_and_are_counted():
 def test_padding_ids_are_ignored_and_repeated_ids_keep_their_last_loss():
     pruner = InfoBatch(4, 10)
     pruner.update(np.array([1, -1, 1, 2, -7]), np.array([5.0, 6.0, 7.0, 8.0, 9.0], np.float32))
-    scores, seen = pruner.score_of(np.arange(4))
-    np.testing.assert_array_equal(scores, [0.0, 7.0, 8.0, 0.0])
-    np.testing.assert_array_equal(seen, [False, True, True, False])
+    tables = pruner.tables()
+    np.testing.assert_array_equal(tables["score"], [0.0, 7.0, 8.0, 0.0])
+    np.testing.assert_array_equal(tables["seen"].astype(bool), [False, True, True, False])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,7 +551,7 @@ def test_momentum_averages_a_sample_s_score_over_its_visits(cls):
     for pruner in (plain, smooth):
         pruner.update(np.array([0, 1]), np.array([4.0, 2.0], np.float32))
         pruner.update(np.array([0, 2]), np.array([8.0, 6.0], np.float32))
-    np.testing.assert_array_equal(plain.score_of(np.arange(3))[0], [8.0, 2.0, 6.0])  # the last loss
-    np.testing.assert_allclose(smooth.score_of(np.arange(3))[0], [0.75 * 4 + 0.25 * 8, 2.0, 6.0])  # first visit: as is
+    np.testing.assert_array_equal(plain.tables()["score"][:3], [8.0, 2.0, 6.0])  # the last loss
+    np.testing.assert_allclose(smooth.tables()["score"][:3], [0.75 * 4 + 0.25 * 8, 2.0, 6.0])  # first visit: as is
     with pytest.raises(ValueError, match=rf"{cls.name}: momentum must be in \[0.0, 1.0\)"):
         cls(4, 10, momentum=1.0)

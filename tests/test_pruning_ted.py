@@ -22,13 +22,13 @@ def test_score_is_the_loss_drop_per_unit_of_learning_rate_mass_smoothed_over_vis
     ted.on_step(0.25)
     ted.on_step(0.75)  # learning-rate mass 1.0 since the first visit
     ted.update(sample, np.array([1.5], np.float32))
-    assert ted.score_of(sample)[0][0] == pytest.approx(0.5)  # (2.0 - 1.5) / 1.0: the first score is the rate
+    assert ted.tables()["score"][sample][0] == pytest.approx(0.5)  # (2.0 - 1.5) / 1.0: the first score is the rate
     ted.on_step(0.5)
     ted.update(sample, np.array([1.5], np.float32))  # no drop over a mass of 0.5
-    assert ted.score_of(sample)[0][0] == pytest.approx(0.5 * 0.5 + 0.5 * 0.0)
+    assert ted.tables()["score"][sample][0] == pytest.approx(0.5 * 0.5 + 0.5 * 0.0)
     ted.on_step(2.0)
     ted.update(sample, np.array([2.5], np.float32))  # the loss rose: forgetting, a negative rate
-    assert ted.score_of(sample)[0][0] == pytest.approx(0.5 * 0.25 + 0.5 * (-1.0 / 2.0))
+    assert ted.tables()["score"][sample][0] == pytest.approx(0.5 * 0.25 + 0.5 * (-1.0 / 2.0))
 
 
 def test_a_visit_without_an_optimizer_step_in_between_measures_nothing():
@@ -36,8 +36,8 @@ def test_a_visit_without_an_optimizer_step_in_between_measures_nothing():
     ted.on_step(0.1)
     ted.update(np.array([0]), np.array([2.0], np.float32))
     ted.update(np.array([0]), np.array([1.0], np.float32))  # same learning-rate mass: no rate to take
-    score, last_loss, visits = ted.score_of(np.array([0]))
-    assert visits[0] == 1 and last_loss[0] == 2.0 and score[0] == 0.0
+    tables = ted.tables()
+    assert tables["visits"][0] == 1 and tables["last_loss"][0] == 2.0 and tables["score"][0] == 0.0
 
 
 def test_a_visit_too_soon_after_the_last_measurement_keeps_the_anchor():
@@ -50,12 +50,12 @@ def test_a_visit_too_soon_after_the_last_measurement_keeps_the_anchor():
     ted.plan(1)
     ted.on_step(0.1)
     ted.update(sample, np.array([2.0], np.float32))  # 0.1 after the first visit: below 0.5 * 1.0
-    assert ted.score_of(sample)[2][0] == 1 and ted.score_of(sample)[1][0] == 3.0
+    assert ted.tables()["visits"][sample][0] == 1 and ted.tables()["last_loss"][sample][0] == 3.0
     for _ in range(5):
         ted.on_step(0.1)
     ted.update(sample, np.array([2.4], np.float32))  # 0.6 after the anchor: measured from it
-    assert ted.score_of(sample)[2][0] == 2
-    assert ted.score_of(sample)[0][0] == pytest.approx((3.0 - 2.4) / 0.6, rel=1e-5)
+    assert ted.tables()["visits"][sample][0] == 2
+    assert ted.tables()["score"][sample][0] == pytest.approx((3.0 - 2.4) / 0.6, rel=1e-5)
 
 
 def test_samples_without_two_visits_are_never_pruned():
@@ -124,14 +124,14 @@ def simulate_internal_generalization():
     for pass_index in range(NUM_EPOCHS):
         ted.plan(pass_index)
         weights, stats = ted.weights(ids), ted.stats()
-        last_loss_before = ted.score_of(ids)[1]
+        last_loss_before = ted.tables()["last_loss"][ids]  # indexed by an array: a copy
         visit_order = rng.permutation(np.flatnonzero(weights > 0))
         for batch in np.array_split(visit_order, max(1, len(visit_order) // 50)):
             losses = base_loss[batch] - 0.1 * lr_mass * group_a[batch] + rng.normal(0.0, 0.003, len(batch))
             ted.update(batch, losses.astype(np.float32))
             ted.on_step(lr)
             lr_mass += lr
-        passes.append((weights, stats, last_loss_before, ted.score_of(ids)[1]))
+        passes.append((weights, stats, last_loss_before, ted.tables()["last_loss"][ids]))
     return ted, group_a, passes
 
 

@@ -34,7 +34,7 @@ def last_scores(kind: str) -> tuple[np.ndarray, np.ndarray]:
         for start in range(0, len(ids), 256):  # batches, as the loop feeds them
             part = slice(start, start + 256)
             pruner.update(ids[part], normaliser(ids[part], losses[part], t[part]))
-    return pruner.score_of(np.arange(4000))[0], difficulty
+    return pruner.tables()["score"], difficulty
 
 
 def test_raw_last_loss_ranks_by_timestep_normalised_score_by_difficulty():
