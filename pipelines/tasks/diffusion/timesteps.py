@@ -75,11 +75,6 @@ class LossSecondMomentSampler:
         if self.warmed_up:  # until then p is uniform, whatever was recorded: the cached one holds
             self._probabilities = None
 
-    def history_of(self, timestep: int) -> list[float]:
-        """The recorded losses of `timestep`, oldest first."""
-        n, start = int(self.count[timestep]), int(self.written[timestep])
-        return [float(self.losses[timestep, (start - n + k) % self.history]) for k in range(n)]
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "timestep_sampler": "loss_second_moment",
