@@ -20,7 +20,7 @@ from prunepipe.launch.cli import main as cli_main
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.evaluation.config import ProbeConfig
-from prunepipe.pipelines.evaluation.probe import linear_probe
+from prunepipe.pipelines.evaluation.probe import encoder_features, fit_probe
 from prunepipe.pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
 from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 
@@ -28,6 +28,14 @@ from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     yield from one_torch_thread()
+
+
+def linear_probe(encoder, train_batches, val_batches, cfg: ProbeConfig, seed: int = 0) -> dict:
+    """The probe in one process: `fit_probe` on `encoder_features` of both splits, as the runner
+    (pipelines/evaluation/runner.py) runs it with the features gathered from every rank."""
+    _, train_x, train_y = encoder_features(encoder, train_batches, cfg.pool)
+    _, val_x, val_y = encoder_features(encoder, val_batches, cfg.pool)
+    return fit_probe(train_x, train_y, val_x, val_y, cfg, seed)
 
 
 @pytest.fixture(scope="module")

@@ -53,22 +53,6 @@ def encoder_features(
     )
 
 
-def linear_probe(
-    encoder: nn.Module,
-    train_batches: Iterable,
-    val_batches: Iterable,
-    cfg: ProbeConfig | None = None,
-    seed: int = 0,
-    precision: str = "fp32",
-) -> dict:
-    """Accuracy on val of a logistic regression on the encoder's standardised train features (all of
-    them, or `cfg.per_class` per class), in one process: `fit_probe` on `encoder_features` of both."""
-    cfg = cfg or ProbeConfig()
-    _, train_x, train_y = encoder_features(encoder, train_batches, cfg.pool, precision)
-    _, val_x, val_y = encoder_features(encoder, val_batches, cfg.pool, precision)
-    return fit_probe(train_x, train_y, val_x, val_y, cfg, seed)
-
-
 def fit_probe(
     train_x: np.ndarray,
     train_y: np.ndarray,
