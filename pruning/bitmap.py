@@ -55,14 +55,6 @@ class Bitmap:
     def count(self) -> int:
         return int(np.bitwise_count(self.packed).sum(dtype=np.int64))
 
-    def count_and(self, other: "Bitmap") -> int:
-        """How many flags are set in both, in chunks (no full-size temporary)."""
-        total = 0
-        for start in range(0, len(self.packed), _CHUNK):
-            stop = start + _CHUNK
-            total += int(np.bitwise_count(self.packed[start:stop] & other.packed[start:stop]).sum(dtype=np.int64))
-        return total
-
     def copy(self) -> "Bitmap":
         return Bitmap(self.packed.copy(), self.length)
 
