@@ -1,49 +1,45 @@
-"""The one config system: typed dataclasses, a YAML file, `key=value` overrides (OmegaConf).
+"""The one config system: typed dataclasses, a YAML file, `key=value` overrides (OmegaConf), loaded
+by the loader every section shares (pipelines/config_schema.py).
 
-Every mistake (unknown key, wrong type, bad value, missing shard folder, unknown pruner) becomes
-one `ConfigError` line naming the field and what it accepts.
+`load_config` checks the config itself and reads no data file, so a config can be checked away from
+the cluster; `check_data` reads the data it names (each split's index.json, a group table, a CLIPScore
+model's folder) at the start of a run. Every mistake becomes one `ConfigError` line naming the field and
+what it accepts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Literal
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    MissingMandatoryValue,
-    OmegaConfBaseException,
-    ValidationError,
-)
 
-from prunepipe.pipelines.data.augment import CROPS
+from prunepipe.pipelines.config_schema import (
+    ConfigError,
+    check_choices,
+    check_ranges,
+    load_structured,
+    not_accepted,
+)
 from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD
 from prunepipe.pipelines.data.group_table import group_table_path
 from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
-from prunepipe.pipelines.data.stream import BAD_SAMPLE_POLICIES
 from prunepipe.pipelines.data.workers import check_num_workers
 from prunepipe.pipelines.evaluation.config import EvalConfig, validate_eval_config
-from prunepipe.pipelines.tasks.diffusion.config import PRECOMPUTED, DiffusionConfig, check_config
+from prunepipe.pipelines.tasks.diffusion.config import (
+    PRECOMPUTED,
+    DiffusionConfig,
+    check_config,
+    resolved_conditioning,
+)
 from prunepipe.pipelines.tasks.diffusion.text import PRECOMPUTED_TEXT, stored_identity
 from prunepipe.pipelines.tasks.mae import MAEConfig
 
-TASKS = ("mae", "ldm")
-MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
-NONFINITE_POLICIES = ("stop", "skip")
-SCHEDULES = ("cosine", "constant")
-EMA_WARMUPS = ("passes", "none")
 PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
-
-
-class ConfigError(ValueError):
-    """A config mistake, described in one line that names the field."""
 
 
 @dataclass
@@ -61,9 +57,10 @@ class DataConfig:
     num_workers: Any = "auto"  # loader workers per rank: an integer >= 0, or auto (pipelines/data/workers.py)
     shuffle_buffer: int = 1000
     hflip: bool = False  # mirror with probability 1/2, a coin of (seed, pass, id) of its own (docs/data.md)
-    crop: str = "center"  # center | random_resized: MAE's RandomResizedCrop, on the image before resizing
+    # random_resized: MAE's RandomResizedCrop, on the image before resizing (augment.py's CROPS)
+    crop: Literal["center", "random_resized"] = "center"
     crop_scale: List[float] = field(default_factory=lambda: [0.2, 1.0])  # random_resized: share of the area
-    on_bad_sample: str = "stop"  # stop | skip
+    on_bad_sample: Literal["stop", "skip"] = "stop"  # stream.py's BAD_SAMPLE_POLICIES
     # under skip: the run stops once more samples than this were lost to bad input (-1: no limit)
     max_bad_samples: int = 1000
     # remote shards (pipe:, http(s), s3, gs, hf): a failed read reopens the shard at the byte reached (pipelines/data/remote.py)
@@ -87,7 +84,8 @@ class OptimConfig:
     blr: float = 0.0  # > 0: peak rate = blr x effective batch / 256, MAE's rule (world x batch_size x grad_accum)
     weight_decay: float = 0.05
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    schedule: str = "cosine"  # after the warmup: cosine (to min_lr by the last pass) | constant (DiT's)
+    # after the warmup: cosine (to min_lr by the last pass) | constant (DiT's)
+    schedule: Literal["cosine", "constant"] = "cosine"
     warmup_passes: float = 1.0  # linear warmup, in passes (pass progress, docs/design.md, principle 6)
     min_lr: float = 0.0  # cosine decays to this by the last pass
     grad_clip: float = 1.0  # 0 = off
@@ -118,7 +116,8 @@ class ScoreConfig:
     """What the pruner is told about each sample (pruning/scores.py): its loss, or its loss made
     comparable within its stratum (ldm: the timestep bucket). The training loss is never changed."""
 
-    normalise: str = "none"  # none | stratum_mean (loss / bucket's running mean) | stratum_zscore
+    # stratum_mean: loss / its bucket's running mean (pruning/scores.py's NORMALISATIONS)
+    normalise: Literal["none", "stratum_mean", "stratum_zscore"] = "none"
     buckets: int = 20  # equal-width strata buckets (ldm: of the T timesteps)
     momentum: float = 0.99  # per-sample momentum of the buckets' running statistics
     # a mixture's sources as strata too (beside the task's): each source's losses are normalised within
@@ -130,13 +129,14 @@ class ScoreConfig:
 class RunConfig:
     name: str = "run"
     runs_dir: str = "runs"
-    task: str = "mae"  # mae | ldm
+    task: Literal["mae", "ldm"] = "mae"
     seed: int = 0
     passes: int = 10
-    mixed_precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     ema_decay: float = 0.999
-    ema_warmup: str = "passes"  # passes: the decay warms up with pass progress | none: ema_decay from step 1 (DiT)
-    on_nonfinite_loss: str = "stop"  # stop | skip (skipped steps are counted)
+    # passes: the decay warms up with pass progress | none: ema_decay from step 1 (DiT)
+    ema_warmup: Literal["passes", "none"] = "passes"
+    on_nonfinite_loss: Literal["stop", "skip"] = "stop"  # skipped steps are counted
     log_every: int = 10  # optimizer steps between metric lines
     max_steps: int = 0  # stop after this many optimizer steps (0 = run all passes)
     debug_sync: bool = False  # check each pass that all ranks hold the same plan; save ids per rank
@@ -166,209 +166,80 @@ class RunConfig:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
-    """Schema <- YAML file <- `key=value` overrides, then validated."""
-    try:
-        merged = OmegaConf.structured(RunConfig)
-        if path is not None:
-            for layer in _file_layers(path):
-                merged = OmegaConf.merge(merged, layer)
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides must look like key=value, got {bad[0]!r}")
-        for override in overrides:  # in order: a later one wins
-            key, value = override.split("=", 1)
-            if value == "":  # `key=` empties a text field (data.val= trains without held-out data)
-                _empty(merged, key)
-            else:
-                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
-        cfg: RunConfig = OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
-    except OmegaConfBaseException as e:
-        raise ConfigError(_one_line(e)) from None
+    """Schema <- YAML file (after the files its `base:` names) <- `key=value` overrides, then validated.
+    Reads no data file: `check_data` does, at the start of a run."""
+    cfg: RunConfig = load_structured(RunConfig, path, overrides)
     validate(cfg)
     return cfg
 
 
-def _empty(merged, key: str) -> None:
-    """`key=`: set a text field to ""; any other field needs a value, and an unknown key is unknown."""
-    try:
-        OmegaConf.update(merged, key, "", merge=True)
-    except ConfigAttributeError:
-        raise ConfigError(_unknown_key(key)) from None
-    except ValidationError:
-        raise ConfigError(
-            f"config: {key}= is empty; {key} is not a text field and needs a value "
-            f"(text fields such as data.val= may be emptied)"
-        ) from None
-
-
-def _file_layers(path: str, seen: tuple[str, ...] = ()) -> list:
-    """A YAML file and, first, the files its `base:` key names (relative to it), recursively."""
-    if not os.path.exists(path):
-        raise ConfigError(
-            f"config file {path} does not exist (`prunepipe configs` prints the folder of the shipped ones)"
-        )
-    if os.path.abspath(path) in seen:
-        raise ConfigError(f"config file {path}: `base:` chain loops back to itself")
-    layer = OmegaConf.load(path)
-    base = layer.pop("base", None)
-    if base is None:
-        return [layer]
-    return _file_layers(os.path.join(os.path.dirname(path), str(base)), seen + (os.path.abspath(path),)) + [layer]
-
-
-def _one_line(e: OmegaConfBaseException) -> str:
-    key = getattr(e, "full_key", None) or "?"
-    if isinstance(e, MissingMandatoryValue):
-        return f"config: {key} is required"
-    if isinstance(e, ConfigKeyError):
-        return _unknown_key(key)
-    message = str(e).splitlines()[0]
-    return f"config: {key}: {message}"
-
-
-def _unknown_key(key: str) -> str:
-    parent = key.rpartition(".")[0]
-    return f"config: unknown key {key!r}; accepted keys{' in ' + parent if parent else ''}: {', '.join(_accepted_keys(parent))}"
-
-
-def _accepted_keys(parent: str) -> list[str]:
-    cls: Any = RunConfig
-    for part in filter(None, parent.split(".")):
-        hints = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in hints or not dataclasses.is_dataclass(hints[part].default_factory()):
-            return []
-        cls = type(hints[part].default_factory())
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        raise ConfigError(f"config: {name}={value!r} is not accepted; accepted: {', '.join(accepted)}")
+# ----------------------------------------------------------------------------- the config itself
+RANGES = {
+    "passes": ">= 1",
+    "log_every": ">= 1",
+    "dist_timeout_seconds": ">= 1",
+    "ema_decay": "[0, 1)",
+    "data.batch_size": ">= 1",
+    "data.resolution": ">= 1",
+    "data.max_bad_samples": (">= -1", "-1 = no limit"),
+    "optim.lr": "> 0",
+    "optim.blr": (">= 0", "0 = use optim.lr"),
+    "optim.grad_accum": ">= 1",
+    "checkpoint.every_steps": ">= 1",
+    "checkpoint.keep": ">= 1",
+    "score.buckets": ">= 1",
+    "score.momentum": "[0, 1)",
+}
 
 
 def validate(cfg: RunConfig) -> None:
-    """Values the type system cannot check."""
-    from prunepipe.pruning import NORMALISATIONS, PRUNERS, build_pruner
+    """Every check of the config itself (choices, ranges, settings that need each other); reads no file."""
+    from prunepipe.pruning import PRUNERS, build_pruner
 
-    _choice("task", cfg.task, TASKS)
-    _choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
-    _choice("on_nonfinite_loss", cfg.on_nonfinite_loss, NONFINITE_POLICIES)
-    _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    _choice("ema_warmup", cfg.ema_warmup, EMA_WARMUPS)
-    _choice("data.on_bad_sample", cfg.data.on_bad_sample, BAD_SAMPLE_POLICIES)
-    _validate_augmentations(cfg)
-    _validate_remote(cfg)
+    check_choices(cfg)  # every Literal field, the ldm:, mae: and eval: sections' too
     try:
         cfg.data.num_workers = check_num_workers(cfg.data.num_workers)
+        cfg.data.remote.check()
+        parse_sources(cfg.data.val, "data.val", rules=False)
+        check_pass_length(parse_sources(cfg.data.train), cfg.data.samples_per_pass)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
+    check_ranges(cfg, RANGES)
+    scale = cfg.data.crop_scale
+    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
+        raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
+    if cfg.data.crop != "center" and cfg.task == "ldm" and cfg.ldm.autoencoder == PRECOMPUTED:
+        raise ConfigError(
+            f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder={PRECOMPUTED} trains on "
+            f"precomputed latents, which cannot be cropped; use data.crop=center"
+        )
     if cfg.debug_device_sync and cfg.on_nonfinite_loss == "skip":
         raise ConfigError(
             "config: debug_device_sync=true forbids waiting on the device, but on_nonfinite_loss=skip "
             "reads each step's losses before backward; use on_nonfinite_loss=stop with it"
         )
-    positive = {
-        "passes": cfg.passes,
-        "data.batch_size": cfg.data.batch_size,
-        "data.resolution": cfg.data.resolution,
-        "optim.grad_accum": cfg.optim.grad_accum,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "log_every": cfg.log_every,
-        "dist_timeout_seconds": cfg.dist_timeout_seconds,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"config: {name} must be >= 1, got {value}")
-    if cfg.optim.blr < 0:
-        raise ConfigError(f"config: optim.blr must be >= 0 (0 = use optim.lr), got {cfg.optim.blr}")
-    if cfg.optim.lr <= 0 or not 0.0 <= cfg.ema_decay < 1.0:
-        raise ConfigError(f"config: need optim.lr > 0 and 0 <= ema_decay < 1, got {cfg.optim.lr}, {cfg.ema_decay}")
-    _validate_sources(cfg)
-    _choice("score.normalise", cfg.score.normalise, NORMALISATIONS)
-    _validate_init(cfg)
-    if cfg.task == "ldm":
-        _validate_conditioning(cfg)
-    if cfg.score.buckets < 1 or not 0.0 <= cfg.score.momentum < 1.0:
-        raise ConfigError(
-            f"config: need score.buckets >= 1 and 0 <= score.momentum < 1, got {cfg.score.buckets}, "
-            f"{cfg.score.momentum}"
-        )
-    if cfg.eval.every_passes and not cfg.data.val:
-        raise ConfigError(
-            f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
-            f"is empty; set data.val=DIR or eval.every_passes=0"
-        )
-    try:
-        validate_eval_config(cfg.eval)
-    except ValueError as e:
-        raise ConfigError(f"config: eval.{str(e).split('eval config: ', 1)[-1]}") from None
-    name = cfg.pruner.get("name")
-    if name not in PRUNERS:
-        raise ConfigError(f"config: pruner.name={name!r} is not accepted; accepted: {', '.join(sorted(PRUNERS))}")
-    try:
-        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
-    _validate_groups(cfg, name)
-
-
-def _validate_sources(cfg: RunConfig) -> None:
-    """data.train and data.val as sources (a folder, or a list of them), each folder with its index."""
-    for name in ("train", "val"):
-        key = f"data.{name}"
-        try:
-            sources = parse_sources(getattr(cfg.data, name), key, rules=name == "train")
-        except ValueError as e:
-            raise ConfigError(f"config: {e}") from None
-        for i, source in enumerate(sources):
-            if not os.path.exists(index_file(source.path)):
-                where = key if isinstance(getattr(cfg.data, name), str) else f"{key}[{i}].path"
-                raise ConfigError(
-                    f"config: {where}={source.path!r} holds no index.json; write shards with "
-                    f"`prunepipe shards write --out DIR` (then {where}=DIR/{name}) or index yours with "
-                    f"`prunepipe shards index`"
-                )
-    try:
-        check_pass_length(parse_sources(cfg.data.train), cfg.data.samples_per_pass)
-    except ValueError as e:
-        raise ConfigError(f"config: {e}") from None
     if cfg.score.per_source and cfg.score.normalise == "none":
         raise ConfigError(
             "config: score.per_source=true normalises each source's scores within it; choose how with "
             "score.normalise=stratum_mean or stratum_zscore"
         )
-
-
-def _validate_remote(cfg: RunConfig) -> None:
-    """A remote shard's retries end before a collective's timeout: while one loader retries, its rank
-    reaches no collective, and the others would fail on the process group's timeout first, without
-    the read's own message."""
-    try:
-        cfg.data.remote.check()
-    except ValueError as e:
-        raise ConfigError(f"config: {e}") from None
-    if cfg.data.max_bad_samples < -1:
-        raise ConfigError(f"config: data.max_bad_samples must be -1 (no limit) or >= 0, got {cfg.data.max_bad_samples}")
-    deadline = cfg.data.remote.deadline_seconds
-    if deadline >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
+    _validate_init(cfg)
+    if cfg.task == "ldm":
+        _validate_conditioning(cfg)
+    if cfg.eval.every_passes and not cfg.data.val:
         raise ConfigError(
-            f"config: data.remote.deadline_seconds={deadline:g} lets one shard read stall that long, not less "
-            f"than dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in their next "
-            f"collective before the read failed with its own message; lower data.remote.deadline_seconds or raise "
-            f"dist_timeout_seconds"
+            f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
+            f"is empty; set data.val=DIR or eval.every_passes=0"
         )
-
-
-def _reads_remote_shards(cfg: RunConfig) -> bool:
-    """Whether data.train's or data.val's index names a remote shard (pipe:, http(s), s3, gs, hf)."""
-    folders = source_paths(cfg.data.train) + source_paths(cfg.data.val, "data.val")
-    for folder in folders:
-        if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
-            return True
-    return False
+    validate_eval_config(cfg.eval, "eval.")
+    name = cfg.pruner.get("name")
+    if name not in PRUNERS:
+        raise not_accepted("pruner.name", name, sorted(PRUNERS))
+    try:
+        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
+    _validate_groups(cfg, name)
 
 
 def _validate_init(cfg: RunConfig) -> None:
@@ -392,7 +263,7 @@ def pruner_hparams(pruner: dict) -> dict:
 
 
 def _validate_groups(cfg: RunConfig, name: str) -> None:
-    """pruner.groups is dedup's, and dedup needs it; the table exists where it points."""
+    """pruner.groups is dedup's, and dedup needs it, beside one shard folder (the table: `check_data`)."""
     groups = cfg.pruner.get("groups")
     if groups and name != "dedup":
         raise ConfigError(f"config: pruner.groups={groups!r} is read by pruner.name=dedup only, not {name}")
@@ -407,21 +278,13 @@ def _validate_groups(cfg: RunConfig, name: str) -> None:
             f"mixture of {len(source_paths(cfg.data.train))} sources (near-duplicate groups across sources: "
             f"write one folder, or group each source and train them apart)"
         )
-    train = first_path(cfg.data.train)
-    if groups and train and os.path.exists(index_file(train)):
-        path = group_table_path(str(groups), train)
-        if not os.path.exists(path):
-            raise ConfigError(f"config: pruner.groups={groups!r}: no group table at {path}")
 
 
 def _validate_conditioning(cfg: RunConfig) -> None:
     """ldm.conditioning and what it needs: labels or text for guidance, a text encoder; held-out captions
     for the evaluators that sample a text-conditional model, and CLIPScore only where there are captions,
     refused here, not after the first pass."""
-    try:
-        conditioning = check_config(cfg.ldm)
-    except ValueError as e:
-        raise ConfigError(f"config: {e}") from None
+    conditioning = check_config(cfg.ldm)
     if cfg.eval.fid.guidance_scale != 1.0 and conditioning == "none":
         raise ConfigError(
             f"config: eval.fid.guidance_scale={cfg.eval.fid.guidance_scale} guides class- or "
@@ -435,10 +298,6 @@ def _validate_conditioning(cfg: RunConfig) -> None:
                 f"were drawn from; ldm.conditioning is {conditioning}: leave it empty"
             )
         return
-    if cfg.ldm.text.encoder == PRECOMPUTED_TEXT:
-        _validate_precomputed_text(cfg)
-    if not cfg.eval.every_passes:
-        return
     sampled = [
         name
         for name, on in (
@@ -448,19 +307,82 @@ def _validate_conditioning(cfg: RunConfig) -> None:
         )
         if on
     ]
-    if sampled and not (cfg.eval.val or cfg.data.val):
+    if cfg.eval.every_passes and sampled and not (cfg.eval.val or cfg.data.val):
         raise ConfigError(
             f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
             f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards"
         )
-    if clip and not os.path.isdir(os.path.expanduser(clip)):
+
+
+# ----------------------------------------------------------------------------- the data it names
+def check_data(cfg: RunConfig) -> None:
+    """The checks that read the data a (validated) config names: each split's index.json, the shards'
+    latents and text features against the settings that need them, dedup's group table, remote shards'
+    read deadline, the CLIPScore model's folder. Run at the start of a run (`train`) and by `prunepipe
+    train` before it launches; `load_config` never reads these files. Errors begin `data check:`."""
+    _check_indexes(cfg)
+    _check_remote_deadline(cfg)
+    _check_latent_augmentations(cfg)
+    _check_group_table(cfg)
+    if cfg.task == "ldm" and resolved_conditioning(cfg.ldm) == "text":
+        if cfg.ldm.text.encoder == PRECOMPUTED_TEXT:
+            _check_precomputed_text(cfg)
+        clip = cfg.eval.clip_score.model
+        if cfg.eval.every_passes and clip and not os.path.isdir(os.path.expanduser(clip)):
+            raise ConfigError(
+                f"data check: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
+                f"and its processor; nothing is downloaded)"
+            )
+
+
+def _check_indexes(cfg: RunConfig) -> None:
+    """data.train and data.val: each source's folder holds its index.json."""
+    for name in ("train", "val"):
+        key = f"data.{name}"
+        for i, source in enumerate(parse_sources(getattr(cfg.data, name), key, rules=name == "train")):
+            if not os.path.exists(index_file(source.path)):
+                where = key if isinstance(getattr(cfg.data, name), str) else f"{key}[{i}].path"
+                raise ConfigError(
+                    f"data check: {where}={source.path!r} holds no index.json; write shards with "
+                    f"`prunepipe shards write --out DIR` (then {where}=DIR/{name}) or index yours with "
+                    f"`prunepipe shards index`"
+                )
+
+
+def _check_remote_deadline(cfg: RunConfig) -> None:
+    """A remote shard's retries end before a collective's timeout: while one loader retries, its rank
+    reaches no collective, and the others would fail on the process group's timeout first, without
+    the read's own message."""
+    deadline = cfg.data.remote.deadline_seconds
+    if deadline >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
         raise ConfigError(
-            f"config: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
-            f"and its processor; nothing is downloaded)"
+            f"data check: data.remote.deadline_seconds={deadline:g} lets one shard read stall that long, not "
+            f"less than dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in "
+            f"their next collective before the read failed with its own message; lower "
+            f"data.remote.deadline_seconds or raise dist_timeout_seconds"
         )
 
 
-def _validate_precomputed_text(cfg: RunConfig) -> None:
+def _reads_remote_shards(cfg: RunConfig) -> bool:
+    """Whether data.train's or data.val's index names a remote shard (pipe:, http(s), s3, gs, hf)."""
+    folders = source_paths(cfg.data.train) + source_paths(cfg.data.val, "data.val")
+    for folder in folders:
+        if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
+            return True
+    return False
+
+
+def _check_group_table(cfg: RunConfig) -> None:
+    """pruner.groups: the table exists where it points (beside data.train, or a path)."""
+    groups = cfg.pruner.get("groups")
+    train = first_path(cfg.data.train)
+    if groups and train and os.path.exists(index_file(train)):
+        path = group_table_path(str(groups), train)
+        if not os.path.exists(path):
+            raise ConfigError(f"data check: pruner.groups={groups!r}: no group table at {path}")
+
+
+def _check_precomputed_text(cfg: RunConfig) -> None:
     """ldm.text.encoder=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     made_by = {}
@@ -473,7 +395,7 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
         identity = stored_identity(index.meta)
         if not identity:
             raise ConfigError(
-                f"config: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
+                f"data check: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
                 f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                 f"encode ... --text-encoder PATH`"
             )
@@ -483,24 +405,15 @@ def _validate_precomputed_text(cfg: RunConfig) -> None:
     if len(set(made_by.values())) > 1:
         listed = "; ".join(f"{setting}: {made}" for setting, made in made_by.items())
         raise ConfigError(
-            f"config: the splits' text features come from different encoders or caption lengths "
+            f"data check: the splits' text features come from different encoders or caption lengths "
             f"({listed}); encode every split with the same --text-encoder and --text-max-length"
         )
 
 
-def _validate_augmentations(cfg: RunConfig) -> None:
-    """Augmentations the decoder can apply, where the config or the shard index tells: a crop on
-    images only, a flip on latents only where the mirrored images' latents are stored."""
-    _choice("data.crop", cfg.data.crop, CROPS)
-    scale = cfg.data.crop_scale
-    if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
-        raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
+def _check_latent_augmentations(cfg: RunConfig) -> None:
+    """Augmentations the decoder can apply where the shard index tells: a crop on images only, a flip
+    on latents only where the mirrored images' latents are stored."""
     cropped = cfg.data.crop != "center"
-    if cropped and cfg.task == "ldm" and cfg.ldm.autoencoder == "latents":
-        raise ConfigError(
-            f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder=latents trains on "
-            f"precomputed latents, which cannot be cropped; use data.crop=center"
-        )
     train = first_path(cfg.data.train)  # a mixture's sources hold one kind of sample (pipelines/data/mixture.py)
     if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):
         return
@@ -509,12 +422,12 @@ def _validate_augmentations(cfg: RunConfig) -> None:
         return
     if cropped:
         raise ConfigError(
-            f"config: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
+            f"data check: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
             f"latents ({index.path} records latent_shape); use data.crop=center"
         )
     if cfg.data.hflip and FLIPPED_LATENT_FIELD not in index.meta.get("keys", [FLIPPED_LATENT_FIELD]):
         raise ConfigError(
-            f"config: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
+            f"data check: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
             f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
             f"`prunepipe latents encode --flip`, or set data.hflip=false"
         )

@@ -131,13 +131,17 @@ def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=No
 
 
 def diffusion_config(**settings):
-    """A DiffusionConfig from keywords: an ldm field by its name, a group's as GROUP__FIELD (dit__depth=2)."""
-    from omegaconf import OmegaConf
+    """A DiffusionConfig from keywords: an ldm field by its name, a group's as GROUP__FIELD (dit__depth=2).
+    Built in Python, unchecked: the task's check_config checks it as it would a loaded one."""
+    import dataclasses
 
     from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig
 
-    nested: dict = {}
+    cfg, fields = DiffusionConfig(), {}
     for key, value in settings.items():
         group, _, name = key.rpartition("__")
-        (nested.setdefault(group, {}) if group else nested)[name] = value
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DiffusionConfig), nested))
+        if group:
+            setattr(cfg, group, dataclasses.replace(getattr(cfg, group), **{name: value}))
+        else:
+            fields[name] = value
+    return dataclasses.replace(cfg, **fields)

@@ -20,7 +20,7 @@ from PIL import Image
 from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.functional import pil_to_tensor, resized_crop
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.augment import CROP_RATIO, crop_uniforms, random_resized_crop_box
 from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.shards import ShardIndex, read_shard
@@ -196,10 +196,12 @@ def test_latents_cannot_be_cropped_and_the_error_names_shard_key_or_field(tmp_pa
     folder = tmp_path / "latents"
     folder.mkdir()
     ShardIndex.write(str(folder), [("shard-000000.tar", 1)], latent_shape=[4, 8, 8])
-    with pytest.raises(ConfigError, match=r"data\.crop=random_resized.*holds latents.*latent_shape"):
-        load_config(
-            os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-            [f"data.train={folder}", "data.val=", "data.crop=random_resized"],
+    with pytest.raises(ConfigError, match=r"data check: data\.crop=random_resized.*holds latents.*latent_shape"):
+        check_data(
+            load_config(
+                os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+                [f"data.train={folder}", "data.val=", "data.crop=random_resized"],
+            )
         )
     with pytest.raises(ConfigError, match=r"data\.crop_scale=\[0\.0, 1\.0\]"):
         load_config(

@@ -1,8 +1,10 @@
-"""Config mistakes give one clear line naming the field and the accepted values; every shipped
-config loads."""
+"""Config mistakes give one clear line naming the field and the accepted values, in one format for
+every choice; a config is checked without its data (the data checks are apart); every shipped config
+loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -12,7 +14,9 @@ import sys
 
 import pytest
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, RunConfig, check_data, load_config, validate
+from prunepipe.pipelines.config_schema import choices
+from prunepipe.pipelines.evaluation.config import load_eval_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
@@ -51,13 +55,89 @@ def test_overrides_reach_nested_fields_and_pruner_hparams(digits_shards):
         ("pruner.ratio=0.3", r"ratio.*accepted: prune_ratio"),
         ("pruner.prune_ratio=1.5", r"prune_ratio"),
         ("data.batch_size=0", r"data.batch_size must be >= 1"),
-        ("data.train=/nonexistent/shards", r"data.train='/nonexistent/shards'.*prunepipe shards write"),
+        ("optim.blr=-1", r"optim.blr must be >= 0, got -1.0 \(0 = use optim.lr\)"),
+        ("score.momentum=1.0", r"score.momentum must be in \[0, 1\), got 1.0"),
     ],
 )
 def test_config_mistakes_name_the_field(override, expected, digits_shards):
     with pytest.raises(ConfigError, match=expected) as error:
         load_config(TINY, data_overrides(digits_shards) + [override])
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override, accepted",
+    [
+        ("mixed_precision=fp8", "auto, no, bf16, fp16"),
+        ("data.crop=square", "center, random_resized"),
+        ("score.normalise=bucket", "none, stratum_mean, stratum_zscore"),
+        ("ldm.ddpm.prediction_type=sample", "epsilon, v_prediction"),
+        ("ldm.conditioning=words", "none, class, text, ''"),
+        ("mae.preset=vit_tiny", "'', vit_base, vit_large, vit_huge"),
+        ("eval.fid.inception_dim=100", "64, 192, 768, 2048"),
+        ("eval.fid.feature=dino", "inception, classifier, module:package.module:factory"),
+        ("pruner.name=magic", "dedup, full, importance, infobatch, random, ted"),
+    ],
+)
+def test_every_choice_mistake_reads_the_same(override, accepted, digits_shards):
+    key, value = override.split("=")
+    value = int(value) if value.isdigit() else value  # as YAML reads it
+    expected = f"config: {key}={value!r} is not accepted; accepted: {accepted}"
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY, data_overrides(digits_shards) + [override])
+    assert str(error.value) == expected
+
+
+def test_a_choice_set_in_python_is_checked_as_one_read_from_a_file(digits_shards):
+    cfg = load_config(TINY, data_overrides(digits_shards))
+    cfg.ldm = dataclasses.replace(cfg.ldm, backbone="vit")
+    with pytest.raises(ConfigError, match=r"^config: ldm.backbone='vit' is not accepted; accepted: unet, dit$"):
+        validate(cfg)
+
+
+def test_an_unquoted_yaml_no_is_named_as_the_boolean_it_became(digits_shards):
+    with pytest.raises(ConfigError, match=r"mixed_precision=False is not accepted.*quote the word"):
+        load_config(TINY, data_overrides(digits_shards) + ["mixed_precision=no"])
+    assert load_config(TINY, data_overrides(digits_shards) + ["mixed_precision='no'"]).mixed_precision == "no"
+
+
+def test_the_choices_are_the_values_their_readers_accept():
+    from prunepipe.pipelines.data.augment import CROPS
+    from prunepipe.pipelines.data.stream import BAD_SAMPLE_POLICIES
+    from prunepipe.pipelines.tasks.diffusion.config import DDPMSettings, DiffusionConfig, DiTSettings, FlowSettings
+    from prunepipe.pipelines.tasks.diffusion.dit import DIT_PRESETS
+    from prunepipe.pipelines.tasks.diffusion.flow import FLOW_WEIGHTINGS
+    from prunepipe.pipelines.tasks.diffusion.timesteps import TIMESTEP_SAMPLING
+    from prunepipe.pipelines.tasks.mae import PRESETS, MAEConfig
+    from prunepipe.pruning import NORMALISATIONS
+
+    data, score = (type(getattr(RunConfig(), name)) for name in ("data", "score"))
+    assert set(choices(data, "crop")) == set(CROPS)
+    assert set(choices(data, "on_bad_sample")) == set(BAD_SAMPLE_POLICIES)
+    assert set(choices(score, "normalise")) == set(NORMALISATIONS)
+    assert choices(FlowSettings, "weighting") == FLOW_WEIGHTINGS
+    assert choices(DDPMSettings, "timestep_sampling") == TIMESTEP_SAMPLING
+    assert choices(DiTSettings, "preset") == DIT_PRESETS
+    assert choices(MAEConfig, "preset") == ("", *PRESETS)
+    assert choices(DiffusionConfig, "backbone") == ("unet", "dit")
+
+
+def test_a_config_is_checked_without_its_data_and_the_data_checks_say_so(tmp_path):
+    cfg = load_config(TINY, ["data.train=/nonexistent/shards", "data.val=/nonexistent/val"])
+    assert cfg.data.train == "/nonexistent/shards"  # load_config opens no data file
+    with pytest.raises(ConfigError, match=r"^data check: data.train='/nonexistent/shards'.*prunepipe shards write"):
+        check_data(cfg)
+
+
+def test_an_eval_config_is_loaded_as_a_run_config_is(tmp_path):
+    (tmp_path / "base.yaml").write_text("val_samples: 64\nfid:\n  num_samples: 200\n")
+    (tmp_path / "eval.yaml").write_text("base: base.yaml\nfid:\n  sampler_steps: 10\n")
+    cfg = load_eval_config(path=str(tmp_path / "eval.yaml"), overrides=["fid.num_samples=300", "val="])
+    assert (cfg.val_samples, cfg.fid.num_samples, cfg.fid.sampler_steps, cfg.val) == (64, 300, 10, "")
+    with pytest.raises(ConfigError, match=r"^config: unknown key 'fid.samples'; accepted keys in fid: enabled"):
+        load_eval_config(overrides=["fid.samples=3"])
+    with pytest.raises(ConfigError, match=r"^config: weights='best' is not accepted; accepted: ema, raw$"):
+        load_eval_config(overrides=["weights=best"])
 
 
 def test_required_shard_folder_is_named(tmp_path):

@@ -174,15 +174,15 @@ def test_flow_held_out_is_a_fixed_grid_of_s_and_repeats_exactly():
 @pytest.mark.parametrize(
     "setting, message",
     [
-        (dict(backbone="vit"), r"ldm\.backbone: got 'vit', accepted: unet, dit"),
-        (dict(objective="edm"), r"ldm\.objective: got 'edm', accepted: ddpm, flow"),
+        (dict(backbone="vit"), r"ldm\.backbone='vit' is not accepted; accepted: unet, dit"),
+        (dict(objective="edm"), r"ldm\.objective='edm' is not accepted; accepted: ddpm, flow"),
         (
             dict(objective="flow", flow__weighting="cosmap"),
-            r"ldm\.flow\.weighting: got 'cosmap', accepted: logit_normal",
+            r"ldm\.flow\.weighting='cosmap' is not accepted; accepted: logit_normal",
         ),
         (dict(objective="flow", ddpm__min_snr_gamma=5.0), r"ldm\.objective='flow'.*ldm\.ddpm\.min_snr_gamma"),
         (dict(label_dropout=1.0), r"ldm\.label_dropout must be in \[0, 1\)"),
-        (dict(dit__preset="DiT-XXL/2"), r"ldm\.dit\.preset: got 'DiT-XXL/2', accepted: DiT-S/2"),
+        (dict(dit__preset="DiT-XXL/2"), r"ldm\.dit\.preset='DiT-XXL/2' is not accepted; accepted: DiT-S/2"),
     ],
 )
 def test_config_mistakes_name_the_field_and_accepted_values(setting, message):

@@ -18,7 +18,7 @@ import torch
 from test_accumulation import run_two_ranks  # pytest puts tests/ on the path
 from test_trainer import assert_states_equal, final_state
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.group_table import group_table_path, open_group_table, write_group_table
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.training.loop import train
@@ -406,8 +406,10 @@ def test_group_table_mistakes_name_the_field_or_the_file(redundant, tmp_path):
         dedup_cfg(redundant, tmp_path, "x", ["pruner.name=importance"])
     with pytest.raises(ConfigError, match=r"pruner.name=dedup needs pruner.groups"):
         dedup_cfg(redundant, tmp_path, "x", ["pruner.groups="])
-    with pytest.raises(ConfigError, match=r"no group table at .*groups/missing.npy"):
-        dedup_cfg(redundant, tmp_path, "x", ["pruner.groups=missing"])
+    with pytest.raises(
+        ConfigError, match=r"data check: pruner.groups='missing': no group table at .*groups/missing.npy"
+    ):
+        check_data(dedup_cfg(redundant, tmp_path, "x", ["pruner.groups=missing"]))
     short = write_group_table(
         os.path.join(redundant, "train", "groups", "short.npy"), np.arange(215, dtype=np.int32), {}
     )

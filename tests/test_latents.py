@@ -14,7 +14,7 @@ import torch
 from diffusers import AutoencoderKL
 from eval_runs import tiny_vae
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.augment import flip_coin
 from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD, SampleDecoder
 from prunepipe.pipelines.data.shards import ShardIndex, read_shard
@@ -162,5 +162,9 @@ def test_hflip_on_latents_without_mirrored_ones_is_refused_naming_shard_key_or_i
     sample = samples(latent_val)[0]
     with pytest.raises(ValueError, match=rf"shard .*key '{sample['__key__']}': data\.hflip=true .*--flip"):
         SampleDecoder(hflip=True).decode(sample, 0, 0)
-    with pytest.raises(ConfigError, match=r"data\.hflip=true.*hold no latents of mirrored images.*--flip"):
-        load_config(os.path.join(ROOT, "configs", "ldm_dit_full.yaml"), [f"data.train={latent_val}", "data.hflip=true"])
+    with pytest.raises(ConfigError, match=r"data check: data\.hflip=true.*hold no latents of mirrored images.*--flip"):
+        check_data(
+            load_config(
+                os.path.join(ROOT, "configs", "ldm_dit_full.yaml"), [f"data.train={latent_val}", "data.hflip=true"]
+            )
+        )

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_trainer import ROOT, TINY_MAE, assert_states_equal, final_state
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.mixture import Mixture, parse_sources, permuted
 from prunepipe.pipelines.data.stream import ShardStream
 from prunepipe.pipelines.training.loop import train
@@ -106,10 +106,12 @@ def test_mixture_mistakes_name_the_source_and_field(digits_shards):
         parse_sources([{"path": "a", "weight": 1}, {"path": "b", "repeat": 1}])
     with pytest.raises(ValueError, match=r"source name 'x' is given twice"):
         parse_sources([{"name": "x", "path": "a"}, {"name": "x", "path": "b"}])
-    with pytest.raises(ConfigError, match=r"data.train\[1\].path='/nowhere' holds no index.json"):
-        load_config(
-            os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-            [f"data.train=[{{path: {digits_shards}/train}}, {{path: /nowhere}}]", "data.val="],
+    with pytest.raises(ConfigError, match=r"data check: data.train\[1\].path='/nowhere' holds no index.json"):
+        check_data(
+            load_config(
+                os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+                [f"data.train=[{{path: {digits_shards}/train}}, {{path: /nowhere}}]", "data.val="],
+            )
         )
     with pytest.raises(ConfigError, match="score.per_source=true normalises"):
         load_config(

@@ -17,7 +17,7 @@ from eval_runs import digit_shards
 from safetensors.torch import load_file
 
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.remote import ReadRetry
 from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
 from prunepipe.tools.benchmarks.remote_reads import FLAKY  # a transfer command that dies half-way through a shard once
@@ -246,8 +246,12 @@ def test_a_retry_budget_longer_than_the_collective_timeout_is_refused_for_remote
         match=r"data.remote.deadline_seconds=600 lets one shard read stall that long, not less than "
         r"dist_timeout_seconds=400",
     ):
-        load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400"])
-    load_config(
-        CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400", "data.remote.deadline_seconds=300"]
+        check_data(load_config(CONFIG, [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400"]))
+    check_data(
+        load_config(
+            CONFIG,
+            [f"data.train={remote}", "data.val=", "dist_timeout_seconds=400", "data.remote.deadline_seconds=300"],
+        )
     )
-    load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])  # nothing retried
+    local = load_config(CONFIG, [f"data.train={local_shards}", "data.val=", "dist_timeout_seconds=400"])
+    check_data(local)  # nothing retried

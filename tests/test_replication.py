@@ -331,7 +331,7 @@ def test_the_train_split_as_its_own_baseline_is_an_error(splits):
     "override,message",
     [
         ("replication.feature=inception", r"replication.feature='inception' is not accepted"),
-        ("replication.threshold=1.5", r"replication.threshold is a ratio of distances, in \(0, 1\)"),
+        ("replication.threshold=1.5", r"replication.threshold must be in \(0, 1\), got 1.5 \(a ratio of distances\)"),
         ("replication.neighbours=1", r"replication.neighbours must be >= 2"),
         ("replication.num_samples=0", r"replication.num_samples must be >= 1"),
     ],

@@ -19,7 +19,7 @@ from test_evaluate_ranks import join_group, leave, results_of, run_ranks
 from test_text_to_image import CONFIG, captioned, config, encoder  # noqa: F401 (fixtures)
 from torchmetrics.multimodal.clip_score import CLIPScore
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.splits import read_captions
 from prunepipe.pipelines.evaluation.clip_score import clip_score_metric, load_clip, scoring
 from prunepipe.pipelines.evaluation.config import load_eval_config
@@ -224,8 +224,8 @@ def test_a_text_run_evaluates_fid_and_clip_score_every_pass_and_its_config_mista
     every = ["eval.every_passes=1", "eval.replication.enabled=true"]
     cfg = config(captioned, encoder, tmp_path, "ok", *every, f"eval.clip_score.model={clip}")
     assert cfg.eval.fid.enabled and cfg.eval.clip_score.model == clip
-    with pytest.raises(ConfigError, match=r"eval\.clip_score\.model=.*no such folder"):
-        config(captioned, encoder, tmp_path, "bad", *every, f"eval.clip_score.model={tmp_path / 'none'}")
+    with pytest.raises(ConfigError, match=r"data check: eval\.clip_score\.model=.*no such folder"):
+        check_data(config(captioned, encoder, tmp_path, "bad", *every, f"eval.clip_score.model={tmp_path / 'none'}"))
     with pytest.raises(ConfigError, match=r"held-out captions and data\.val is empty"):
         config(captioned, encoder, tmp_path, "bad", *every, "data.val=")
     digits = os.path.join(os.path.dirname(CONFIG), "ldm_dit_tiny_full.yaml")

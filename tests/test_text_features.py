@@ -20,7 +20,7 @@ from test_text_eval import clip, settings  # noqa: F401 (fixture)
 from test_text_to_image import CONFIG, captioned, encoder, tiny  # noqa: F401 (fixtures)
 from test_trainer import straight_and_resumed
 
-from prunepipe.pipelines.config import ConfigError, load_config
+from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.batch import real_samples
 from prunepipe.pipelines.data.decode import TEXT_FEATURES_FIELD, TEXT_NULL_FILE, SampleDecoder
 from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
@@ -263,17 +263,19 @@ def test_a_sample_without_features_is_bad_input_named_by_its_field():
 def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_encoders(
     features16, captioned, encoder, tmp_path
 ):  # noqa: F811
-    with pytest.raises(ConfigError, match=r"data.val=.* holds no text features"):
-        load_config(
-            CONFIG,
-            [
-                f"data.train={features16}/train",
-                f"data.val={captioned}/val",
-                f"runs_dir={tmp_path}",
-                "ldm.autoencoder=latents",
-                *tiny(encoder),
-                PRECOMPUTED,
-            ],
+    with pytest.raises(ConfigError, match=r"data check: .*data.val=.* holds no text features"):
+        check_data(
+            load_config(
+                CONFIG,
+                [
+                    f"data.train={features16}/train",
+                    f"data.val={captioned}/val",
+                    f"runs_dir={tmp_path}",
+                    "ldm.autoencoder=latents",
+                    *tiny(encoder),
+                    PRECOMPUTED,
+                ],
+            )
         )
     other = write_tiny_text_encoder(
         str(tmp_path / "other"), ["a different vocabulary"], hidden_size=16, layers=1, max_length=8
@@ -295,17 +297,19 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
         text_max_length=6,
     )
     for val in ("val_other", "val_shorter"):  # another encoder; the same one, captions cut at another length
-        with pytest.raises(ConfigError, match="different encoders or caption lengths"):
-            load_config(
-                CONFIG,
-                [
-                    f"data.train={features16}/train",
-                    f"data.val={tmp_path}/{val}",
-                    f"runs_dir={tmp_path}",
-                    "ldm.autoencoder=latents",
-                    *tiny(encoder),
-                    PRECOMPUTED,
-                ],
+        with pytest.raises(ConfigError, match="data check: .*different encoders or caption lengths"):
+            check_data(
+                load_config(
+                    CONFIG,
+                    [
+                        f"data.train={features16}/train",
+                        f"data.val={tmp_path}/{val}",
+                        f"runs_dir={tmp_path}",
+                        "ldm.autoencoder=latents",
+                        *tiny(encoder),
+                        PRECOMPUTED,
+                    ],
+                )
             )
 
 

@@ -105,7 +105,7 @@ def test_a_task_weights_the_loss_and_scores_without_the_weight():
     task.observe(np.arange(8), out.stratum.numpy(), out.score.numpy())
     last = int(np.flatnonzero(out.stratum.numpy() == int(out.stratum[0]))[-1])  # the newest loss of that t
     assert history(sampler, int(out.stratum[0]))[-1] == pytest.approx(float(out.score[last]))
-    with pytest.raises(ValueError, match="ldm.ddpm.timestep_sampling: got 'uniformly'"):
+    with pytest.raises(ValueError, match="ldm.ddpm.timestep_sampling='uniformly' is not accepted"):
         DiffusionTask(diffusion_config(ddpm__timestep_sampling="uniformly"), image_size=16, channels=1)
 
 

@@ -1,23 +1,22 @@
-"""Settings of the evaluators (`prunepipe eval`, periodic evaluation): plain dataclasses with
-OmegaConf overrides, like the run config. Imports nothing else of the project, so the run config
-can embed `EvalConfig` as its `eval:` section without an import cycle.
+"""Settings of the evaluators (`prunepipe eval`, periodic evaluation): dataclasses loaded like the run
+config, by the one loader (pipelines/config_schema.py: `base:` files, overrides, one error format).
+Imports nothing else of the project, so the run config can embed `EvalConfig` as its `eval:` section
+without an import cycle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from prunepipe.pipelines.config_schema import check_choices, check_ranges, load_structured, not_accepted
 
-FID_FEATURES = ("inception", "classifier")  # or "module:package.module:factory"
+Precision = Literal["fp32", "bf16"]
+PRECISIONS = get_args(Precision)
+MODULE_FEATURE = "module:package.module:factory"  # a feature net of one's own: factory(weights) -> nn.Module
+FID_FEATURES = ("inception", "classifier")  # or MODULE_FEATURE
 # Inception is not offered: its pool features judge what an image shows, not whether it is a copy
-REPLICATION_FEATURES = ("", "classifier")  # or "module:package.module:factory"
-INCEPTION_DIMS = (64, 192, 768, 2048)
-INCEPTION_RESIZE = ("tf1", "antialias")
-WEIGHTS = ("ema", "raw")
-PROBE_POOLS = ("token", "avg")
-PRECISIONS = ("fp32", "bf16")
+REPLICATION_FEATURES = ("", "classifier")  # or MODULE_FEATURE
 
 
 @dataclass
@@ -35,8 +34,10 @@ class FIDConfig:
     # float images in [0, 1] to [N, D] features
     feature: str = "inception"
     weights: str = ""  # the feature network's file; "" = its default place (docs/evaluation.md)
-    inception_dim: int = 2048  # 64 | 192 | 768 | 2048
-    resize: str = "tf1"  # to 299 px: tf1 (as TF FID and torch-fidelity, published numbers) | antialias
+    inception_dim: Literal[64, 192, 768, 2048] = 2048
+    resize: Literal["tf1", "antialias"] = (
+        "tf1"  # to 299 px: tf1 (as TF FID and torch-fidelity, published numbers) | antialias
+    )
     # train | val (the run's shards) | a folder of image shards. Text-conditional runs compare with the
     # held-out images of the captions they sampled: the val shards, or this folder when it names the
     # image shards (in the same order) that latent val shards were encoded from
@@ -52,7 +53,9 @@ class ProbeConfig:
     """Linear probe of the MAE encoder: logistic regression on frozen features, accuracy on val."""
 
     enabled: bool = True
-    pool: str = "token"  # token: the class token (MAE's protocol, timm's export) | avg: mean of the patch tokens
+    pool: Literal["token", "avg"] = (
+        "token"  # token: the class token (MAE's protocol, timm's export) | avg: mean of the patch tokens
+    )
     train_samples: int = 20000  # labelled train images read, in index order (0 = all)
     # > 0: a few-shot probe fitted on the first `per_class` of them of each class. On easy domains
     # (digits) random encoder features are already ~90% linearly separable with all labels; 10 per
@@ -99,7 +102,7 @@ class ClipScoreConfig:
 @dataclass
 class EvalConfig:
     every_passes: int = 0  # evaluate during training every E passes (0 = only `prunepipe eval`)
-    weights: str = "ema"  # ema | raw: which weights of a checkpoint are evaluated
+    weights: Literal["ema", "raw"] = "ema"  # which weights of a checkpoint are evaluated
     # Masks, noise and sample seeds: fixed and independent of the run's seed, so runs with
     # different seeds are measured on the very same inputs.
     seed: int = 0
@@ -109,27 +112,39 @@ class EvalConfig:
     # fp32: an evaluation is the judge, the same numbers whatever precision the run trained in;
     # bf16: the evaluated model's forwards under bf16 autocast, in training and in `prunepipe eval`
     # alike. Written into every eval record; `prunepipe compare` refuses to mix the two.
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     fid: FIDConfig = field(default_factory=FIDConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     clip_score: ClipScoreConfig = field(default_factory=ClipScoreConfig)
 
 
+# every_passes, counts and sizes: a count of 0 means all where its comment says so
+RANGES = {
+    "every_passes": ">= 0",
+    "batch_size": ">= 1",
+    "val_samples": ">= 0",
+    "fid.num_samples": ">= 2",
+    "fid.sampler_steps": ">= 1",
+    "fid.batch_size": ">= 1",
+    "fid.reference_samples": ">= 0",
+    "probe.train_samples": ">= 0",
+    "probe.per_class": ">= 0",
+    "probe.C": "> 0",
+    "replication.num_samples": ">= 1",
+    "replication.max_train": ">= 0",
+    "replication.held_out_samples": ">= 0",
+    "replication.neighbours": ">= 2",
+    "replication.threshold": ("(0, 1)", "a ratio of distances"),
+    "replication.pixel_size": ">= 1",
+    "replication.picture_pairs": ">= 0",
+}
+
+
 def load_eval_config(base: EvalConfig | None = None, path: str | None = None, overrides: list[str] = ()) -> EvalConfig:
-    """`base` (e.g. a run config's `eval:` section) <- YAML file <- `key=value` overrides, validated."""
-    try:
-        merged = OmegaConf.structured(base if base is not None else EvalConfig)
-        if path is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ValueError(f"eval overrides must look like key=value (e.g. fid.num_samples=5000), got {bad[0]!r}")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        cfg: EvalConfig = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ValueError(f"eval config: {key}: {str(e).splitlines()[0]}") from None
+    """`base` (e.g. a run config's `eval:` section) <- YAML file (and its `base:` files) <- `key=value`
+    overrides, validated; as the run config is loaded."""
+    cfg: EvalConfig = load_structured(base if base is not None else EvalConfig, path, overrides)
     validate_eval_config(cfg)
     return cfg
 
@@ -139,52 +154,13 @@ def _names_a_feature(value: str, accepted: tuple[str, ...]) -> bool:
     return value in accepted or (value.startswith("module:") and value.count(":") == 2)
 
 
-def validate_eval_config(cfg: EvalConfig) -> None:
-    """Values the type system cannot check; each message names the field and what it accepts."""
-
-    def choice(name, value, accepted):
-        if value not in accepted:
-            raise ValueError(
-                f"eval config: {name}={value!r} is not accepted; accepted: {', '.join(map(str, accepted))}"
-            )
-
-    choice("weights", cfg.weights, WEIGHTS)
-    choice("precision", cfg.precision, PRECISIONS)
-    choice("fid.inception_dim", cfg.fid.inception_dim, INCEPTION_DIMS)
-    choice("fid.resize", cfg.fid.resize, INCEPTION_RESIZE)
-    choice("probe.pool", cfg.probe.pool, PROBE_POOLS)
-    if not _names_a_feature(cfg.fid.feature, FID_FEATURES):
-        raise ValueError(
-            f"eval config: fid.feature={cfg.fid.feature!r} is not accepted; accepted: "
-            f"{', '.join(FID_FEATURES)}, module:package.module:factory"
-        )
-    rep = cfg.replication
-    if not _names_a_feature(rep.feature, REPLICATION_FEATURES):
-        raise ValueError(
-            f"eval config: replication.feature={rep.feature!r} is not accepted; accepted: '' (pixels "
-            f"only), classifier, module:package.module:factory"
-        )
-    if not 0 < rep.threshold < 1:
-        raise ValueError(f"eval config: replication.threshold is a ratio of distances, in (0, 1); got {rep.threshold}")
-    at_least = {
-        "fid.num_samples": (cfg.fid.num_samples, 2),
-        "fid.sampler_steps": (cfg.fid.sampler_steps, 1),
-        "fid.batch_size": (cfg.fid.batch_size, 1),
-        "batch_size": (cfg.batch_size, 1),
-        "every_passes": (cfg.every_passes, 0),
-        "val_samples": (cfg.val_samples, 0),
-        "fid.reference_samples": (cfg.fid.reference_samples, 0),
-        "probe.train_samples": (cfg.probe.train_samples, 0),
-        "probe.per_class": (cfg.probe.per_class, 0),
-        "replication.num_samples": (rep.num_samples, 1),
-        "replication.max_train": (rep.max_train, 0),
-        "replication.held_out_samples": (rep.held_out_samples, 0),
-        "replication.neighbours": (rep.neighbours, 2),
-        "replication.pixel_size": (rep.pixel_size, 1),
-        "replication.picture_pairs": (rep.picture_pairs, 0),
-    }
-    for name, (value, low) in at_least.items():
-        if value < low:
-            raise ValueError(f"eval config: {name} must be >= {low}, got {value}")
-    if cfg.probe.C <= 0:
-        raise ValueError(f"eval config: probe.C must be > 0, got {cfg.probe.C}")
+def validate_eval_config(cfg: EvalConfig, prefix: str = "") -> None:
+    """Values the type system cannot check; `prefix` is where the section sits (`eval.` in a run config)."""
+    check_choices(cfg, prefix)
+    for key, value, accepted in (
+        ("fid.feature", cfg.fid.feature, FID_FEATURES),
+        ("replication.feature", cfg.replication.feature, REPLICATION_FEATURES),
+    ):
+        if not _names_a_feature(value, accepted):
+            raise not_accepted(prefix + key, value, (*accepted, MODULE_FEATURE))
+    check_ranges(cfg, RANGES, prefix)

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Literal
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from prunepipe.pipelines.config_schema import not_accepted
 from prunepipe.pipelines.data.batch import real_samples
 from prunepipe.pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from prunepipe.pipelines.tasks.sample_losses import SampleLosses
@@ -70,7 +71,7 @@ def hidden_share(patches: torch.Tensor, noise: torch.Tensor, mask_ratio: float) 
 class MAEConfig:
     """Model and loss settings; a non-empty `preset` overrides the size fields with the paper's."""
 
-    preset: str = ""  # "" | "vit_base" | "vit_large" | "vit_huge"
+    preset: Literal["", "vit_base", "vit_large", "vit_huge"] = ""  # PRESETS; "": the size fields
     patch_size: int = 4
     embed_dim: int = 64
     depth: int = 4
@@ -87,9 +88,7 @@ class MAEConfig:
         if not self.preset:
             return dataclasses.replace(self)
         if self.preset not in PRESETS:
-            raise ValueError(
-                f"mae.preset: got {self.preset!r}, accepted: '' (use the size fields), {', '.join(PRESETS)}"
-            )
+            raise not_accepted("mae.preset", self.preset, ("", *PRESETS))
         return dataclasses.replace(self, **PRESETS[self.preset], **PAPER_DECODER)
 
 

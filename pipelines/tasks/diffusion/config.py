@@ -5,17 +5,11 @@ and the one check of them (`check_config`), run by the run config and by the tas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from prunepipe.pipelines.tasks.diffusion.dit import DIT_PRESETS
-from prunepipe.pipelines.tasks.diffusion.flow import FLOW_WEIGHTINGS
-from prunepipe.pipelines.tasks.diffusion.timesteps import TIMESTEP_SAMPLING
+from prunepipe.pipelines.config_schema import ConfigError, check_choices, check_ranges
 
-BACKBONES = ("unet", "dit")
-OBJECTIVES = ("ddpm", "flow")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")
 PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
-CONDITIONINGS = ("none", "class", "text")
 
 
 @dataclass
@@ -34,7 +28,11 @@ class DiTSettings:
     """ldm.dit.preset: the DiT of backbone=dit, a preset (DiT-S/2, B/2, L/2, XL/2; /4 and /8 too) whose numbers
     the others override when > 0."""
 
-    preset: str = "DiT-S/2"
+    # dit.py's DIT_PRESETS: S, B, L, XL (Table 1 of the paper) at patch 2, 4 or 8
+    preset: Literal[
+        "DiT-S/2", "DiT-S/4", "DiT-S/8", "DiT-B/2", "DiT-B/4", "DiT-B/8",
+        "DiT-L/2", "DiT-L/4", "DiT-L/8", "DiT-XL/2", "DiT-XL/4", "DiT-XL/8",
+    ] = "DiT-S/2"  # fmt: skip
     depth: int = 0
     width: int = 0
     heads: int = 0
@@ -57,7 +55,7 @@ class TextSettings:
 class FlowSettings:
     """ldm.flow: objective=flow's density of s (diffusers' compute_density_for_timestep_sampling)."""
 
-    weighting: str = "logit_normal"  # logit_normal | uniform | mode
+    weighting: Literal["logit_normal", "uniform", "mode"] = "logit_normal"  # flow.py's FLOW_WEIGHTINGS
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
@@ -67,12 +65,12 @@ class FlowSettings:
 class DDPMSettings:
     """ldm.ddpm: objective=ddpm's noise schedule, target and loss weighting."""
 
-    beta_schedule: str = "squaredcos_cap_v2"
-    prediction_type: str = "epsilon"  # epsilon | v_prediction
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid"] = "squaredcos_cap_v2"
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     min_snr_gamma: float = 0.0  # 0 = off; 5.0 is the paper's choice
     # uniform | loss_second_moment: importance-sample t by sqrt(E[loss_t^2]), loss weighted 1/(T p_t)
     # (improved-diffusion's LossSecondMomentResampler; timesteps.py)
-    timestep_sampling: str = "uniform"
+    timestep_sampling: Literal["uniform", "loss_second_moment"] = "uniform"
 
 
 @dataclass
@@ -80,9 +78,10 @@ class DiffusionConfig:
     """The ldm: section. The backbone, objective and conditioning choose which group is read; 0 = derive
     from the data."""
 
-    backbone: str = "unet"  # unet (ldm.unet) | dit (DiTTransformer2DModel, ldm.dit.preset)
-    objective: str = "ddpm"  # ddpm (DDPMScheduler, ldm.ddpm) | flow (v = noise - x0, ldm.flow)
-    conditioning: str = ""  # none | class | text (ldm.text); "" = class when num_classes > 0, else none
+    backbone: Literal["unet", "dit"] = "unet"  # unet (ldm.unet) | dit (DiTTransformer2DModel, ldm.dit.preset)
+    objective: Literal["ddpm", "flow"] = "ddpm"  # ddpm (DDPMScheduler, ldm.ddpm) | flow (v = noise - x0, ldm.flow)
+    # text: ldm.text; "" = class when num_classes > 0, else none
+    conditioning: Literal["none", "class", "text", ""] = ""
     num_classes: int = 0  # > 0: class-conditional; label -1 maps to an extra "null" class (index num_classes)
     label_dropout: float = 0.1  # class-conditional: share of samples trained on the null label (guidance)
     sample_size: int = 0  # the model's input size; 0 = image size, or image size / VAE downsampling
@@ -101,71 +100,61 @@ class DiffusionConfig:
     ddpm: DDPMSettings = field(default_factory=DDPMSettings)
 
 
+RANGES = {
+    "label_dropout": "[0, 1)",
+    "num_classes": (">= 0", "0 = unconditional"),
+    "ddpm.min_snr_gamma": (">= 0", "0 = off"),
+    "text.caption_dropout": "[0, 1)",
+    "text.max_length": ">= 1",
+}
+
+
 def check_config(cfg: DiffusionConfig) -> str:
     """Every ldm setting checked against its accepted values and the settings it needs; returns
-    ldm.conditioning resolved ("" -> class or none by ldm.num_classes). Errors name the fields."""
-    for name, value, accepted in (
-        ("backbone", cfg.backbone, BACKBONES),
-        ("objective", cfg.objective, OBJECTIVES),
-        ("flow.weighting", cfg.flow.weighting, FLOW_WEIGHTINGS),
-        ("dit.preset", cfg.dit.preset, DIT_PRESETS),
-        ("ddpm.prediction_type", cfg.ddpm.prediction_type, PREDICTION_TYPES),
-        ("ddpm.beta_schedule", cfg.ddpm.beta_schedule, BETA_SCHEDULES),
-        ("ddpm.timestep_sampling", cfg.ddpm.timestep_sampling, TIMESTEP_SAMPLING),
-    ):
-        if value not in accepted:
-            raise ValueError(f"ldm.{name}: got {value!r}, accepted: {', '.join(accepted)}")
-    if not 0.0 <= cfg.label_dropout < 1.0:
-        raise ValueError(f"ldm.label_dropout must be in [0, 1), got {cfg.label_dropout}")
+    ldm.conditioning resolved ("" -> class or none by ldm.num_classes). Errors (ConfigError) name the fields."""
+    check_choices(cfg, "ldm.")
+    check_ranges(cfg, RANGES, "ldm.")
     if cfg.objective == "flow" and (cfg.ddpm.min_snr_gamma or cfg.ddpm.timestep_sampling != "uniform"):
-        raise ValueError(
-            f"ldm.objective='flow' draws s from ldm.flow.weighting: it takes no ldm.ddpm.min_snr_gamma "
+        raise ConfigError(
+            f"config: ldm.objective='flow' draws s from ldm.flow.weighting: it takes no ldm.ddpm.min_snr_gamma "
             f"(got {cfg.ddpm.min_snr_gamma}) and ldm.ddpm.timestep_sampling='uniform' only "
             f"(got {cfg.ddpm.timestep_sampling!r})"
         )
-    if cfg.ddpm.min_snr_gamma < 0:
-        raise ValueError(f"ldm.ddpm.min_snr_gamma must be >= 0 (0 = off), got {cfg.ddpm.min_snr_gamma}")
-    if cfg.num_classes < 0:
-        raise ValueError(f"ldm.num_classes must be >= 0 (0 = unconditional), got {cfg.num_classes}")
     bad_groups = [c for c in cfg.unet.block_out_channels if c % cfg.unet.norm_num_groups]
     if bad_groups and cfg.backbone == "unet":
-        raise ValueError(
-            f"ldm.unet.norm_num_groups={cfg.unet.norm_num_groups} must divide every "
+        raise ConfigError(
+            f"config: ldm.unet.norm_num_groups={cfg.unet.norm_num_groups} must divide every "
             f"ldm.unet.block_out_channels entry; it does not divide {bad_groups}"
         )
     return _checked_conditioning(cfg)
 
 
+def resolved_conditioning(cfg: DiffusionConfig) -> str:
+    """ldm.conditioning, "" resolved: class when ldm.num_classes > 0, else none."""
+    return cfg.conditioning or ("class" if cfg.num_classes else "none")
+
+
 def _checked_conditioning(cfg: DiffusionConfig) -> str:
-    conditioning = cfg.conditioning or ("class" if cfg.num_classes else "none")
-    if conditioning not in CONDITIONINGS:
-        raise ValueError(
-            f"ldm.conditioning: got {cfg.conditioning!r}, accepted: {', '.join(CONDITIONINGS)} "
-            f"(or empty: class when ldm.num_classes > 0, else none)"
-        )
+    conditioning = resolved_conditioning(cfg)
     if (conditioning == "class") != (cfg.num_classes > 0):
-        raise ValueError(
-            f"ldm.conditioning={conditioning} with ldm.num_classes={cfg.num_classes}: class "
+        raise ConfigError(
+            f"config: ldm.conditioning={conditioning} with ldm.num_classes={cfg.num_classes}: class "
             f"conditioning needs ldm.num_classes > 0, and the others ldm.num_classes=0"
         )
     if conditioning == "text":
         if cfg.backbone != "dit":
-            raise ValueError(
-                f"ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
+            raise ConfigError(
+                f"config: ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
                 f"ldm.backbone=dit (got {cfg.backbone!r})"
             )
         if not cfg.text.encoder:
-            raise ValueError(
-                "ldm.conditioning=text needs ldm.text.encoder: the local folder of a transformers CLIP "
+            raise ConfigError(
+                "config: ldm.conditioning=text needs ldm.text.encoder: the local folder of a transformers CLIP "
                 "text model or T5 encoder"
             )
-        if not 0.0 <= cfg.text.caption_dropout < 1.0:
-            raise ValueError(f"ldm.text.caption_dropout must be in [0, 1), got {cfg.text.caption_dropout}")
-        if cfg.text.max_length < 1:
-            raise ValueError(f"ldm.text.max_length must be >= 1, got {cfg.text.max_length}")
     elif cfg.text.encoder:
-        raise ValueError(
-            f"ldm.text.encoder={cfg.text.encoder!r} is read with ldm.conditioning=text only "
+        raise ConfigError(
+            f"config: ldm.text.encoder={cfg.text.encoder!r} is read with ldm.conditioning=text only "
             f"(conditioning is {conditioning})"
         )
     return conditioning
