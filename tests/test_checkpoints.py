@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from prunepipe.launch.cli import main as cli_main
 from prunepipe.pipelines.checkpoint.manifest import MANIFEST, verify
+from prunepipe.pipelines.checkpoint.parts import is_part_file
 from prunepipe.pipelines.checkpoint.store import (
     CheckpointError,
     checkpoints_dir,
@@ -37,9 +38,9 @@ KINDS = (
     "model.safetensors",
     "optimizer.bin",
     "random_states_0.pkl",
-    "custom_checkpoint_0.pkl",
-    "custom_checkpoint_1.pkl",
-    "custom_checkpoint_2.pkl",
+    "pruner.pt",
+    "ema.pt",
+    "position.pt",
     "pruner_tables/score.npy",
     MANIFEST,
 )
@@ -202,10 +203,10 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(runs):
 
 def test_checkpoints_verify_lists_each_checkpoint(runs, capsys):
     run_dir = copy_of_stopped(runs, "verify_cli")
-    damage(os.path.join(latest_checkpoint(run_dir), "custom_checkpoint_1.pkl"), "delete")
+    damage(os.path.join(latest_checkpoint(run_dir), "ema.pt"), "delete")
     assert cli_main(["checkpoints", "verify", run_dir]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"step_{STOP:06d}: custom_checkpoint_1.pkl is missing (the manifest lists it)"
+    assert lines[0] == f"step_{STOP:06d}: ema.pt is missing (the manifest lists it)"
     assert lines[1:5] == [f"step_{s:06d}: ok" for s in (40, 30, 20, 10)]
     assert lines[-1] == "5 checkpoint(s), 1 damaged; checkpoint.resume=latest takes step_000040"
     assert cli_main(["checkpoints", "verify", runs["straight"]]) == 0
@@ -273,8 +274,8 @@ def test_a_reader_of_the_pruner_state_checks_only_the_files_it_reads(runs, tmp_p
     run_dir = copy_of_stopped(runs, "scores_only")
     newest, previous = complete_checkpoints(run_dir)[-1], complete_checkpoints(run_dir)[-2]
     damage(os.path.join(newest, "optimizer.bin"), "flip")  # not read for the histograms
-    damage(os.path.join(previous, "custom_checkpoint_0.pkl"), "flip")  # read: that checkpoint is left out
-    assert verify(newest, only=lambda name: name.startswith("custom_checkpoint_")).intact
+    damage(os.path.join(previous, "pruner.pt"), "flip")  # read: that checkpoint is left out
+    assert verify(newest, only=is_part_file).intact
     assert not verify(newest).intact
     steps = [s["optimizer_steps"] for s in checkpoint_scores(run_dir)]
     assert STOP in steps and 40 not in steps

@@ -92,7 +92,8 @@ def passes_of(run_dir):
 def trained_from_its_first_model(cfg):
     """Train `cfg`; returns (the held-out metrics of the model the run starts from, its pass records)."""
     from prunepipe.pipelines.tasks.build import build_task
-    from prunepipe.pipelines.training.loop import load_held_out, train
+    from prunepipe.pipelines.training.data import load_held_out
+    from prunepipe.pipelines.training.loop import train
 
     torch.manual_seed(cfg.seed)  # the initial model of the run, as train() builds it
     task = build_task(cfg)

@@ -33,7 +33,7 @@ def one_rank(rank: int, port: int, name: str, token: str, out: str) -> None:
     rng = np.random.default_rng(rank)
     report = {"writer": tables.writer, "shared": tables.shared, "same_plans": True, "steps": [], "steps_alone": []}
     for pass_index in range(PASSES):
-        tables.settle()
+        tables.wait_for_writer()
         for pruner, steps in ((shared, report["steps"]), (alone, report["steps_alone"])):
             pruner.plan(pass_index)
             plan = PassPlan.from_pruner(pruner)
@@ -56,7 +56,7 @@ def one_rank(rank: int, port: int, name: str, token: str, out: str) -> None:
             for pruner in (shared, alone):
                 pruner.update(ids, losses)
                 pruner.on_step(0.01)
-    tables.settle()
+    tables.wait_for_writer()
     report["sees_the_update"] = all(np.array_equal(shared._tables()[k], alone._tables()[k]) for k in alone._tables())
     report["recorded_somewhere"] = bool(np.any(shared._tables()["score"]))
     report["stats_equal"] = shared.stats() == alone.stats()
@@ -101,4 +101,4 @@ def test_a_single_process_keeps_its_tables_in_process_memory():
     table = pruner._tables()["score"]
     tables = NodeTables(pruner, rank=0, local_rank=0, local_size=1, token="unused")
     assert not tables.shared and pruner._tables()["score"] is table
-    tables.settle()  # nothing to wait for
+    tables.wait_for_writer()  # nothing to wait for

@@ -28,13 +28,13 @@ def test_tables_round_trip_through_their_files_without_a_second_copy(tmp_path):
     saver = CheckpointedPruner(original)
     state = saver.state_dict()
     assert state["tables"] == {"score": f"{TABLES}/score.npy", "seen": f"{TABLES}/seen.npy"}
-    saver.write_tables(str(tmp_path))
+    saver.write_files(str(tmp_path))
     np.testing.assert_array_equal(np.load(tmp_path / TABLES / "score.npy"), original.tables()["score"])
     restored = build_pruner("infobatch", N, 8, seed=2)
     loader = CheckpointedPruner(restored)
     loader.load_state_dict(state)
     tracemalloc.start()
-    loader.finish_load(str(tmp_path))
+    loader.read_files(str(tmp_path))
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < N // 4, f"loading allocated {peak} bytes for {5 * N} bytes of tables"
@@ -45,7 +45,7 @@ def test_tables_round_trip_through_their_files_without_a_second_copy(tmp_path):
 
 
 def test_a_table_file_of_another_size_is_named(tmp_path):
-    CheckpointedPruner(scored_infobatch(5000)).write_tables(str(tmp_path))
+    CheckpointedPruner(scored_infobatch(5000)).write_files(str(tmp_path))
     expected = r"seen\.npy: pruner table is uint8\[5000\], this pruner expects uint8\[6000\]"
     with pytest.raises(ValueError, match=expected):
         read_npy_into(os.path.join(tmp_path, TABLES, "seen.npy"), np.zeros(6000, np.uint8))

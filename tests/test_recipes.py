@@ -12,7 +12,8 @@ import pytest
 
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.data.shards import ShardIndex
-from prunepipe.pipelines.training.loop import learning_rate, train, with_peak_learning_rate
+from prunepipe.pipelines.training.loop import train
+from prunepipe.pipelines.training.schedule import learning_rate, with_peak_learning_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

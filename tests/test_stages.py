@@ -56,7 +56,7 @@ def initialised(cfg):
     """The run's model and EMA as init.weights leaves them before the first step."""
     task = build_task(cfg)
     ema = PassProgressEMA(list(task.model.parameters()), decay=0.99, warmup="none", full_steps_per_pass=1.0)
-    init_from_weights(cfg, task.model, ema, resumed_from=None, main=True)
+    init_from_weights(cfg, task.model, ema, resumed_from=None, announce=True)
     return task.model, dict(zip([n for n, _ in task.model.named_parameters()], ema.shadow_params))
 
 

@@ -128,7 +128,7 @@ def test_precomputed_features_condition_the_model_as_encoding_in_the_loop_does(
     in_loop = build_task(latent_config(features32, tmp_path, "loop", *tiny(encoder)))
     stored = build_task(latent_config(features32, tmp_path, "stored", *tiny(encoder), PRECOMPUTED))
     assert (
-        not stored.reads_captions and stored.text_features == (16, 8) and stored.text_identity == in_loop.text_identity
+        not stored.text.captions and stored.text.features == (16, 8) and stored.text.identity == in_loop.text.identity
     )
     stored.model.load_state_dict(in_loop.model.state_dict())
     batches, results = {}, {}

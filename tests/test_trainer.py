@@ -24,7 +24,8 @@ from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.diffusion.from_export import load_pipeline, sample
 from prunepipe.pipelines.tasks.mae import load_exported_encoder
-from prunepipe.pipelines.training.loop import NonFiniteLossError, learning_rate, train
+from prunepipe.pipelines.training.loop import NonFiniteLossError, train
+from prunepipe.pipelines.training.schedule import learning_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -330,7 +331,7 @@ def test_normalised_scores_reach_the_pruner_and_leave_the_training_loss_alone(di
     assert 0.5 < float(scores[seen].mean()) < 1.5  # a loss over its timestep's running mean (which lags)
     spread = lambda x: float(x.std() / x.mean())  # noqa: E731
     assert spread(scores[seen]) < spread(raw_scores[seen])  # the timestep's share of the spread is gone
-    normaliser = torch.load(os.path.join(checkpoint, "custom_checkpoint_3.pkl"), weights_only=True)
+    normaliser = torch.load(os.path.join(checkpoint, "score_normaliser.pt"), weights_only=True)
     assert normaliser["score_normaliser"] == "stratum_mean" and int(normaliser["seen"].sum()) == seen.sum()
 
 
@@ -372,7 +373,7 @@ def test_a_ted_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_pa
 
 
 def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
-    from prunepipe.pipelines.training.loop import format_pass
+    from prunepipe.pipelines.training.metrics import format_pass
 
     held = {"denoise_mse": 0.25, **{f"flow_mse_s{s:03d}": 0.1 for s in range(5, 100, 10)}, "num_samples": 64}
     line = format_pass(

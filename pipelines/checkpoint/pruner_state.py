@@ -1,5 +1,5 @@
-"""The pruner in a checkpoint at any scale: its small state goes where accelerate puts registered
-objects (custom_checkpoint_0.pkl), each per-sample table to `pruner_tables/NAME.npy`, written once per
+"""The pruner in a checkpoint at any scale: its small state is the checkpoint's part `pruner.pt`
+(parts.py), each per-sample table to `pruner_tables/NAME.npy`, written once per
 run by the main process straight from the table's memory (process or node-shared) a chunk at a time,
 and read back the same way into the table, so no second copy of a table exists while saving or
 loading. Opens only files of the checkpoint folder it is given.
@@ -18,8 +18,8 @@ _CHUNK_BYTES = 1 << 26
 
 
 class CheckpointedPruner:
-    """What accelerate registers in place of the pruner: `state_dict` names the table files that
-    `write_tables` writes; `load_state_dict` then `finish_load(folder)` restores the pruner."""
+    """The checkpoint's pruner part: `state_dict` names the table files that `write_files` writes;
+    `load_state_dict` then `read_files(folder)` restores the pruner."""
 
     def __init__(self, pruner):
         self.pruner = pruner
@@ -31,15 +31,15 @@ class CheckpointedPruner:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self._pending = state  # the tables follow in finish_load, from the folder
+        self._pending = state  # the tables follow in read_files, from the folder
 
-    def write_tables(self, folder: str) -> None:
+    def write_files(self, folder: str) -> None:
         """Every table to `folder/pruner_tables/` (call on the main process only)."""
         os.makedirs(os.path.join(folder, TABLES), exist_ok=True)
         for name, table in self.pruner.tables().items():  # not state_dict(): it would copy the plan too
             np.save(os.path.join(folder, TABLES, f"{name}.npy"), table)  # straight from the table's memory
 
-    def finish_load(self, folder: str) -> None:
+    def read_files(self, folder: str) -> None:
         """Stream the tables of the state just loaded from `folder` into the pruner's own."""
         if self._pending is None:
             return

@@ -1,5 +1,6 @@
 """Checkpoints on disk, in one format: accelerate's `save_state` folder (model, optimizer, RNG of every
-rank, and the registered pruner, EMA and training position) plus a manifest written last. A save goes
+rank), the run's named parts beside them (EMA, pruner, training position, ...: parts.py) and a manifest
+written last. A save goes
 to a temporary folder that is renamed when complete; a failed save raises and leaves the previous
 checkpoints as they were. `latest` means the newest checkpoint whose manifest verifies: damaged ones
 are reported with the file and the reason, and skipped.
@@ -7,7 +8,6 @@ are reported with the file and the reason, and skipped.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from prunepipe.pipelines.checkpoint.manifest import verify, write_manifest
+from prunepipe.pipelines.checkpoint.parts import EMA, POSITION, PRUNER, CheckpointParts, read_part
 from prunepipe.pipelines.checkpoint.pruner_state import resolve_tables
 
 CHECKPOINTS = "checkpoints"
@@ -107,11 +108,12 @@ def choose_resume(accelerator, resume: str, run_dir: str) -> str | None:
     return answer[0]
 
 
-def load_resume(accelerator, folder: str) -> None:
-    """accelerate's load_state, its failure named by the folder (a checkpoint that verifies can still
-    fail to load, e.g. one of another model)."""
+def load_resume(accelerator, folder: str, parts: CheckpointParts) -> None:
+    """accelerate's load_state (model, optimizer, RNG), then the run's parts by name; a failure named
+    by the folder (a checkpoint that verifies can still fail to load, e.g. one of another model)."""
     try:
         accelerator.load_state(folder)
+        parts.load(folder)
     except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise their own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -120,30 +122,28 @@ def load_resume(accelerator, folder: str) -> None:
         ) from e
 
 
-def save_checkpoint(
-    accelerator, run_dir: str, step: int, keep: int, write_main: Callable[[str], None] | None = None
-) -> str:
-    """Every rank calls this (each saves its RNG state); rank 0 writes `write_main(folder)`'s files
-    (the pruner's tables), the manifest, renames and prunes.
+def save_checkpoint(accelerator, run_dir: str, step: int, keep: int, parts: CheckpointParts) -> str:
+    """Every rank calls this (each saves its RNG state); rank 0 writes the model, the optimizer and the
+    named `parts`, the manifest, renames and prunes.
     A failure on any rank raises on every rank, removes the partial folder and touches no older one."""
     folder = checkpoints_dir(run_dir)
     final = os.path.join(folder, f"{PREFIX}{step:06d}")
     tmp = os.path.join(folder, f"{TMP_PREFIX}{PREFIX}{step:06d}")
-    main = accelerator.is_main_process
-    if main:
+    is_main = accelerator.is_main_process
+    if is_main:
         os.makedirs(folder, exist_ok=True)
         for name in os.listdir(folder):  # leftovers of a run killed while saving
             if name.startswith(TMP_PREFIX):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     accelerator.wait_for_everyone()
     failure = _attempt(lambda: accelerator.save_state(tmp))
-    if main and failure is None and write_main is not None:
-        failure = _attempt(lambda: write_main(tmp))
+    if is_main and failure is None:
+        failure = _attempt(lambda: parts.save(tmp))
     _raise_on_any_rank(accelerator, failure, final, tmp, run_dir)
-    if main:
+    if is_main:
         failure = _attempt(lambda: _seal(tmp, final, step))
     _raise_on_any_rank(accelerator, failure, final, tmp, run_dir)
-    if main:  # the new checkpoint verifies (its manifest was just made from its files) and is kept
+    if is_main:  # the new checkpoint verifies (its manifest was just made from its files) and is kept
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -194,7 +194,7 @@ def _fsync_dir(path: str) -> None:
 
 def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables: bool = True) -> dict:
     """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
-    of one accelerate `save_state` folder; the registered objects are told apart by their keys.
+    of one checkpoint folder, its parts read by name (parts.py).
     `read_model=False` leaves the weights unread ("model": None), for readers of the pruner state only;
     `read_tables=False` leaves the pruner's table files unread (their names stay), for readers of the weights."""
     from safetensors.torch import load_file
@@ -208,13 +208,12 @@ def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables
         model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)
     else:
         raise FileNotFoundError(f"{checkpoint}: no model.safetensors (not an accelerate checkpoint of prunepipe train)")
-    found = {"model": model, "ema": None, "pruner": None, "position": None}
-    for path in sorted(glob.glob(os.path.join(checkpoint, "custom_checkpoint_*.pkl"))):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and "shadow_params" in state:
-            found["ema"] = state
-        elif isinstance(state, dict) and "tables" in state and "pruner" in state:
-            found["pruner"] = resolve_tables(state, checkpoint) if read_tables else state
-        elif isinstance(state, dict) and "optimizer_steps" in state and "pass_index" in state:
-            found["position"] = state
-    return found
+    pruner = read_part(checkpoint, PRUNER)
+    if pruner is not None and read_tables:
+        pruner = resolve_tables(pruner, checkpoint)
+    return {
+        "model": model,
+        "ema": read_part(checkpoint, EMA),
+        "pruner": pruner,
+        "position": read_part(checkpoint, POSITION),
+    }

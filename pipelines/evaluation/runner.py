@@ -183,7 +183,7 @@ class Evaluator:
             fid_count, rep_count = min(fid_count, len(captions)), min(rep_count, len(captions))
             self._check_counts(fid_cfg.enabled or clip_on, fid_count, rep_cfg.enabled, rep_count, world)
             results["held_out_captions"] = len(captions)
-            if not task.reads_captions:  # the model reads their precomputed features: this rank's share
+            if task.text.precomputed:  # the model reads their precomputed features: this rank's share
                 prompts = self._held_out_features(task, len(captions), rank, world)
 
         def samples(count: int):
@@ -292,7 +292,7 @@ class Evaluator:
         the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
         # a rank that cannot read its share stops every rank, not only itself
         folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
-        found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text_features))
+        found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text.features))
         return [found.get(i) for i in range(count)]
 
     def _clip_metric(self):
@@ -456,8 +456,8 @@ def check_text_identity(checkpoint: str, trained_on: str, task, held_out: str) -
     name shards the run config never saw). A model fed another encoder's features scores nothing."""
     if not trained_on:
         return
-    found = {"the task's text encoder": task.text_identity}
-    if task.text_features != (0, 0) and held_out:
+    found = {"the task's text encoder": task.text.identity if task.text is not None else ""}
+    if task.text is not None and task.text.precomputed and held_out:
         found[f"the held-out shards {held_out}"] = stored_identity(index_metadata(held_out))
     for what, identity in found.items():
         if identity != trained_on:

@@ -110,15 +110,13 @@ def checkpoint_scores(run_path: str) -> list[dict]:
     """[{"pass_index", "optimizer_steps", "scores", "threshold"}] from the pruner state of each complete
     checkpoint (scores of samples the pruner has measured: InfoBatch's `seen`, TED's `visits` > 0)."""
     from prunepipe.pipelines.checkpoint.manifest import verify
+    from prunepipe.pipelines.checkpoint.parts import is_part_file
     from prunepipe.pipelines.checkpoint.store import complete_checkpoints, load_checkpoint_states
 
     found = []
     for folder in complete_checkpoints(run_path):
-        # only the small registered-object files are read, so only they are checked
-        if (
-            verify(folder, only=lambda name: name.startswith(("custom_checkpoint_", "pruner_tables"))).problem
-            is not None
-        ):
+        # only the parts' files (the pruner's, the position's) are read, so only they are checked
+        if verify(folder, only=is_part_file).problem is not None:
             continue  # damaged: `prunepipe checkpoints verify` says how
         states = load_checkpoint_states(folder, read_model=False)
         pruner, position = states["pruner"], states["position"] or {}

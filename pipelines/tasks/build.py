@@ -30,6 +30,8 @@ def build_task(cfg, *, strata: bool | None = None):
 
 
 def text_reading(task) -> dict:
-    """read_split's keywords for the text a task's batches carry: captions, precomputed features, or none."""
-    width, max_length = task.text_features
-    return {"captions": task.reads_captions, "text_width": width, "text_max_length": max_length}
+    """read_split's (and SampleDecoder's) keywords for the text a task's batches carry: captions,
+    precomputed features, or none."""
+    text = task.text
+    width, max_length = text.features if text is not None else (0, 0)
+    return {"captions": text is not None and text.captions, "text_width": width, "text_max_length": max_length}

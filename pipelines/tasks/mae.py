@@ -274,8 +274,7 @@ class MAETask:
         # a timestep. Measured only when asked for: it costs a pass over the pixels every step.
         self.num_strata = MASK_SHARE_STRATA if strata else 0
         self.label_classes = 0  # labels are not trained on
-        self.reads_captions = False
-        self.text_features, self.text_identity, self.text_encoder = (0, 0), "", None
+        self.text = None  # batches carry no text
         if image_size % cfg.patch_size:
             raise ValueError(f"mae.patch_size={cfg.patch_size} must divide the image size {image_size}")
         for field, dim in (("embed_dim", cfg.embed_dim), ("decoder_embed_dim", cfg.decoder_embed_dim)):

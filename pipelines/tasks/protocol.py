@@ -6,6 +6,7 @@ task's own fields as well (a diffusion task's autoencoder, say); the loop never 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Protocol, runtime_checkable
 
 import numpy as np
@@ -16,15 +17,26 @@ from prunepipe.pipelines.tasks.randomness import SampleDraws
 from prunepipe.pipelines.tasks.sample_losses import SampleLosses
 
 
+@dataclass(frozen=True)
+class TextReading:
+    """The text a text-conditional task's batches carry, and the encoder its features come from."""
+
+    captions: bool  # batches carry captions (txt) for an encoder the task runs
+    features: tuple[int, int]  # (width, max tokens) of the precomputed text features batches carry, or (0, 0)
+    identity: str  # the encoder's files and caption length: equal on every rank, unchanged by a resume
+    encoder: str  # the encoder's name (its folder, or the record of precomputed features), for messages
+
+    @property
+    def precomputed(self) -> bool:
+        return self.features != (0, 0)
+
+
 @runtime_checkable
 class Task(Protocol):
     model: nn.Module  # the module trained; the loop wraps it (DDP, compile) and passes the wrapper back
     num_strata: int  # per-sample strata its scores are comparable within (0: none)
     label_classes: int  # labels a batch must hold fewer than (0: labels unused), checked by the decoder
-    reads_captions: bool  # batches carry captions (txt) for an encoder the task runs
-    text_features: tuple[int, int]  # (width, max tokens) of the precomputed text features batches carry, or (0, 0)
-    text_identity: str  # the text encoder's files and caption length ("" without text): equal on every rank
-    text_encoder: object | None  # its encoder (or precomputed features' record); identity() names the folders
+    text: TextReading | None  # the text its batches carry (None: no text)
     timestep_sampler: object | None  # state the checkpoint keeps beside the model (a stateful sampler), or None
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:

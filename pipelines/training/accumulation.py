@@ -13,7 +13,7 @@ DDP also regroups its gradient buckets after a process's first synchronised back
 the gradients became ready), and beyond two ranks a reduction's sums depend on that layout: a
 resumed process would sum the step after a resume in another order than the uninterrupted run, and
 its weights would drift in the last bits (the cluster rehearsal checks it, docs/multinode.md).
-`settle_buckets` makes every process regroup before its first real step.
+`rebuild_buckets` makes every process regroup before its first real step.
 """
 
 from __future__ import annotations
@@ -38,21 +38,21 @@ class GradientAccumulation:
     def __init__(self, accelerator, model: torch.nn.Module, accum: int):
         self.accelerator, self.model, self.accum = accelerator, model, accum
         self.backwards_in_group = 0  # micro-batches of the current group whose backward ran
-        self.buckets_settled = accelerator.num_processes == 1  # one process has no buckets to regroup
+        self.buckets_rebuilt = accelerator.num_processes == 1  # one process has no buckets to regroup
 
-    def settle_buckets(self, loss_of_a_batch) -> None:
+    def rebuild_buckets(self, loss_of_a_batch) -> None:
         """Once per process, before its first real micro-batch (at a step boundary: a fresh start or
         a checkpoint), one synchronised backward of `loss_of_a_batch()` times zero, its gradients then
         dropped: DDP regroups its buckets at the next forward, so a fresh run and a resumed one reduce
         every step with the same layout. Costs one forward, backward and all-reduce per process start;
         changes no weight and no optimizer state (a model with batch-norm statistics would see one
         more forward: the tasks here have none)."""
-        if self.buckets_settled:
+        if self.buckets_rebuilt:
             return
         self.accelerator.backward(loss_of_a_batch().sum() * 0.0)
         for param in self.model.parameters():
             param.grad = None
-        self.buckets_settled = True
+        self.buckets_rebuilt = True
 
     def group(self, micro: int, total: int) -> tuple[bool, int]:
         return accumulation_group(micro, total, self.accum)

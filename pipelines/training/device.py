@@ -1,16 +1,37 @@
-"""The model, its optimizer and torch's backend flags set up for the device a run trains on: TF32,
-fused AdamW, channels_last for the UNet and torch.compile (per block for DiT), as the `cuda:` config
-asks (docs/gpu.md).
+"""The device a run trains on: the accelerator (mixed precision, the collectives' timeout), the model,
+its optimizer and torch's backend flags set up for it (TF32, fused AdamW, channels_last for the UNet and
+torch.compile, per block for DiT, as the `cuda:` config asks: docs/gpu.md), and the debug check that a
+step never waits for it (debug_device_sync).
 On a CPU every switch is ignored, so CPU runs and tests train exactly as they would without them.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 from diffusers import DiTTransformer2DModel
 
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.tasks.diffusion.dit import compile_blocks
+
+
+def mixed_precision(cfg: RunConfig) -> str:
+    """cfg.mixed_precision, `auto` resolved: bf16 where the GPU has it, else none."""
+    if cfg.mixed_precision == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return cfg.mixed_precision
+
+
+def start_accelerator(cfg: RunConfig) -> Accelerator:
+    """The run's Accelerator (and process group): a collective that waits longer than
+    dist_timeout_seconds fails the job instead of holding it."""
+    timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_seconds))
+    return Accelerator(
+        mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout]
+    )
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -53,3 +74,32 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, device: torch.device
         betas=tuple(cfg.optim.betas),
         fused=fused or None,
     )
+
+
+def prepare_model(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module):
+    """(the model wrapped for the run, its AdamW), both through accelerate's prepare."""
+    device = accelerator.device
+    set_backend_flags(cfg, device)
+    place_model(cfg, model, device)  # before the optimizer: the fused kernel checks the parameters' device
+    optimizer = build_optimizer(cfg, model, device)
+    return accelerator.prepare(model, optimizer)
+
+
+class DeviceWaitCheck:
+    """debug_device_sync: any device-to-host synchronisation inside a step is an error on CUDA, from
+    the second micro-batch of this process on (the first may wait: lazy setup); off between steps that
+    must read the host (checkpoints, pass ends). Nothing at all when not asked for."""
+
+    def __init__(self, on: bool, device: torch.device):
+        if on and device.type != "cuda":
+            raise ValueError("debug_device_sync=true checks CUDA synchronisation; this run has no CUDA device")
+        self.on, self.steps = on and torch.cuda.is_available(), 0
+
+    def step(self) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("error" if self.steps else "default")
+            self.steps += 1
+
+    def pause(self) -> None:
+        if self.on:
+            torch.cuda.set_sync_debug_mode("default")

@@ -4,13 +4,16 @@ checkpoint is loaded. Holds no model.
 
 - A pruned run takes fewer steps per pass; with a step-counted warmup its EMA at pass p would average
   over a shorter horizon than the full run's at pass p, a confound in every EMA comparison of the two.
-- accelerate loads registered objects with map_location="cpu" and EMAModel.load_state_dict adopts
+- a checkpoint's parts are read on the host (pipelines/checkpoint/parts.py) and EMAModel.load_state_dict adopts
   the loaded tensors as they are, so, left there, after a resume on a GPU the shadow weights would
   sit on the host and the first `step` would mix devices.
 """
 
 from __future__ import annotations
 
+import copy
+
+import torch.nn as nn
 from diffusers.training_utils import EMAModel
 
 
@@ -46,3 +49,10 @@ class PassProgressEMA(EMAModel):
         super().load_state_dict(state_dict)
         if placed is not None:
             self.to(device=placed.device)
+
+
+def with_ema_weights(model: nn.Module, ema: EMAModel) -> nn.Module:
+    """A copy of `model` (the bare module) holding `ema`'s weights: what an export writes beside the live ones."""
+    ema_model = copy.deepcopy(model)
+    ema.copy_to(ema_model.parameters())
+    return ema_model

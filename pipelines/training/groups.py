@@ -12,9 +12,10 @@ import os
 import numpy as np
 
 from prunepipe.pipelines.data.group_table import GroupTable, group_table_path, open_group_table
+from prunepipe.pipelines.data.mixture import first_path
 from prunepipe.pipelines.data.shards import INDEX_NAME, ShardIndex
 from prunepipe.pipelines.ranks import same_on_every_rank
-from prunepipe.pipelines.training.node_tables import map_node_files
+from prunepipe.pipelines.training.node_tables import NodePlace, map_node_files
 from prunepipe.pruning.groups import fill_group_sizes
 
 
@@ -46,6 +47,29 @@ def group_sizes(table: GroupTable, rank: int, local_rank: int, local_size: int, 
     fill_group_sizes(table.group_of, sizes)
     sizes.flags.writeable = False
     return sizes
+
+
+def use_configured_groups(cfg, pruner, index: ShardIndex, place: NodePlace, announce: bool) -> None:
+    """The table pruner.groups names, if any, given to `pruner` before a resume (the checkpoint names
+    the table it needs); collective when several ranks run."""
+    if not cfg.pruner.get("groups"):
+        return
+    path, digest = use_group_table(
+        pruner,
+        cfg.pruner["groups"],
+        first_path(cfg.data.train),  # one source: the config refuses groups over a mixture
+        index,
+        rank=place.rank,
+        local_rank=place.local_rank,
+        local_size=place.local_size,
+        token=place.token,
+    )
+    if announce:
+        stats = pruner.stats()
+        print(
+            f"near-duplicate groups: {path} (digest {digest}), {stats['grouped_samples']} "
+            f"samples in groups of 2 or more, about {stats['per_group']:.3g} of each group a pass"
+        )
 
 
 def use_group_table(

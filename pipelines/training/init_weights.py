@@ -65,14 +65,14 @@ class Matched:
 
 
 # ----------------------------------------------------------------------------- the hook
-def init_from_weights(cfg, model: nn.Module, ema, *, resumed_from: str | None, main: bool) -> None:
+def init_from_weights(cfg, model: nn.Module, ema, *, resumed_from: str | None, announce: bool) -> None:
     """Load cfg.init.weights into `model` (the bare module, on its device) and `ema` (a diffusers
     EMAModel of its parameters), on every rank, unless the run resumed from `resumed_from`."""
     init = cfg.init
     if not init.weights:
         return
     if resumed_from is not None:
-        if main:
+        if announce:
             print(
                 f"init: init.weights={init.weights} not applied: the run resumed from its own checkpoint "
                 f"{resumed_from} (a resume wins; init starts a stage once)",
@@ -87,7 +87,7 @@ def init_from_weights(cfg, model: nn.Module, ema, *, resumed_from: str | None, m
 
     read_digest, lines = on_every_rank(load)
     same_on_every_rank(read_digest, f"{folder} (digest {read_digest[:16]})", f"init.weights files ({init.weights})")
-    if main:
+    if announce:
         for line in lines:
             print(line, flush=True)
 

@@ -1,5 +1,5 @@
-"""The run's metric log: one JSON line per record in RUN/metrics.jsonl on rank 0, mirrored to
-TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records,
+"""The run's records in its folder: RUN/config.yaml as the run was started, and the metric log, one
+JSON line per record in RUN/metrics.jsonl on rank 0, mirrored to TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records,
 and a resume marker each time a run resumes from a checkpoint.
 
 Every record has `kind` (train | pass | eval | resume) and `optimizer_steps` (the steps done when it
@@ -19,9 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
+from prunepipe.pipelines.config import RunConfig, latent_shard_notes, to_yaml
+from prunepipe.pipelines.progress import pass_label
+
 RESUME = "resume"  # the `kind` (and `event`) of a resume marker
+
+
+def write_run_config(cfg: RunConfig) -> None:
+    """RUN/config.yaml as given (on the main process), and the settings latent shards leave unused, said once."""
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    for note in latent_shard_notes(cfg):
+        print(f"prunepipe: note: {note}", flush=True)
 
 
 class MetricsLog:
@@ -52,6 +65,11 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "optimizer_steps":
                     self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
 
+    def train_line(self, optimizer_steps: int, pass_index: int, loss: float, lr: float, samples_forwarded: int):
+        """A train record: the loss of the last batch consumed at step `optimizer_steps`, and its lr."""
+        record = {"kind": "train", "optimizer_steps": optimizer_steps, "pass_index": pass_index, "loss": loss}
+        self.write({**record, "lr": lr, "samples_forwarded": samples_forwarded})
+
     def resumed(self, checkpoint: str, *, optimizer_steps: int, pass_index: int, batch_in_pass: int) -> None:
         """The resume marker: this process continues from `checkpoint`, at step `optimizer_steps`,
         `batch_in_pass` batches into pass `pass_index` (0-based, as in every record)."""
@@ -79,3 +97,34 @@ class MetricsLog:
                 if f.read(1) != b"\n":
                     f.write(b"\n")
             f.write((json.dumps(record) + "\n").encode())
+
+
+def open_metrics(run_dir: str, enabled: bool, resumed_from: str | None, position) -> MetricsLog:
+    """The run's MetricsLog; on a resume, its marker first (the steps after the checkpoint, at
+    `position`, are logged again: it says from where)."""
+    metrics = MetricsLog(run_dir, enabled, resumed_from_step=position.optimizer_steps if resumed_from else None)
+    if resumed_from is not None:
+        metrics.resumed(
+            resumed_from,
+            optimizer_steps=position.optimizer_steps,
+            pass_index=position.pass_index,
+            batch_in_pass=position.batch_in_pass,
+        )
+    return metrics
+
+
+GRID_POINT = re.compile(r"_(s\d{3}|t\d{4})$")  # flow_mse_s005, denoise_mse_t0999: in metrics.jsonl, not the line
+
+
+def format_pass(summary: dict, passes: int) -> str:
+    """The printed line of a pass summary: kept share, steps, train loss, held-out means, time."""
+    held = " ".join(
+        f"{k} {v:.4f}"
+        for k, v in summary.get("held_out", {}).items()
+        if isinstance(v, float) and not GRID_POINT.search(k)
+    )  # denoise_mse is the grid's mean
+    return (
+        f"{pass_label(summary['pass_index'], passes)}: kept {summary['kept_fraction']:.1%}, "
+        f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
+        f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total"
+    )

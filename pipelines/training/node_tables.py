@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from dataclasses import dataclass
 
 import numpy as np
 import torch.distributed as dist
@@ -35,21 +36,49 @@ def local_rank_and_size(env=os.environ) -> tuple[int, int]:
     return 0, 1
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where a rank sits: its rank, its place on its node, the node's ranks, and the run's token that
+    names its shared files (the same on every rank)."""
+
+    rank: int
+    local_rank: int = 0
+    local_size: int = 1
+    token: str = ""
+
+    def as_tuple(self) -> tuple[int, int, int, str]:
+        return self.rank, self.local_rank, self.local_size, self.token
+
+
+def node_place(rank: int, world: int) -> NodePlace:
+    """This rank's NodePlace; collective when several ranks run (the token is rank 0's)."""
+    if world == 1:
+        return NodePlace(rank)
+    local_rank, local_size = local_rank_and_size()
+    return NodePlace(rank, local_rank, local_size, run_token())
+
+
 class NodeTables:
     """The pruner's tables mapped from this node's shared files (or left as they are on one process)."""
 
-    def __init__(self, pruner, rank: int, local_rank: int, local_size: int, token: str, folder: str = SHM):
+    def __init__(
+        self, pruner, rank: int, local_rank: int, local_size: int, token: str, folder: str = SHM, announce: bool = False
+    ):
         self.pruner, self.shared = pruner, local_size > 1 and bool(pruner.table_specs())
         self.writer = local_rank == 0
         if not self.shared:
             return
+        if announce:
+            print(
+                f"pruner tables: one copy per node in shared memory, written by local rank 0 ({local_size} ranks per node)"
+            )
         # writable everywhere so that torch can wrap them for a checkpoint; only the writer records
         tables = map_node_files(
             pruner.table_specs(), rank, local_rank, local_size, token, folder=folder, what="shared score table"
         )
         pruner.share_tables(tables, writes=self.writer)
 
-    def settle(self) -> None:
+    def wait_for_writer(self) -> None:
         """Wait until this node's writer has written every update so far (before anyone reads)."""
         if self.shared:
             dist.barrier()

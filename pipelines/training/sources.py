@@ -10,6 +10,7 @@ import json
 import numpy as np
 
 from prunepipe.pipelines.data.mixture import Mixture
+from prunepipe.pruning import ScoreNormaliser
 
 
 class SourceStrata:
@@ -28,6 +29,12 @@ class SourceStrata:
     def buckets(self, task_buckets: int) -> int:
         """The normaliser's buckets: the task's per source, so that no bucket spans two sources."""
         return task_buckets * (len(self.mixture.sources) if self.per_source else 1)
+
+    def normaliser(self, score) -> ScoreNormaliser:
+        """The score normaliser (score.normalise) over these strata, with the task's buckets per source."""
+        return ScoreNormaliser(
+            score.normalise, self.num_strata, buckets=self.buckets(score.buckets), momentum=score.momentum
+        )
 
     def __call__(self, ids: np.ndarray, strata: np.ndarray | None) -> np.ndarray | None:
         if not self.per_source:

@@ -37,7 +37,7 @@ def plan_digest(plan: PassPlan, pruner) -> str:
 class SyncDebug:
     def __init__(self, accelerator, run_dir: str):
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
-        self.main = accelerator.is_main_process
+        self.is_main = accelerator.is_main_process
         self.folder = os.path.join(run_dir, "debug")
         os.makedirs(self.folder, exist_ok=True)
         self.seen: list[np.ndarray] = []
@@ -50,7 +50,7 @@ class SyncDebug:
         mine = plan_digest(plan, pruner)
         with open(self._path("digest", plan.pass_index) + ".txt", "w") as f:
             f.write(mine)
-        if self.main:  # the frozen plan itself, before any resume segment excludes samples
+        if self.is_main:  # the frozen plan itself, before any resume segment excludes samples
             np.save(self._path("plan", plan.pass_index, rank=False) + ".npy", PassPlan.from_pruner(pruner).kept_mask())
         # a disagreement means the pruner state is no longer in sync
         same_on_every_rank(mine, f"digest {mine}", f"pass {plan.pass_index + 1} plans or pruner scores")

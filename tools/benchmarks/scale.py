@@ -118,6 +118,7 @@ def measure(
     name: str, samples: int, nodes: int, ranks_per_node: int, workers: int, shard_size: int, folder: str
 ) -> dict:
     """One pruner's row (run in a child process: see `main`)."""
+    from prunepipe.pipelines.checkpoint.parts import CheckpointParts
     from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
     from prunepipe.pipelines.data.layout import pass_layout
     from prunepipe.pipelines.data.shards import ShardIndex
@@ -157,12 +158,11 @@ def measure(
     plan_bytes = sum(a.nbytes for a in plan_arrays(frozen))
     consumed_bytes = consumed.packed.nbytes
     per_rank = plan_bytes + consumed_bytes + groups_bytes
-    # as a checkpoint holds it: the small state in a .pkl, the tables as files (pipelines/checkpoint/pruner_state.py)
+    # as a checkpoint holds it: the small state in pruner.pt, the tables as files (pipelines/checkpoint/pruner_state.py)
     checkpoint = os.path.join(folder, f"{name}-checkpoint")
     os.makedirs(checkpoint, exist_ok=True)
     start = time.perf_counter()
-    torch.save(CheckpointedPruner(pruner).state_dict(), os.path.join(checkpoint, "custom_checkpoint_0.pkl"))
-    CheckpointedPruner(pruner).write_tables(checkpoint)
+    CheckpointParts(pruner=CheckpointedPruner(pruner)).save(checkpoint)
     saved = time.perf_counter() - start
     file_bytes = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpoint) for f in files)
     peak_before_load = peak_rss_bytes()
@@ -171,8 +171,7 @@ def measure(
     loader = CheckpointedPruner(build_pruner(name, samples, 100, seed=0))
     if name == "dedup":  # the same table: the state names it
         give_synthetic_groups(loader.pruner, samples, folder)
-    loader.load_state_dict(torch.load(os.path.join(checkpoint, "custom_checkpoint_0.pkl"), weights_only=True))
-    loader.finish_load(checkpoint)
+    CheckpointParts(pruner=loader).load(checkpoint)
     loaded = time.perf_counter() - start
     shutil.rmtree(checkpoint)
     return {
@@ -248,7 +247,7 @@ def node_rank(
     if name == "dedup":  # the group sizes once per node too, read-only
         give_synthetic_groups(pruner, samples, os.path.dirname(out), rank, rank, ranks_per_node, token)
     score_everything(pruner, 2 if name == "ted" else 1)
-    tables.settle()
+    tables.wait_for_writer()
     start = time.perf_counter()
     pruner.plan(5)
     plan = PassPlan.from_pruner(pruner)

@@ -29,8 +29,8 @@ from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.data.workers import loader_workers
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.randomness import GeneratorDraws
-from prunepipe.pipelines.training.device import build_optimizer, place_model, set_backend_flags
-from prunepipe.pipelines.training.loop import mixed_precision, train
+from prunepipe.pipelines.training.device import build_optimizer, mixed_precision, place_model, set_backend_flags
+from prunepipe.pipelines.training.loop import train
 
 CONFIGS = {
     "mae": "configs/mae_tiny_full.yaml",

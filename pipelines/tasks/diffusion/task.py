@@ -31,6 +31,7 @@ from prunepipe.pipelines.tasks.diffusion.text import (
     identity_key,
 )
 from prunepipe.pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
+from prunepipe.pipelines.tasks.protocol import TextReading
 from prunepipe.pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from prunepipe.pipelines.tasks.sample_losses import SampleLosses
 from prunepipe.pipelines.tasks.wrappers import unwrap
@@ -185,22 +186,20 @@ class DiffusionTask:
         return self.text_encoder is not None
 
     @property
-    def reads_captions(self) -> bool:
-        """Whether batches must carry captions (the `txt` field) for the encoder; the stream's decoder reads them."""
-        return isinstance(self.text_encoder, TextEncoder)
-
-    @property
-    def text_features(self) -> tuple[int, int]:
-        """(width, max tokens) of the precomputed text features batches must carry (text.npy), else (0, 0)."""
-        if isinstance(self.text_encoder, PrecomputedText):
-            return self.text_encoder.width, self.text_encoder.max_length
-        return 0, 0
-
-    @property
-    def text_identity(self) -> str:
-        """The text encoder's files and caption length (whoever ran it), "" without text: every rank
-        must hold the same, and a resume checks it is unchanged."""
-        return identity_key(self.text_encoder.identity()) if self.text_encoder is not None else ""
+    def text(self) -> TextReading | None:
+        """The text batches carry: captions for the encoder run here (the `txt` field), or the
+        precomputed features' (width, max tokens) (text.npy); the encoder's identity (its files and
+        caption length, whoever ran it), which every rank must hold alike and a resume must not change."""
+        if self.text_encoder is None:
+            return None
+        info = self.text_encoder.identity()
+        precomputed = isinstance(self.text_encoder, PrecomputedText)
+        return TextReading(
+            captions=not precomputed,
+            features=(self.text_encoder.width, self.text_encoder.max_length) if precomputed else (0, 0),
+            identity=identity_key(info),
+            encoder=str(info["text_encoder"]),
+        )
 
     def condition(self, batch, device) -> Condition:
         """What the model is conditioned on, nothing dropped: the captions' features (text), the class

@@ -1,0 +1,26 @@
+"""on_nonfinite_loss: a NaN or infinite loss stops the run naming its step and sample ids (stop), or
+its batch is skipped with a line saying which (skip); either way it never reaches the optimizer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prunepipe.pipelines.progress import pass_label
+
+
+class NonFiniteLossError(ValueError):
+    """A batch produced a NaN or infinite loss; the message names the step and sample ids."""
+
+
+def report_nonfinite(
+    cfg, accelerator, ids: np.ndarray, losses: np.ndarray, step: int, pass_index: int, micro: int
+) -> None:
+    """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
+    bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
+    where = f"step {step} ({pass_label(pass_index, cfg.passes)}, batch {micro})"
+    if cfg.on_nonfinite_loss == "stop":
+        raise NonFiniteLossError(
+            f"non-finite loss at {where} for sample ids {bad_ids}; set on_nonfinite_loss=skip to skip such batches"
+        )
+    accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
