@@ -197,12 +197,11 @@ def _shards_dedup(args) -> None:
 
 
 def _train(args) -> None:
-    from prunepipe.pipelines.config import check_data, load_config
+    from prunepipe.pipelines.config import load_config
     from prunepipe.pipelines.training.loop import train
 
     cfg = load_config(args.config, args.overrides)
-    check_data(cfg)  # the data the config names, before anything starts
-    train(cfg)
+    train(cfg)  # which checks the data the config names first, on every rank
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run folder: {cfg.run_dir}")
 

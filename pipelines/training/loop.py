@@ -20,7 +20,7 @@ from prunepipe.pipelines.checkpoint.parts import CheckpointParts
 from prunepipe.pipelines.checkpoint.position import TrainingPosition
 from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
 from prunepipe.pipelines.checkpoint.store import save_checkpoint
-from prunepipe.pipelines.config import RunConfig, pruner_hparams
+from prunepipe.pipelines.config import RunConfig, check_data, pruner_hparams
 from prunepipe.pipelines.data.mixture import Mixture
 from prunepipe.pipelines.data.workers import agreed_loader_workers
 from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
@@ -62,6 +62,7 @@ class Trainer:
         accelerator = self.accelerator = start_accelerator(cfg)
         self.device, self.rank, self.world = accelerator.device, accelerator.process_index, accelerator.num_processes
         is_main = self.is_main = accelerator.is_main_process
+        on_every_rank(lambda: check_data(cfg))  # the data the config names, from each rank's node, first
         if is_main:
             write_run_config(cfg)
         cfg = self.cfg = with_peak_learning_rate(cfg, self.world, announce=is_main)  # config.yaml keeps optim.blr
