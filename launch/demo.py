@@ -28,7 +28,7 @@ EVAL_OVERRIDES = ["weights=raw"]
 def train_and_evaluate(config: str, overrides: list[str], what: str) -> tuple[dict, str]:
     """Train `config` with `overrides`, evaluate its final raw weights; (last pass summary, run folder)."""
     cfg = load_config(os.path.join(CONFIGS, config), overrides)
-    print(f"\n== {what}: configs/{config}, {cfg.passes} passes -> {cfg.run_dir}", flush=True)
+    print(f"\n== {what}: configs/{config}, {cfg.num_passes} passes -> {cfg.run_dir}", flush=True)
     summary = train(cfg)
     record = evaluate_checkpoint(cfg.run_dir, overrides=EVAL_OVERRIDES)
     print(
@@ -61,7 +61,12 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
     if not os.path.exists(os.path.join(data, "train", "index.json")):
         print(f"writing scikit-learn's digits as shards in {data} ...")
         write_shards("digits", data, size=32, shard_size=300)
-    common = [f"data.train={data}/train", f"data.val={data}/val", *([f"passes={passes}"] if passes else []), *overrides]
+    common = [
+        f"data.train={data}/train",
+        f"data.val={data}/val",
+        *([f"num_passes={passes}"] if passes else []),
+        *overrides,
+    ]
     steps, step = 4 * seeds, 0
     pruned_dirs, baseline, same_compute, frontier = [], [], [], []
     for seed in range(seeds):
@@ -86,14 +91,14 @@ def run_demo(data: str, prefix: str = "demo_mae", passes: int = 0, overrides: li
         else:
             _, same_dir = train_and_evaluate(
                 "mae_tiny_full.yaml",
-                [*common, f"seed={seed}", f"passes={short}", f"name={prefix}_full_short{suffix}"],
+                [*common, f"seed={seed}", f"num_passes={short}", f"name={prefix}_full_short{suffix}"],
                 f"{step + 3}/{steps} full data for that compute ({pruned['samples_forwarded']} samples), seed {seed}",
             )
             same_compute.append(same_dir)
         # below the pruned run's compute, so that a run worse than training less gets a measured saving
         _, half_dir = train_and_evaluate(
             "mae_tiny_full.yaml",
-            [*common, f"seed={seed}", f"passes={max(1, full_passes // 2)}", f"name={prefix}_full_half{suffix}"],
+            [*common, f"seed={seed}", f"num_passes={max(1, full_passes // 2)}", f"name={prefix}_full_half{suffix}"],
             f"{step + 4}/{steps} full data for half the passes (the frontier's low end), seed {seed}",
         )
         frontier.append(half_dir)

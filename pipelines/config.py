@@ -131,7 +131,7 @@ class RunConfig:
     runs_dir: str = "runs"
     task: Literal["mae", "ldm"] = "mae"
     seed: int = 0
-    passes: int = 10
+    num_passes: int = 10
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     ema_decay: float = 0.999
     # passes: the decay warms up with pass progress | none: ema_decay from step 1 (DiT)
@@ -175,7 +175,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> RunConfig:
 
 # ----------------------------------------------------------------------------- the config itself
 RANGES = {
-    "passes": ">= 1",
+    "num_passes": ">= 1",
     "log_every": ">= 1",
     "dist_timeout_seconds": ">= 1",
     "ema_decay": "[0, 1)",
@@ -236,7 +236,7 @@ def validate(cfg: RunConfig) -> None:
     if name not in PRUNERS:
         raise not_accepted("pruner.name", name, sorted(PRUNERS))
     try:
-        build_pruner(name, 10, cfg.passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
+        build_pruner(name, 10, cfg.num_passes, seed=cfg.seed, **pruner_hparams(cfg.pruner))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config: pruner: {str(e).splitlines()[0]}") from None
     _validate_groups(cfg, name)

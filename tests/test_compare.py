@@ -30,8 +30,8 @@ def _one_thread():
 def tiny_runs(digits_shards, tmp_path_factory) -> tuple[str, str]:
     """A full and an InfoBatch MAE run of 2 passes, both evaluated (reconstruction only)."""
     runs_dir = session_dir(tmp_path_factory, "eval_runs")
-    full = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("passes=2",))
-    pruned = tiny_run(digits_shards, runs_dir, "mae_tiny_infobatch.yaml", "mae_infobatch", ("passes=2",))
+    full = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("num_passes=2",))
+    pruned = tiny_run(digits_shards, runs_dir, "mae_tiny_infobatch.yaml", "mae_infobatch", ("num_passes=2",))
     quick = load_eval_config(overrides=["probe.enabled=false", "val_samples=90"])
     for run in (full, pruned):
         evaluate_checkpoint(run, eval_cfg=quick)
@@ -86,7 +86,9 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
     path = root / name
     (path / "eval").mkdir(parents=True)
     (path / "config.yaml").write_text(
-        yaml.safe_dump({"name": name, "task": "mae", "seed": seed, "passes": len(curve), "pruner": {"name": pruner}})
+        yaml.safe_dump(
+            {"name": name, "task": "mae", "seed": seed, "num_passes": len(curve), "pruner": {"name": pruner}}
+        )
     )
     with open(path / "metrics.jsonl", "w") as f:
         for pass_index, value in enumerate(curve):

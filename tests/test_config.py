@@ -39,8 +39,8 @@ def test_every_shipped_config_loads(config, digits_shards):
 
 
 def test_overrides_reach_nested_fields_and_pruner_hparams(digits_shards):
-    cfg = load_config(TINY, data_overrides(digits_shards) + ["passes=7", "pruner.prune_ratio=0.3", "optim.lr=0.01"])
-    assert cfg.passes == 7 and cfg.pruner == {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875}
+    cfg = load_config(TINY, data_overrides(digits_shards) + ["num_passes=7", "pruner.prune_ratio=0.3", "optim.lr=0.01"])
+    assert cfg.num_passes == 7 and cfg.pruner == {"name": "infobatch", "prune_ratio": 0.3, "delta": 0.875}
     assert cfg.optim.lr == 0.01 and cfg.data.batch_size == 64  # from the base file
 
 
@@ -176,7 +176,7 @@ def test_an_empty_override_empties_a_text_field_in_order(digits_shards):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["passes="], r"passes= is empty; passes is not a text field"),
+        (["num_passes="], r"num_passes= is empty; num_passes is not a text field"),
         (["data.nope="], r"unknown key 'data.nope'.*val_batches"),
         (["data.val=", "eval.every_passes=2"], r"eval.every_passes=2 .* data.val is empty; set data.val=DIR or eval"),
     ],
@@ -196,7 +196,7 @@ def test_training_without_held_out_data(digits_shards, tmp_path, capsys):
         TINY,
         *data_overrides(digits_shards),
         "data.val=",
-        "passes=1",
+        "num_passes=1",
         f"runs_dir={tmp_path}",
         "name=no_val",
         *TINY_MAE,

@@ -68,7 +68,7 @@ def test_deferred_updates_leave_the_pruner_state_of_immediate_ones_at_every_chec
     digits_shards, tmp_path, monkeypatch, config
 ):
     # every 7 steps: checkpoints inside passes, not only at their ends
-    extra = ["passes=3", "checkpoint.every_steps=7", "checkpoint.keep=100"]
+    extra = ["num_passes=3", "checkpoint.every_steps=7", "checkpoint.keep=100"]
     loop.train(tiny_cfg(digits_shards, tmp_path, "deferred", config, extra))
     monkeypatch.setattr(loop, "SCORE_LAG", 0)
     loop.train(tiny_cfg(digits_shards, tmp_path, "immediate", config, extra))
@@ -109,7 +109,7 @@ def test_the_pruner_gets_step_k_scores_only_after_step_k_plus_1_forward_began(di
         pruner.update = recorded_update
         return pruner
 
-    cfg = tiny_cfg(digits_shards, tmp_path, "order", extra=["passes=1", "checkpoint.every_steps=1000"])
+    cfg = tiny_cfg(digits_shards, tmp_path, "order", extra=["num_passes=1", "checkpoint.every_steps=1000"])
     monkeypatch.setattr(
         loop, "build_task", lambda c: RecordingTask(c.mae, image_size=c.data.resolution, channels=c.data.channels)
     )
@@ -131,7 +131,7 @@ def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
             "data.val=",
             f"runs_dir={tmp_path}",
             "name=nan",
-            "passes=1",
+            "num_passes=1",
             "data.batch_size=8",
             "ldm.autoencoder=latents",
             "ldm.unet.block_out_channels=[16,32]",
@@ -156,7 +156,7 @@ def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_
         tmp_path,
         "labels",
         "ldm_tiny_full.yaml",
-        ["ldm.num_classes=5", "ldm.unet.block_out_channels=[16,32]", "data.resolution=16", "passes=1"],
+        ["ldm.num_classes=5", "ldm.unet.block_out_channels=[16,32]", "data.resolution=16", "num_passes=1"],
     )
     with pytest.raises(
         BadInputError,
@@ -174,7 +174,7 @@ def test_a_label_out_of_range_stops_the_run_naming_its_sample_before_the_device_
 )
 def test_cuda_steps_never_wait_for_the_device(digits_shards, tmp_path, config, classes):
     extra = [
-        "passes=1",
+        "num_passes=1",
         "max_steps=6",
         "checkpoint.every_steps=1000",
         "data.resolution=16",

@@ -57,7 +57,7 @@ def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(t
     for seed, answer in zip((0, 1), saving["per_seed"]):  # distinct schedule lengths (a short run may be half)
         suffix = "_s1" if seed else ""
         lengths = {
-            yaml.safe_load(open(runs / name / "config.yaml"))["passes"]
+            yaml.safe_load(open(runs / name / "config.yaml"))["num_passes"]
             for name in (f"demo_mae_full_s{seed}", f"demo_mae_full_short{suffix}", f"demo_mae_full_half{suffix}")
         }
         assert answer["points"] == len(lengths) >= 2

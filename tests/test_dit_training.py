@@ -39,7 +39,7 @@ def trained_run(digits_shards, tmp_path_factory):
             f"data.val={digits_shards}/val",
             f"runs_dir={runs}",
             "name=dit_falls",
-            "passes=4",
+            "num_passes=4",
             *TINY_DIT,
         ],
     )
@@ -92,7 +92,7 @@ def test_fid_evaluator_samples_the_trained_dit_with_guidance(trained_run, digits
 
 def test_a_dit_flow_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_path):
     # in-process, for the default suite; the SIGKILL form is test_trainer's (slow: three interpreter starts)
-    base = [*TINY_DIT, "passes=2", "checkpoint.every_steps=10"]
+    base = [*TINY_DIT, "num_passes=2", "checkpoint.every_steps=10"]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
         CONFIG, digits_shards, tmp_path, base, stop_at=20, end_at=35
     )
@@ -109,7 +109,7 @@ def test_two_ranks_of_batch_b_train_the_dit_like_one_rank_of_batch_2b(digits_sha
         f"data.train={small}",
         "data.val=''",
         f"runs_dir={tmp_path}",
-        "passes=3",
+        "num_passes=3",
         "optim.warmup_passes=0",
         "data.val_batches=1",
     ]

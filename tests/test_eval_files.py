@@ -27,7 +27,7 @@ def test_an_earlier_eval_record_is_kept_unless_overwrite_is_asked_for(digits_sha
             f"data.val={digits_shards}/val",
             f"runs_dir={tmp_path}",
             "name=run",
-            "passes=1",
+            "num_passes=1",
             *TINY_MAE,
         ],
     )
@@ -68,7 +68,7 @@ def test_prunepipe_eval_refuses_to_replace_an_earlier_evaluation_without_overwri
             f"data.val={digits_shards}/val",
             f"runs_dir={tmp_path}",
             "name=run",
-            "passes=1",
+            "num_passes=1",
             *TINY_MAE,
         ],
     )

@@ -26,7 +26,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def run_dir(digits_shards, tmp_path_factory) -> str:
     return tiny_run(
-        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "ldm_tiny_full.yaml", "ldm_full", ("passes=1",)
+        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "ldm_tiny_full.yaml", "ldm_full", ("num_passes=1",)
     )
 
 

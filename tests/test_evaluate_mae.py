@@ -41,7 +41,7 @@ def linear_probe(encoder, train_batches, val_batches, cfg: ProbeConfig, seed: in
 @pytest.fixture(scope="module")
 def run_dir(digits_shards, tmp_path_factory) -> str:
     return tiny_run(
-        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full", ("passes=2",)
+        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full", ("num_passes=2",)
     )
 
 
@@ -126,7 +126,7 @@ def pretrained_run(digits_shards, tmp_path_factory) -> str:
         "mae_tiny_full.yaml",
         "mae_probe",
         (
-            "passes=40",
+            "num_passes=40",
             "mae.embed_dim=64",
             "mae.depth=2",
             "mae.num_heads=4",
@@ -204,7 +204,7 @@ def test_eval_of_unlabelled_shards_skips_the_probe_and_writes_the_rest(tmp_path,
                 config,
                 f"data.train={shards}/train",
                 f"data.val={shards}/val",
-                "passes=1",
+                "num_passes=1",
                 f"runs_dir={tmp_path / 'runs'}",
                 "name=unlabelled",
                 *TINY_MAE,

@@ -41,7 +41,7 @@ def bf16_accelerator():
 @pytest.fixture(scope="module")
 def run_dir(digits_shards, tmp_path_factory) -> str:
     return tiny_run(
-        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full", ("passes=2",)
+        digits_shards, session_dir(tmp_path_factory, "eval_runs"), "mae_tiny_full.yaml", "mae_full", ("num_passes=2",)
     )
 
 
@@ -106,7 +106,7 @@ def test_a_bf16_run_logs_the_numbers_prunepipe_eval_gives(digits_shards, tmp_pat
             f"runs_dir={tmp_path}",
             "name=bf16",
             *TINY_MAE,
-            "passes=1",
+            "num_passes=1",
             "mixed_precision=bf16",
             "eval.every_passes=1",
             *[f"eval.{o}" for o in QUICK],
@@ -137,7 +137,7 @@ def eval_run(root, name, pruner, precision, masked_mse):
     path = root / name
     (path / "eval").mkdir(parents=True)
     (path / "config.yaml").write_text(
-        yaml.safe_dump({"name": name, "task": "mae", "seed": 0, "passes": 1, "pruner": {"name": pruner}})
+        yaml.safe_dump({"name": name, "task": "mae", "seed": 0, "num_passes": 1, "pruner": {"name": pruner}})
     )
     (path / "metrics.jsonl").write_text(
         json.dumps(

@@ -87,8 +87,8 @@ def runs(digits_shards, tmp_path_factory) -> dict:
     classifier = feature_net(
         digits_shards, os.path.join(session_dir(tmp_path_factory, "eval_nets"), "digits.safetensors")
     )
-    mae = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("passes=2",))
-    ldm = tiny_run(digits_shards, runs_dir, "ldm_tiny_full.yaml", "ldm_full", ("passes=1",))
+    mae = tiny_run(digits_shards, runs_dir, "mae_tiny_full.yaml", "mae_full", ("num_passes=2",))
+    ldm = tiny_run(digits_shards, runs_dir, "ldm_tiny_full.yaml", "ldm_full", ("num_passes=1",))
     fid = [
         "fid.feature=classifier",
         f"fid.weights={classifier}",

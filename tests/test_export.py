@@ -39,7 +39,7 @@ DDPM = [
 def text_run(features16, encoder, tmp_path_factory):  # noqa: F811
     """One pass of the tiny PixArt DiT (DDPM) on latent shards holding their captions' features."""
     cfg = latent_config(
-        features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), PRECOMPUTED, *DDPM, "passes=1"
+        features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), PRECOMPUTED, *DDPM, "num_passes=1"
     )
     train(cfg)
     return cfg
@@ -49,7 +49,7 @@ def text_run(features16, encoder, tmp_path_factory):  # noqa: F811
 def flow_text_run(features16, encoder, tmp_path_factory):  # noqa: F811
     """The same run trained with flow matching, as configs/ldm_t2i_*.yaml train."""
     cfg = latent_config(
-        features16, tmp_path_factory.mktemp("runs"), "t2i_flow", *tiny(encoder), PRECOMPUTED, "passes=1"
+        features16, tmp_path_factory.mktemp("runs"), "t2i_flow", *tiny(encoder), PRECOMPUTED, "num_passes=1"
     )
     assert cfg.ldm.objective == "flow"
     train(cfg)

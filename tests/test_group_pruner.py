@@ -367,7 +367,7 @@ def dedup_cfg(redundant, tmp_path, name, extra=()):
 
 
 def test_the_loop_trains_dedup_and_resumes_bitwise(redundant, tmp_path):
-    base = ["passes=4", "checkpoint.every_steps=5"]
+    base = ["num_passes=4", "checkpoint.every_steps=5"]
     train(dedup_cfg(redundant, tmp_path, "straight", base))
     stop_at = 10
     train(dedup_cfg(redundant, tmp_path, "resumed", [*base, f"max_steps={stop_at}"]))
@@ -386,13 +386,15 @@ def test_the_loop_trains_dedup_and_resumes_bitwise(redundant, tmp_path):
 
 
 def test_resuming_with_another_group_table_is_refused_naming_both(redundant, tmp_path):
-    train(dedup_cfg(redundant, tmp_path, "run", ["passes=2", "max_steps=3", "checkpoint.every_steps=3"]))
+    train(dedup_cfg(redundant, tmp_path, "run", ["num_passes=2", "max_steps=3", "checkpoint.every_steps=3"]))
     other = write_group_table(
         os.path.join(redundant, "train", "groups", "singles.npy"),
         np.arange(216, dtype=np.int32),
         {"made_by": "test: every sample its own group"},
     )
-    resumed = dedup_cfg(redundant, tmp_path, "run", ["passes=2", "pruner.groups=singles", "checkpoint.resume=latest"])
+    resumed = dedup_cfg(
+        redundant, tmp_path, "run", ["num_passes=2", "pruner.groups=singles", "checkpoint.resume=latest"]
+    )
     with pytest.raises(
         ValueError,
         match=rf"group table {os.path.join(redundant, 'train', 'groups', 'known.npy')}.*"
@@ -507,7 +509,7 @@ def test_two_ranks_train_dedup_through_the_loop_with_one_plan(redundant, tmp_pat
             "data.val=''",
             f"runs_dir={tmp_path}",
             "name=ddp",
-            "passes=2",
+            "num_passes=2",
             "debug_sync=true",
             "pruner.name=dedup",
             "pruner.groups=known",

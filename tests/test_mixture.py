@@ -138,7 +138,7 @@ def mixture_run(digits_shards, tmp_path, name: str, config: str, extra: list[str
 
 
 def test_a_full_run_over_a_mixture_forwards_each_source_its_rule_and_reports_it(digits_shards, tmp_path):
-    cfg = mixture_run(digits_shards, tmp_path, "full", "mae_tiny_full.yaml", ["passes=8"])
+    cfg = mixture_run(digits_shards, tmp_path, "full", "mae_tiny_full.yaml", ["num_passes=8"])
     train(cfg)
     passes = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl")) if '"pass"' in line]
     assert len(passes) == 8
@@ -151,7 +151,7 @@ def test_a_full_run_over_a_mixture_forwards_each_source_its_rule_and_reports_it(
 
 
 def test_a_pruned_mixture_stopped_mid_pass_resumes_bitwise_and_refuses_another_mixture(digits_shards, tmp_path):
-    base = ["passes=4", "checkpoint.every_steps=4", "score.normalise=stratum_mean", "score.per_source=true"]
+    base = ["num_passes=4", "checkpoint.every_steps=4", "score.normalise=stratum_mean", "score.per_source=true"]
     config = "mae_tiny_infobatch.yaml"
     train(mixture_run(digits_shards, tmp_path, "straight", config, [*base, "max_steps=28"]))
     train(mixture_run(digits_shards, tmp_path, "resumed", config, [*base, "max_steps=20"]))  # pass 3, 4 steps in
@@ -200,7 +200,7 @@ def test_compare_shows_each_source_of_a_mixture_side_by_side(digits_shards, tmp_
     from prunepipe.pipelines.report.compare import compare_runs
 
     for name, config in (("full", "mae_tiny_full.yaml"), ("pruned", "mae_tiny_infobatch.yaml")):
-        train(mixture_run(digits_shards, tmp_path, name, config, ["passes=3"]))
+        train(mixture_run(digits_shards, tmp_path, name, config, ["num_passes=3"]))
     report = compare_runs(
         [str(tmp_path / "full")], [str(tmp_path / "pruned")], out=str(tmp_path / "report"), plots=False
     )
@@ -226,7 +226,7 @@ def test_a_mixture_on_two_gloo_ranks_of_two_workers_stopped_mid_pass_resumes_bit
         "checkpoint.every_steps=3",
         "score.normalise=stratum_mean",
         "score.per_source=true",
-        "passes=3",
+        "num_passes=3",
         f"runs_dir={tmp_path}",
         *TINY_MAE[:-2],  # batch size and held-out batches are set here
     ]
@@ -261,7 +261,7 @@ def test_a_pass_walking_a_source_twice_is_not_split_into_segments_on_another_lay
             tmp_path,
             "twice",
             "mae_tiny_full.yaml",
-            ["passes=2", "data.val=", "checkpoint.every_steps=3", "data.samples_per_pass=0", *extra],
+            ["num_passes=2", "data.val=", "checkpoint.every_steps=3", "data.samples_per_pass=0", *extra],
         )
 
     # 3:1 of both sources' 1,797 samples a pass: 449 of the 180 held ones, walked twice whole and once in part

@@ -148,7 +148,7 @@ def test_the_wheel_runs_the_demo_and_trains_a_shipped_config_from_any_folder(whe
     config = os.path.join(purelib, "prunepipe", "configs", "mae_tiny_full.yaml")
     data = tmp_path / "demo" / "data" / "digits"
     (tmp_path / "elsewhere").mkdir()
-    overrides = [f"data.train={data}/train", f"data.val={data}/val", "passes=1", "name=elsewhere", *TINY_MAE]
+    overrides = [f"data.train={data}/train", f"data.val={data}/val", "num_passes=1", "name=elsewhere", *TINY_MAE]
     out = in_venv(venv, "prunepipe", "train", config, *overrides, cwd=tmp_path / "elsewhere")
     assert "run folder: runs/elsewhere" in out, out
     assert os.path.isfile(tmp_path / "elsewhere" / "runs" / "elsewhere" / "metrics.jsonl")

@@ -30,7 +30,7 @@ def test_the_resume_line_and_the_pass_line_name_the_same_pass(digits_shards, tmp
         f"data.val={digits_shards}/val",
         f"runs_dir={tmp_path}",
         "name=run",
-        "passes=2",
+        "num_passes=2",
         "checkpoint.every_steps=20",
         *TINY_MAE,
     ]  # 25 steps a pass

@@ -32,7 +32,7 @@ TINY_MAE = [
 def tiny(digits_shards, *overrides: str):
     return load_config(
         os.path.join(CONFIGS, "mae_tiny_full.yaml"),
-        [f"data.train={digits_shards}/train", "data.val=", "passes=10", *overrides],
+        [f"data.train={digits_shards}/train", "data.val=", "num_passes=10", *overrides],
     )
 
 
@@ -48,7 +48,7 @@ def test_blr_sets_the_peak_rate_from_the_effective_batch_once_and_records_it(dig
     cfg = tiny(
         digits_shards,
         *TINY_MAE,
-        "passes=1",
+        "num_passes=1",
         "optim.blr=0.04",
         "optim.lr=5.0",
         "optim.grad_accum=2",
@@ -83,7 +83,7 @@ def test_the_ema_warmup_follows_pass_progress_so_pruned_and_full_runs_average_al
                 "data.val=",
                 f"runs_dir={tmp_path}",
                 f"name={name}",
-                "passes=3",
+                "num_passes=3",
                 "ema_decay=0.9999",
                 *TINY_MAE,
             ],
@@ -109,7 +109,7 @@ def test_without_ema_warmup_the_decay_is_constant_from_the_first_step(digits_sha
             "data.val=",
             f"runs_dir={tmp_path}",
             "name=dit_ema",
-            "passes=1",
+            "num_passes=1",
             "ema_decay=0.9999",
             "ema_warmup=none",
             *TINY_MAE,
@@ -146,7 +146,7 @@ def test_the_dit_configs_train_as_the_dit_paper(name, digits_shards):
     assert (cfg.optim.weight_decay, cfg.optim.betas) == (0.0, [0.9, 0.999])
     for world in (8, 64):
         at_scale = with_peak_learning_rate(cfg, world, announce=False)
-        assert [learning_rate(at_scale, p) for p in (0.0, 0.5, cfg.passes / 2, cfg.passes)] == [1e-4] * 4
+        assert [learning_rate(at_scale, p) for p in (0.0, 0.5, cfg.num_passes / 2, cfg.num_passes)] == [1e-4] * 4
     assert (cfg.ema_decay, cfg.ema_warmup) == (0.9999, "none"), "EMA 0.9999 from the first step"
     assert (cfg.data.hflip, cfg.data.crop) == (True, "center"), "random flips, exact on latents (--flip)"
     assert cfg.data.batch_size * 8 == 256, "the paper's batch on 8 GPUs"
@@ -162,8 +162,8 @@ def test_the_mae_configs_train_as_the_mae_paper(name, digits_shards):
         assert learning_rate(at_scale, 20.0) == pytest.approx(peak / 2), "linear warmup over 40 passes"
         assert learning_rate(at_scale, 40.0) == pytest.approx(peak)
         assert learning_rate(at_scale, 420.0) == pytest.approx(peak / 2), "cosine, halfway"
-        assert learning_rate(at_scale, cfg.passes) == pytest.approx(0.0)
-    assert (cfg.optim.schedule, cfg.optim.warmup_passes, cfg.passes) == ("cosine", 40, 800)
+        assert learning_rate(at_scale, cfg.num_passes) == pytest.approx(0.0)
+    assert (cfg.optim.schedule, cfg.optim.warmup_passes, cfg.num_passes) == ("cosine", 40, 800)
     assert (cfg.optim.weight_decay, cfg.optim.betas) == (0.05, [0.9, 0.95])
     assert (cfg.data.crop, cfg.data.crop_scale, cfg.data.hflip) == ("random_resized", [0.2, 1.0], True)
     assert cfg.ema_warmup == "passes", "an EMA that pruned and full runs share pass for pass"
@@ -193,7 +193,9 @@ def test_the_text_to_image_config_trains_as_pixart_alpha(digits_shards, tmp_path
     for world in (8, 64):
         at_scale = with_peak_learning_rate(cfg, world, announce=False)
         assert learning_rate(at_scale, cfg.optim.warmup_passes / 2) == pytest.approx(1e-5)
-        assert [learning_rate(at_scale, p) for p in (cfg.optim.warmup_passes, cfg.passes / 2, cfg.passes)] == [2e-5] * 3
+        assert [learning_rate(at_scale, p) for p in (cfg.optim.warmup_passes, cfg.num_passes / 2, cfg.num_passes)] == [
+            2e-5
+        ] * 3
     assert (cfg.ema_decay, cfg.ema_warmup) == (0.9999, "none")
     assert not cfg.data.hflip, "captions name left and right"
     assert (cfg.data.batch_size, cfg.data.resolution) == (32, 256)

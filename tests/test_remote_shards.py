@@ -72,7 +72,7 @@ def test_a_command_that_dies_mid_stream_once_per_shard_trains_to_the_same_weight
     )
     common = [
         f"runs_dir={tmp_path}",
-        "passes=2",
+        "num_passes=2",
         "data.batch_size=16",
         "data.num_workers=1",
         "data.remote.backoff_seconds=0",
@@ -106,7 +106,7 @@ def test_training_over_a_lying_store_reads_the_same_samples_or_stops_naming_url_
 ):
     common = [
         f"runs_dir={tmp_path}",
-        "passes=1",
+        "num_passes=1",
         "data.batch_size=16",
         "data.num_workers=1",
         "data.remote.backoff_seconds=0",
@@ -226,7 +226,7 @@ def test_skipping_stops_once_more_samples_are_lost_than_the_budget(digits_shards
     common = [
         f"runs_dir={tmp_path}",
         f"data.train={broken}",
-        "passes=1",
+        "num_passes=1",
         "data.batch_size=16",
         "data.num_workers=0",
         "data.on_bad_sample=skip",

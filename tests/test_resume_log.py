@@ -28,7 +28,7 @@ def test_a_resumed_run_marks_the_resume_and_readers_keep_the_latest_record_per_s
         f"data.val={digits_shards}/val",
         f"runs_dir={tmp_path}",
         "name=run",
-        "passes=2",
+        "num_passes=2",
         "log_every=5",
         "checkpoint.every_steps=10",
         "checkpoint.keep=3",

@@ -41,7 +41,7 @@ def _one_thread():
 def stage1(digits_shards, tmp_path_factory):
     """One pass of the tiny DiT at 8 px: its run folder holds a checkpoint and the export."""
     cfg = load_config(
-        STAGE1, overrides(digits_shards, tmp_path_factory.mktemp("stage1"), "stage1", [*FAST, "passes=1"])
+        STAGE1, overrides(digits_shards, tmp_path_factory.mktemp("stage1"), "stage1", [*FAST, "num_passes=1"])
     )
     train(cfg)
     return cfg
@@ -145,7 +145,7 @@ def mae_stage1(digits_shards, tmp_path_factory):
     """One pass of the tiny MAE at 16 px (4 patches of 8 px)."""
     runs = tmp_path_factory.mktemp("mae_stage1")
     cfg = load_config(
-        MAE, overrides(digits_shards, runs, "mae16", [*TINY_MAE, *FAST, "data.resolution=16", "passes=1"])
+        MAE, overrides(digits_shards, runs, "mae16", [*TINY_MAE, *FAST, "data.resolution=16", "num_passes=1"])
     )
     train(cfg)
     return cfg

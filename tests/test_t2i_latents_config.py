@@ -42,7 +42,7 @@ def test_the_tiny_t2i_latents_config_trains_on_latent_and_text_feature_shards(ca
             f"data.train={tmp_path}/latents/train",
             f"data.val={tmp_path}/latents/val",
             f"runs_dir={tmp_path}/runs",
-            "passes=1",
+            "num_passes=1",
             "data.batch_size=256",
         ],
     )  # 512 pairs: 2 steps

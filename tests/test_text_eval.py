@@ -66,7 +66,7 @@ def clip(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def text_run(captioned, encoder, tmp_path_factory) -> str:  # noqa: F811
-    cfg = config(captioned, encoder, tmp_path_factory.mktemp("runs"), "t2i_eval", "passes=2")
+    cfg = config(captioned, encoder, tmp_path_factory.mktemp("runs"), "t2i_eval", "num_passes=2")
     train(cfg)
     return cfg.run_dir
 

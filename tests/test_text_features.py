@@ -316,7 +316,7 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
 @pytest.fixture(scope="module")
 def stored_run(features16, encoder, tmp_path_factory):  # noqa: F811
     runs = tmp_path_factory.mktemp("runs")
-    cfg = latent_config(features16, runs, "stored", *tiny(encoder), PRECOMPUTED, "passes=2")
+    cfg = latent_config(features16, runs, "stored", *tiny(encoder), PRECOMPUTED, "num_passes=2")
     train(cfg)
     return cfg
 
@@ -395,7 +395,7 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
         *tiny(encoder),
         PRECOMPUTED,
         "ldm.autoencoder=latents",
-        "passes=3",
+        "num_passes=3",
         "checkpoint.every_steps=5",
         "pruner.name=infobatch",
         "score.normalise=stratum_mean",
@@ -475,7 +475,7 @@ def test_cuda_steps_on_precomputed_text_never_wait_for_the_device(features16, en
         "strict",
         *tiny(encoder),
         PRECOMPUTED,
-        "passes=1",
+        "num_passes=1",
         "max_steps=6",
         "checkpoint.every_steps=1000",
         "debug_device_sync=true",

@@ -153,7 +153,7 @@ def trained_run(captioned, encoder, tmp_path_factory):
         encoder,
         tmp_path_factory.mktemp("runs"),
         "t2i",
-        "passes=8",
+        "num_passes=8",
         "pruner.name=infobatch",
         "score.normalise=stratum_mean",
     )
@@ -175,7 +175,7 @@ def test_a_text_run_stopped_at_a_checkpoint_resumes_bitwise(captioned, encoder, 
     # InfoBatch on scores normalised within strata that tell dropped captions from kept ones
     base = [
         *tiny(encoder),
-        "passes=3",
+        "num_passes=3",
         "checkpoint.every_steps=5",
         "pruner.name=infobatch",
         "score.normalise=stratum_mean",
@@ -194,7 +194,7 @@ def test_two_ranks_of_batch_b_train_the_text_dit_like_one_rank_of_batch_2b(capti
         f"data.train={captioned}/val",
         "data.val=",
         f"runs_dir={tmp_path}",
-        "passes=3",
+        "num_passes=3",
         "optim.warmup_passes=0",
         *tiny(encoder),
     ]
@@ -247,7 +247,7 @@ def test_a_sample_without_a_caption_follows_on_bad_sample_and_is_counted(encoder
     data = write_img2dataset_shards(
         tmp_path / "data" / "train", pixels, digits.target[:64], per_shard=64, no_caption=(5,)
     )
-    common = [f"data.train={data}", "data.val=", f"runs_dir={tmp_path}", "passes=1", *tiny(encoder)]
+    common = [f"data.train={data}", "data.val=", f"runs_dir={tmp_path}", "num_passes=1", *tiny(encoder)]
     with pytest.raises(BadInputError, match=r"key '000000005': no caption \(field 'txt'"):
         train(load_config(CONFIG, [*common, "name=stops"]))
     train(load_config(CONFIG, [*common, "name=skips", "data.on_bad_sample=skip"]))
@@ -372,7 +372,7 @@ def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(cap
             f"runs_dir={tmp_path}",
             "name=on_latents",
             *tiny(encoder),
-            "passes=2",
+            "num_passes=2",
             "ldm.autoencoder=latents",
         ],
     )

@@ -105,7 +105,7 @@ def assert_states_equal(a, b, path=""):
 )
 def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra, digits_shards, tmp_path):
     config = os.path.join(ROOT, "configs", config)
-    base = ["passes=4", *extra]
+    base = ["num_passes=4", *extra]
     straight = run_cli(config, overrides(digits_shards, tmp_path, "straight", base))
     out = straight.communicate(timeout=600)[0]
     assert straight.returncode == 0, out
@@ -147,7 +147,9 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise_identical(config, extra
 def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_path):
     cfg = load_config(
         os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-        overrides(digits_shards, tmp_path, "torn", TINY_MAE + ["passes=2", "max_steps=10", "checkpoint.every_steps=5"]),
+        overrides(
+            digits_shards, tmp_path, "torn", TINY_MAE + ["num_passes=2", "max_steps=10", "checkpoint.every_steps=5"]
+        ),
     )
     train(cfg)
     good = latest_checkpoint(cfg.run_dir)
@@ -169,7 +171,7 @@ def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path)
     for name in ("mae_tiny_full", "mae_tiny_infobatch"):
         cfg = load_config(
             os.path.join(ROOT, "configs", f"{name}.yaml"),
-            overrides(digits_shards, tmp_path, name, TINY_MAE + ["passes=4"]),
+            overrides(digits_shards, tmp_path, name, TINY_MAE + ["num_passes=4"]),
         )
         train(cfg)
         runs[name] = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
@@ -189,7 +191,7 @@ def test_infobatch_forwards_exactly_what_its_plans_keep(digits_shards, tmp_path)
 def test_learning_rate_follows_pass_progress(digits_shards):
     cfg = load_config(
         os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
-        [f"data.train={digits_shards}/train", "data.val=''", "passes=10", "optim.warmup_passes=2", "optim.lr=1.0"],
+        [f"data.train={digits_shards}/train", "data.val=''", "num_passes=10", "optim.warmup_passes=2", "optim.lr=1.0"],
     )
     assert learning_rate(cfg, 0.0) == 0.0 and learning_rate(cfg, 1.0) == pytest.approx(0.5)
     assert learning_rate(cfg, 2.0) == pytest.approx(1.0) and learning_rate(cfg, 10.0) == pytest.approx(0.0)
@@ -223,7 +225,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
             "data.val=''",
             f"runs_dir={tmp_path}",
             f"name={policy}",
-            "passes=2",
+            "num_passes=2",
             "data.batch_size=8",
             "ldm.autoencoder=latents",
             "ldm.unet.block_out_channels=[16,32]",
@@ -257,7 +259,7 @@ def test_periodic_evaluation_is_logged_every_e_passes(digits_shards, tmp_path):
             digits_shards,
             tmp_path,
             "evaluated",
-            TINY_MAE + ["passes=3", "eval.every_passes=2", "eval.val_samples=64", "eval.probe.train_samples=200"],
+            TINY_MAE + ["num_passes=3", "eval.every_passes=2", "eval.val_samples=64", "eval.probe.train_samples=200"],
         ),
     )
     train(cfg)
@@ -286,7 +288,7 @@ def test_resume_after_undecodable_samples_goes_on_where_it_stopped(digits_shards
         f"data.train={shards}",
         "data.val=''",
         f"runs_dir={tmp_path}",
-        "passes=2",
+        "num_passes=2",
         "data.batch_size=16",
         f"data.num_workers={workers}",
         "data.on_bad_sample=skip",
@@ -318,7 +320,7 @@ def test_normalised_scores_reach_the_pruner_and_leave_the_training_loss_alone(di
                 digits_shards,
                 tmp_path,
                 normalise,
-                [*TINY_LDM, "passes=4", "max_steps=25", f"score.normalise={normalise}"],
+                [*TINY_LDM, "num_passes=4", "max_steps=25", f"score.normalise={normalise}"],
             ),
         )
         train(cfg)
@@ -354,7 +356,7 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
     config = os.path.join(ROOT, "configs", "ldm_tiny_infobatch.yaml")
     # 1,000 timesteps x a history of 10 need 10,000 losses before importance sampling starts: a tiny
     # run of 45 steps never gets there, so this schedule has 20 timesteps
-    base = [*TINY_LDM, "passes=4", setting, "ldm.num_train_timesteps=20", "checkpoint.every_steps=10"]
+    base = [*TINY_LDM, "num_passes=4", setting, "ldm.num_train_timesteps=20", "checkpoint.every_steps=10"]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45
     )
@@ -364,7 +366,7 @@ def test_a_run_with_normalised_scores_or_sampled_timesteps_resumes_bitwise(digit
 
 def test_a_ted_run_stopped_at_a_checkpoint_resumes_bitwise(digits_shards, tmp_path):
     config = os.path.join(ROOT, "configs", "ldm_tiny_ted.yaml")
-    base = [*TINY_LDM, "passes=4", "pruner.ramp=0.5", "checkpoint.every_steps=10"]
+    base = [*TINY_LDM, "num_passes=4", "pruner.ramp=0.5", "checkpoint.every_steps=10"]
     (_, straight, straight_pruner), (_, resumed, resumed_pruner) = straight_and_resumed(
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45
     )
@@ -393,7 +395,7 @@ def test_the_pass_line_shows_the_held_out_mean_not_every_grid_point():
 @pytest.mark.parametrize("warmup", ["passes", "none"])
 def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, warmup):
     config = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
-    base = [*TINY_MAE, "passes=3", f"ema_warmup={warmup}", "checkpoint.every_steps=10"]
+    base = [*TINY_MAE, "num_passes=3", f"ema_warmup={warmup}", "checkpoint.every_steps=10"]
     (straight_at, straight, _), (resumed_at, resumed, _) = straight_and_resumed(
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45
     )  # step 30 is inside the pruned pass 2

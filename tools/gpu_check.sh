@@ -22,12 +22,12 @@ say() { echo "[gpu_check $(( $(date +%s) - START ))s] $*"; }
 export HF_HUB_OFFLINE=1
 
 if [ "$SMOKE" = 1 ]; then
-  SIZE=smoke; PASSES=2; REPEATS=1; BENCH_SIZE=(data.batch_size=16); RESUME_SIZE=(passes=2 data.batch_size=32 mae.embed_dim=32 mae.depth=1
+  SIZE=smoke; PASSES=2; REPEATS=1; BENCH_SIZE=(data.batch_size=16); RESUME_SIZE=(num_passes=2 data.batch_size=32 mae.embed_dim=32 mae.depth=1
     mae.num_heads=2 mae.decoder_embed_dim=32 mae.decoder_depth=1 mae.decoder_num_heads=2)
   REPORT="$OUT_DIR/gpu.md"
 else
   "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: use --cpu-smoke')"
-  SIZE=gpu; PASSES=3; REPEATS=2; BENCH_SIZE=(); RESUME_SIZE=(passes=4)
+  SIZE=gpu; PASSES=3; REPEATS=2; BENCH_SIZE=(); RESUME_SIZE=(num_passes=4)
   REPORT=docs/gpu.md
 fi
 say "python $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")')"

@@ -548,6 +548,6 @@ def evaluate_checkpoint(
         # weights finished (0-based), as the training loop's own eval record of the same step does
         inside = position.get("batch_in_pass", 0) > 0 or position["pass_index"] == 0
         at["pass_index"] = position["pass_index"] if inside else position["pass_index"] - 1
-        at["pass"] = position_label(position["pass_index"], position.get("batch_in_pass", 0), run_cfg.passes)
+        at["pass"] = position_label(position["pass_index"], position.get("batch_in_pass", 0), run_cfg.num_passes)
     at["checkpoint"] = os.path.abspath(folder)
     return Evaluator(run_cfg, eval_cfg, run_dir=run_dir, device=dev).evaluate(task, model, at=at, write=write)

@@ -69,7 +69,7 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
         config.get("task", "?"),
         str((config.get("pruner") or {}).get("name", "?")),
         int(config.get("seed", 0)),
-        int(config.get("passes", 0)),
+        int(config.get("num_passes", 0)),
     )
     run.setting = json.dumps({k: v for k, v in config.items() if k not in IDENTITY_KEYS}, sort_keys=True, default=str)
     log_path = os.path.join(path, "metrics.jsonl")

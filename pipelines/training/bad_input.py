@@ -34,7 +34,7 @@ def check_bad_sample_budget(cfg, position: TrainingPosition, lost_here: int, bad
     last = bad[-1].message if bad else "see the warnings above"
     raise BadInputError(
         f"{position.bad_samples + lost_here} samples lost to bad input by "
-        f"{pass_label(position.pass_index, cfg.passes)} "
+        f"{pass_label(position.pass_index, cfg.num_passes)} "
         f"(this rank: {lost_here} since the last checkpoint or pass end), more than "
         f"data.max_bad_samples={budget}; the latest: {last}"
     )

@@ -81,7 +81,7 @@ class Trainer:
         if is_main and len(mixture.sources) > 1:
             print(f"data.train: {len(mixture.sources)} sources, ids laid end to end\n{mixture.describe()}", flush=True)
         name, hparams = cfg.pruner["name"], pruner_hparams(cfg.pruner)
-        pruner = self.pruner = build_pruner(name, mixture.index.num_samples, cfg.passes, seed=cfg.seed, **hparams)
+        pruner = self.pruner = build_pruner(name, mixture.index.num_samples, cfg.num_passes, seed=cfg.seed, **hparams)
 
         # ------------------------------------------------------------ the model, its optimizer and EMA
         self.model, self.optimizer = prepare_model(cfg, accelerator, task.model)
@@ -129,10 +129,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- the run
     def train(self) -> dict:
-        """Pass after pass to cfg.passes (or max_steps), the last checkpoint, and after the last pass the export."""
+        """Pass after pass to cfg.num_passes (or max_steps), the last checkpoint, and after the last pass the export."""
         cfg, position = self.cfg, self.position
         summary: dict = {}
-        while position.pass_index < cfg.passes and not self.stopped:
+        while position.pass_index < cfg.num_passes and not self.stopped:
             plan, layout = self.train_pass()
             if self.stopped and position.batch_in_pass < layout.steps:
                 break
@@ -140,7 +140,7 @@ class Trainer:
         self.stream.close()  # the loader workers, kept from pass to pass
         if position.optimizer_steps != self.last_saved:
             self.save()
-        if self.is_main and position.pass_index >= cfg.passes:
+        if self.is_main and position.pass_index >= cfg.num_passes:
             bare = self.accelerator.unwrap_model(self.model)
             self.task.export(bare, with_ema_weights(bare, self.ema), os.path.join(cfg.run_dir, "export"))
         self.accelerator.wait_for_everyone()
@@ -171,7 +171,7 @@ class Trainer:
             total,
             initial=position.batch_in_pass,
             disable=not self.is_main,
-            desc=pass_label(pass_index, cfg.passes),
+            desc=pass_label(pass_index, cfg.num_passes),
             unit="sample",
             unit_scale=cfg.data.batch_size * self.world,
         )
@@ -293,11 +293,11 @@ class Trainer:
             summary["sources"] = pass_accounting(self.mixture, layout.kept_per_source, position.forwarded_by_source)
         summary["ema_decay"] = self.ema.cur_decay_value  # at the pass end: pruned and full runs alike
         self.metrics.write(summary)
-        if self.is_main and self.pass_lines.due(force=pass_index + 1 == cfg.passes):
-            print(format_pass(summary, cfg.passes), flush=True)
+        if self.is_main and self.pass_lines.due(force=pass_index + 1 == cfg.num_passes):
+            print(format_pass(summary, cfg.num_passes), flush=True)
         if self.evaluator is not None and (pass_index + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
             at = {k: summary[k] for k in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")}
-            at["pass"] = f"after {pass_label(pass_index, cfg.passes)}"
+            at["pass"] = f"after {pass_label(pass_index, cfg.num_passes)}"
             weights = weights_for_eval(self.model, self.ema, cfg.eval.weights)
             self.metrics.write(self.evaluator.evaluate(self.task, weights, at=at))
         position.pass_index += 1

@@ -18,7 +18,7 @@ def report_nonfinite(
 ) -> None:
     """Stop with the step and the sample ids (on_nonfinite_loss=stop), or say which batch is skipped."""
     bad_ids = ids[(ids >= 0) & ~np.isfinite(losses)].tolist()
-    where = f"step {step} ({pass_label(pass_index, cfg.passes)}, batch {micro})"
+    where = f"step {step} ({pass_label(pass_index, cfg.num_passes)}, batch {micro})"
     if cfg.on_nonfinite_loss == "stop":
         raise NonFiniteLossError(
             f"non-finite loss at {where} for sample ids {bad_ids}; set on_nonfinite_loss=skip to skip such batches"

@@ -42,7 +42,7 @@ def resume_or_start(
         load_resume(accelerator, resume_from, parts)
         if announce:
             print(
-                f"resumed from {resume_from}: {position_label(position.pass_index, position.batch_in_pass, cfg.passes)}, "
+                f"resumed from {resume_from}: {position_label(position.pass_index, position.batch_in_pass, cfg.num_passes)}, "
                 f"step {position.optimizer_steps}"
             )
     # a stage's first start: another run's weights and EMA (init.weights); a resume wins (docs/recipes.md, "Stages")

@@ -18,7 +18,7 @@ def learning_rate(cfg: RunConfig, progress: float) -> float:
         return o.lr * progress / o.warmup_passes
     if o.schedule == "constant":  # DiT's recipe: AdamW at 1e-4, no decay (Peebles & Xie 2023, Sec. 4)
         return o.lr
-    span = max(cfg.passes - o.warmup_passes, 1e-12)
+    span = max(cfg.num_passes - o.warmup_passes, 1e-12)
     t = min(1.0, (progress - o.warmup_passes) / span)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * t))
 

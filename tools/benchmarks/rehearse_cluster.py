@@ -59,7 +59,7 @@ def run_overrides(data: str, runs_dir: str, name: str, passes: int, every_steps:
         f"data.val={data}/val",
         f"runs_dir={runs_dir}",
         f"name={name}",
-        f"passes={passes}",
+        f"num_passes={passes}",
         "data.batch_size=32",
         "optim.grad_accum=2",
         "data.num_workers=auto",

@@ -120,7 +120,7 @@ def skip_probability(run_cfg, folder: str, num_samples: int, passes: int = 4) ->
     if state is None or run_cfg.pruner["name"] == "full":
         return None
     pruner = build_pruner(
-        run_cfg.pruner["name"], num_samples, run_cfg.passes, seed=run_cfg.seed, **pruner_hparams(run_cfg.pruner)
+        run_cfg.pruner["name"], num_samples, run_cfg.num_passes, seed=run_cfg.seed, **pruner_hparams(run_cfg.pruner)
     )
     if run_cfg.pruner.get("groups"):  # dedup: its group table, which the checkpoint's state must match
         use_group_table(pruner, run_cfg.pruner["groups"], run_cfg.data.train, ShardIndex.load(run_cfg.data.train))

@@ -226,7 +226,7 @@ def bench_config(
             "data.val=",
             f"runs_dir={runs_dir}",
             f"name={name}",
-            f"passes={passes}",
+            f"num_passes={passes}",
             "checkpoint.every_steps=1000000",
             "log_every=1000000",
             "data.num_workers=auto",

@@ -157,7 +157,7 @@ def execute(
         f"runs_dir={runs_dir}",
         f"name={spec.key}",
         f"seed={spec.seed}",
-        f"passes={spec.passes}",
+        f"num_passes={spec.passes}",
         f"data.train={data_root}/train",
         f"data.val={val}",
         *(o.format(data=data_root) for o in plan.overrides),
