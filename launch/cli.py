@@ -709,7 +709,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "--text-encoder",
         default="",
         help="local CLIP text or T5 encoder folder: also store each caption's features (text.npy, "
-        "real tokens only) for ldm.text.encoder=precomputed",
+        "real tokens only) for ldm.text.features=precomputed",
     )
     encode.add_argument("--tokenizer", default="", help="its tokenizer's folder (default: the encoder's)")
     encode.add_argument(

@@ -31,12 +31,11 @@ from prunepipe.pipelines.data.shards import ShardIndex, index_file
 from prunepipe.pipelines.data.workers import check_num_workers
 from prunepipe.pipelines.evaluation.config import EvalConfig, validate_eval_config
 from prunepipe.pipelines.tasks.diffusion.config import (
-    PRECOMPUTED,
     DiffusionConfig,
     check_config,
     resolved_conditioning,
 )
-from prunepipe.pipelines.tasks.diffusion.text import PRECOMPUTED_TEXT, stored_identity
+from prunepipe.pipelines.tasks.diffusion.text import stored_identity
 from prunepipe.pipelines.tasks.mae import MAEConfig
 
 PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
@@ -208,9 +207,9 @@ def validate(cfg: RunConfig) -> None:
     scale = cfg.data.crop_scale
     if len(scale) != 2 or not 0.0 < scale[0] <= scale[1] <= 1.0:
         raise ConfigError(f"config: data.crop_scale={list(scale)} must be [low, high] with 0 < low <= high <= 1")
-    if cfg.data.crop != "center" and cfg.task == "ldm" and cfg.ldm.autoencoder == PRECOMPUTED:
+    if cfg.data.crop != "center" and cfg.task == "ldm" and cfg.ldm.space == "latents":
         raise ConfigError(
-            f"config: data.crop={cfg.data.crop} crops images, but ldm.autoencoder={PRECOMPUTED} trains on "
+            f"config: data.crop={cfg.data.crop} crops images, but ldm.space=latents trains on "
             f"precomputed latents, which cannot be cropped; use data.crop=center"
         )
     if cfg.debug_device_sync and cfg.on_nonfinite_loss == "skip":
@@ -325,7 +324,7 @@ def check_data(cfg: RunConfig) -> None:
     _check_latent_augmentations(cfg)
     _check_group_table(cfg)
     if cfg.task == "ldm" and resolved_conditioning(cfg.ldm) == "text":
-        if cfg.ldm.text.encoder == PRECOMPUTED_TEXT:
+        if cfg.ldm.text.features == "precomputed":
             _check_precomputed_text(cfg)
         clip = cfg.eval.clip_score.model
         if cfg.eval.every_passes and clip and not os.path.isdir(os.path.expanduser(clip)):
@@ -383,7 +382,7 @@ def _check_group_table(cfg: RunConfig) -> None:
 
 
 def _check_precomputed_text(cfg: RunConfig) -> None:
-    """ldm.text.encoder=precomputed: the train shards record their text features, and held-out shards
+    """ldm.text.features=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     made_by = {}
     splits = [("data.train", p) for p in source_paths(cfg.data.train)]
@@ -395,7 +394,7 @@ def _check_precomputed_text(cfg: RunConfig) -> None:
         identity = stored_identity(index.meta)
         if not identity:
             raise ConfigError(
-                f"data check: ldm.text.encoder={PRECOMPUTED_TEXT}, but {setting}={folder!r} holds no text "
+                f"data check: ldm.text.features=precomputed, but {setting}={folder!r} holds no text "
                 f"features ({index.path} records no text_encoder); write them with `prunepipe latents "
                 f"encode ... --text-encoder PATH`"
             )
@@ -434,13 +433,13 @@ def _check_latent_augmentations(cfg: RunConfig) -> None:
 
 
 def latent_shard_notes(cfg: RunConfig) -> list[str]:
-    """What to tell a run on precomputed latents (ldm.autoencoder=latents) at its start: there the run
+    """What to tell a run on precomputed latents (ldm.space=latents) at its start: there the run
     trains at the latent_shape of data.train's index.json, and data.resolution and data.channels go
     unused. Each may name the latents (their side, their channels) or the images they were encoded
     from (index.json's resolution, the VAE's in_channels); a value that names neither is a recipe
     meant for other latents (a 256 px recipe on latents of 512 px images), said plainly, once."""
     train = first_path(cfg.data.train)
-    if cfg.task != "ldm" or cfg.ldm.autoencoder != PRECOMPUTED or not train or not os.path.exists(index_file(train)):
+    if cfg.task != "ldm" or cfg.ldm.space != "latents" or not train or not os.path.exists(index_file(train)):
         return []
     index = ShardIndex.load(train)
     shape = index.meta.get("latent_shape")
@@ -470,7 +469,7 @@ def latent_shard_notes(cfg: RunConfig) -> list[str]:
         said = " or ".join(f"data.resolution={side}" for side in sides)
         notes.append(
             f"data.resolution={resolution} is not what this run trains on: {latents}, {encoded} "
-            f"({index.path}); on precomputed latents (ldm.autoencoder={PRECOMPUTED}) a run trains at the "
+            f"({index.path}); on precomputed latents (ldm.space=latents) a run trains at the "
             f"latents' size and data.resolution is unused. To train at {resolution} px, encode the images at "
             f"that side (`prunepipe latents encode IMAGES --vae VAE --resolution {resolution} --out DIR`)"
             + (f"; to say what it trains on, set {said}" if said else "")

@@ -187,7 +187,7 @@ def test_latents_cannot_be_cropped_and_the_error_names_shard_key_or_field(tmp_pa
     with pytest.raises(ValueError, match=r"shard latents\.tar key 'lat7': data\.crop=random_resized"):
         SampleDecoder(crop="random_resized").decode(sample, 7, 0)
 
-    with pytest.raises(ConfigError, match=r"data\.crop=random_resized.*ldm\.autoencoder=latents"):
+    with pytest.raises(ConfigError, match=r"data\.crop=random_resized.*ldm\.space=latents"):
         load_config(
             os.path.join(ROOT, "configs", "ldm_dit_full.yaml"),
             [f"data.train={digits_shards}/train", "data.crop=random_resized"],

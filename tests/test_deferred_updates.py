@@ -133,7 +133,7 @@ def test_a_nan_loss_still_stops_naming_the_step_and_the_sample_ids(tmp_path):
             "name=nan",
             "num_passes=1",
             "data.batch_size=8",
-            "ldm.autoencoder=latents",
+            "ldm.space=latents",
             "ldm.unet.block_out_channels=[16,32]",
             "data.num_workers=0",
             "data.shuffle_buffer=1",

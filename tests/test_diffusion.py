@@ -81,7 +81,7 @@ class PerSampleDraws:
 
 
 def test_with_per_sample_draws_a_samples_loss_does_not_depend_on_its_batch_mates(vae_folder):
-    for task in (make_task(), make_task(autoencoder=vae_folder)):
+    for task in (make_task(), make_task(space="vae", vae=vae_folder)):
         batch = random_batch(4)
         together = task.per_sample(task.model, batch, PerSampleDraws(batch.ids)).loss
         alone = Batch(batch.ids[2:3], batch.weights[2:3], batch.images[2:3], batch.labels[2:3])
@@ -199,7 +199,7 @@ def test_export_loads_with_diffusers_and_samples_with_ddpm_pipeline(tmp_path):
 
 
 def test_vae_from_a_local_folder_sets_the_latent_space_and_encodes_in_the_loss(vae_folder, tmp_path):
-    task = make_task(autoencoder=vae_folder)
+    task = make_task(space="vae", vae=vae_folder)
     vae = task.autoencoder
     assert (task.in_channels, task.sample_size) == (4, IMAGE // 2)
     assert task.scaling_factor == vae.config.scaling_factor
@@ -232,14 +232,14 @@ def test_vae_by_repo_id_from_the_hub_cache_offline(vae_folder, tmp_path, monkeyp
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
 
-    task = make_task(autoencoder="local/tiny-vae", cache_dir=str(tmp_path / "hub"))
+    task = make_task(space="vae", vae="local/tiny-vae", cache_dir=str(tmp_path / "hub"))
     expected = AutoencoderKL.from_pretrained(vae_folder)
     for loaded, saved in zip(task.autoencoder.parameters(), expected.parameters()):
         assert torch.equal(loaded, saved)
     assert torch.isfinite(task.per_sample(task.model, random_batch(), torch.Generator()).loss).all()
 
-    with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder='local/other'.*hub cache.*hf download"):
-        make_task(autoencoder="local/other", cache_dir=str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"ldm\.vae='local/other'.*hub cache.*hf download"):
+        make_task(space="vae", vae="local/other", cache_dir=str(tmp_path / "hub"))
 
 
 def test_config_mistakes_name_the_field_and_accepted_values(tmp_path):
@@ -247,7 +247,7 @@ def test_config_mistakes_name_the_field_and_accepted_values(tmp_path):
         make_task(ddpm__prediction_type="sample")
     with pytest.raises(ValueError, match=r"ldm\.ddpm\.beta_schedule.*squaredcos_cap_v2"):
         make_task(ddpm__beta_schedule="cosine")
-    with pytest.raises(FileNotFoundError, match=r"ldm\.autoencoder=.*does not exist.*hf download"):
-        make_task(autoencoder=str(tmp_path / "missing-vae"))
+    with pytest.raises(FileNotFoundError, match=r"ldm\.vae=.*does not exist.*hf download"):
+        make_task(space="vae", vae=str(tmp_path / "missing-vae"))
     with pytest.raises(ValueError, match=r"ldm\.unet\.norm_num_groups=8"):
         make_task(unet__block_out_channels=[12, 24])

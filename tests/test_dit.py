@@ -193,7 +193,7 @@ def test_config_mistakes_name_the_field_and_accepted_values(setting, message):
 # ----------------------------------------------------------------------------- sampling and export
 @pytest.mark.parametrize("objective", ["flow", "ddpm"])
 def test_fid_sampler_draws_from_the_dit_with_and_without_guidance(objective):
-    task = make_task(objective=objective, num_classes=10, autoencoder="latents", scaling_factor=1.0)
+    task = make_task(objective=objective, num_classes=10, space="latents", scaling_factor=1.0)
     perturb(task.model)
     decode = lambda x: x.clamp(-1, 1)  # noqa: E731 (latents as images: what is sampled, not a VAE, is tested)
     kw = dict(num_images=4, steps=3, seed=0, batch_size=2, decode=decode)

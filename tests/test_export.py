@@ -39,7 +39,7 @@ DDPM = [
 def text_run(features16, encoder, tmp_path_factory):  # noqa: F811
     """One pass of the tiny PixArt DiT (DDPM) on latent shards holding their captions' features."""
     cfg = latent_config(
-        features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), PRECOMPUTED, *DDPM, "num_passes=1"
+        features16, tmp_path_factory.mktemp("runs"), "t2i", *tiny(encoder), *PRECOMPUTED, *DDPM, "num_passes=1"
     )
     train(cfg)
     return cfg
@@ -49,7 +49,7 @@ def text_run(features16, encoder, tmp_path_factory):  # noqa: F811
 def flow_text_run(features16, encoder, tmp_path_factory):  # noqa: F811
     """The same run trained with flow matching, as configs/ldm_t2i_*.yaml train."""
     cfg = latent_config(
-        features16, tmp_path_factory.mktemp("runs"), "t2i_flow", *tiny(encoder), PRECOMPUTED, "num_passes=1"
+        features16, tmp_path_factory.mktemp("runs"), "t2i_flow", *tiny(encoder), *PRECOMPUTED, "num_passes=1"
     )
     assert cfg.ldm.objective == "flow"
     train(cfg)
@@ -177,7 +177,9 @@ def test_a_class_conditional_latent_dit_loads_as_a_dit_pipeline_and_draws_prunep
 
     vae = str(tmp_path / "vae")
     tiny_vae(3, 16).save_pretrained(vae)
-    cfg = diffusion_config(backbone="dit", num_classes=10, dit__depth=1, dit__width=32, dit__heads=2, autoencoder=vae)
+    cfg = diffusion_config(
+        backbone="dit", num_classes=10, dit__depth=1, dit__width=32, dit__heads=2, space="vae", vae=vae
+    )
     task = perturbed(DiffusionTask(cfg, image_size=16, channels=3))
     export = str(tmp_path / "export")
     task.export(task.model, None, export)
@@ -218,7 +220,14 @@ def test_a_class_conditional_flow_dit_loads_as_a_dit_pipeline_and_draws_prunepip
     vae = str(tmp_path / "vae")
     tiny_vae(3, 16).save_pretrained(vae)
     cfg = diffusion_config(
-        backbone="dit", objective="flow", num_classes=10, dit__depth=1, dit__width=32, dit__heads=2, autoencoder=vae
+        backbone="dit",
+        objective="flow",
+        num_classes=10,
+        dit__depth=1,
+        dit__width=32,
+        dit__heads=2,
+        space="vae",
+        vae=vae,
     )
     task = perturbed(DiffusionTask(cfg, image_size=16, channels=3))
     export = str(tmp_path / "export")

@@ -1,4 +1,4 @@
-"""On precomputed latents (ldm.autoencoder=latents) a run trains at the latent shards' shape, so
+"""On precomputed latents (ldm.space=latents) a run trains at the latent shards' shape, so
 data.resolution and data.channels go unused: values that name neither the latents nor the images
 they were encoded from are said plainly, once, at the run's start."""
 
@@ -36,7 +36,7 @@ def config(latents, tmp_path, *extra):
             "data.val=",
             f"runs_dir={tmp_path}",
             "name=latents",
-            "ldm.autoencoder=latents",
+            "ldm.space=latents",
             "ldm.unet.block_out_channels=[16,32]",
             *extra,
         ],

@@ -87,10 +87,10 @@ def test_latent_shards_stream_as_float_tensors_a_latent_task_trains_on(digits_sh
     assert batch.labels.tolist() == [labels_by_id[i] for i in batch.ids.tolist()]
 
     # the trainer passes the image resolution and channels; the latent shape comes from the config
-    mistaken = DiffusionTask(DiffusionConfig(autoencoder="latents"), image_size=IMAGE, channels=3)
+    mistaken = DiffusionTask(DiffusionConfig(space="latents"), image_size=IMAGE, channels=3)
     with pytest.raises(ValueError, match=r"ldm\.in_channels.*latent_shape"):
         mistaken.per_sample(mistaken.model, batch, torch.Generator())
-    latent_cfg = DiffusionConfig(autoencoder="latents", sample_size=16, in_channels=4)
+    latent_cfg = DiffusionConfig(space="latents", sample_size=16, in_channels=4)
     task = DiffusionTask(latent_cfg, image_size=IMAGE, channels=3)
     assert task.autoencoder is None and task.model.config.in_channels == 4 and task.model.config.sample_size == 16
     losses = task.per_sample(task.model, batch, torch.Generator().manual_seed(0)).loss

@@ -174,7 +174,7 @@ def test_the_text_to_image_config_trains_as_pixart_alpha(digits_shards, tmp_path
         os.path.join(CONFIGS, "ldm_t2i_base.yaml"),
         [f"data.train={digits_shards}/train", f"ldm.text.encoder={tmp_path}"],
     )
-    assert (cfg.ldm.backbone, cfg.ldm.dit.preset, cfg.ldm.conditioning, cfg.ldm.autoencoder) == (
+    assert (cfg.ldm.backbone, cfg.ldm.dit.preset, cfg.ldm.conditioning, cfg.ldm.space) == (
         "dit",
         "DiT-B/2",
         "text",

@@ -46,7 +46,12 @@ def test_the_tiny_t2i_latents_config_trains_on_latent_and_text_feature_shards(ca
             "data.batch_size=256",
         ],
     )  # 512 pairs: 2 steps
-    assert (cfg.ldm.autoencoder, cfg.ldm.text.encoder, cfg.ldm.backbone) == ("latents", "precomputed", "dit")
+    assert (cfg.ldm.space, cfg.ldm.text.features, cfg.ldm.text.encoder, cfg.ldm.backbone) == (
+        "latents",
+        "precomputed",
+        "",
+        "dit",
+    )
     task = build_task(cfg)
     assert isinstance(task.text_encoder, PrecomputedText) and not task.text.captions
     assert task.model.__class__.__name__ == "PixArtTransformer2DModel" and task.autoencoder is None

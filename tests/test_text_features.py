@@ -1,6 +1,6 @@
 """Precomputed text features as a specification: `prunepipe latents encode --text-encoder`
 stores each caption's real tokens' features beside its latent (and the empty caption's beside the
-index), and a run with ldm.text.encoder=precomputed, which loads no encoder, conditions, samples,
+index), and a run with ldm.text.features=precomputed, which loads no encoder, conditions, samples,
 resumes and exports as a run that encodes the captions in the loop does."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.commands.latents import encode_shards
 from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
 
-PRECOMPUTED = "ldm.text.encoder=precomputed"
+# after tiny(encoder): no encoder is loaded, its features are read from the shards
+PRECOMPUTED = ("ldm.text.features=precomputed", "ldm.text.encoder=")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,7 +82,7 @@ def latent_config(root, tmp_path, name, *extra):
             f"data.val={root}/val",
             f"runs_dir={tmp_path}",
             f"name={name}",
-            "ldm.autoencoder=latents",
+            "ldm.space=latents",
             *extra,
         ],
     )
@@ -126,7 +127,7 @@ def test_precomputed_features_condition_the_model_as_encoding_in_the_loop_does(
     tmp_path,
 ):
     in_loop = build_task(latent_config(features32, tmp_path, "loop", *tiny(encoder)))
-    stored = build_task(latent_config(features32, tmp_path, "stored", *tiny(encoder), PRECOMPUTED))
+    stored = build_task(latent_config(features32, tmp_path, "stored", *tiny(encoder), *PRECOMPUTED))
     assert (
         not stored.text.captions and stored.text.features == (16, 8) and stored.text.identity == in_loop.text.identity
     )
@@ -271,9 +272,9 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
                     f"data.train={features16}/train",
                     f"data.val={captioned}/val",
                     f"runs_dir={tmp_path}",
-                    "ldm.autoencoder=latents",
+                    "ldm.space=latents",
                     *tiny(encoder),
-                    PRECOMPUTED,
+                    *PRECOMPUTED,
                 ],
             )
         )
@@ -305,9 +306,9 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
                         f"data.train={features16}/train",
                         f"data.val={tmp_path}/{val}",
                         f"runs_dir={tmp_path}",
-                        "ldm.autoencoder=latents",
+                        "ldm.space=latents",
                         *tiny(encoder),
-                        PRECOMPUTED,
+                        *PRECOMPUTED,
                     ],
                 )
             )
@@ -316,7 +317,7 @@ def test_precomputed_text_is_refused_where_a_split_holds_no_features_or_another_
 @pytest.fixture(scope="module")
 def stored_run(features16, encoder, tmp_path_factory):  # noqa: F811
     runs = tmp_path_factory.mktemp("runs")
-    cfg = latent_config(features16, runs, "stored", *tiny(encoder), PRECOMPUTED, "num_passes=2")
+    cfg = latent_config(features16, runs, "stored", *tiny(encoder), *PRECOMPUTED, "num_passes=2")
     train(cfg)
     return cfg
 
@@ -393,8 +394,8 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
 ):
     base = [
         *tiny(encoder),
-        PRECOMPUTED,
-        "ldm.autoencoder=latents",
+        *PRECOMPUTED,
+        "ldm.space=latents",
         "num_passes=3",
         "checkpoint.every_steps=5",
         "pruner.name=infobatch",
@@ -409,7 +410,7 @@ def test_a_run_on_precomputed_features_resumes_bitwise_and_refuses_another_encod
         features16,
         tmp_path,
         "resumed",
-        *[o for o in base if o != PRECOMPUTED],
+        *[o for o in base if o not in PRECOMPUTED],
         f"ldm.text.encoder={other}",
         "checkpoint.resume=latest",
     )
@@ -431,7 +432,7 @@ def test_diffusers_pixart_alpha_pipeline_loads_a_ddpm_export_and_samples_its_ima
         tmp_path,
         "ddpm",
         *tiny(encoder),
-        PRECOMPUTED,
+        *PRECOMPUTED,
         "ldm.objective=ddpm",
         "ldm.ddpm.prediction_type=epsilon",
         "ldm.ddpm.timestep_sampling=uniform",
@@ -474,7 +475,7 @@ def test_cuda_steps_on_precomputed_text_never_wait_for_the_device(features16, en
         tmp_path,
         "strict",
         *tiny(encoder),
-        PRECOMPUTED,
+        *PRECOMPUTED,
         "num_passes=1",
         "max_steps=6",
         "checkpoint.every_steps=1000",

@@ -373,7 +373,7 @@ def test_captions_travel_with_latents_and_a_text_run_trains_on_latent_shards(cap
             "name=on_latents",
             *tiny(encoder),
             "num_passes=2",
-            "ldm.autoencoder=latents",
+            "ldm.space=latents",
         ],
     )
     train(cfg)

@@ -227,7 +227,7 @@ def test_nonfinite_loss_stops_or_skips_and_never_reaches_the_pruner(tmp_path, po
             f"name={policy}",
             "num_passes=2",
             "data.batch_size=8",
-            "ldm.autoencoder=latents",
+            "ldm.space=latents",
             "ldm.unet.block_out_channels=[16,32]",
             f"on_nonfinite_loss={policy}",
         ],

@@ -164,7 +164,7 @@ class Evaluator:
         if not (fid_cfg.enabled or rep_cfg.enabled or clip_on):
             return results
         data = self.run_cfg.data
-        latent_index = index_metadata(first_path(data.train)) if task.cfg.autoencoder == "latents" else None
+        latent_index = index_metadata(first_path(data.train)) if task.cfg.space == "latents" else None
         decode = latent_decoder(task, fid_cfg.vae, fid_cfg.vae_subfolder, latent_index)
         captions = prompts = None
         if task.text_conditional:  # sample i is drawn from held-out caption i; a short val set caps the counts

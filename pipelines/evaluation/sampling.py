@@ -16,7 +16,6 @@ import torch.nn as nn
 from prunepipe.pipelines.evaluation.precision import forward_precision
 from prunepipe.pipelines.progress import progress
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
 from prunepipe.pipelines.tasks.diffusion.sampler import denoise
 from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
 from prunepipe.pipelines.tasks.randomness import per_sample_seeded
@@ -28,9 +27,9 @@ def latent_decoder(
     """What maps the UNet's output space to images in [-1, 1]: unscaling in pixel space, the task's
     VAE, or for runs on precomputed latents the VAE named by `vae` or by the latent shards' index."""
     cfg = task.cfg
-    if cfg.autoencoder == PIXEL_SPACE:
+    if cfg.space == "pixel":
         return lambda x: x / task.scaling_factor
-    if cfg.autoencoder == PRECOMPUTED:
+    if cfg.space == "latents":
         info = latent_index or {}
         name = vae or info.get("vae", "")
         if not name:

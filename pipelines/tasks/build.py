@@ -17,11 +17,10 @@ def build_task(cfg, *, strata: bool | None = None):
 
         wanted = cfg.score.normalise != "none" if strata is None else strata
         return MAETask(cfg.mae, image_size=cfg.data.resolution, channels=cfg.data.channels, strata=wanted)
-    from prunepipe.pipelines.tasks.diffusion.config import PRECOMPUTED
     from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
 
     size, channels = cfg.data.resolution, cfg.data.channels
-    if cfg.ldm.autoencoder == PRECOMPUTED:  # the shards say what `prunepipe latents encode` wrote
+    if cfg.ldm.space == "latents":  # the shards say what `prunepipe latents encode` wrote
         # a mixture's sources agree on it (pipelines/data/mixture.py)
         shape = ShardIndex.load(first_path(cfg.data.train)).meta.get("latent_shape")
         if shape:

@@ -61,7 +61,7 @@ def check_same_text(cfg: RunConfig, position: TrainingPosition, task, resume_fro
     if position.text_identity and position.text_identity != text_identity:
         raise ValueError(
             f"{resume_from}: the run trained on the features of text encoder {position.text_identity}; "
-            f"this config's (ldm.text.encoder={cfg.ldm.text.encoder}) is {text_identity or 'none'}. "
+            f"this config's ({task.text.encoder if task.text is not None else 'none'}) is {text_identity or 'none'}. "
             f"Resume with the run's encoder (or its features), or start a new run"
         )
     position.text_identity = text_identity

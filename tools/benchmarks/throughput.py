@@ -37,7 +37,7 @@ CONFIGS = {
     "ldm": "configs/ldm_tiny_full.yaml",
     "dit": "configs/ldm_dit_tiny_full.yaml",
 }
-LATENTS_4x32x32 = ["ldm.autoencoder=latents", "ldm.in_channels=4", "ldm.sample_size=32", "data.resolution=32"]
+LATENTS_4x32x32 = ["ldm.space=latents", "ldm.in_channels=4", "ldm.sample_size=32", "data.resolution=32"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 

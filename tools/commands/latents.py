@@ -112,7 +112,7 @@ def encode_shards(
     a process that leaves the index to another, tools/commands/shard_jobs.py).
 
     Each latent is (posterior mean - shift_factor) * scaling_factor, the scaled space the UNet
-    denoises (DiffusionConfig(autoencoder="latents")). The mean, not a posterior sample, makes the
+    denoises (DiffusionConfig(space="latents")). The mean, not a posterior sample, makes the
     shards a pure function of the images and the VAE; a KL-regularised VAE's posterior is narrow.
     Stored as `dtype` numpy arrays [C, h, w]; index.json records vae, subfolder, scaling_factor,
     shift_factor, latent_shape and flip. With `flip`, each sample also holds `latent_flip.npy`, the
@@ -122,7 +122,7 @@ def encode_shards(
     With `text_encoder` (a local CLIP text or T5 encoder folder, `tokenizer` beside it unless given),
     each sample also holds `text.npy`: its caption's features, [n, D] for its n real tokens (at most
     `text_max_length`, by default the encoder's), in `dtype`; OUT/text_null.npy holds the empty
-    caption's, and index.json the encoder's identity (ldm.text.encoder=precomputed reads them;
+    caption's, and index.json the encoder's identity (ldm.text.features=precomputed reads them;
     docs/diffusion.md, "Text features"). `resolution` defaults to the image index's size. `retry` is
     how a remote input shard's failed read is retried (`--read-retries` ...; no setting of the
     outputs), and every input shard is checked against what its index records of its bytes.

@@ -10,8 +10,6 @@ import warnings
 from diffusers import AutoencoderKL
 from huggingface_hub import constants as hub_constants
 
-from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
-
 
 def _is_path(name: str) -> bool:
     """A folder rather than a hub repo id (which is OWNER/NAME)."""
@@ -19,9 +17,7 @@ def _is_path(name: str) -> bool:
     return os.path.isdir(path) or name.startswith(("/", ".", "~")) or name.count("/") != 1
 
 
-def load_autoencoder(
-    name: str, subfolder: str = "", cache_dir: str = "", *, setting: str = "ldm.autoencoder"
-) -> AutoencoderKL:
+def load_autoencoder(name: str, subfolder: str = "", cache_dir: str = "", *, setting: str = "ldm.vae") -> AutoencoderKL:
     """A frozen AutoencoderKL in eval mode from a local folder or the hub cache; never downloads.
     `setting` names where `name` came from, for the error message."""
     path, is_path = os.path.expanduser(name), _is_path(name)
@@ -43,8 +39,7 @@ def load_autoencoder(
         raise FileNotFoundError(
             f"{setting}={name!r} (subfolder {subfolder!r}): no diffusers AutoencoderKL "
             f"(config.json + diffusion_pytorch_model.safetensors) in {where}: {problem}. Accepted: a local "
-            f"folder or a hub repo id already in the cache (ldm.autoencoder also takes "
-            f"'{PIXEL_SPACE}' or '{PRECOMPUTED}'). "
+            f"folder or a hub repo id already in the cache. "
             f"This machine never downloads: on a connected machine run `hf download REPO_ID` (e.g. "
             f"stabilityai/sd-vae-ft-mse), copy the folder it prints here and set {setting} to it, "
             f"or copy the whole hub cache and set the cache dir (ldm.cache_dir or HF_HUB_CACHE)"

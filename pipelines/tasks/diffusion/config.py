@@ -9,8 +9,6 @@ from typing import Literal
 
 from prunepipe.pipelines.config_schema import ConfigError, check_choices, check_ranges
 
-PIXEL_SPACE, PRECOMPUTED = "identity", "latents"
-
 
 @dataclass
 class UNetSettings:
@@ -43,8 +41,10 @@ class DiTSettings:
 class TextSettings:
     """ldm.text: the text encoder of conditioning=text."""
 
-    # the local folder of a transformers CLIP text model or T5 encoder (frozen; never downloaded), or
-    # "precomputed" (the shards hold its features: `prunepipe latents encode --text-encoder`)
+    # encoder: each caption encoded in the loop by ldm.text.encoder | precomputed: the shards hold its
+    # features (`prunepipe latents encode --text-encoder`); no encoder is loaded
+    features: Literal["encoder", "precomputed"] = "encoder"
+    # features=encoder: the local folder of a transformers CLIP text model or T5 encoder (frozen; never downloaded)
     encoder: str = ""
     tokenizer: str = ""  # its tokenizer's folder; "" = the encoder's
     max_length: int = 77  # tokens per caption (CLIP 77; PixArt-alpha's T5 120)
@@ -87,12 +87,13 @@ class DiffusionConfig:
     sample_size: int = 0  # the model's input size; 0 = image size, or image size / VAE downsampling
     in_channels: int = 0  # 0 = image channels, or the VAE's latent channels
     num_train_timesteps: int = 1000  # T (flow: the timestep the model sees is s * T)
-    # "identity" (pixel space) | "latents" (shards hold scaled latents) | a local folder or hub
-    # repo id of a diffusers AutoencoderKL, loaded with local_files_only=True
-    autoencoder: str = PIXEL_SPACE
+    # pixel: denoise the images | latents: the shards hold scaled latents (`prunepipe latents encode`) |
+    # vae: the images encoded in the loop by the AutoencoderKL at ldm.vae
+    space: Literal["pixel", "latents", "vae"] = "pixel"
+    vae: str = ""  # space=vae: a local folder or hub repo id of a diffusers AutoencoderKL (local_files_only=True)
     vae_subfolder: str = ""  # e.g. "vae" inside a Stable Diffusion repo
     scaling_factor: float = 0.0  # 0 = the VAE's config.scaling_factor (1.0 in pixel space)
-    cache_dir: str = ""  # hub cache holding `autoencoder`; "" = HF_HUB_CACHE as read at import
+    cache_dir: str = ""  # hub cache holding ldm.vae; "" = HF_HUB_CACHE as read at import
     unet: UNetSettings = field(default_factory=UNetSettings)
     dit: DiTSettings = field(default_factory=DiTSettings)
     text: TextSettings = field(default_factory=TextSettings)
@@ -126,6 +127,11 @@ def check_config(cfg: DiffusionConfig) -> str:
             f"config: ldm.unet.norm_num_groups={cfg.unet.norm_num_groups} must divide every "
             f"ldm.unet.block_out_channels entry; it does not divide {bad_groups}"
         )
+    if (cfg.space == "vae") != bool(cfg.vae):
+        raise ConfigError(
+            f"config: ldm.space={cfg.space} with ldm.vae={cfg.vae!r}: ldm.space=vae encodes the images with the "
+            f"AutoencoderKL at ldm.vae (a local folder or hub repo id), and the other spaces read no ldm.vae"
+        )
     return _checked_conditioning(cfg)
 
 
@@ -147,14 +153,19 @@ def _checked_conditioning(cfg: DiffusionConfig) -> str:
                 f"config: ldm.conditioning=text trains a cross-attention DiT (PixArtTransformer2DModel): set "
                 f"ldm.backbone=dit (got {cfg.backbone!r})"
             )
-        if not cfg.text.encoder:
+        if cfg.text.features == "encoder" and not cfg.text.encoder:
             raise ConfigError(
                 "config: ldm.conditioning=text needs ldm.text.encoder: the local folder of a transformers CLIP "
-                "text model or T5 encoder"
+                "text model or T5 encoder (or ldm.text.features=precomputed: the shards hold its features)"
             )
-    elif cfg.text.encoder:
+        if cfg.text.features == "precomputed" and cfg.text.encoder:
+            raise ConfigError(
+                f"config: ldm.text.features=precomputed reads the features stored with the shards and loads no "
+                f"encoder: drop ldm.text.encoder={cfg.text.encoder!r}"
+            )
+    elif cfg.text.encoder or cfg.text.features != "encoder":
         raise ConfigError(
-            f"config: ldm.text.encoder={cfg.text.encoder!r} is read with ldm.conditioning=text only "
-            f"(conditioning is {conditioning})"
+            f"config: ldm.text.encoder={cfg.text.encoder!r}, ldm.text.features={cfg.text.features} are read with "
+            f"ldm.conditioning=text only (conditioning is {conditioning})"
         )
     return conditioning

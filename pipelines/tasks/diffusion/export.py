@@ -26,7 +26,6 @@ from diffusers import AutoencoderKL, DDIMScheduler
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
 from prunepipe.pipelines.tasks.diffusion.text import TextEncoder, quiet_transformers
 from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -49,7 +48,8 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
             out_dir,
             AUTOENCODER_INFO,
             {
-                "autoencoder": task.cfg.autoencoder,
+                "space": task.cfg.space,
+                "vae": task.cfg.vae,
                 "vae_subfolder": task.cfg.vae_subfolder,
                 "cache_dir": task.cfg.cache_dir,
                 "scaling_factor": scale,
@@ -99,7 +99,7 @@ def pipeline_for(
 ) -> tuple[str | None, str]:
     """(the diffusers pipeline class that samples this export, "") or (None, why none does)."""
     cfg = task.cfg
-    latent = cfg.autoencoder != PIXEL_SPACE
+    latent = cfg.space != "pixel"
     if latent and not vae:
         return None, f"no VAE to decode its latents with: {vae_note}"
     if latent and shift:
@@ -154,9 +154,9 @@ def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
     copied with the run's factor in its config, which is what pipelines divide by."""
     cfg, target = task.cfg, os.path.join(out_dir, "vae")
     _remove(target)
-    if cfg.autoencoder == PIXEL_SPACE:
+    if cfg.space == "pixel":
         return task.scaling_factor, 0.0, "", "pixel space"
-    if cfg.autoencoder == PRECOMPUTED:
+    if cfg.space == "latents":
         meta = ShardIndex.load(task.shards).meta if task.shards else {}
         name, subfolder = meta.get("vae", ""), meta.get("subfolder", "")
         if not name:
@@ -175,7 +175,7 @@ def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
         scale = task.scaling_factor or float(meta.get("scaling_factor") or config["scaling_factor"])
         shift = float(meta.get("shift_factor") or config.get("shift_factor") or 0.0)
     else:
-        name, subfolder, config = cfg.autoencoder, cfg.vae_subfolder, task.autoencoder.config
+        name, subfolder, config = cfg.vae, cfg.vae_subfolder, task.autoencoder.config
         scale, shift = task.scaling_factor, task.shift_factor
     if scale != float(config["scaling_factor"]):
         vae = task.autoencoder or load_autoencoder(name, subfolder, cfg.cache_dir, setting="the latent shards' vae")

@@ -19,7 +19,6 @@ from diffusers import (
 )
 
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED
 from prunepipe.pipelines.tasks.diffusion.dit import dit_null_label
 from prunepipe.pipelines.tasks.diffusion.export import (
     AUTOENCODER_INFO,
@@ -82,10 +81,10 @@ def export_autoencoder(export_dir: str, vae: str | None = None, vae_subfolder: s
     info = read_info(export_dir)
     if vae is None and os.path.isdir(os.path.join(export_dir, "vae")):
         return load_autoencoder(os.path.join(export_dir, "vae"), setting=f"{export_dir}/vae")
-    name = vae or info["autoencoder"]
-    if name == PIXEL_SPACE:
+    name = vae or info["vae"]
+    if not vae and info["space"] == "pixel":
         return None
-    if name == PRECOMPUTED:
+    if not vae and info["space"] == "latents":
         raise ValueError(
             f"{export_dir}: this run trained on precomputed latents and its export holds no vae/ (the "
             f"latent shards' VAE was not found when it was written): pass vae= (`prunepipe sample "

@@ -17,13 +17,12 @@ from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteSchedu
 
 from prunepipe.pipelines.data.batch import real_samples
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.config import PIXEL_SPACE, PRECOMPUTED, DiffusionConfig, check_config
+from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig, check_config
 from prunepipe.pipelines.tasks.diffusion.dit import build_dit
 from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
 from prunepipe.pipelines.tasks.diffusion.pixart import build_text_dit
 from prunepipe.pipelines.tasks.diffusion.sampler import Condition, predict, sampling_scheduler
 from prunepipe.pipelines.tasks.diffusion.text import (
-    PRECOMPUTED_TEXT,
     PrecomputedText,
     TextCondition,
     TextEncoder,
@@ -42,13 +41,11 @@ HELD_OUT_TIMESTEPS = 10
 def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
     """The text features stored with the shards at `shards`, checked against the config."""
     if not shards:
-        raise ValueError(
-            f"ldm.text.encoder={PRECOMPUTED_TEXT} reads the features stored with the train shards (data.train)"
-        )
+        raise ValueError("ldm.text.features=precomputed reads the features stored with the train shards (data.train)")
     text = PrecomputedText(shards)
     if cfg.text.tokenizer:
         raise ValueError(
-            f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.encoder={PRECOMPUTED_TEXT} the shards "
+            f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.features=precomputed the shards "
             f"hold features; no tokenizer runs"
         )
     if cfg.text.max_length != text.max_length:
@@ -64,10 +61,10 @@ class DiffusionTask:
     """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
     def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int, shards: str = ""):
-        """`image_size` and `channels` describe the decoded images. With autoencoder='latents' the
+        """`image_size` and `channels` describe the decoded images. With ldm.space=latents the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
         records `latent_shape`), or pass that shape here. `shards` is the train split: its index.json
-        holds the text features (ldm.text.encoder=precomputed) and names the VAE of its latents."""
+        holds the text features (ldm.text.features=precomputed) and names the VAE of its latents."""
         self.cfg = cfg
         self.shards = shards
         self.conditioning = check_config(cfg)
@@ -80,18 +77,18 @@ class DiffusionTask:
         # ---------------------------------------------------------------- the space we denoise in
         self.autoencoder: AutoencoderKL | None = None
         self.shift_factor = 0.0
-        if cfg.autoencoder == PIXEL_SPACE:
+        if cfg.space == "pixel":
             size, latent_channels = image_size, channels
             self.scaling_factor = cfg.scaling_factor or 1.0
-        elif cfg.autoencoder == PRECOMPUTED:
+        elif cfg.space == "latents":
             # the shards already hold (z - shift) * scale; the factor is only needed to decode samples
             size, latent_channels = image_size, channels
             self.scaling_factor = cfg.scaling_factor or None
         else:
-            vae = self.autoencoder = load_autoencoder(cfg.autoencoder, cfg.vae_subfolder, cfg.cache_dir)
+            vae = self.autoencoder = load_autoencoder(cfg.vae, cfg.vae_subfolder, cfg.cache_dir)
             if vae.config.in_channels != channels:
                 raise ValueError(
-                    f"ldm.autoencoder={cfg.autoencoder!r} encodes {vae.config.in_channels}-channel "
+                    f"ldm.vae={cfg.vae!r} encodes {vae.config.in_channels}-channel "
                     f"images but the data decodes to {channels} channels (data.channels)"
                 )
             size = image_size // 2 ** (len(vae.config.block_out_channels) - 1)
@@ -109,7 +106,7 @@ class DiffusionTask:
 
         # ---------------------------------------------------------------- model and schedule
         self.text_encoder: TextEncoder | PrecomputedText | None = None
-        if self.conditioning == "text" and cfg.text.encoder == PRECOMPUTED_TEXT:
+        if self.conditioning == "text" and cfg.text.features == "precomputed":
             self.text_encoder = precomputed_text(cfg, shards)
         elif self.conditioning == "text":
             self.text_encoder = TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length)
@@ -157,7 +154,7 @@ class DiffusionTask:
                 beta_schedule=cfg.ddpm.beta_schedule,
                 prediction_type=cfg.ddpm.prediction_type,
                 # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
-                clip_sample=cfg.autoencoder == PIXEL_SPACE,
+                clip_sample=cfg.space == "pixel",
             )
         )
 
@@ -167,7 +164,7 @@ class DiffusionTask:
         """Images [B, C, H, W] in [-1, 1] -> what the UNet denoises: (z - shift) * scale, z a VAE
         posterior sample mean + std * draws.randn (the mean when no draws); images as they are otherwise."""
         if self.autoencoder is None:
-            return images * self.scaling_factor if self.cfg.autoencoder == PIXEL_SPACE else images
+            return images * self.scaling_factor if self.cfg.space == "pixel" else images
         if self.autoencoder.device != images.device:
             self.autoencoder.to(images.device)  # the loop moves only the UNet
         posterior = self.autoencoder.encode(images).latent_dist
@@ -298,7 +295,7 @@ class DiffusionTask:
             raise ValueError(
                 f"the batch holds {x0.shape[1]}-channel inputs but the {type(unwrap(model)).__name__} takes "
                 f"{self.in_channels} "
-                f"(ldm.in_channels); with autoencoder='{PRECOMPUTED}' set ldm.in_channels and "
+                f"(ldm.in_channels); with ldm.space=latents set ldm.in_channels and "
                 f"ldm.sample_size to the latent_shape recorded in the latent shards' index.json"
             )
         device = x0.device

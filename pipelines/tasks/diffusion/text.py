@@ -249,9 +249,6 @@ class TextEncoder:
         }
 
 
-PRECOMPUTED_TEXT = "precomputed"  # ldm.text.encoder: the shards hold the features
-
-
 def indexed(device) -> torch.device:
     """`device` as tensors report theirs ("cuda" -> "cuda:N", the current one): a cache keyed by it
     must not miss on every call."""
@@ -284,9 +281,9 @@ class PrecomputedText:
         meta = index.meta
         if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
             raise ValueError(
-                f"ldm.text.encoder={PRECOMPUTED_TEXT}: {index.path} records no text features; write "
+                f"ldm.text.features=precomputed: {index.path} records no text features; write "
                 f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
-                f"ldm.text.encoder to the encoder's folder to encode captions in the loop"
+                f"ldm.text.features=encoder and ldm.text.encoder to the encoder's folder to encode captions in the loop"
             )
         self.index_path = index.path
         self.info = dict(meta["text_encoder"])
