@@ -114,6 +114,8 @@ def load_resume(accelerator, folder: str, parts: CheckpointParts) -> None:
     try:
         accelerator.load_state(folder)
         parts.load(folder)
+    except ValueError:  # a part refusing this run's settings (another group table, another pruner): said as is
+        raise
     except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise their own types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
