@@ -225,13 +225,15 @@ class Mixture:
             index = indexes[0]
         else:
             _check_alike(sources, indexes, key)
+            meta, buckets = _merged_buckets(sources, indexes, key)
             index = ShardIndex(
                 tuple(u for i in indexes for u in i.urls),
                 np.concatenate([i.counts for i in indexes]),
                 " + ".join(i.path for i in indexes),
-                dict(indexes[0].meta),
+                meta,
                 np.concatenate([i.sizes for i in indexes]),
                 np.concatenate([i.crcs for i in indexes]),
+                buckets,
             )
         sizes = np.array([i.num_samples for i in indexes], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -340,6 +342,36 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
     """int64 counts that sum to `total`, in proportion to `weights`."""
     weights = np.asarray(weights, dtype=np.float64)
     return integer_counts(total * weights / weights.sum(), total)
+
+
+def _merged_buckets(
+    sources: tuple[Source, ...], indexes: list[ShardIndex], key: str
+) -> tuple[dict, np.ndarray | None]:
+    """The combined index's meta and per-shard buckets: one table of every source's buckets, a bucket
+    being its stored shape (two sources' 512x256 buckets batch together)."""
+    meta = dict(indexes[0].meta)
+    bucketed = [i.buckets is not None for i in indexes]
+    if not any(bucketed):
+        return meta, None
+    if not all(bucketed):
+        plain = sources[bucketed.index(False)]
+        raise ValueError(
+            f"{key}: source {plain.name!r} ({plain.path}) is not bucketed by aspect ratio but "
+            f"{sources[bucketed.index(True)].name!r} is; encode every source with the same --buckets"
+        )
+    table: list[dict] = []
+    where: dict[tuple, int] = {}
+    remapped = []
+    for index in indexes:
+        mine = []
+        for entry, shape in zip(index.bucket_table, index.bucket_shapes):
+            if shape not in where:
+                where[shape] = len(table)
+                table.append(entry)
+            mine.append(where[shape])
+        remapped.append(np.asarray(mine, dtype=np.int64)[index.buckets])
+    meta["buckets"] = table
+    return meta, np.concatenate(remapped)
 
 
 def _check_alike(sources: tuple[Source, ...], indexes: list[ShardIndex], key: str) -> None:

@@ -66,6 +66,7 @@ class ShardEntry(NamedTuple):
     num_samples: int
     size: int | None = None
     crc32: int | None = None
+    bucket: int | None = None  # its aspect-ratio bucket (an index into the index's `buckets`), when bucketed
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class ShardIndex:
     # so that an index of 1e5 shards stays 1.6 MB in every loader worker
     sizes: np.ndarray | None = None  # each shard's bytes (index.json's `bytes`)
     crcs: np.ndarray | None = None  # zlib.crc32 of each shard's bytes (`crc32`)
+    # int64 [S]: each shard's aspect-ratio bucket, an index into `bucket_shapes` (every sample of a
+    # shard has the one shape); None where the shards are not bucketed (one shape for all)
+    buckets: np.ndarray | None = None
 
     def __post_init__(self):
         for name in ("sizes", "crcs"):
@@ -90,6 +94,17 @@ class ShardIndex:
         """What the index knows of shard `shard`'s bytes, for its reader to check (`read_shard`)."""
         size, crc = int(self.sizes[shard]), int(self.crcs[shard])
         return Expected(size=None if size == UNKNOWN else size, crc32=None if crc == UNKNOWN else crc)
+
+    @property
+    def bucket_table(self) -> list[dict]:
+        """The buckets as index.json lists them: {"name": "HxW", "image": [H, W], "shape": [C, h, w]} each
+        (`image` the size the images were cropped to, `shape` the stored tensor's); [] when not bucketed."""
+        return list(self.meta.get("buckets", [])) if self.buckets is not None else []
+
+    @property
+    def bucket_shapes(self) -> list[tuple[int, ...]]:
+        """Each bucket's stored shape, [C, h, w] as a tuple."""
+        return [tuple(int(v) for v in b["shape"]) for b in self.bucket_table]
 
     @property
     def first_ids(self) -> np.ndarray:
@@ -122,7 +137,8 @@ class ShardIndex:
         if len(urls) == 0 or (counts < 0).any():
             raise ValueError(f"{path}: an index needs at least one shard and non-negative counts")
         sizes, crcs = _recorded_bytes(path, shards)
-        return cls(urls, counts, path, {k: v for k, v in raw.items() if k != "shards"}, sizes, crcs)
+        meta = {k: v for k, v in raw.items() if k != "shards"}
+        return cls(urls, counts, path, meta, sizes, crcs, _recorded_buckets(path, shards, meta))
 
     @staticmethod
     def write(folder: str, entries: Iterable[ShardEntry | tuple], **meta) -> str:
@@ -133,7 +149,7 @@ class ShardIndex:
         folder_abs = os.path.abspath(folder)
         shards = []
         for entry in entries:
-            url, count, size, crc = ShardEntry(*entry)
+            url, count, size, crc, bucket = ShardEntry(*entry)
             if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0):
                 raise ValueError(f"shard {url}: its size must be a non-negative integer of bytes, got {size!r}")
             if crc is not None and (
@@ -147,6 +163,8 @@ class ShardIndex:
                 shard["bytes"] = int(size)
             if crc is not None:
                 shard["crc32"] = f"{int(crc):08x}"
+            if bucket is not None:
+                shard["bucket"] = int(bucket)
             shards.append(shard)
         path = os.path.join(folder, INDEX_NAME)
         from prunepipe.pipelines.data.writer_names import temporary_name
@@ -184,6 +202,32 @@ def _recorded_bytes(path: str, shards: list[dict]) -> tuple[np.ndarray, np.ndarr
         sizes.append(size)
         crcs.append(crc)
     return np.array(sizes, dtype=np.int64), np.array(crcs, dtype=np.int64)
+
+
+def _recorded_buckets(path: str, shards: list[dict], meta: dict) -> np.ndarray | None:
+    """Each shard's `bucket` as an int64 array, or None for an index without buckets. A bucketed index
+    lists `buckets` ({"name", "image", "shape"} each) and gives every shard one of them."""
+    table = meta.get("buckets")
+    marked = [s for s in shards if "bucket" in s]
+    if table is None and not marked:
+        return None
+    if not isinstance(table, list) or not table or not all(isinstance(b, dict) and "shape" in b for b in table):
+        raise ValueError(
+            f"{path}: shards name aspect-ratio buckets but the index's 'buckets' is not a list of "
+            f'{{"name", "image", "shape"}} entries (got {table!r})'
+        )
+    if len(marked) != len(shards):
+        unmarked = next(s for s in shards if "bucket" not in s)
+        raise ValueError(f"{path}: shard {unmarked['url']} names no 'bucket' but the index is bucketed")
+    buckets = []
+    for shard in shards:
+        bucket = shard["bucket"]
+        if type(bucket) is not int or not 0 <= bucket < len(table):
+            raise ValueError(
+                f"{path}: shard {shard['url']}: 'bucket' must be an index into the {len(table)} buckets, got {bucket!r}"
+            )
+        buckets.append(bucket)
+    return np.array(buckets, dtype=np.int64)
 
 
 def index_file(location: str) -> str:
