@@ -61,6 +61,7 @@ def _shards_write(args) -> None:
         workers=args.workers,
         **(redundant_options(args) if args.source == "redundant" else {}),
         captions=args.captions,
+        aspects=args.aspects,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
@@ -87,6 +88,13 @@ def _text_encoder_tiny(args) -> None:
     )
 
 
+def _vae_tiny(args) -> None:
+    from prunepipe.tools.fixtures.tiny_vae import write_tiny_vae
+
+    path = write_tiny_vae(args.out, channels=args.channels, levels=args.levels, seed=args.seed)
+    print(f"{path}: a tiny AutoencoderKL (random weights, {2 ** (args.levels - 1)}x downsampling); --vae {path}")
+
+
 def _shards_index(args) -> None:
     from prunepipe.pipelines.data.shards import ShardIndex
     from prunepipe.tools.commands.shards import index_shards
@@ -103,6 +111,14 @@ def _shards_index(args) -> None:
         + f", {counted['tar_headers_read']} from their tar headers"
         + ("; sizes recorded, no CRC-32 (--no-checksums)" if args.no_checksums else "; sizes and CRC-32s recorded")
     )
+    if args.aspect or args.buckets:
+        from prunepipe.tools.commands.aspect_buckets import histogram_lines, load_buckets
+        from prunepipe.tools.commands.shards import aspect_counts
+
+        table = load_buckets(args.buckets) if args.buckets else None
+        histogram = aspect_counts(args.shards, table, workers=args.workers)
+        print(f"aspect ratios of {histogram.total} samples, from their json's width and height:")
+        print("\n".join(histogram_lines(histogram, table)))
 
 
 def _shards_verify(args) -> int:
@@ -233,6 +249,7 @@ def _latents_encode(args) -> None:
         world=args.world,
         wait_hours=args.wait_hours,
         retry=read_retry(args),
+        buckets=args.buckets,
     )
     if path:
         print(path)
@@ -554,6 +571,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="for --source digits and photos: img2dataset-style image-text pairs (jpg, txt, json), "
         "captioned from the digit or the photograph and the crop's place",
     )
+    write.add_argument(
+        "--aspects",
+        action="store_true",
+        help="with --source photos --captions: crops at 1:1, 2:1, 1:2 and 4:3 (width:height), shorter side "
+        "--resolution, each kept at its own aspect ratio (data for `latents encode --buckets`)",
+    )
     write.set_defaults(func=_shards_write)
     index = shards_sub.add_parser("index", help="write index.json for shards written elsewhere")
     index.add_argument("shards", nargs="+", help="folders, globs, brace patterns or urls of .tar shards")
@@ -575,6 +598,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="record each shard's size (a stat) but not its CRC-32, which reads every byte of a shard "
         "whose count did not (large local members, img2dataset's stats files): for huge local folders",
+    )
+    index.add_argument(
+        "--aspect",
+        action="store_true",
+        help="also print the samples' aspect-ratio histogram (count, share) from each sample's img2dataset json "
+        "width/height (else original_width/original_height), no image decoded; without them: unknown",
+    )
+    index.add_argument(
+        "--buckets",
+        default="",
+        metavar="NAME|FILE",
+        help="count the histogram per bucket of this table (implies --aspect; as `latents encode --buckets`), "
+        "not per common ratio",
     )
     index.set_defaults(func=_shards_index)
     check = shards_sub.add_parser(
@@ -689,7 +725,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     encode.add_argument(
         "--resolution",
         type=int,
-        help="image side fed to the VAE (default: the size the image shards' index.json records)",
+        help="image side fed to the VAE (default: the size the image shards' index.json records); with --buckets, "
+        "the square base side latent_shape records (default: a named table's, e.g. 512 for pixart512)",
     )
     encode.add_argument("--subfolder", default="", help="e.g. vae, inside a Stable Diffusion repo")
     encode.add_argument("--cache-dir", default="", help="hub cache holding --vae (default: HF_HUB_CACHE)")
@@ -717,6 +754,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         type=int,
         help="tokens per caption, as ldm.text.max_length (default: the encoder's, CLIP 77; PixArt-alpha's T5 uses 120)",
     )
+    encode.add_argument(
+        "--buckets",
+        default="",
+        metavar="NAME|FILE",
+        help="cut each image to its nearest aspect-ratio bucket, not the square: diffusers' PixArt table "
+        "pixart256|pixart512|pixart1024|pixart2048 (or 256|512|1024|2048), or a file of sizes (HxW a line, or a "
+        "JSON list of [h, w]); one tar per bucket of each shard, its latents [C, H/f, W/f] (docs/data.md)",
+    )
     add_job_arguments(
         encode,
         "stop",
@@ -741,6 +786,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     tiny.add_argument("--max-length", type=int, default=16, help="tokens per caption (ldm.text.max_length)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_text_encoder_tiny)
+
+    vae = sub.add_parser("vae", help="autoencoders for ldm.space=vae and latents encode")
+    vae_sub = vae.add_subparsers(dest="vae_command", required=True)
+    tiny_vae = vae_sub.add_parser("tiny", help="a tiny random AutoencoderKL folder, for CPU tests and recipes")
+    tiny_vae.add_argument("--out", required=True, help="output folder (ldm.vae, latents encode --vae)")
+    tiny_vae.add_argument("--channels", type=int, default=3, help="image channels (default: %(default)s)")
+    tiny_vae.add_argument(
+        "--levels", type=int, default=2, help="resolution levels: downsampling 2**(levels-1) (default: %(default)s)"
+    )
+    tiny_vae.add_argument("--seed", type=int, default=0)
+    tiny_vae.set_defaults(func=_vae_tiny)
 
     checkpoints = sub.add_parser("checkpoints", help="check a run's checkpoints against their manifests")
     checkpoints_sub = checkpoints.add_subparsers(dest="checkpoints_command", required=True)

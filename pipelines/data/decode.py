@@ -92,6 +92,27 @@ class SampleDecoder:
             tensor = self._image(sample, field, sample_id, pass_index)
         return tensor, self._label(sample)
 
+    def decode_original(self, sample: dict) -> tuple[Image.Image, int]:
+        """(the sample's image as decoded, before any resize or crop, RGB or L as `channels` says; its
+        label): what `latents encode --buckets` cuts to the image's aspect-ratio bucket. The same pixels
+        `decode` starts from (torchvision's decoders where they apply, else PIL)."""
+        field = next((f for f in IMAGE_FIELDS if f in sample), None)
+        if field is None:
+            raise BadInputError(
+                f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS)}; has: {_fields(sample)})"
+            )
+        data = sample[field]
+        pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
+        try:
+            if pixels is not None:
+                img = Image.fromarray(pixels.permute(1, 2, 0).numpy())
+            else:
+                with Image.open(io.BytesIO(data)) as opened:
+                    img = opened.convert("RGB" if self.channels == 3 else "L")
+        except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
+            raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
+        return img, self._label(sample)
+
     def text(self, sample: dict) -> str | np.ndarray | None:
         """What the task reads of the sample's text: its caption, its features [n, D], or None."""
         if self.text_width:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from typing import Iterator
 
+import numpy as np
 from PIL import Image
 
-from prunepipe.tools.commands.sources import box_crop, digits, photo_crop_boxes, split_by_permutation
+from prunepipe.tools.commands.sources import box_crop, digits, photo_crop_boxes, photo_files, split_by_permutation
 
 CAPTIONED_SOURCES = ("digits", "photos")
+# width:height of `--aspects` photo crops: square, landscape 2:1 and 4:3, portrait 1:2, as web images come
+CROP_ASPECTS = ((1, 1), (2, 1), (1, 2), (4, 3))
 CAPTIONED_KEYS = ["jpg", "json", "txt"]
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 ROWS, COLUMNS = ("top", "middle", "bottom"), ("left", "centre", "right")
@@ -37,10 +41,42 @@ def crop_caption(photo_name: str, photo_size: tuple[int, int], box: tuple[int, i
     return f"a {zoom} of the {photo_name.replace('_', ' ')} photograph, {where}"
 
 
+def aspect_crops(size: int, crops_per_photo: int, seed: int = 0) -> Iterator[tuple[str, Image.Image, str, dict]]:
+    """(key, image, caption, metadata) of crops of the bundled photographs in the aspect ratios of
+    CROP_ASPECTS, in turn, each resized to a shorter side of `size` and kept at its own aspect: data
+    for aspect-ratio buckets (`latents encode --buckets`) that ships with the installed packages."""
+    rng = np.random.default_rng(seed)
+    for label, path in enumerate(photo_files()):
+        with Image.open(path) as img:
+            photo = img.convert("RGB")
+        width, height = photo.size
+        name = os.path.splitext(os.path.basename(path))[0]
+        for i in range(crops_per_photo):
+            across, down = CROP_ASPECTS[i % len(CROP_ASPECTS)]
+            unit = int(
+                rng.integers(
+                    max(1, min(width // across, height // down) // 3), min(width // across, height // down) + 1
+                )
+            )
+            box_w, box_h = unit * across, unit * down
+            left, top = int(rng.integers(0, width - box_w + 1)), int(rng.integers(0, height - box_h + 1))
+            box = (left, top, left + box_w, top + box_h)
+            scale = size / min(box_w, box_h)
+            image = photo.crop(box).resize((round(box_w * scale), round(box_h * scale)), Image.BICUBIC)
+            meta = {"class": label, "photograph": name, "crop": list(box)}
+            yield f"photo_{name}_{i:04d}", image, crop_caption(name, photo.size, box), meta
+
+
 def captioned_items(
-    source: str, size: int, *, seed: int = 0, crops_per_photo: int = 250
+    source: str, size: int, *, seed: int = 0, crops_per_photo: int = 250, aspects: bool = False
 ) -> Iterator[tuple[str, Image.Image, str, dict]]:
-    """(key, image, caption, metadata) of a bundled source, in its order."""
+    """(key, image, caption, metadata) of a bundled source, in its order; with `aspects`, the photo
+    crops at their own aspect ratios (`aspect_crops`)."""
+    if aspects:
+        if source != "photos":
+            raise ValueError(f"--aspects writes the photo crops at their own aspect ratios; got --source {source}")
+        yield from aspect_crops(size, crops_per_photo, seed)
+        return
     if source == "digits":
         for key, image, label in digits(size):
             yield key, image, digit_caption(label), {"class": label}
@@ -67,10 +103,15 @@ def img2dataset_sample(key: str, image: Image.Image, caption: str, meta: dict) -
 
 
 def captioned_splits(
-    source: str, size: int, *, val_fraction: float = 0.1, seed: int = 0, crops_per_photo: int = 250
+    source: str,
+    size: int,
+    *,
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    crops_per_photo: int = 250,
+    aspects: bool = False,
 ) -> dict[str, list[tuple[str, Image.Image, str, dict]]]:
     """train and val items of `source`, split by the permutation `prunepipe shards write` draws without
     captions, so that the same images are held out."""
-    return split_by_permutation(
-        list(captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo)), val_fraction, seed
-    )
+    items = captioned_items(source, size, seed=seed, crops_per_photo=crops_per_photo, aspects=aspects)
+    return split_by_permutation(list(items), val_fraction, seed)

@@ -9,12 +9,22 @@ one rank and sealed by its img2dataset stats file; a rerun skips sealed shards. 
 not decode, or has no caption when features are asked for, stops the encoding (`on_bad_sample=stop`)
 or is left out and recorded in OUT/skipped.json (`skip`): then every later sample's id moves down,
 so side tables made on the image shards (embeddings, groups) no longer line up.
+
+With `--buckets` (tools/commands/aspect_buckets.py), each image goes uncropped to its nearest
+aspect-ratio bucket, is cut to it, and input shard i becomes one tar per bucket it holds
+(shard-00000i.bNN.tar, that bucket's samples in input order), sealed together; index.json lists them
+in input-shard order, then bucket order. Ids stay dense in index order: a permutation of the image
+shards' ids (grouped by bucket within each input shard), so side tables made on the image shards do
+not line up with the latent shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,10 +42,12 @@ from prunepipe.pipelines.data.decode import (
     caption,
 )
 from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
+from prunepipe.pipelines.data.resize import resize_cover_crop
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardEntry, ShardIndex, read_shard
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
 from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder, identity_key
+from prunepipe.tools.commands.aspect_buckets import BUCKET_FIELD, BucketTable, bucket_name, load_buckets
 from prunepipe.tools.commands.shard_jobs import (
     WAIT_HOURS,
     Progress,
@@ -62,6 +74,17 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 def output_shard(out_folder: str, shard: int) -> str:
     return os.path.join(out_folder, f"shard-{shard:06d}.tar")
+
+
+def bucket_shard(output: str, bucket: int, buckets: int) -> str:
+    """OUT/shard-000003.b07.tar: input shard 3's samples of bucket 7 (as many digits as the table needs,
+    two at least, so that the names sort in bucket order)."""
+    return f"{output[: -len('.tar')]}.b{bucket:0{max(2, len(str(buckets - 1)))}d}.tar"
+
+
+def vae_factor(autoencoder) -> int:
+    """The AutoencoderKL's downsampling factor: 2 per down block but the last (diffusers' vae_scale_factor)."""
+    return 2 ** (len(autoencoder.config.block_out_channels) - 1)
 
 
 def index_resolution(index: ShardIndex) -> int:
@@ -107,6 +130,7 @@ def encode_shards(
     world: int | None = None,
     wait_hours: float = WAIT_HOURS,
     retry: ReadRetry = DEFAULT_RETRY,
+    buckets: str = "",
 ) -> str | None:
     """Write OUT/shard-%06d.tar (one per input shard) + OUT/index.json; return the index path (None in
     a process that leaves the index to another, tools/commands/shard_jobs.py).
@@ -126,6 +150,15 @@ def encode_shards(
     docs/diffusion.md, "Text features"). `resolution` defaults to the image index's size. `retry` is
     how a remote input shard's failed read is retried (`--read-retries` ...; no setting of the
     outputs), and every input shard is checked against what its index records of its bytes.
+
+    With `buckets` (a table name or file, tools/commands/aspect_buckets.py:load_buckets), each image is
+    cut to its nearest bucket instead of the square: OUT/shard-%06d.bNN.tar per bucket present in input
+    shard i, each latent [C, H_b/f, W_b/f], each sample with `bucket.json` ({"bucket": "HxW",
+    "original_size": [H0, W0], "crop_top_left": [top, left]}); the seal `shard-%06d_stats.json` covers
+    the shard's bucket tars. index.json then gives each shard its `bucket`, lists every bucket of the
+    table (`buckets`: name, image, shape) and the table (`bucket_table`), and `latent_shape` is the
+    square base [C, r/f, r/f] of `resolution` r (default: a named table's side, pixart512's 512; for a
+    file, the image index's size).
     """
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"--dtype: got {dtype!r}, accepted: {', '.join(LATENT_DTYPES)}")
@@ -134,12 +167,32 @@ def encode_shards(
     index = ShardIndex.load(image_shards_folder)
     if os.path.abspath(out_folder) == os.path.dirname(os.path.abspath(index.path)):
         raise ValueError(f"out_folder {out_folder!r} is the image shard folder: choose another, not to overwrite it")
-    resolution = resolution or index_resolution(index)
+    table = load_buckets(buckets) if buckets else None
+    if not resolution:  # a named table's square side is the model's base; else the size the images were written at
+        resolution = table.base if table is not None and table.base is not None else index_resolution(index)
     me = job_rank(rank, world)
     device = device or job_device(me)
     autoencoder = load_autoencoder(vae, subfolder, cache_dir, setting="vae").to(device)
     scaling = float(autoencoder.config.scaling_factor)
     shift = float(getattr(autoencoder.config, "shift_factor", None) or 0.0)
+    bucket_meta = None
+    if table is not None:
+        factor = vae_factor(autoencoder)
+        table.check_factor(factor)  # before any shard: a bucket the VAE cannot encode exactly is named
+        if resolution % factor:
+            raise ValueError(
+                f"--resolution {resolution}: the base size of a bucketed encode must be a multiple of the VAE's "
+                f"downsampling factor {factor}"
+            )
+        channels = int(autoencoder.config.latent_channels)
+        bucket_meta = {
+            "latent_shape": [channels, resolution // factor, resolution // factor],
+            "buckets": [
+                {"name": bucket_name(h, w), "image": [h, w], "shape": [channels, h // factor, w // factor]}
+                for h, w in table.sizes
+            ],
+            "bucket_table": {"name": table.name, "source": table.source},
+        }
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
     encoder = None
     if text_encoder:
@@ -162,6 +215,8 @@ def encode_shards(
         "on_bad_sample": on_bad_sample,
         "text_encoder": identity_key(encoder.identity()) if encoder else None,
     }
+    if table is not None:  # only then: an unbucketed job's digest (and its seals) stay as they were
+        settings["buckets"] = {"name": table.name, "sizes": [list(size) for size in table.sizes]}
     vae_source = {"vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder}  # for humans
     join_group(me)  # every rank has its models: nobody encodes for hours beside a rank that could not start
     job = ShardJob(
@@ -197,8 +252,10 @@ def encode_shards(
             on_bad_sample,
             device,
             retry,
+            table,
         )
-        job.seal(outputs[shard], record)
+        files = None if table is None else [part_path(outputs[shard], part) for part in record["buckets"]]
+        job.seal(outputs[shard], record, files)
         progress.shard_done(os.path.basename(outputs[shard]), record["successes"], len(record["skipped"]))
 
     job.work(todo, outputs, encode_one)  # a shard whose store fails is tried again after the others, then named
@@ -216,9 +273,25 @@ def encode_shards(
             {**settings, **vae_source},
             scaling,
             shift,
+            bucket_meta,
         )
 
     return job.finish(outputs, write_index, wait_hours)
+
+
+def part_path(output: str, part: dict) -> str:
+    """A bucket tar of a seal's `buckets` list, beside the input shard's nominal output."""
+    return os.path.join(os.path.dirname(output), part["file"])
+
+
+@dataclass
+class _OutputTar:
+    """One tar an input shard is encoded into: the square output, or one bucket's."""
+
+    path: str
+    writer: wds.TarWriter
+    written: int = 0
+    latent_shape: list[int] = field(default_factory=list)
 
 
 def encode_shard(
@@ -234,17 +307,22 @@ def encode_shard(
     on_bad_sample: str,
     device,
     retry: ReadRetry = DEFAULT_RETRY,
+    table: BucketTable | None = None,
 ) -> dict:
     """One input shard into `output` (written as OUTPUT.partial, then moved into place); returns its
     stats record: img2dataset's counts, the output's bytes and CRC-32 (`tar_bytes`, `tar_crc32`: its
     index entry, and what `shards index` reads instead of the tar), the latent shape, the fields seen
-    and the samples skipped."""
+    and the samples skipped.
+
+    With `table`, each image is cut to its bucket and each bucket's samples go to a tar of their own
+    (`bucket_shard`, written and moved into place the same way), in input order, the VAE batching one
+    bucket's images at a time; the record then lists the tars in bucket order (`buckets`: bucket,
+    name, file, successes, tar_bytes, tar_crc32, latent_shape each) in place of the output's fields."""
     url, count, first_id = index.urls[shard], int(index.counts[shard]), int(index.first_ids[shard])
     skipped: list[dict] = []
     fields_seen: set[str] = set()
-    latent_shape: list[int] = []
-    written = 0
-    partial = partial_path(output)
+    tars: dict[int | None, _OutputTar] = {}  # None: the square output; else a bucket's tar
+    pending: dict[int | None, list[tuple[dict, torch.Tensor, str | None]]] = {}
 
     def bad(key, reason: str, samples: int = 1) -> None:
         if on_bad_sample == "stop":
@@ -254,35 +332,64 @@ def encode_shard(
         print(f"prunepipe: latents encode: skipping {samples} sample(s): {reason}", flush=True)
         skipped.append({"shard": url, "key": key, "reason": reason, "samples": samples})
 
-    # a fixed mtime: a shard encoded again, by any rank, is the same bytes
-    with wds.TarWriter(partial, mtime=0.0) as writer:
-        pending: list[tuple[dict, torch.Tensor, str | None]] = []
+    def tar_of(bucket: int | None) -> _OutputTar:
+        if bucket not in tars:
+            path = output if bucket is None else bucket_shard(output, bucket, len(table.sizes))
+            # a fixed mtime: a shard encoded again, by any rank, is the same bytes
+            tars[bucket] = _OutputTar(path, wds.TarWriter(partial_path(path), mtime=0.0))
+        return tars[bucket]
 
-        def write_batch() -> None:
-            nonlocal written
-            images = torch.stack([image for _, image, _ in pending]).to(device)
-            latents = encode(images)
-            latent_shape[:] = list(latents.shape[1:])
-            mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
-            texts = (
-                real_tokens(
-                    encoder.encode([text for _, _, text in pending], device),
-                    dtype,
-                    [fields["__key__"] for fields, _, _ in pending],
-                )
-                if encoder is not None
-                else [None] * len(latents)
+    def write_batch(bucket: int | None) -> None:
+        batch, tar = pending[bucket], tar_of(bucket)
+        images = torch.stack([image for _, image, _ in batch]).to(device)
+        latents = encode(images)
+        tar.latent_shape = list(latents.shape[1:])
+        mirrored = encode(images.flip(-1)) if flip else [None] * len(latents)
+        texts = (
+            real_tokens(
+                encoder.encode([text for _, _, text in batch], device),
+                dtype,
+                [fields["__key__"] for fields, _, _ in batch],
             )
-            for (fields, _, _), latent, latent_of_mirror, text in zip(pending, latents, mirrored, texts):
-                record = {**fields, LATENT_FIELD: npy_bytes(latent)}
-                if flip:
-                    record[FLIPPED_LATENT_FIELD] = npy_bytes(latent_of_mirror)
-                if text is not None:
-                    record[TEXT_FEATURES_FIELD] = npy_bytes(text)
-                writer.write(record)
-            written += len(pending)
-            pending.clear()
+            if encoder is not None
+            else [None] * len(latents)
+        )
+        for (fields, _, _), latent, latent_of_mirror, text in zip(batch, latents, mirrored, texts):
+            record = {**fields, LATENT_FIELD: npy_bytes(latent)}
+            if flip:
+                record[FLIPPED_LATENT_FIELD] = npy_bytes(latent_of_mirror)
+            if text is not None:
+                record[TEXT_FEATURES_FIELD] = npy_bytes(text)
+            tar.writer.write(record)
+        tar.written += len(batch)
+        batch.clear()
 
+    def cut(sample: dict, sample_id: int) -> tuple[torch.Tensor, int | None, dict]:
+        """The image as the VAE reads it ([C, H, W] in [-1, 1]), its bucket (None: the square) and the
+        fields that go with it."""
+        if table is None:
+            image, _ = decoder(sample, sample_id, 0)  # BadInputError names shard and key
+            return image, None, {}
+        original, _ = decoder.decode_original(sample)  # uncropped: the bucket is the whole image's
+        width, height = original.size
+        bucket = table.nearest(height, width)
+        bucket_height, bucket_width = table.sizes[bucket]
+        img, (top, left) = resize_cover_crop(original, bucket_height, bucket_width)
+        array = np.asarray(img, dtype=np.uint8)
+        if array.ndim == 2:
+            array = array[:, :, None]
+        pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+        image = decoder.finish(pixels[None], np.array([sample_id]), 0)[0]
+        where = {
+            "bucket": bucket_name(bucket_height, bucket_width),
+            "original_size": [height, width],
+            "crop_top_left": [top, left],
+        }
+        return image, bucket, {BUCKET_FIELD: json.dumps(where).encode()}
+
+    if table is None:
+        tar_of(None)  # the square output is written even for a shard without samples
+    try:
         seen = 0
         try:
             for position, sample in read_shard(url, retry=retry, expected=index.expected(shard)):
@@ -293,7 +400,7 @@ def encode_shard(
                     )
                 seen = position + 1
                 try:
-                    image, _ = decoder(sample, first_id + position, 0)  # BadInputError names shard and key
+                    image, bucket, added = cut(sample, first_id + position)
                     text = caption(sample) if encoder is not None else None
                 except BadInputError as e:
                     bad(sample["__key__"], str(e))
@@ -301,43 +408,81 @@ def encode_shard(
                 # labels, the caption and its metadata travel with the latent (a text run reads `txt`)
                 kept = {k: sample[k] for k in ("__key__", *LABEL_FIELDS, CAPTION_FIELD, METADATA_FIELD) if k in sample}
                 fields_seen.update(k for k in kept if k != "__key__")
-                pending.append((kept, image, text))
-                if len(pending) == batch_size:
-                    write_batch()
+                queue = pending.setdefault(bucket, [])
+                queue.append(({**kept, **added}, image, text))
+                if len(queue) == batch_size:
+                    write_batch(bucket)
         except BadInputError as e:
             # a read that failed after its retries is the store's fault, not the data's: never sealed as skipped
             if "holds more than" in str(e) or on_bad_sample == "stop" or isinstance(e.__cause__, ShardReadError):
                 raise
             bad(None, str(e), count - seen)
             seen = count
-        if pending:
-            write_batch()
+        for bucket in sorted(pending, key=lambda b: -1 if b is None else b):
+            if pending[bucket]:
+                write_batch(bucket)
         if seen != count:
             bad(None, f"shard {url}: ended after {seen} samples, {index.path} lists {count}", count - seen)
-    os.replace(partial, output)
-    lost = sum(s["samples"] for s in skipped)
-    return {
+    except BaseException:
+        for tar in tars.values():  # nothing half-written stays behind this writer
+            with contextlib.suppress(Exception):
+                tar.writer.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(partial_path(tar.path))
+        raise
+    for tar in tars.values():
+        tar.writer.close()
+        os.replace(partial_path(tar.path), tar.path)
+    record = {
         "count": count,
-        "successes": written,
-        "failed_to_decode": lost,
+        "successes": sum(tar.written for tar in tars.values()),
+        "failed_to_decode": sum(s["samples"] for s in skipped),
         "failed_to_download": 0,
         "failed_to_resize": 0,
-        "tar_bytes": os.path.getsize(output),
-        "tar_crc32": f"{file_crc32(output):08x}",  # read back just written, from the page cache
-        "latent_shape": latent_shape,
-        "fields": sorted(fields_seen),
-        "skipped": skipped,
     }
+    if table is None:
+        record.update(
+            tar_bytes=os.path.getsize(output),
+            tar_crc32=f"{file_crc32(output):08x}",  # read back just written, from the page cache
+            latent_shape=tars[None].latent_shape,
+        )
+    else:
+        record["buckets"] = [
+            {
+                "bucket": bucket,
+                "name": bucket_name(*table.sizes[bucket]),
+                "file": os.path.basename(tar.path),
+                "successes": tar.written,
+                "tar_bytes": os.path.getsize(tar.path),
+                "tar_crc32": f"{file_crc32(tar.path):08x}",
+                "latent_shape": tar.latent_shape,
+            }
+            for bucket, tar in sorted(tars.items())
+        ]
+    return {**record, "fields": sorted(fields_seen), "skipped": skipped}
 
 
 def _write_index(
-    index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling, shift
+    index, image_shards_folder, out_folder, outputs, job, encoder, device, dtype, settings, scaling, shift, bucket_meta
 ) -> str:
-    """index.json (and text_null.npy, skipped.json) from the seals of every output shard."""
+    """index.json (and text_null.npy, skipped.json) from the seals of every output shard; bucketed
+    (`bucket_meta`: the base latent_shape, the `buckets` table and `bucket_table`), every bucket tar of
+    every input shard, in input-shard order, then bucket order."""
     seals = [job.sealed(output) for output in outputs]
-    shapes = {tuple(seal["latent_shape"]) for seal in seals if seal["latent_shape"]}
-    if len(shapes) > 1:
-        raise ValueError(f"{out_folder}: the sealed shards hold latents of different shapes {sorted(shapes)}")
+    if bucket_meta is None:
+        shapes = {tuple(seal["latent_shape"]) for seal in seals if seal["latent_shape"]}
+        if len(shapes) > 1:
+            raise ValueError(f"{out_folder}: the sealed shards hold latents of different shapes {sorted(shapes)}")
+        latent_shape = list(shapes.pop()) if shapes else []
+        entries = [
+            # a seal written before seals held the CRC-32 gives the size alone
+            ShardEntry(output, seal["successes"], seal["tar_bytes"], _seal_crc32(seal))
+            for output, seal in zip(outputs, seals)
+        ]
+        bucketed = {}
+    else:
+        latent_shape, entries = bucket_meta["latent_shape"], _bucket_entries(out_folder, outputs, seals, bucket_meta)
+        bucketed = {"buckets": bucket_meta["buckets"], "bucket_table": bucket_meta["bucket_table"]}
     skipped = [entry for seal in seals for entry in seal["skipped"]]
     write_json(
         os.path.join(out_folder, SKIPPED_FILE), {"count": sum(e["samples"] for e in skipped), "samples": skipped}
@@ -354,17 +499,13 @@ def _write_index(
     fields = sorted({field for seal in seals for field in seal["fields"]})
     path = ShardIndex.write(
         out_folder,
-        [
-            # a seal written before seals held the CRC-32 gives the size alone
-            ShardEntry(output, seal["successes"], seal["tar_bytes"], _seal_crc32(seal))
-            for output, seal in zip(outputs, seals)
-        ],
+        entries,
         source=os.path.abspath(image_shards_folder),
         vae=settings["vae"],
         subfolder=settings["subfolder"],
         scaling_factor=scaling,
         shift_factor=shift,
-        latent_shape=list(shapes.pop()) if shapes else [],
+        latent_shape=latent_shape,
         resolution=settings["resolution"],
         dtype=dtype,
         flip=settings["flip"],
@@ -372,17 +513,48 @@ def _write_index(
             LATENT_FIELD,
             *([FLIPPED_LATENT_FIELD] if settings["flip"] else []),
             *([TEXT_FEATURES_FIELD] if encoder else []),
+            *([BUCKET_FIELD] if bucketed else []),
             *fields,
         ],
         skipped=sum(e["samples"] for e in skipped),
         **text_meta,
+        **bucketed,
     )
+    in_buckets = f" in {len(entries)} bucket tars" if bucketed else ""
     print(
-        f"prunepipe: latents encode: {path}: {len(outputs)} shards, {sum(s['successes'] for s in seals)} samples"
+        f"prunepipe: latents encode: {path}: {len(outputs)} shards{in_buckets}, "
+        f"{sum(s['successes'] for s in seals)} samples"
         + (f", {len(skipped)} skip record(s) in {SKIPPED_FILE}" if skipped else ""),
         flush=True,
     )
     return path
+
+
+def _bucket_entries(out_folder: str, outputs: list[str], seals: list[dict], bucket_meta: dict) -> list[ShardEntry]:
+    """The index entries of a bucketed encode: each input shard's bucket tars as its seal lists them
+    (bucket order), checked against the table's shapes."""
+    table = bucket_meta["buckets"]
+    entries = []
+    for output, seal in zip(outputs, seals):
+        for part in seal["buckets"]:
+            expected = table[part["bucket"]]
+            if list(part["latent_shape"]) != list(expected["shape"]):
+                raise ValueError(
+                    f"{part_path(output, part)}: holds latents of shape {part['latent_shape']}, but bucket "
+                    f"{expected['name']} of the table gives {expected['shape']}"
+                )
+            entries.append(
+                ShardEntry(
+                    part_path(output, part),
+                    part["successes"],
+                    part["tar_bytes"],
+                    int(part["tar_crc32"], 16),
+                    part["bucket"],
+                )
+            )
+    if not entries:
+        raise BadInputError(f"{out_folder}: no sample was encoded (see {SKIPPED_FILE}): nothing to index")
+    return entries
 
 
 def _seal_crc32(seal: dict) -> int | None:

@@ -1,6 +1,7 @@
 """Preprocessing split over processes the way img2dataset splits a download: one output per input
-shard, written by one process, and sealed by a stats file written last; a rerun or a requeue skips
-the sealed shards and redoes the rest, and the index is written once every shard is sealed.
+shard (or a few files: `latents encode --buckets` writes a tar per aspect-ratio bucket), written by one
+process, and sealed by a stats file written last; a rerun or a requeue skips the sealed shards and
+redoes the rest, and the index is written once every shard is sealed.
 
 Who a process is comes from `--rank/--world`, else torchrun's RANK/WORLD_SIZE, else a SLURM array's
 (its element's place in the array's index list) or srun's task variables; a launch that gives no
@@ -277,13 +278,20 @@ def settings_digest(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _has_size(path: str, size) -> bool:
+    try:
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
+
+
 def seal_path(output: str) -> str:
     """OUT/shard-000003_stats.json for OUT/shard-000003.tar (or .npy)."""
     return os.path.splitext(output)[0] + SEAL_SUFFIX
 
 
 class ShardJob:
-    """The outputs of one job in `folder`, one per input shard, and their seals."""
+    """The outputs of one job in `folder`, one per input shard (a file, or several sealed as one), and their seals."""
 
     def __init__(
         self,
@@ -316,8 +324,10 @@ class ShardJob:
         return os.path.join(self.folder, f"job-{digest}.json")
 
     def sealed(self, output: str) -> dict | None:
-        """The seal of a finished output, or None when it must be made (again). A seal of other settings
-        is an error: mixing them would give a table no single command made."""
+        """The seal of a finished output, or None when it must be made (again): when a file it covers is
+        gone or has another size than it records (`output_bytes` of the output itself, or `files`, each
+        file beside it by name). A seal of other settings is an error: mixing them would give a table no
+        single command made."""
         path = seal_path(output)
         try:
             with open(path) as f:
@@ -338,15 +348,28 @@ class ShardJob:
                 f"{path}: sealed by `{self.command}` with other settings ({', '.join(differ) or 'unknown'}"
                 f" differ); rerun with the same settings to finish that job, or write to another --out"
             )
-        if not os.path.exists(output) or os.path.getsize(output) != seal.get("output_bytes"):
+        files = seal.get("files")
+        if isinstance(files, dict):  # the output is several files, each beside the nominal one
+            folder = os.path.dirname(output)
+            if not all(_has_size(os.path.join(folder, name), size) for name, size in files.items()):
+                return None
+            return seal
+        if not _has_size(output, seal.get("output_bytes")):
             return None  # the output was removed or cut short since: its seal no longer holds
         return seal
 
-    def seal(self, output: str, record: dict) -> dict:
-        """Seal a finished output (already in place): the seal is what says done, so it is written last."""
+    def seal(self, output: str, record: dict, files: list[str] | None = None) -> dict:
+        """Seal a finished output (already in place): the seal is what says done, so it is written last.
+        With `files` (beside `output`, which then only names the seal), the seal covers each of them
+        (`files`: name -> bytes) instead of `output` itself (`output_bytes`)."""
+        covered = (
+            {"output_bytes": os.path.getsize(output)}
+            if files is None
+            else {"files": {os.path.basename(f): os.path.getsize(f) for f in files}}
+        )
         seal = {
             **record,
-            "output_bytes": os.path.getsize(output),
+            **covered,
             "settings_digest": self.digest,
             "rank": self.rank.rank,
             "world": self.rank.world,

@@ -38,12 +38,20 @@ from prunepipe.pipelines.data.shards import (
     BadInputError,
     ShardEntry,
     ShardIndex,
+    read_keys,
     read_shard,
     shard_checksum,
     survey_shard,
 )
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.progress import progress, tracked
+from prunepipe.tools.commands.aspect_buckets import (
+    METADATA_FIELD,
+    AspectHistogram,
+    BucketTable,
+    aspect_histogram,
+    metadata_size,
+)
 from prunepipe.tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
 from prunepipe.tools.commands.sources import (
     check_copy_kinds,
@@ -100,15 +108,19 @@ def write_shards(
     workers: int | None = None,
     chunk: int = FOLDER_CHUNK,
     captions: bool = False,
+    aspects: bool = False,
 ) -> dict[str, str]:
     """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
     ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`).
     `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
-    `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py)."""
+    `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py);
+    with `aspects` too, the photo crops keep their own aspect ratios (four of them, shorter side `size`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if captions:
-        splits = captioned_splits(source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo)
+        splits = captioned_splits(
+            source, size, val_fraction=val_fraction, seed=seed, crops_per_photo=crops_per_photo, aspects=aspects
+        )
         return {
             split: write_samples(
                 os.path.join(out, split),
@@ -124,6 +136,8 @@ def write_shards(
             for split, chosen in splits.items()
             if chosen
         }
+    if aspects:
+        raise ValueError("--aspects writes captioned photo crops: give --source photos --captions")
     if source == "folder":
         if not folder:
             raise ValueError("source 'folder' needs --folder PATH")
@@ -508,6 +522,39 @@ def index_shards(
     os.makedirs(out, exist_ok=True)
     entries = [ShardEntry(url, shard.samples, shard.size, shard.crc32) for url, shard in zip(urls, counted)]
     return ShardIndex.write(out, entries, keys=keys, counted=how)
+
+
+def shard_aspects(url: str, table: BucketTable | None = None, retry: ReadRetry = DEFAULT_RETRY) -> AspectHistogram:
+    """One shard's samples by aspect ratio, from each sample's img2dataset `json` member alone (its
+    width and height, `metadata_size`): the images' bytes are seeked past, never decoded."""
+    sizes = [metadata_size(raw) for _, raw in read_keys(url, METADATA_FIELD, retry)]
+    return aspect_histogram(sizes, table)
+
+
+def aspect_counts(
+    sources: list[str],
+    table: BucketTable | None = None,
+    *,
+    workers: int | None = None,
+    retry: ReadRetry = DEFAULT_RETRY,
+) -> AspectHistogram:
+    """The samples of every shard `sources` name (as `shards index` lists them) by bucket of `table`, or
+    by the common ratio bins without one, `workers` shards at a time in threads; a sample whose `json`
+    gives no width and height is counted as unknown."""
+    urls = shard_urls(sources)
+    workers = usable_cores() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    bar = progress(len(urls), desc="aspect ratios", unit="shard")
+    total = None
+    try:
+        with ThreadPoolExecutor(min(workers, len(urls))) as pool:
+            for found in pool.map(shard_aspects, urls, [table] * len(urls), [retry] * len(urls)):
+                bar.update(1)
+                total = found if total is None else total.plus(found)
+    finally:
+        bar.close()
+    return total
 
 
 def describe_counting(counted: dict, verify: bool = False) -> str:
