@@ -11,6 +11,8 @@ import torch
 
 from prunepipe.pruning.bitmap import Bitmap
 
+COUNT_TABLES = ("undecodable", "forwarded_by_source", "forwarded_by_bucket")  # int64 arrays, saved as lists
+
 
 @dataclass
 class TrainingPosition:
@@ -31,8 +33,10 @@ class TrainingPosition:
     pass_offset: float = 0.0
     excluded: Bitmap | None = None  # 1 bit per sample, or None
     consumed: Bitmap | None = None  # 1 bit per sample: ids trained on in this pass, on every rank
-    # int64 [world * workers]: undecodable samples each rank's worker part met in this pass so far;
-    # a resume under the same layout skips them with the batches they were read for.
+    # int64 [world * workers * max(1, buckets)]: undecodable samples each rank's worker part met in this
+    # pass so far, per sample stream: entry (rank * workers + worker) * max(1, buckets) + bucket, where
+    # buckets is the index's aspect-ratio buckets (0 when unbucketed: one entry per worker part, as
+    # before buckets); a resume under the same layout skips them with the batches they were read for.
     undecodable: np.ndarray | None = None
     # text-conditional runs: the text encoder's files and caption length (pipelines/tasks/diffusion/text.py
     # identity_key), in the loop or behind precomputed features; a resume refuses others (other features)
@@ -41,12 +45,13 @@ class TrainingPosition:
     # rules); a resume refuses another mixture
     mixture: str = ""
     forwarded_by_source: np.ndarray | None = None  # int64 [K]: samples each source forwarded so far, all ranks
+    forwarded_by_bucket: np.ndarray | None = None  # int64 [B]: the same per aspect-ratio bucket (bucketed shards)
 
     def state_dict(self) -> dict:
         state = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("undecodable", "forwarded_by_source") and value is not None:
+            if f.name in COUNT_TABLES and value is not None:
                 state[f.name] = [int(v) for v in value]
             elif isinstance(value, Bitmap):  # packed bits as in memory: N / 8 bytes, no unpacked copy
                 state[f.name] = torch.from_numpy(value.packed)
@@ -65,7 +70,7 @@ class TrainingPosition:
                     None if packed is None else Bitmap(np.array(packed, dtype=np.uint8), int(state[f.name + "_len"]))
                 )
                 setattr(self, f.name, value)
-            elif f.name in ("undecodable", "forwarded_by_source"):
+            elif f.name in COUNT_TABLES:
                 value = state.get(f.name)
                 setattr(self, f.name, None if value is None else np.asarray(value, dtype=np.int64))
             elif f.name in state:

@@ -32,6 +32,9 @@ class Batch:
     # each sample's count [B] (0 for padding); the task pads them on its device
     text_tokens: torch.Tensor | None = None
     text_lengths: torch.Tensor | None = None
+    # its aspect-ratio bucket (every sample of a batch has the one shape); -1 for an unbucketed index. With
+    # `worker` it names the sample stream the batch was read from: worker part `worker`'s stream of `bucket`
+    bucket: int = -1
 
     def _tensors(self) -> tuple[str, ...]:
         return ("ids", "weights", "images", "labels") + (
@@ -64,6 +67,7 @@ class Batch:
             self.captions,
             self.text_tokens,
             small[3],
+            self.bucket,
         )
 
     def undecodable(self) -> int:
@@ -74,7 +78,9 @@ class Batch:
         return len(self.ids)
 
 
-def _rebuild(ids, weights, images, labels, bad, worker, captions=(), text_tokens=None, text_lengths=None) -> Batch:
+def _rebuild(
+    ids, weights, images, labels, bad, worker, captions=(), text_tokens=None, text_lengths=None, bucket=-1
+) -> Batch:
     return Batch(
         torch.as_tensor(ids),
         torch.as_tensor(weights),
@@ -85,6 +91,7 @@ def _rebuild(ids, weights, images, labels, bad, worker, captions=(), text_tokens
         captions,
         text_tokens,
         None if text_lengths is None else torch.as_tensor(text_lengths),
+        bucket,
     )
 
 

@@ -38,30 +38,36 @@ def read_split(
     so a rank reads and decodes about its share, not the whole split. Weights are 1. With `captions`
     each batch carries the samples' captions, with `text_width` their precomputed text features (a
     sample without them stops the read, naming it).
+
+    A bucketed split (aspect-ratio buckets, `ShardIndex.buckets`) yields batches of one bucket each: a
+    pending batch per bucket, yielded when full, the partial ones at the end in bucket order; nothing is
+    dropped and the order is a function of the index alone.
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
     decoder = SampleDecoder(
         resolution, channels, captions=captions, text_width=text_width, text_max_length=text_max_length
     )
-    ids, images, labels, texts = [], [], [], []
+    pending: dict[int, tuple[list, list, list, list]] = {}  # per bucket (-1: unbucketed): ids, images, labels, texts
     ordinal = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
         first = int(index.first_ids[shard])
+        bucket = -1 if index.buckets is None else int(index.buckets[shard])
         mine = None if world_size == 1 else (lambda p, first=first: (first + p) % world_size == rank)
         for position, sample in read_shard(url, mine, expected=index.expected(shard)):
             if ordinal >= total:
                 break
             if sample is not None and (first + position) % world_size == rank:
+                ids, images, labels, texts = pending.setdefault(bucket, ([], [], [], []))
                 texts.append(decoder.text(sample))
                 image, label = decoder.decode(sample, first + position)
                 ids.append(first + position)
                 images.append(image)
                 labels.append(label)
                 if len(ids) == batch_size:
-                    yield _batch(decoder, ids, images, labels, texts)
-                    ids, images, labels, texts = [], [], [], []
+                    yield _batch(decoder, ids, images, labels, texts, bucket)
+                    del pending[bucket]
             ordinal += 1
             bar.update(1)
         if ordinal >= total:
@@ -69,8 +75,8 @@ def read_split(
     bar.close()
     if ordinal < total:
         raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {ordinal}")
-    if ids:
-        yield _batch(decoder, ids, images, labels, texts)
+    for bucket in sorted(pending):
+        yield _batch(decoder, *pending[bucket], bucket)
 
 
 def read_captions(folder: str, max_samples: int = 0) -> list[str]:
@@ -116,13 +122,14 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
     return found
 
 
-def _batch(decoder: SampleDecoder, ids, images, labels, texts) -> Batch:
+def _batch(decoder: SampleDecoder, ids, images, labels, texts, bucket: int = -1) -> Batch:
     return Batch(
         torch.tensor(ids, dtype=torch.int64),
         torch.ones(len(ids)),
         decoder.finish(torch.stack(images), np.array(ids, dtype=np.int64), 0),
         torch.tensor(labels, dtype=torch.int64),
         **text_fields(texts, captions=decoder.captions, width=decoder.text_width),
+        bucket=bucket,
     )
 
 

@@ -2,7 +2,9 @@
 
 Each (rank, loader worker) reads the slice of kept samples `pipelines/data/layout.py` gives it.
 Pruned samples are seeked past or read as bytes and dropped before decoding (docs/design.md,
-principle 2). Nothing here knows about models, tasks or pruners beyond the frozen `PassPlan`.
+principle 2). Over a bucketed index (aspect-ratio buckets) a worker reads each bucket's pieces as a
+sample stream of its own and emits batches of one bucket each, in a seeded random interleaving of its
+per-bucket batch counts. Nothing here knows about models, tasks or pruners beyond the frozen `PassPlan`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prunepipe.pipelines.data.batch import PADDING_ID, Batch, text_fields
 from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder
-from prunepipe.pipelines.data.layout import PassLayout, SliceOfShard, batches_taken_per_worker, pass_layout
+from prunepipe.pipelines.data.layout import (
+    PassLayout,
+    SliceOfShard,
+    batches_taken_per_worker,
+    bucket_count,
+    pass_layout,
+)
 from prunepipe.pipelines.data.mixture import Mixture, PassDraw, pass_units
 from prunepipe.pipelines.data.remote import ReadRetry
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
@@ -82,6 +90,12 @@ class ShardStream:
         self._loader_settings: tuple | None = None
         self._passes_posted = 0
 
+    @property
+    def num_buckets(self) -> int:
+        """The index's aspect-ratio buckets (0: not bucketed): undecodable counts are kept per worker part
+        and bucket, `max(1, num_buckets)` a part."""
+        return bucket_count(self.index)
+
     def draw(self, pass_index: int) -> PassDraw | None:
         """How pass `pass_index` takes each source (None: one source, whole)."""
         return None if self.mixture is None else self.mixture.draw(self.seed, pass_index)
@@ -132,26 +146,35 @@ class ShardStream:
     ) -> "PassLoader":
         """This rank's batches of pass `pass_index`, after skipping its first `skip_batches` undecoded.
 
-        `skip_undecodable[w]`: the undecodable samples worker part w met in those batches (what
-        `Batch.undecodable()` counted), which the skip passes over too, so that the order goes on
-        exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
+        `skip_undecodable[w * max(1, B) + b]`: the undecodable samples worker part w met in its stream
+        of bucket b in those batches (what `Batch.undecodable()` counted; B = `num_buckets`, 0 and
+        b = 0 when the index is not bucketed), which the skip passes over too, so that the order goes
+        on exactly where it stopped. `start_method` (fork, spawn, forkserver; None: the platform's)
         starts the loader workers; under each they read the plan without a copy of it. Iterate
         one pass's loader before asking for the next: the workers serve the latest pass."""
         if plan is not None and plan.pass_index != pass_index:
             raise ValueError(f"plan is for pass {plan.pass_index + 1}, not pass {pass_index + 1} (counted from 1)")
         layout = self.layout(pass_index, plan, num_workers)
         workers = max(1, num_workers)
+        streams = max(1, self.num_buckets)  # sample streams per worker part
         mine = layout.batches[self.rank]
         skipped, first_worker = batches_taken_per_worker(mine, skip_batches)
-        extra = np.zeros(workers, dtype=np.int64) if skip_undecodable is None else np.asarray(skip_undecodable)
-        if len(extra) != workers:
-            raise ValueError(f"skip_undecodable has {len(extra)} entries for {workers} worker parts")
+        extra = (
+            np.zeros(workers * streams, dtype=np.int64)
+            if skip_undecodable is None
+            else np.asarray(skip_undecodable, dtype=np.int64)
+        )
+        if len(extra) != workers * streams:
+            raise ValueError(
+                f"skip_undecodable has {len(extra)} entries for {workers} worker parts x {streams} bucket stream(s)"
+            )
         if plan is not None and num_workers > 0:
             plan = plan.share()  # spawn-started workers map the plan's bitmaps instead of copying them
         self._passes_posted += 1
         parts = []
         for loader_worker in range(workers):  # resuming rotates which part loader worker 0 plays
             part = (loader_worker + first_worker) % workers
+            slot = self.rank * workers + part
             parts.append(
                 PartOfPass(
                     self._passes_posted,
@@ -159,10 +182,11 @@ class ShardStream:
                     plan,
                     self.draw(pass_index),
                     part,
-                    layout.slices[self.rank * workers + part],
+                    layout.slices[slot],
                     int(mine[part]),
                     int(skipped[part]),
-                    int(extra[part]),
+                    tuple(int(v) for v in extra[part * streams : (part + 1) * streams]),
+                    None if layout.bucket_batches is None else tuple(int(v) for v in layout.bucket_batches[slot]),
                 )
             )
         loader = self._loader_for(num_workers, pin_memory, start_method)
@@ -221,7 +245,8 @@ class PartOfPass:
     slices: tuple[SliceOfShard, ...]
     batches: int
     skip: int  # batches to replay without decoding (resume)
-    undecodable: int  # undecodable samples among them, replayed too
+    undecodable: tuple[int, ...]  # undecodable samples among them, replayed too: one count per bucket (one if none)
+    bucket_batches: tuple[int, ...] | None = None  # a bucketed index: this part's batches of each bucket
 
 
 class _Mailbox:
@@ -293,18 +318,76 @@ class _PartReader(IterableDataset):
         part = self._in_process if info is None else self._mailbox.receive(info.id)
         if part is None:
             raise RuntimeError("iterate a ShardStream through pass_loader(pass_index, plan)")
+        if part.bucket_batches is not None:
+            yield from self._bucketed_batches(part)
+            return
         rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part])
         events: list[BadInput] = []
         raw = self._kept_raw_samples(part.slices, part.plan, events, part.draw)
         samples = _shuffled(raw, self.shuffle_buffer, rng)
         replayed = collections.deque(maxlen=8)
-        for _ in range(min(part.skip, part.batches) * self.batch_size + part.undecodable):
+        for _ in range(min(part.skip, part.batches) * self.batch_size + part.undecodable[0]):
             replayed.append(next(samples, None))  # resume: replay the order without decoding
         events.clear()  # met while replaying: counted by the run that trained those batches
         template: list[torch.Tensor] = []  # the last decoded sample, to shape padding
         for k in range(part.skip, part.batches):
             yield self._next_batch(
-                samples, part.pass_index, events, template, replayed, part.part, last=k == part.batches - 1
+                samples,
+                part.pass_index,
+                events,
+                template,
+                replayed,
+                part.part,
+                drain=[samples] if k == part.batches - 1 else [],
+            )
+
+    def _bucketed_batches(self, part: PartOfPass) -> Iterator[Batch]:
+        """A part of a bucketed pass: each bucket's pieces a sample stream of its own (pre-decode pruning
+        as ever, a share of the shuffle buffer in proportion to its kept samples, its own seeded
+        shuffle), and the batches in a random interleaving of the per-bucket batch counts drawn from
+        (seed, pass, rank, part). Resuming replays the first `skip` entries of that order, each taking a
+        batch of samples from its bucket's stream, and then each stream's undecodable samples."""
+        counts = np.asarray(part.bucket_batches, dtype=np.int64)
+        buckets = self.index.buckets
+        order = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part]).permutation(
+            np.repeat(np.arange(len(counts)), counts)
+        )
+        pieces: dict[int, list[SliceOfShard]] = {}
+        for piece in part.slices:
+            pieces.setdefault(int(buckets[piece.shard]), []).append(piece)
+        kept = {b: sum(p.kept_end - p.kept_start for p in mine) for b, mine in pieces.items()}
+        total = max(1, sum(kept.values()))
+        events: list[BadInput] = []
+        streams = {}
+        for b, mine in sorted(pieces.items()):
+            share = self.shuffle_buffer * kept[b] // total if self.shuffle_buffer > 1 else self.shuffle_buffer
+            rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part, 1 + b])
+            streams[b] = _shuffled(self._kept_raw_samples(mine, part.plan, events, part.draw), share, rng)
+        skip = min(part.skip, len(order))
+        replayed: dict[int, collections.deque] = {b: collections.deque(maxlen=8) for b in streams}
+        taken = np.bincount(order[:skip], minlength=len(counts)) * self.batch_size
+        for b, samples in streams.items():  # resume: replay each bucket's order without decoding
+            undecodable = part.undecodable[b] if b < len(part.undecodable) else 0
+            for _ in range(int(taken[b]) + undecodable):
+                replayed[b].append(next(samples, None))
+        events.clear()  # met while replaying: counted by the run that trained those batches
+        last_of = {int(b): int(np.flatnonzero(order == b)[-1]) for b in np.unique(order)}
+        idle = [streams[b] for b in streams if b not in last_of]  # pieces but no batch: read at the part's end
+        templates: dict[int, list[torch.Tensor]] = {b: [] for b in streams}
+        shapes = self.index.bucket_shapes
+        for k in range(skip, len(order)):
+            b = int(order[k])
+            drain = ([streams[b]] if k == last_of[b] else []) + (idle if k == len(order) - 1 else [])
+            yield self._next_batch(
+                streams[b],
+                part.pass_index,
+                events,
+                templates[b],
+                replayed[b],
+                part.part,
+                drain=drain,
+                bucket=b,
+                shape=shapes[b] if b < len(shapes) else None,
             )
 
     def _kept_raw_samples(
@@ -354,8 +437,20 @@ class _PartReader(IterableDataset):
                 self._bad(events, BadInput(message, len(mine) - delivered))
 
     def _next_batch(
-        self, samples, pass_index: int, events: list, template: list, replayed, worker: int, last: bool
+        self,
+        samples,
+        pass_index: int,
+        events: list,
+        template: list,
+        replayed,
+        worker: int,
+        drain: list,
+        bucket: int = -1,
+        shape: tuple[int, ...] | None = None,
     ) -> Batch:
+        """The next batch of `samples`; then `drain`'s streams are read to their ends (never decoded).
+        Padding is shaped like the last decoded sample (`template`), else a replayed one, else `shape`
+        (a bucket's recorded shape; float32, as `decoder.finish` gives every batch)."""
         ids, weights, pixels, labels, texts = [], [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
@@ -381,6 +476,8 @@ class _PartReader(IterableDataset):
             # same number of steps; padding has id -1 and never reaches a pruner.
             if not template:  # a resumed worker that has decoded nothing yet: shape it like a replayed sample
                 template[:] = self._first_decodable(reversed(replayed), pass_index)
+            if not template and shape is not None:  # nothing of this bucket decodes: its recorded shape
+                template[:] = [torch.zeros(shape, dtype=torch.float32)]
             if not template:
                 raise BadInputError(
                     f"rank {self.rank}: no decodable sample in pass {pass_index + 1} (counted from 1) to shape padding"
@@ -392,8 +489,8 @@ class _PartReader(IterableDataset):
             weights += [0.0] * missing
             labels += [NO_LABEL] * missing
             texts += [None] * missing
-        if last:  # read (never decode) this worker's tail, so a shard's bad end is still reported
-            for _ in samples:
+        for stream in drain:  # read (never decode) this stream's tail, so a shard's bad end is still reported
+            for _ in stream:
                 pass
         bad = tuple(events)
         events.clear()  # the same list keeps collecting for the next batch
@@ -404,6 +501,7 @@ class _PartReader(IterableDataset):
             torch.tensor(labels, dtype=torch.int64),
             bad,
             worker,
+            bucket=bucket,
             **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
