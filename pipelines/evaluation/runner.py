@@ -23,7 +23,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from prunepipe.pipelines.data.decode import caption
 from prunepipe.pipelines.data.mixture import first_path
+from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_shard
 from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
@@ -91,7 +93,8 @@ class Evaluator:
         self._fid: FIDEvaluator | None = None
         self._clip = None  # torchmetrics' CLIPScore on eval.clip_score.model, loaded once
         self._replication_net = None  # replication.feature's network, loaded once
-        self._captions, self._captions_read = [], None  # the held-out captions, and (folder, count) read
+        self._captions, self._captions_read = [], None  # the held-out captions, and (folder, reference, count) read
+        self._caption_ids: list[int] | None = None  # caption i's held-out sample id, where it is not i
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
         self._said_capped: set[str] = set()  # settings told they were capped at the held-out captions
 
@@ -280,20 +283,38 @@ class Evaluator:
 
     def _held_out_captions(self, count: int) -> list[str]:
         """The first `count` captions of the held-out shards in index order, read by rank 0 and handed
-        to every rank (each rank samples from its share of them); read once a run, not each evaluation."""
+        to every rank (each rank samples from its share of them); read once a run, not each evaluation.
+        Held-out latents bucketed by aspect ratio are not in their images' order (`aligned_held_out`): the
+        captions are then those of the first `count` images of fid.reference, in its order."""
         folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
-        if self._captions_read != (folder, count):
-            self._captions = decided_on_rank0(lambda: read_captions(folder, count))
-            self._captions_read = (folder, count)
+        reference = self._aligning_reference(folder)
+        if self._captions_read != (folder, reference, count):
+            if reference:
+                self._captions, self._caption_ids = decided_on_rank0(lambda: aligned_held_out(folder, reference, count))
+            else:
+                self._captions, self._caption_ids = decided_on_rank0(lambda: read_captions(folder, count)), None
+            self._captions_read = (folder, reference, count)
         return self._captions
+
+    def _aligning_reference(self, folder: str) -> str:
+        """fid.reference where the held-out shards are latents bucketed by aspect ratio and it names image
+        shards (those the latents were encoded from); "" otherwise (the held-out order is the images')."""
+        reference = self.cfg.fid.reference
+        if reference in ("train", "val") or not os.path.exists(index_file(reference or "-")):
+            return ""
+        if "buckets" not in index_metadata(folder) or "latent_shape" in index_metadata(reference):
+            return ""
+        return reference
 
     def _held_out_features(self, task, count: int, rank: int, world: int) -> list:
         """The precomputed text features of held-out captions rank, rank + world, ... < count (None at
         the other ranks' places): each rank reads only what it samples from (T5 features are ~250 KB a caption)."""
         # a rank that cannot read its share stops every rank, not only itself
         folder = self._held_out_folder(SAMPLED_FROM_CAPTIONS)
-        found = on_every_rank(lambda: read_text_features(folder, range(rank, count, world), *task.text.features))
-        return [found.get(i) for i in range(count)]
+        ids = self._caption_ids or range(count)  # caption i's held-out sample
+        wanted = [ids[i] for i in range(rank, count, world)]
+        found = on_every_rank(lambda: read_text_features(folder, wanted, *task.text.features))
+        return [found.get(ids[i]) for i in range(count)]
 
     def _clip_metric(self):
         """torchmetrics' CLIPScore on eval.clip_score.model, loaded once per run by every rank from its
@@ -433,6 +454,46 @@ class Evaluator:
                     details["replication_picture"] = picture
             record["path"] = write_record(self.run_dir, record)
         return record
+
+
+def aligned_held_out(held_out: str, reference: str, count: int) -> tuple[list[str], list[int]]:
+    """(captions, held-out ids) of the first `count` images of `reference`, in its order, found by key in
+    `held_out`. Latents encoded into aspect-ratio buckets (`latents encode --buckets`) are not in their
+    images' order: each input shard's samples are grouped by bucket, so the first `count` held-out
+    captions are not those of the first `count` reference images that FID compares their samples with.
+    Sample i is drawn from reference image i's caption instead; the latent shards are read up to the
+    last of those keys (the order changes within an input shard only). A reference image with no latent
+    (left out when encoding) stops the evaluation, naming it."""
+    keys: list[str] = []
+    index = ShardIndex.load(reference)
+    for shard, url in enumerate(index.urls):
+        for _, sample in read_shard(url, expected=index.expected(shard)):
+            if len(keys) == count:
+                break
+            keys.append(sample["__key__"])
+        if len(keys) == count:
+            break
+    place = {key: i for i, key in enumerate(keys)}
+    captions, ids = [""] * len(keys), [-1] * len(keys)
+    found, held = 0, ShardIndex.load(held_out)
+    for shard, url in enumerate(held.urls):
+        first = int(held.first_ids[shard])
+        for position, sample in read_shard(url, expected=held.expected(shard)):
+            i = place.get(sample["__key__"])
+            if i is not None and ids[i] < 0:
+                captions[i], ids[i] = caption(sample), first + position
+                found += 1
+        if found == len(keys):
+            break
+    if found < len(keys):
+        missing = [key for key, i in place.items() if ids[i] < 0]
+        raise ValueError(
+            f"eval: the held-out latents {held_out} are bucketed by aspect ratio, so sample i is drawn from "
+            f"the caption of fid.reference's image i ({reference}); {len(missing)} of its first {len(keys)} "
+            f"images have no latent there (key {missing[0]!r}): set fid.reference to the image shards these "
+            f"latents were encoded from"
+        )
+    return captions, ids
 
 
 def _chain(first, rest):

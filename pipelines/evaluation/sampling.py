@@ -2,7 +2,10 @@
 guidance when asked (the task's loop, pipelines/tasks/sampler.py), then the VAE decoder for latent runs.
 Sample i starts from noise seeded by (seed, i), and a text-conditional model draws it from caption i,
 so the set of images is the same for any world size and batch size; each rank generates only its
-share. Nothing here measures anything or touches files other than a VAE's.
+share. Samples are drawn at the task's square base size (`task.sample_size`, index.json's latent_shape)
+whatever aspect-ratio buckets the run trained on, so FID, the replication search and their reference
+images (square, at the samples' side) compare like with like; a model built with size conditions gets
+the base image size's. Nothing here measures anything or touches files other than a VAE's.
 """
 
 from __future__ import annotations
@@ -102,7 +105,16 @@ def generate_images(
             if task.text_conditional:  # captions, or their precomputed features
                 labels = task.text_encoder.encode([captions[i] for i in indices], device)
             with forward_precision(precision, device):
-                x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
+                x = denoise(
+                    model,
+                    x,
+                    scheduler,
+                    steps,
+                    labels,
+                    null_label=null,
+                    guidance_scale=guidance_scale,
+                    sizes=task.size_conditions,
+                )
                 images = decode(x)
             bar.update(len(indices))
             yield (images.float() / 2 + 0.5).clamp(0, 1)

@@ -4,8 +4,10 @@ export). Shared by the training loop and the evaluators, so neither imports the 
 
 from __future__ import annotations
 
-from prunepipe.pipelines.data.mixture import first_path
-from prunepipe.pipelines.data.shards import ShardIndex
+import os
+
+from prunepipe.pipelines.data.mixture import Mixture, first_path, source_paths
+from prunepipe.pipelines.data.shards import ShardIndex, index_file
 
 
 def build_task(cfg, *, strata: bool | None = None):
@@ -25,7 +27,23 @@ def build_task(cfg, *, strata: bool | None = None):
         shape = ShardIndex.load(first_path(cfg.data.train)).meta.get("latent_shape")
         if shape:
             channels, size = int(shape[0]), int(shape[-1])
-    return DiffusionTask(cfg.ldm, image_size=size, channels=channels, shards=first_path(cfg.data.train))
+    return DiffusionTask(
+        cfg.ldm,
+        image_size=size,
+        channels=channels,
+        shards=first_path(cfg.data.train),
+        buckets=train_buckets(cfg.data.train),
+    )
+
+
+def train_buckets(train) -> list[dict] | None:
+    """The aspect-ratio buckets of `data.train` (index.json's `buckets`; a mixture's sources' tables
+    merged by shape, as its stream batches them): [] when not bucketed, None when an index is not here
+    (the task then reads the first source's, if any)."""
+    paths = source_paths(train)
+    if not paths or not all(os.path.exists(index_file(path)) for path in paths):
+        return None
+    return Mixture.load(train).index.bucket_table
 
 
 def text_reading(task) -> dict:

@@ -35,6 +35,9 @@ class DiTSettings:
     width: int = 0
     heads: int = 0
     patch_size: int = 0
+    # conditioning=text: PixArt-alpha's size conditions, each batch's image (H, W) and H / W embedded beside
+    # the timestep (use_additional_conditions; pixart.py's SizeConditions); the width must be a multiple of 3
+    size_conditions: bool = False
 
 
 @dataclass
@@ -163,6 +166,13 @@ def _checked_conditioning(cfg: DiffusionConfig) -> str:
                 f"config: ldm.text.features=precomputed reads the features stored with the shards and loads no "
                 f"encoder: drop ldm.text.encoder={cfg.text.encoder!r}"
             )
+    elif cfg.dit.size_conditions:
+        raise ConfigError(
+            f"config: ldm.dit.size_conditions embeds each batch's image size as PixArt-alpha does, in the "
+            f"text-conditional PixArt transformer (ldm.conditioning=text, ldm.backbone=dit); the "
+            f"{cfg.backbone} backbone of conditioning {conditioning} has no such embedding (set "
+            f"ldm.dit.size_conditions=false)"
+        )
     elif cfg.text.encoder or cfg.text.features != "encoder":
         raise ConfigError(
             f"config: ldm.text.encoder={cfg.text.encoder!r}, ldm.text.features={cfg.text.features} are read with "

@@ -6,16 +6,19 @@ Traps: every block owns a timestep MLP and a label table and drops labels itself
 hard-coded p = 0.1, an independent mask per block, in train mode: we set that to 0 and drop labels
 once per sample in the task. `class_labels=None` raises, so unconditional = always the null label
 (index num_classes). Timesteps must be a 1-D float tensor. diffusers leaves the default init: we
-apply the paper's (xavier, N(0, 0.02) embeddings, zero adaLN modulation and final layer).
+apply the paper's (xavier, N(0, 0.02) embeddings, zero adaLN modulation and final layer). Its
+forward unpatchifies every input as a square (`DiTTransformer2DModel` below takes any size).
 """
 
 from __future__ import annotations
 
 import re
 
+import diffusers
 import torch
 import torch.nn as nn
-from diffusers import DiTTransformer2DModel
+import torch.nn.functional as F
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from prunepipe.pipelines.tasks.wrappers import unwrap
 
@@ -67,6 +70,62 @@ def transformer_shape(
     )
 
 
+class DiTTransformer2DModel(diffusers.DiTTransformer2DModel):
+    """diffusers' DiT at any input size whose sides are multiples of the patch size (aspect-ratio
+    buckets): its PatchEmbed recomputes the sin-cos positions for another grid, but its forward
+    unpatchifies the tokens as an int(sqrt(tokens))-sided square, which for a non-square input raises
+    or, worse, returns something else: 2 inputs of 12x8 at patch 2 are 48 tokens of a 6x4 grid,
+    read as three 4x4 grids, 3 samples of 8x8. This forward is diffusers' with the grid taken from
+    the input; at a square input it computes what diffusers' does, operation for operation.
+
+    The same name as diffusers' class on purpose: save_pretrained writes it into config.json, an
+    export's model_index.json names it, and init.weights compares it, so an export loads in diffusers
+    (DiTPipeline, DiTTransformer2DModel.from_pretrained: square inputs there) as before."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor | None = None,
+        class_labels: torch.Tensor | None = None,
+        cross_attention_kwargs: dict | None = None,
+        return_dict: bool = True,
+    ):
+        patch = self.patch_size
+        height, width = hidden_states.shape[-2] // patch, hidden_states.shape[-1] // patch
+        if height * patch != hidden_states.shape[-2] or width * patch != hidden_states.shape[-1]:
+            raise ValueError(
+                f"DiT input {hidden_states.shape[-2]}x{hidden_states.shape[-1]}: each side must be a multiple "
+                f"of the patch size {patch} (ldm.dit.patch_size)"
+            )
+        hidden_states = self.pos_embed(hidden_states)
+        for block in self.transformer_blocks:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                hidden_states = self._gradient_checkpointing_func(
+                    block, hidden_states, None, None, None, timestep, cross_attention_kwargs, class_labels
+                )
+            else:
+                hidden_states = block(
+                    hidden_states,
+                    attention_mask=None,
+                    encoder_hidden_states=None,
+                    encoder_attention_mask=None,
+                    timestep=timestep,
+                    cross_attention_kwargs=cross_attention_kwargs,
+                    class_labels=class_labels,
+                )
+        conditioning = self.transformer_blocks[0].norm1.emb(timestep, class_labels, hidden_dtype=hidden_states.dtype)
+        shift, scale = self.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
+        hidden_states = self.norm_out(hidden_states) * (1 + scale[:, None]) + shift[:, None]
+        hidden_states = self.proj_out_2(hidden_states)
+        # unpatchify on the input's grid (diffusers: height = width = int(tokens ** 0.5))
+        hidden_states = hidden_states.reshape(-1, height, width, patch, patch, self.out_channels)
+        hidden_states = torch.einsum("nhwpqc->nchpwq", hidden_states)
+        output = hidden_states.reshape(-1, self.out_channels, height * patch, width * patch)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
 def build_dit(
     preset: str,
     *,
@@ -78,8 +137,9 @@ def build_dit(
     heads: int = 0,
     patch_size: int = 0,
 ) -> DiTTransformer2DModel:
-    """A DiT with the paper's initialisation and no built-in label dropout. Predicts as many
-    channels as it takes (no learned sigma: epsilon / v / velocity only)."""
+    """A DiT with the paper's initialisation and no built-in label dropout, at any input size whose
+    sides are multiples of the patch size (`sample_size` is the base: the square it samples at).
+    Predicts as many channels as it takes (no learned sigma: epsilon / v / velocity only)."""
     model = DiTTransformer2DModel(
         **transformer_shape(preset, sample_size, in_channels, depth, width, heads, patch_size),
         num_embeds_ada_norm=num_classes,  # the label table has num_classes + 1 rows: the last is the null label

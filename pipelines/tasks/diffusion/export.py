@@ -1,14 +1,15 @@
 """A diffusion run's export as a diffusers pipeline folder. `model_index.json` names the pipeline that
 samples it where one does (DDPMPipeline: an unconditional pixel-space UNet; DiTPipeline: a class-
-conditional latent DiT; PixArtAlphaPipeline: a text-conditional latent DiT, PixArtSigmaPipeline for flow;
-the others none, see `pipeline_for`), so `Pipeline.from_pretrained(export)` needs nothing else. Beside it:
+conditional latent DiT; PixArtAlphaPipeline: a text-conditional latent DiT, PixArtSigmaPipeline for flow,
+and with PixArt-alpha's size conditions Alpha at sample_size 128 only; the others none, see `pipeline_for`),
+so `Pipeline.from_pretrained(export)` needs nothing else. Beside it:
 
   unet/ or transformer/   the weights to sample: the EMA when the run kept one, the live weights then
                           as the `non_ema` variant (Stable Diffusion's repositories' layout)
   scheduler/              the sampler FID measured: DDIM (eta 0) from the training schedule, or for flow
                           Euler as DPMSolverMultistepScheduler at first order (sampler.flow_sampler)
   vae/ text_encoder/ tokenizer/   the run's frozen parts, as relative links to their folders (`copy`: copies)
-  autoencoder.json        the latent scaling, for prunepipe's own sampler
+  autoencoder.json        the latent scaling and the image pixels per latent pixel, for prunepipe's own sampler
   text_encoder.json       the text encoder's identity (folders relative to the export, digest)
   README.md               what loads it and how to call it
 
@@ -34,6 +35,7 @@ RAW_VARIANT = "non_ema"  # the live weights beside the EMA: diffusion_pytorch_mo
 AUTOENCODER_INFO = "autoencoder.json"
 TEXT_ENCODER_INFO = "text_encoder.json"
 PIPELINE_INDEX = "model_index.json"
+PIXART_SIZE_CONDITIONED = 128  # the one sample_size PixArtAlphaPipeline passes size conditions to
 
 
 def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False) -> list[str]:
@@ -54,6 +56,8 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
                 "cache_dir": task.cfg.cache_dir,
                 "scaling_factor": scale,
                 "shift_factor": shift,
+                # image pixels per latent pixel, as the run counted them (its size conditions, if any)
+                "downsampling": task.downsampling,
             },
         )
     )
@@ -110,9 +114,21 @@ def pipeline_for(
     if task.text_encoder is not None:
         if text is None:
             return None, text_note
-        # flow: Sigma, since PixArtAlphaPipeline called with one step reads the step's second output
-        # (pred_original_sample), which DPMSolverMultistepScheduler (flow's sampler) does not return
-        name = "PixArtSigmaPipeline" if cfg.objective == "flow" else "PixArtAlphaPipeline"
+        if task.size_conditions is not None:
+            # PixArtSigmaPipeline passes no size conditions; PixArtAlphaPipeline passes them to a transformer
+            # of sample_size 128 only (its 1024 px models), None to any other, which then cannot run
+            if task.sample_size != PIXART_SIZE_CONDITIONED:
+                return None, (
+                    f"its transformer takes PixArt-alpha's size conditions (ldm.dit.size_conditions), which "
+                    f"PixArtSigmaPipeline never passes and PixArtAlphaPipeline passes only to a transformer of "
+                    f"sample_size {PIXART_SIZE_CONDITIONED} (1024 px at 8x VAE downsampling); this one's "
+                    f"sample_size is {task.sample_size}"
+                )
+            name = "PixArtAlphaPipeline"
+        else:
+            # flow: Sigma, since PixArtAlphaPipeline called with one step reads the step's second output
+            # (pred_original_sample), which DPMSolverMultistepScheduler (flow's sampler) does not return
+            name = "PixArtSigmaPipeline" if cfg.objective == "flow" else "PixArtAlphaPipeline"
         return (name, "") if latent else (None, f"{name} decodes latents with a VAE; this run trained in pixel space")
     if cfg.backbone == "dit":
         if not latent:
@@ -230,6 +246,22 @@ def _relative_identity(identity: dict, out_dir: str) -> dict:
     return relative
 
 
+def _sizes_note(task) -> list[str]:
+    """README lines on the sizes the model trained at (aspect-ratio buckets) and samples at, [] for one size."""
+    if not task.bucket_table:
+        return []
+    names = ", ".join(str(b.get("name", "x".join(map(str, b["shape"][-2:])))) for b in task.bucket_table)
+    side = task.sample_size
+    base = f"{side}x{side} px" if task.cfg.space == "pixel" else f"{side}x{side} latents"
+    if task.cfg.space != "pixel" and task.downsampling:
+        base += f", {side * task.downsampling}x{side * task.downsampling} px"
+    return [
+        f"It trained on aspect-ratio buckets ({names}), each batch at its own size. prunepipe's FID and "
+        f"`prunepipe sample` draw at the square base size ({base}).",
+        "",
+    ]
+
+
 # -------------------------------------------------------------------- files
 def _link_or_copy(source: str, target: str, copy: bool) -> None:
     """A relative symlink to `source` (the export and the model move together), or a copy of its files."""
@@ -271,6 +303,7 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
         f"`{MODEL_FOLDERS[cfg.backbone]}/` holds {weights}.",
         "",
     ]
+    lines += _sizes_note(task)
     if pipeline is None:
         lines += [
             f"No diffusers pipeline samples it: {reason}.",
@@ -303,6 +336,18 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
             "`max_sequence_length` is the caption length the run trained with; resolution binning knows "
             "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
             "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).",
+            "",
+        ]
+    if pipeline == "PixArtAlphaPipeline" and task.size_conditions is not None:
+        lines += [
+            "The transformer takes PixArt-alpha's size conditions: PixArtAlphaPipeline passes the image's "
+            "(height, width) and height / width for the size it draws."
+            + (
+                " Call it with num_inference_steps of 2 or more: at 1 it reads the scheduler step's second "
+                "output, which flow's DPMSolverMultistepScheduler does not return."
+                if cfg.objective == "flow"
+                else ""
+            ),
             "",
         ]
     if cfg.objective == "flow":

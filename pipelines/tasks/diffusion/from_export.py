@@ -13,13 +13,12 @@ from diffusers import (
     AutoencoderKL,
     DDPMScheduler,
     DiffusionPipeline,
-    DiTTransformer2DModel,
     PixArtTransformer2DModel,
     UNet2DModel,
 )
 
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
-from prunepipe.pipelines.tasks.diffusion.dit import dit_null_label
+from prunepipe.pipelines.tasks.diffusion.dit import DiTTransformer2DModel, dit_null_label
 from prunepipe.pipelines.tasks.diffusion.export import (
     AUTOENCODER_INFO,
     MODEL_FOLDERS,
@@ -27,6 +26,7 @@ from prunepipe.pipelines.tasks.diffusion.export import (
     RAW_VARIANT,
     TEXT_ENCODER_INFO,
 )
+from prunepipe.pipelines.tasks.diffusion.pixart import SizeConditions
 from prunepipe.pipelines.tasks.diffusion.sampler import denoise, sampling_scheduler
 from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
 
@@ -46,7 +46,7 @@ def read_info(export_dir: str, name: str = AUTOENCODER_INFO) -> dict:
 def load_model(export_dir: str, ema: bool = True) -> UNet2DModel | DiTTransformer2DModel | PixArtTransformer2DModel:
     """The export's unet/ or transformer/: its EMA weights (`ema`), else the live ones (the non_ema variant
     where the run kept an EMA). A transformer/ is a PixArt transformer where text_encoder.json says the run
-    was text-conditional, else a DiT."""
+    was text-conditional, else a DiT (dit.py's, which takes any size, as in training)."""
     read_info(export_dir)
     dit = os.path.isdir(os.path.join(export_dir, MODEL_FOLDERS["dit"]))
     subfolder = MODEL_FOLDERS["dit" if dit else "unet"]
@@ -161,12 +161,21 @@ def sample(
     elif null is not None and (null > 0 or isinstance(model, UNet2DModel)):  # a DiT of 0 classes is unconditional
         labels = torch.full((num_images,), null, dtype=torch.long) if class_labels is None else class_labels.long()
         labels = torch.where(labels < 0, torch.full_like(labels, null), labels).to(device)
+    autoencoder = export_autoencoder(export_dir, vae, vae_subfolder)
     size = model.config.sample_size
     shape = (num_images, model.config.in_channels, *((size, size) if isinstance(size, int) else size))
     x = torch.randn(shape, generator=generator, device=device)
-    x = denoise(model, x, scheduler, steps, labels, null_label=null, guidance_scale=guidance_scale)
+    x = denoise(
+        model,
+        x,
+        scheduler,
+        steps,
+        labels,
+        null_label=null,
+        guidance_scale=guidance_scale,
+        sizes=export_size_conditions(model, info, autoencoder),
+    )
 
-    autoencoder = export_autoencoder(export_dir, vae, vae_subfolder)
     if autoencoder is None:
         images = x / (info["scaling_factor"] or 1.0)
     else:
@@ -175,6 +184,18 @@ def sample(
         shift = float(info.get("shift_factor") or getattr(autoencoder.config, "shift_factor", None) or 0.0)
         images = autoencoder.decode(x / scale + shift).sample
     return (images / 2 + 0.5).clamp(0, 1).float()
+
+
+def export_size_conditions(model, info: dict, autoencoder: AutoencoderKL | None) -> SizeConditions | None:
+    """The size conditions of a PixArt transformer built with them (ldm.dit.size_conditions), else None:
+    image pixels per latent pixel as the run counted them (autoencoder.json's `downsampling`), else the
+    VAE's, as PixArtAlphaPipeline counts them (1 in pixel space)."""
+    if not getattr(model, "use_additional_conditions", False):
+        return None
+    factor = info.get("downsampling") or (
+        2 ** (len(autoencoder.config.block_out_channels) - 1) if autoencoder is not None else 1
+    )
+    return SizeConditions(int(factor))
 
 
 def load_pipeline(export_dir: str, ema: bool = True) -> DiffusionPipeline:

@@ -8,6 +8,8 @@ Flow's Euler is diffusers' DPMSolverMultistepScheduler in its flow mode (the one
 first order, whose step is x + (s' - s) v (`flow_sampler`), not FlowMatchEulerDiscreteScheduler:
 DiTPipeline and the PixArt pipelines call scheduler.scale_model_input, which the latter lacks (issue 38).
 DiTPipeline hard-codes the null class as 1000, so guided class-conditional sampling stays here.
+Any size: x may be any height and width the backbone takes (a bucket's); a PixArt transformer built
+with size conditions gets them for x's size from `sizes` (pixart.SizeConditions).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn as nn
 from diffusers import DDIMScheduler, DiTTransformer2DModel, DPMSolverMultistepScheduler, PixArtTransformer2DModel
 
 from prunepipe.pipelines.tasks.diffusion.dit import dit_inputs
-from prunepipe.pipelines.tasks.diffusion.pixart import text_dit_inputs
+from prunepipe.pipelines.tasks.diffusion.pixart import SizeConditions, added_conditions, text_dit_inputs
 from prunepipe.pipelines.tasks.diffusion.text import TextCondition
 from prunepipe.pipelines.tasks.wrappers import unwrap
 
@@ -27,10 +29,17 @@ FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"  # the training scheduler of 
 FLOW_SAMPLER = "DPMSolverMultistepScheduler"  # what flow runs sample with, and their exports hold
 
 
-def predict(model: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, labels: Condition) -> torch.Tensor:
+def predict(
+    model: nn.Module,
+    x: torch.Tensor,
+    timesteps: torch.Tensor,
+    labels: Condition,
+    sizes: SizeConditions | None = None,
+) -> torch.Tensor:
     """The backbone's output for (x [B, C, H, W], timesteps [B] or scalar, labels [B] or None, or a
     TextCondition): a DiT gets float 1-D timesteps and the null label for None; a PixArt transformer
-    the caption features and mask; a UNet gets them as they are."""
+    the caption features and mask, and its size conditions for x's size where it takes them (`sizes`);
+    a UNet gets them as they are."""
     bare = unwrap(model)
     if isinstance(bare, PixArtTransformer2DModel):
         if not isinstance(labels, TextCondition):
@@ -40,7 +49,7 @@ def predict(model: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, labels: 
             encoder_hidden_states=labels.features,
             timestep=text_dit_inputs(timesteps.to(x.device), len(x)),
             encoder_attention_mask=labels.mask,
-            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            added_cond_kwargs=added_conditions(bare, x, sizes),
         ).sample
     if isinstance(bare, DiTTransformer2DModel):
         timesteps, labels = dit_inputs(model, timesteps.to(x.device), labels, len(x))
@@ -85,10 +94,12 @@ def denoise(
     *,
     null_label: int | TextCondition | None = None,
     guidance_scale: float = 1.0,
+    sizes: SizeConditions | None = None,
 ) -> torch.Tensor:
     """x [B, C, H, W] pure noise -> the sample after `steps` steps. Guidance (scale != 1) needs
     `labels` and `null_label` (the null class, or the empty caption's features as a batch of 1):
-    out = uncond + scale * (cond - uncond), on every channel."""
+    out = uncond + scale * (cond - uncond), on every channel. `sizes`: the size conditions of a PixArt
+    transformer built with them (pixart.SizeConditions), for x's size."""
     guided = guidance_scale != 1.0
     if guided and (labels is None or null_label is None):
         raise ValueError(
@@ -100,10 +111,10 @@ def denoise(
         labels = with_null(labels, null_label)
     for t in scheduler.timesteps:
         if guided:
-            cond, uncond = predict(model, torch.cat([x, x]), t, labels).chunk(2)
+            cond, uncond = predict(model, torch.cat([x, x]), t, labels, sizes).chunk(2)
             out = uncond + guidance_scale * (cond - uncond)
         else:
-            out = predict(model, x, t, labels)
+            out = predict(model, x, t, labels, sizes)
         x = scheduler.step(out, t, x).prev_sample
     return x
 

@@ -3,11 +3,15 @@ conditioning a PixArtTransformer2DModel reading a frozen text encoder's features
 pipelines/tasks/diffusion/text.py), trained with DDPMScheduler (epsilon or v) or flow matching (flow.py), in pixel
 space, on precomputed latents, or on latents of a frozen AutoencoderKL (autoencoder.py); a per-sample
 loss and a low-variance held-out loss. The export is export.py's; sampling an export, from_export.py's.
+Any size: every batch is trained and evaluated at its own height and width (aspect-ratio buckets, one
+bucket a batch), which the bucket table of the train split lists and the task checks against the
+backbone at build; sampling stays at the square base size, `sample_size`.
 Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import numpy as np
@@ -16,11 +20,12 @@ import torch.nn as nn
 from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler, UNet2DModel
 
 from prunepipe.pipelines.data.batch import real_samples
+from prunepipe.pipelines.data.shards import ShardIndex, index_file
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
 from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig, check_config
-from prunepipe.pipelines.tasks.diffusion.dit import build_dit
+from prunepipe.pipelines.tasks.diffusion.dit import build_dit, dit_shape
 from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
-from prunepipe.pipelines.tasks.diffusion.pixart import build_text_dit
+from prunepipe.pipelines.tasks.diffusion.pixart import SizeConditions, build_text_dit
 from prunepipe.pipelines.tasks.diffusion.sampler import Condition, predict, sampling_scheduler
 from prunepipe.pipelines.tasks.diffusion.text import (
     PrecomputedText,
@@ -60,11 +65,22 @@ def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
 class DiffusionTask:
     """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
-    def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int, shards: str = ""):
+    def __init__(
+        self,
+        cfg: DiffusionConfig,
+        *,
+        image_size: int,
+        channels: int,
+        shards: str = "",
+        buckets: list[dict] | None = None,
+    ):
         """`image_size` and `channels` describe the decoded images. With ldm.space=latents the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
         records `latent_shape`), or pass that shape here. `shards` is the train split: its index.json
-        holds the text features (ldm.text.features=precomputed) and names the VAE of its latents."""
+        holds the text features (ldm.text.features=precomputed) and names the VAE of its latents.
+        `buckets`: the train split's aspect-ratio buckets as index.json lists them ({"name", "image",
+        "shape"} each; a mixture's merged table), None = those of `shards`' index.json, if any; each is
+        checked against the backbone here, and kept as `bucket_table`."""
         self.cfg = cfg
         self.shards = shards
         self.conditioning = check_config(cfg)
@@ -95,6 +111,7 @@ class DiffusionTask:
             latent_channels = vae.config.latent_channels
             self.scaling_factor = cfg.scaling_factor or float(vae.config.scaling_factor)
             self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        # the base size: the square the model is built at, samples for FID and the export are drawn at
         self.sample_size = cfg.sample_size or size
         self.in_channels = cfg.in_channels or latent_channels
         downsampling = 2 ** (len(cfg.unet.block_out_channels) - 1)
@@ -103,6 +120,22 @@ class DiffusionTask:
                 f"ldm.sample_size={self.sample_size} must be a multiple of {downsampling} "
                 f"(2 ** (len(ldm.unet.block_out_channels) - 1))"
             )
+        # ---------------------------------------------------------------- sizes: buckets, image pixels
+        meta = self._train_meta()
+        self.bucket_table: list[dict] = list(meta.get("buckets", []) if buckets is None else buckets)
+        # image pixels per pixel of the model's input: 1 in pixel space, the VAE's downsampling otherwise
+        self.downsampling = self._downsampling(meta)
+        # latent (h, w) -> the image (H, W) its bucket lists: a batch's image size (size conditions)
+        self.bucket_sizes = self._check_buckets()
+        self.size_conditions = None
+        if cfg.dit.size_conditions:
+            if self.downsampling is None:
+                raise ValueError(
+                    f"ldm.dit.size_conditions embeds each batch's image size, but the latent shards at "
+                    f"{shards or '(none given)'} record neither the resolution they were encoded at nor "
+                    f"their buckets' image sizes (index.json's resolution, latent_shape, buckets)"
+                )
+            self.size_conditions = SizeConditions(self.downsampling, self.bucket_sizes)
 
         # ---------------------------------------------------------------- model and schedule
         self.text_encoder: TextEncoder | PrecomputedText | None = None
@@ -120,6 +153,7 @@ class DiffusionTask:
                 width=cfg.dit.width,
                 heads=cfg.dit.heads,
                 patch_size=cfg.dit.patch_size,
+                size_conditions=cfg.dit.size_conditions,
             )
             if self.text_encoder is not None
             else build_dit(
@@ -157,6 +191,69 @@ class DiffusionTask:
                 clip_sample=cfg.space == "pixel",
             )
         )
+
+    # ---------------------------------------------------------------- sizes
+    def _train_meta(self) -> dict:
+        """The train split's index.json keys (resolution, latent_shape, buckets where bucketed, ...), {}
+        without one here."""
+        if not self.shards or not os.path.exists(index_file(self.shards)):
+            return {}
+        return dict(ShardIndex.load(self.shards).meta)
+
+    def _downsampling(self, meta: dict) -> int | None:
+        """Image pixels per pixel of the model's input: 1 in pixel space, the VAE's factor (space=vae), or
+        for precomputed latents index.json's resolution over its latent side (else a bucket's image over
+        its latent); None where the latent shards record neither."""
+        cfg = self.cfg
+        if cfg.space == "pixel":
+            return 1
+        if cfg.space == "vae":
+            return 2 ** (len(self.autoencoder.config.block_out_channels) - 1)
+        shape, resolution = meta.get("latent_shape"), meta.get("resolution")
+        if shape and isinstance(resolution, int) and resolution % int(shape[-1]) == 0:
+            return resolution // int(shape[-1])
+        for bucket in self.bucket_table:
+            image, stored = bucket.get("image"), bucket["shape"]
+            if image and int(image[-1]) % int(stored[-1]) == 0:
+                return int(image[-1]) // int(stored[-1])
+        return None
+
+    def _check_buckets(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Every bucket's model input (h, w) checked against the backbone: multiples of the DiT patch size,
+        or of the UNet's downsampling, and for space=vae of the VAE's; returns {(h, w): image (H, W)}."""
+        cfg, sizes = self.cfg, {}
+        if cfg.backbone == "dit":
+            multiple = dit_shape(cfg.dit.preset, cfg.dit.depth, cfg.dit.width, cfg.dit.heads, cfg.dit.patch_size)[
+                "patch_size"
+            ]
+            setting = f"the DiT patch size {multiple} (ldm.dit.preset={cfg.dit.preset!r}, ldm.dit.patch_size)"
+        else:
+            multiple = 2 ** (len(cfg.unet.block_out_channels) - 1)
+            setting = f"the UNet's downsampling {multiple} (2 ** (len(ldm.unet.block_out_channels) - 1))"
+        vae = self.downsampling if cfg.space == "vae" else 1
+        for bucket in self.bucket_table:
+            shape = [int(v) for v in bucket["shape"]]
+            name = f"data.train's bucket {bucket.get('name', 'x'.join(map(str, shape[-2:])))!r} (shape {shape})"
+            if cfg.space == "latents" and shape[0] != self.in_channels:
+                raise ValueError(
+                    f"{name} holds {shape[0]}-channel latents; the model takes {self.in_channels} "
+                    f"(index.json's latent_shape, ldm.in_channels)"
+                )
+            if shape[-2] % vae or shape[-1] % vae:
+                raise ValueError(
+                    f"{name}: its images' sides {shape[-2]}x{shape[-1]} must be multiples of the VAE's "
+                    f"downsampling {vae} (ldm.vae)"
+                )
+            height, width = shape[-2] // vae, shape[-1] // vae
+            if height % multiple or width % multiple:
+                raise ValueError(
+                    f"{name}: the model's input {height}x{width} must have sides that are multiples of "
+                    f"{setting}; encode the buckets at other sizes, or choose a smaller one"
+                )
+            image = bucket.get("image")
+            pixels = self.downsampling or 1
+            sizes[(height, width)] = (int(image[-2]), int(image[-1])) if image else (height * pixels, width * pixels)
+        return sizes
 
     # ---------------------------------------------------------------- latents
     @torch.no_grad()
@@ -338,12 +435,12 @@ class DiffusionTask:
             target = noise
         else:
             target = self.scheduler.get_velocity(x0, noise, timesteps)
-        return _mse(predict(model, noisy, timesteps, labels), target)
+        return _mse(predict(model, noisy, timesteps, labels, self.size_conditions), target)
 
     def _flow_mse(self, model, x0, noise, s, labels) -> torch.Tensor:
         """Velocity MSE [B] at s [B]; the model sees timestep s * T, as the Euler sampler feeds it."""
         x_s, velocity = interpolate(x0, noise, s)
-        return _mse(predict(model, x_s, s * self.cfg.num_train_timesteps, labels), velocity)
+        return _mse(predict(model, x_s, s * self.cfg.num_train_timesteps, labels, self.size_conditions), velocity)
 
     # ---------------------------------------------------------------- evaluation
     def sampler(self):
