@@ -344,9 +344,7 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
     return integer_counts(total * weights / weights.sum(), total)
 
 
-def _merged_buckets(
-    sources: tuple[Source, ...], indexes: list[ShardIndex], key: str
-) -> tuple[dict, np.ndarray | None]:
+def _merged_buckets(sources: tuple[Source, ...], indexes: list[ShardIndex], key: str) -> tuple[dict, np.ndarray | None]:
     """The combined index's meta and per-shard buckets: one table of every source's buckets, a bucket
     being its stored shape (two sources' 512x256 buckets batch together)."""
     meta = dict(indexes[0].meta)

@@ -30,6 +30,7 @@ from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
 from prunepipe.pipelines.training.accumulation import GradientAccumulation
 from prunepipe.pipelines.training.bad_input import BadInputTally
+from prunepipe.pipelines.training.buckets import BucketTally
 from prunepipe.pipelines.training.data import load_held_out, train_stream
 from prunepipe.pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from prunepipe.pipelines.training.device import DeviceWaitCheck, prepare_model, start_accelerator
@@ -100,6 +101,7 @@ class Trainer:
         # ------------------------------------------------------------ the state a checkpoint keeps, and the start
         self.position = TrainingPosition()
         self.source_strata = SourceStrata(mixture, task.num_strata, cfg.score.per_source)
+        self.buckets = BucketTally(mixture.index)  # aspect-ratio buckets: none unless the shards are bucketed
         self.scorer = self.source_strata.normaliser(cfg.score)
         self.parts = CheckpointParts(
             ema=self.ema,
@@ -160,7 +162,9 @@ class Trainer:
             plan,
             num_workers=self.workers,
             skip_batches=position.batch_in_pass,
-            skip_undecodable=self.bad_input.begin_pass(position, self.rank, self.world, self.workers),
+            skip_undecodable=self.bad_input.begin_pass(
+                position, self.rank, self.world, self.workers, buckets=self.stream.num_buckets
+            ),
             pin_memory=self.device.type == "cuda",
         )
         total = loader.layout.steps
@@ -266,6 +270,8 @@ class Trainer:
                 )
             position.consumed.set(ids[real])
             position.forwarded_by_source += forwarded_by_source(self.mixture, ids[real])
+            if self.buckets.active:
+                position.forwarded_by_bucket += self.buckets.saw(ids[real], gathered[real])
             self.pruner.update(ids, self.scorer(ids, gathered, self.source_strata(ids, strata)))
             self.task.observe(ids, strata, gathered)
             position.samples_forwarded += int(real.sum())
@@ -291,6 +297,8 @@ class Trainer:
         if len(self.mixture.sources) > 1:
             summary["kept_fraction"] = layout.kept / self.pass_length  # of what the sources' rules drew
             summary["sources"] = pass_accounting(self.mixture, layout.kept_per_source, position.forwarded_by_source)
+        if self.buckets.active:
+            summary["buckets"] = self.buckets.pass_accounting(layout.kept_per_bucket, position.forwarded_by_bucket)
         summary["ema_decay"] = self.ema.cur_decay_value  # at the pass end: pruned and full runs alike
         self.metrics.write(summary)
         if self.is_main and self.pass_lines.due(force=pass_index + 1 == cfg.num_passes):

@@ -51,7 +51,23 @@ def resume_or_start(
     position.mixture = check_same_mixture(mixture, position.mixture, resume_from)
     if position.forwarded_by_source is None:
         position.forwarded_by_source = np.zeros(len(mixture.sources), dtype=np.int64)
+    check_same_buckets(position, mixture, resume_from)
     return resume_from
+
+
+def check_same_buckets(position: TrainingPosition, mixture: Mixture, resume_from: str | None) -> None:
+    """A resumed run trains on the aspect-ratio buckets it trained on (shards encoded with another
+    `--buckets` table hold other ids); the position counts each bucket's forwarded samples."""
+    buckets = len(mixture.index.bucket_table)
+    recorded = position.forwarded_by_bucket
+    if resume_from is not None and len(recorded if recorded is not None else []) != buckets:
+        raise ValueError(
+            f"{resume_from} trained on {0 if recorded is None else len(recorded)} aspect-ratio bucket(s), "
+            f"data.train ({mixture.index.path}) has {buckets}: latents encoded with another --buckets table "
+            f"(or none) hold other ids; resume on the shards the run trained on, or start a new run"
+        )
+    if recorded is None and buckets:
+        position.forwarded_by_bucket = np.zeros(buckets, dtype=np.int64)
 
 
 def check_same_text(cfg: RunConfig, position: TrainingPosition, task, resume_from: str | None) -> None:
