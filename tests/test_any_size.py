@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, PixArtTransformer2DModel
+from diffusers import PixArtTransformer2DModel
 from diffusers import DiTTransformer2DModel as DiffusersDiT
 from eval_runs import ROOT, diffusion_config, one_torch_thread
 
@@ -35,6 +35,7 @@ from prunepipe.pipelines.tasks.diffusion.sampler import denoise, predict
 from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
 from prunepipe.pipelines.tasks.randomness import SampleRandomness, per_sample_seeded
 from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
+from prunepipe.tools.fixtures.tiny_vae import write_tiny_vae
 
 BASE, CHANNELS = 8, 4
 SHAPES = [(8, 16), (16, 8), (12, 8)]
@@ -215,18 +216,7 @@ def test_size_conditions_are_refused_where_no_model_embeds_them(encoder):
 def tiny_vae_without_attention(folder: str) -> str:
     """A tiny AutoencoderKL (3 -> 4 channels, 2x downsampling) with no mid-block attention, so that
     decoding 128x128 latents is cheap on a CPU."""
-    torch.manual_seed(0)
-    AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        mid_block_add_attention=False,
-    ).save_pretrained(folder)
-    return folder
+    return write_tiny_vae(folder, attention=False)
 
 
 def test_size_conditions_export_as_pixart_alpha_at_its_1024_px_size_and_say_why_not_elsewhere(encoder, tmp_path):

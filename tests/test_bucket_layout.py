@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from test_data import CountingDecoder
 
 from prunepipe.pipelines.checkpoint.position import TrainingPosition
 from prunepipe.pipelines.data.batch import Batch, real_samples
-from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.layout import SliceOfShard, bucket_count, pass_layout
 from prunepipe.pipelines.data.mixture import Mixture, PassUnits
 from prunepipe.pipelines.data.shards import ShardEntry, ShardIndex
@@ -85,16 +85,6 @@ def half_plan(index: ShardIndex, pass_index: int) -> PassPlan:
 
 def bucket_of_ids(index: ShardIndex, ids: np.ndarray) -> np.ndarray:
     return index.buckets[np.searchsorted(index.first_ids, ids, side="right") - 1]
-
-
-class CountingDecoder(SampleDecoder):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.decoded: list[int] = []
-
-    def decode(self, sample, sample_id, pass_index=0):
-        self.decoded.append(sample_id)
-        return super().decode(sample, sample_id, pass_index)
 
 
 def run_pass(

@@ -22,7 +22,7 @@ from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.data.splits import read_captions
 from prunepipe.pipelines.training.loop import train
-from prunepipe.tools.benchmarks.rehearse_cluster import proc_tree
+from prunepipe.tools.benchmarks.rehearse_cluster import kill_node
 from prunepipe.tools.commands.latents import encode_shards
 from prunepipe.tools.commands.shards import write_shards
 from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
@@ -101,21 +101,6 @@ def torchrun(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-
-
-def kill_node(process: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its ranks at once: each rank has a session of its own (torch's SubprocessHandler)."""
-    groups = set()
-    for pid in proc_tree(process.pid):
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:
-            pass
-    for group in groups:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.slow  # three torchrun launches of two gloo ranks, about 90 s on 2 cores

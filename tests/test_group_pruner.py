@@ -24,7 +24,6 @@ from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.training.loop import train
 from prunepipe.pruning import Dedup, build_pruner, uniform_coin
 from prunepipe.pruning.groups import fill_group_sizes
-from prunepipe.pruning.pass_plan import PassPlan
 from prunepipe.tools.fixtures.known_groups import known_groups, original_key, split_keys, write_known_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,6 @@ A stall blocks the reader no longer than data.remote.deadline_seconds, whatever 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shlex
 import sys

@@ -3,7 +3,6 @@ computed `auto` alone (uneven nodes, per-task CPU binding) would take different 
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 

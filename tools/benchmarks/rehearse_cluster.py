@@ -105,6 +105,24 @@ def proc_tree(root: int) -> dict[int, dict[bytes, bytes]]:
     return found
 
 
+def kill_node(process: subprocess.Popen) -> None:
+    """SIGKILL a torchrun agent and everything below it at once, and reap the agent. torchrun starts each
+    rank in a session of its own (start_new_session in torch's SubprocessHandler), so killing the agent's
+    process group alone would leave the ranks training on; every process group of its tree is killed."""
+    groups = set()
+    for pid in proc_tree(process.pid):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:
+            pass
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
 @dataclass
 class Node:
     """One emulated node: a torchrun agent in a process session of its own, and its ranks."""
@@ -121,22 +139,8 @@ class Node:
         return sorted(int(env[b"RANK"]) for env in proc_tree(self.process.pid).values() if b"RANK" in env)
 
     def kill(self) -> None:
-        """As a node dies: the agent, every rank and their loader workers at once, no clean-up.
-        torchrun starts each rank in a session of its own (start_new_session in torch's
-        SubprocessHandler), so killing the agent's process group alone would leave the ranks
-        training on; every process group of the agent's tree is killed instead."""
-        groups = set()
-        for pid in proc_tree(self.process.pid):
-            try:
-                groups.add(os.getpgid(pid))
-            except ProcessLookupError:
-                pass
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
+        """As a node dies: the agent, every rank and their loader workers at once, no clean-up."""
+        kill_node(self.process)
 
 
 def start_nodes(work: str, label: str, rdzv_id: str, overrides: list[str]) -> list[Node]:
