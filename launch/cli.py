@@ -498,6 +498,10 @@ BENCHES = {
         "pruning at 1e8-1e9 samples: bytes per sample per node and per rank, plan + "
         "layout time for a simulated world, pruner state save/load",
     ),
+    "buckets": (
+        "prunepipe.tools.benchmarks.bucket_layout",
+        "a bucketed pass at scale beside the same samples unbucketed: tars, index bytes, layout time and tail",
+    ),
     "dedup-quality": (
         "prunepipe.tools.benchmarks.dedup_quality",
         "precision and recall of shards dedup's duplicate pairs on the bundled redundant set, whose copies are known",

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import PixArtTransformer2DModel
 from diffusers import DiTTransformer2DModel as DiffusersDiT
+from diffusers import PixArtTransformer2DModel
 from eval_runs import ROOT, diffusion_config, one_torch_thread
 
 from prunepipe.pipelines.config import load_config

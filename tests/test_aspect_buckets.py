@@ -268,3 +268,11 @@ def test_shards_index_aspect_counts_each_bucket_from_the_json_alone(images, tabl
     assert rows["32x32"] == ["5", "22.7%"] and rows["32x64"] == ["5", "22.7%"] and rows["64x32"] == ["5", "22.7%"]
     assert rows["24x32"] == ["5", "22.7%"] and rows["unknown"] == ["2", "9.1%"] and "16x64" not in rows
     assert "(1 of 5 buckets of buckets.txt hold no sample)" in printed
+
+
+def test_indexing_bucketed_latent_shards_again_is_refused(bucketed, tmp_path):
+    """An index without each shard's bucket would stack two shapes in one batch: keep the encode's."""
+    from prunepipe.tools.commands.shards import index_shards
+
+    with pytest.raises(ValueError, match=r"latents encode --buckets.*keep it"):
+        index_shards([bucketed], str(tmp_path / "again"))

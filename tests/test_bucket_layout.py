@@ -7,6 +7,7 @@ rest; on real latent shards, one bucket a shard."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import zlib
@@ -439,3 +440,57 @@ def test_an_unbucketed_position_keeps_its_meaning():
     position.undecodable = np.arange(12)
     assert undecodable_of_rank(position, 1, 2, 2, buckets=3).tolist() == [6, 7, 8, 9, 10, 11]
     assert undecodable_of_rank(position, 1, 2, 2, buckets=2).tolist() == [0, 0, 0, 0], "another layout: zeros"
+
+
+def test_the_bucket_that_absorbs_the_trim_changes_from_pass_to_pass():
+    """Five equal buckets on 8 ranks: the ranks above the smallest total each drop a batch, all of one
+    or two buckets; the pass's own bucket order moves that loss to another bucket pass after pass,
+    instead of under-training one bucket all run long."""
+    shapes = [[4, 4, 4 + k] for k in range(5)]
+    buckets = [{"name": f"b{k}", "image": [32, 32 + 8 * k], "shape": s} for k, s in enumerate(shapes)]
+    index = ShardIndex(
+        tuple(f"s{i}.tar" for i in range(20)),
+        np.full(20, 1000, dtype=np.int64),
+        meta={"buckets": buckets},
+        buckets=np.repeat(np.arange(5), 4).astype(np.int64),
+    )
+    most_short = []
+    for pass_index in range(8):
+        layout = pass_layout(index, None, seed=3, pass_index=pass_index, world_size=8, num_workers=2, batch_size=16)
+        short = layout.kept_per_bucket - layout.bucket_batches.sum(axis=0) * 16
+        most_short.append(int(np.argmax(short)))
+    assert len(set(most_short)) >= 3, f"the same bucket loses the trim every pass: {most_short}"
+
+
+def test_a_bucketed_held_out_subset_spreads_over_every_bucket(bucketed):
+    """A prefix of a bucketed split would hold its first buckets only: the subset is evenly spaced."""
+    index = ShardIndex.load(bucketed)
+    read = {}
+    for world in (1, 2):
+        ids = []
+        for rank in range(world):
+            for batch in read_split(
+                bucketed, resolution=32, channels=4, batch_size=BATCH, max_samples=24, rank=rank, world_size=world
+            ):
+                assert (bucket_of_ids(index, batch.ids.numpy()) == batch.bucket).all()
+                ids += batch.ids.tolist()
+        read[world] = sorted(ids)
+    assert len(read[1]) == 24 and read[1] == read[2], "the same 24 samples on any number of ranks"
+    assert set(bucket_of_ids(index, np.array(read[1])).tolist()) == {0, 1, 2}
+    assert read[1][-1] > index.num_samples * 0.9, "taken over the whole split, not its start"
+
+
+def test_a_resume_on_latents_of_another_bucket_table_is_refused(bucketed, tmp_path):
+    from prunepipe.pipelines.training.resume import check_same_buckets
+
+    mixture = Mixture.load(bucketed)
+    position = TrainingPosition()
+    check_same_buckets(position, mixture, None)  # a fresh start records the table
+    assert json.loads(position.buckets) == [["32x48", [4, 4, 6]], ["48x32", [4, 6, 4]], ["40x40", [4, 5, 5]]]
+    assert position.forwarded_by_bucket.tolist() == [0, 0, 0]
+    check_same_buckets(position, mixture, "runs/x/checkpoints/step_000010")  # the same table resumes
+    other = write_bucketed(tmp_path / "other", SKEWED, ["40x40", "48x32", "32x48"])  # as many buckets, reordered
+    with pytest.raises(ValueError, match=r"another --buckets table"):
+        check_same_buckets(position, Mixture.load(other), "runs/x/checkpoints/step_000010")
+    with pytest.raises(ValueError, match=r"trained on aspect-ratio buckets none"):
+        check_same_buckets(TrainingPosition(), mixture, "runs/x/checkpoints/step_000010")

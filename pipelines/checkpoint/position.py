@@ -45,6 +45,9 @@ class TrainingPosition:
     # rules); a resume refuses another mixture
     mixture: str = ""
     forwarded_by_source: np.ndarray | None = None  # int64 [K]: samples each source forwarded so far, all ranks
+    # the aspect-ratio buckets of data.train (JSON: each bucket's name and shape; "" unbucketed); a resume
+    # refuses others
+    buckets: str = ""
     forwarded_by_bucket: np.ndarray | None = None  # int64 [B]: the same per aspect-ratio bucket (bucketed shards)
 
     def state_dict(self) -> dict:

@@ -95,8 +95,11 @@ def pass_layout(
     if index.buckets is not None:
         shard_of_unit = np.arange(len(index), dtype=np.int64) if unit_shard is None else unit_shard
         copy_of_unit = np.zeros(num_units, dtype=np.int64) if unit_copy is None else unit_copy
+        # the buckets in an order of the pass's own, so that the trim and the deal's wrap fall on
+        # another bucket each pass, never on the same one run-long
+        bucket_order = np.random.default_rng([seed, pass_index, _BUCKET_ORDER_SALT]).permutation(bucket_count(index))
         return _bucketed_layout(
-            index, order, kept_per_shard, shard_of_unit, copy_of_unit, world_size, workers, batch_size
+            index, order, bucket_order, kept_per_shard, shard_of_unit, copy_of_unit, world_size, workers, batch_size
         )
     ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
     total = int(ordered_cum[-1])
@@ -128,6 +131,9 @@ def pass_layout(
     return PassLayout(order, tuple(slices), batches.astype(np.int64), total, batch_size)
 
 
+_BUCKET_ORDER_SALT = 0x627563  # "buc": the pass's bucket order is a stream apart from its unit order
+
+
 def bucket_count(index: ShardIndex) -> int:
     """The buckets of a bucketed index (its table's, or more if a shard names a higher one); 0 when the
     index is not bucketed."""
@@ -139,6 +145,7 @@ def bucket_count(index: ShardIndex) -> int:
 def _bucketed_layout(
     index: ShardIndex,
     order: np.ndarray,
+    bucket_order: np.ndarray,
     kept_of_unit: np.ndarray,
     unit_shard: np.ndarray,
     unit_copy: np.ndarray,
@@ -149,7 +156,7 @@ def _bucketed_layout(
     """Batches of one bucket each, as a pure function of (the units' kept counts and buckets, the
     pass's unit `order`, world, workers, batch).
 
-    Bucket by bucket (b = 0, 1, ...): its units in the pass's order, its kept samples cut into
+    Bucket by bucket, in the pass's `bucket_order`: its units in the pass's order, its kept samples cut into
     n_b = floor(K_b / batch) whole batches. The batches are dealt round-robin over deal positions
     d = 0, 1, 2, ..., a position carrying over from one bucket to the next; position d is rank
     d % world, worker (d // world) % workers. So slot totals differ by at most one, and so do rank
@@ -158,7 +165,7 @@ def _bucketed_layout(
     the run of the slot dealt b's last batch (or, for a bucket of no whole batch, the next slot in the
     deal): read, never decoded, so that its shards are still read to their ends. Then every rank
     above the smallest total drops batches (at most one), from its largest worker first (the first
-    such), from the highest bucket that worker holds batches of."""
+    such), from the last bucket in `bucket_order` that worker holds batches of."""
     num_buckets = bucket_count(index)
     slots = world_size * workers
     unit_bucket = index.buckets[unit_shard]
@@ -168,7 +175,7 @@ def _bucketed_layout(
     slices: list[list[SliceOfShard]] = [[] for _ in range(slots)]
     shard_list, copy_list = unit_shard.tolist(), unit_copy.tolist()  # Python ints: the walk below is scalar
     position = 0
-    for b in range(num_buckets):
+    for b in bucket_order.tolist():
         mine = order[unit_bucket[order] == b]
         cum = np.concatenate([[0], np.cumsum(kept_of_unit[mine])]).astype(np.int64).tolist()
         total, mine = cum[-1], mine.tolist()
@@ -190,7 +197,8 @@ def _bucketed_layout(
         while batches[rank].sum() > steps:
             worker = int(np.argmax(batches[rank]))
             slot = rank * workers + worker
-            b = int(np.flatnonzero(bucket_batches[slot])[-1])
+            held = np.flatnonzero(bucket_batches[slot, bucket_order])
+            b = int(bucket_order[held[-1]])
             bucket_batches[slot, b] -= 1
             batches[rank, worker] -= 1
     return PassLayout(

@@ -41,7 +41,10 @@ def read_split(
 
     A bucketed split (aspect-ratio buckets, `ShardIndex.buckets`) yields batches of one bucket each: a
     pending batch per bucket, yielded when full, the partial ones at the end in bucket order; nothing is
-    dropped and the order is a function of the index alone.
+    dropped and the order is a function of the index alone. There `max_samples` takes samples evenly
+    spaced over the split (`chosen_ids`), not its first ones: each input shard's samples are grouped
+    by bucket, widest first, so a prefix would hold the wide buckets only. Rank r then takes the chosen
+    samples r, r + world, ... in index order.
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
@@ -49,34 +52,52 @@ def read_split(
         resolution, channels, captions=captions, text_width=text_width, text_max_length=text_max_length
     )
     pending: dict[int, tuple[list, list, list, list]] = {}  # per bucket (-1: unbucketed): ids, images, labels, texts
-    ordinal = 0
+    taken = chosen_ids(index, total)  # ordinal in the split of each chosen id
+    read = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
-        first = int(index.first_ids[shard])
-        bucket = -1 if index.buckets is None else int(index.buckets[shard])
-        mine = None if world_size == 1 else (lambda p, first=first: (first + p) % world_size == rank)
-        for position, sample in read_shard(url, mine, expected=index.expected(shard)):
-            if ordinal >= total:
-                break
-            if sample is not None and (first + position) % world_size == rank:
-                ids, images, labels, texts = pending.setdefault(bucket, ([], [], [], []))
-                texts.append(decoder.text(sample))
-                image, label = decoder.decode(sample, first + position)
-                ids.append(first + position)
-                images.append(image)
-                labels.append(label)
-                if len(ids) == batch_size:
-                    yield _batch(decoder, ids, images, labels, texts, bucket)
-                    del pending[bucket]
-            ordinal += 1
-            bar.update(1)
-        if ordinal >= total:
+        first, count = int(index.first_ids[shard]), int(index.counts[shard])
+        if taken is None and read >= total:
             break
+        if taken is not None and not any(i in taken for i in range(first, first + count)):
+            continue
+        bucket = -1 if index.buckets is None else int(index.buckets[shard])
+
+        def mine(p: int, first=first) -> bool:
+            ordinal = first + p if taken is None else taken.get(first + p)
+            return ordinal is not None and ordinal < total and ordinal % world_size == rank
+
+        for position, sample in read_shard(url, mine, expected=index.expected(shard)):
+            if taken is None and first + position >= total:
+                break
+            read += 1 if taken is None or first + position in taken else 0
+            if sample is None:
+                continue
+            ids, images, labels, texts = pending.setdefault(bucket, ([], [], [], []))
+            texts.append(decoder.text(sample))
+            image, label = decoder.decode(sample, first + position)
+            ids.append(first + position)
+            images.append(image)
+            labels.append(label)
+            if len(ids) == batch_size:
+                yield _batch(decoder, ids, images, labels, texts, bucket)
+                del pending[bucket]
+        bar.update(min(read, total) - bar.n)
     bar.close()
-    if ordinal < total:
-        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {ordinal}")
+    if read < total:
+        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {read}")
     for bucket in sorted(pending):
         yield _batch(decoder, *pending[bucket], bucket)
+
+
+def chosen_ids(index: ShardIndex, total: int) -> dict[int, int] | None:
+    """{id: its ordinal} of the `total` samples a bucketed split's reader takes, evenly spaced in index
+    order (every bucket of every input shard in proportion); None where the split is read from its
+    start (unbucketed, or all of it)."""
+    if index.buckets is None or total >= index.num_samples:
+        return None
+    ids = (np.arange(total, dtype=np.int64) * index.num_samples) // total
+    return {int(i): k for k, i in enumerate(ids)}
 
 
 def read_captions(folder: str, max_samples: int = 0) -> list[str]:

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
-from diffusers import DiTTransformer2DModel
+from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
 
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.tasks.diffusion.dit import compile_blocks
@@ -57,11 +57,13 @@ def place_model(cfg: RunConfig, model: torch.nn.Module, device: torch.device) ->
     model = model.to(device)
     if device.type != "cuda":
         return model
-    dit = isinstance(model, DiTTransformer2DModel)
-    if cfg.cuda.channels_last and cfg.task == "ldm" and not dit:  # a convolution layout: the UNet's only
+    # the DiT and PixArt transformers: compiled per block, since a whole-model graph recompiles for every
+    # aspect-ratio bucket's shape (and diffusers' compile_repeated_blocks() refuses DiT)
+    transformer = isinstance(model, (DiTTransformer2DModel, PixArtTransformer2DModel))
+    if cfg.cuda.channels_last and cfg.task == "ldm" and not transformer:  # a convolution layout: the UNet's only
         model = model.to(memory_format=torch.channels_last)
     if cfg.cuda.compile:
-        compile_blocks(model) if dit else model.compile()  # compile_repeated_blocks() refuses DiT: per block
+        compile_blocks(model) if transformer else model.compile()
     return model
 
 

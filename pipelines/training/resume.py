@@ -6,6 +6,8 @@ Every rank reaches the same answer (rank 0 chooses the folder; the checks read a
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from prunepipe.pipelines.checkpoint.parts import EMA, POSITION, CheckpointParts
@@ -56,18 +58,22 @@ def resume_or_start(
 
 
 def check_same_buckets(position: TrainingPosition, mixture: Mixture, resume_from: str | None) -> None:
-    """A resumed run trains on the aspect-ratio buckets it trained on (shards encoded with another
-    `--buckets` table hold other ids); the position counts each bucket's forwarded samples."""
-    buckets = len(mixture.index.bucket_table)
-    recorded = position.forwarded_by_bucket
-    if resume_from is not None and len(recorded if recorded is not None else []) != buckets:
+    """A resumed run trains on the aspect-ratio buckets it trained on: shards encoded with another
+    `--buckets` table hold other ids (each input shard's samples are grouped by bucket), so the pruner's
+    scores would follow other samples. The position records the table (names and shapes, "" unbucketed)
+    and counts each bucket's forwarded samples."""
+    index = mixture.index
+    table = [[str(b.get("name", "")), list(shape)] for b, shape in zip(index.bucket_table, index.bucket_shapes)]
+    record = json.dumps(table) if table else ""
+    if resume_from is not None and position.buckets != record:
         raise ValueError(
-            f"{resume_from} trained on {0 if recorded is None else len(recorded)} aspect-ratio bucket(s), "
-            f"data.train ({mixture.index.path}) has {buckets}: latents encoded with another --buckets table "
-            f"(or none) hold other ids; resume on the shards the run trained on, or start a new run"
+            f"{resume_from} trained on aspect-ratio buckets {position.buckets or 'none'}, data.train "
+            f"({index.path}) has {record or 'none'}: latents encoded with another --buckets table (or none) "
+            f"hold other ids; resume on the shards the run trained on, or start a new run"
         )
-    if recorded is None and buckets:
-        position.forwarded_by_bucket = np.zeros(buckets, dtype=np.int64)
+    position.buckets = record
+    if position.forwarded_by_bucket is None and table:
+        position.forwarded_by_bucket = np.zeros(len(table), dtype=np.int64)
 
 
 def check_same_text(cfg: RunConfig, position: TrainingPosition, task, resume_from: str | None) -> None:

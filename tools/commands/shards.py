@@ -46,6 +46,7 @@ from prunepipe.pipelines.data.shards import (
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.progress import progress, tracked
 from prunepipe.tools.commands.aspect_buckets import (
+    BUCKET_FIELD,
     METADATA_FIELD,
     AspectHistogram,
     BucketTable,
@@ -513,6 +514,11 @@ def index_shards(
     finally:
         bar.close()
     keys = sorted({field for shard in counted for field in shard.fields})
+    if BUCKET_FIELD in keys:  # an index without each shard's bucket would stack latents of two shapes in a batch
+        raise ValueError(
+            f"{', '.join(sources)[:200]}: latent shards written by `latents encode --buckets` (their samples "
+            f"carry {BUCKET_FIELD}); their index.json is the encode's, with each shard's bucket: keep it, or encode again"
+        )
     how = {
         "shards": len(urls),
         "img2dataset_stats": sum(not shard.headers_read for shard in counted),

@@ -197,8 +197,9 @@ def dit_null_label(model: nn.Module) -> int:
     return int(unwrap(model).config.num_embeds_ada_norm)
 
 
-def compile_blocks(model: DiTTransformer2DModel, **compile_kwargs) -> None:
-    """torch.compile each transformer block in place: diffusers' compile_repeated_blocks() refuses
-    DiT (it declares no _repeated_blocks), and compiling the whole model recompiles per shape."""
+def compile_blocks(model, **compile_kwargs) -> None:
+    """torch.compile each transformer block of a DiT or PixArt transformer in place: diffusers'
+    compile_repeated_blocks() refuses DiT (it declares no _repeated_blocks), and compiling the whole
+    model recompiles per shape (per aspect-ratio bucket)."""
     for block in model.transformer_blocks:
         block.compile(**compile_kwargs)
