@@ -121,7 +121,8 @@ def test_the_wheel_holds_every_module_and_config_and_imports_alone(wheel_venv, t
     wheel, venv, purelib = wheel_venv
     names = set(zipfile.ZipFile(wheel).namelist())
     modules = {f"prunepipe/{path}" for path in project_modules().values()}
-    configs = {f"prunepipe/configs/{os.path.basename(p)}" for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))}
+    shipped = glob.glob(os.path.join(ROOT, "configs", "*.yaml")) + glob.glob(os.path.join(ROOT, "configs", "*.txt"))
+    configs = {f"prunepipe/configs/{os.path.basename(p)}" for p in shipped}
     marks = {f"prunepipe/{p}/py.typed" for p in PACKAGES} | {"prunepipe/launch/slurm.sbatch"}
     assert not (modules | configs | marks) - names, sorted((modules | configs | marks) - names)
     assert not [n for n in names if not n.startswith(("prunepipe/", "prunepipe-"))], "top-level names besides prunepipe"
