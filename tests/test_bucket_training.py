@@ -95,6 +95,16 @@ def test_a_bucketed_run_trains_on_four_shapes_and_stopped_mid_pass_resumes_bitwi
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert_states_equal(pruner_a, pruner_b)
 
+    from prunepipe.pipelines.report.compare import compare_runs
+
+    report = compare_runs([straight.run_dir], [str(tmp_path / "resumed")], out=str(tmp_path / "report"), plots=False)
+    last = [json.loads(line) for line in open(os.path.join(straight.run_dir, "metrics.jsonl")) if '"pass"' in line][-1]
+    assert {k: v["forwarded"] for k, v in report["buckets"]["straight"].items()} == {
+        k: v["forwarded"] for k, v in last["buckets"].items()
+    }
+    assert abs(sum(v["share"] for v in report["buckets"]["resumed"].values()) - 1.0) < 1e-9
+    assert "## Per aspect-ratio bucket" in report["markdown"] and "| 32x64 |" in report["markdown"]
+
 
 def torchrun(args: list[str]) -> subprocess.Popen:
     command = [*LAUNCHERS["torchrun"](2, free_port()), "-m", "prunepipe.launch.cli", "train", CONFIG, *args]

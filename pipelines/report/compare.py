@@ -263,6 +263,23 @@ def by_source(runs: list[RunSummary]) -> dict:
     return found
 
 
+def by_bucket(runs: list[RunSummary]) -> dict:
+    """Per run on aspect-ratio buckets, per bucket: samples forwarded in the run and their share of the
+    run's, kept and the mean training loss in the last pass: whether pruning trains one aspect ratio
+    less than the full run does. {} without buckets."""
+    found = {}
+    for run in runs:
+        last = run.trajectory[-1] if run.trajectory else {}
+        if not last.get("buckets"):
+            continue
+        total = sum(b["forwarded"] for b in last["buckets"].values())
+        found[run.name] = {
+            name: {**counts, "share": counts["forwarded"] / total if total else 0.0}
+            for name, counts in last["buckets"].items()
+        }
+    return found
+
+
 def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     """Refuse to judge eval records of different `eval.precision` against each other: a precision
     shifts every number it measures the same way, a bias that the tolerances (seed noise) do not
@@ -365,6 +382,7 @@ def compare_runs(
         ),
         "notes": notes_on(base, runs, given, k),
         "sources": by_source(base + runs),
+        "buckets": by_bucket(base + runs),
     }
     report["notes"] += equal_quality_notes(report["equal_quality"], runs)
     report["plots"] = write_plots(base, runs, out, report["equal_quality"]) if plots else []

@@ -101,6 +101,26 @@ def sources_section(found: dict | None) -> list[str]:
     return ["## Per source", "", *_table(header, rows), ""]
 
 
+def buckets_section(found: dict | None) -> list[str]:
+    """Runs on aspect-ratio buckets side by side per bucket: what each forwarded (and its share of the
+    run's), kept in the last pass, and that pass's training loss."""
+    if not found:
+        return []
+    runs = list(found)
+    buckets = list(dict.fromkeys(name for per_run in found.values() for name in per_run))
+    header = ["bucket"] + [h for run in runs for h in (f"{run} forwarded (share)", f"{run} kept (last pass)")]
+    header += [f"{run} train loss (last pass)" for run in runs]
+    rows = []
+    for bucket in buckets:
+        cells = [found[run].get(bucket) for run in runs]
+        row = [bucket]
+        for cell in cells:
+            row += [f"{_num(cell['forwarded'])} ({cell['share']:.1%})", _num(cell["kept"])] if cell else ["n/a"] * 2
+        row += [_num(cell["train_loss"]) if cell else "n/a" for cell in cells]
+        rows.append(row)
+    return ["## Per aspect-ratio bucket", "", *_table(header, rows), ""]
+
+
 def render_markdown(report: dict) -> str:
     base, pruned = report["baseline"], report["pruned"]
     names = [r["name"] for r in pruned]
@@ -115,6 +135,7 @@ def render_markdown(report: dict) -> str:
 
     lines += equal_quality_section(report.get("equal_quality"))
     lines += sources_section(report.get("sources"))
+    lines += buckets_section(report.get("buckets"))
     lines += ["## Quality at equal passes", ""]
     metrics = [m for m in PRIMARY_METRICS if any(m in report["equal_passes"][n]["metrics"] for n in names)]
     header = ["metric", "better", "baseline"] + [h for n in names for h in (n, f"delta {n}", f"verdict {n}")]
