@@ -320,6 +320,7 @@ def check_data(cfg: RunConfig) -> None:
     read deadline, the CLIPScore model's folder. Run at the start of a run (`train`) and by `prunepipe
     train` before it launches; `load_config` never reads these files. Errors begin `data check:`."""
     _check_indexes(cfg)
+    _check_buckets(cfg)
     _check_remote_deadline(cfg)
     _check_latent_augmentations(cfg)
     _check_group_table(cfg)
@@ -332,6 +333,21 @@ def check_data(cfg: RunConfig) -> None:
                 f"data check: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
                 f"and its processor; nothing is downloaded)"
             )
+
+
+def _check_buckets(cfg: RunConfig) -> None:
+    """Shards bucketed by aspect ratio hold latents of their bucket's shape (`latents encode --buckets`):
+    only a latent-diffusion run on precomputed latents reads them."""
+    if cfg.task == "ldm" and cfg.ldm.space == "latents":
+        return
+    for name in ("train", "val"):
+        for source in parse_sources(getattr(cfg.data, name), f"data.{name}", rules=name == "train"):
+            if "buckets" in ShardIndex.load(source.path).meta:
+                setting = "task=mae" if cfg.task == "mae" else f"ldm.space={cfg.ldm.space}"
+                raise ConfigError(
+                    f"data check: data.{name}={source.path!r} holds latents bucketed by aspect ratio "
+                    f"(`latents encode --buckets`), which only ldm.space=latents reads; got {setting}"
+                )
 
 
 def _check_indexes(cfg: RunConfig) -> None:

@@ -145,3 +145,11 @@ def test_a_bucketed_run_on_two_gloo_ranks_killed_mid_pass_resumes_bitwise(bucket
     )
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert_states_equal(pruner_a, pruner_b)
+
+
+def test_bucketed_latents_are_refused_where_images_are_expected(bucketed, tmp_path):
+    from prunepipe.pipelines.config import ConfigError, check_data
+
+    cfg = load_config(CONFIG, overrides(bucketed, str(tmp_path), "pixels", "ldm.space=pixel"))
+    with pytest.raises(ConfigError, match=r"bucketed by aspect ratio.*ldm.space=pixel"):
+        check_data(cfg)
