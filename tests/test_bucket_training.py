@@ -84,6 +84,24 @@ def test_a_bucketed_run_trains_on_four_shapes_and_stopped_mid_pass_resumes_bitwi
     assert first["tail"] == index.num_samples - forwarded <= 4 * 3, "at most batch - 1 left in each bucket"
     assert all(np.isfinite(b["train_loss"]) for b in buckets.values())
 
+    # the export draws at a bucket's size in the stock pipeline, as its README says
+    from diffusers import DiffusionPipeline
+
+    export = os.path.join(straight.run_dir, "export")
+    assert "height=32, width=44" in open(os.path.join(export, "README.md")).read()
+    pipe = DiffusionPipeline.from_pretrained(export)
+    drawn = pipe(
+        "a wide crop of the coffee photograph, centre",
+        height=32,
+        width=64,
+        num_inference_steps=2,
+        max_sequence_length=16,
+        use_resolution_binning=False,
+        clean_caption=False,
+        output_type="np",
+    ).images
+    assert drawn.shape == (1, 32, 64, 3) and np.isfinite(drawn).all()
+
     steps = json.loads(open(os.path.join(straight.run_dir, "metrics.jsonl")).readlines()[-1])["optimizer_steps"]
     stop_at = (first["steps_in_pass"] + steps) // 2  # mid-pass 2: the rest replays each bucket's stream exactly
     train(load_config(CONFIG, overrides(bucketed, str(tmp_path), "resumed", f"max_steps={stop_at}")))

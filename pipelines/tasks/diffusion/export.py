@@ -255,11 +255,17 @@ def _sizes_note(task) -> list[str]:
     base = f"{side}x{side} px" if task.cfg.space == "pixel" else f"{side}x{side} latents"
     if task.cfg.space != "pixel" and task.downsampling:
         base += f", {side * task.downsampling}x{side * task.downsampling} px"
-    return [
+    lines = [
         f"It trained on aspect-ratio buckets ({names}), each batch at its own size. prunepipe's FID and "
         f"`prunepipe sample` draw at the square base size ({base}).",
-        "",
     ]
+    image = task.bucket_table[-1].get("image")
+    if task.text_conditional and not task.cfg.dit.size_conditions and image:
+        lines.append(
+            f"`PixArtSigmaPipeline` draws at a bucket's size too: pass its `height=` and `width=` in pixels "
+            f"(e.g. `height={image[0]}, width={image[1]}`) with `use_resolution_binning=False`."
+        )
+    return [*lines, ""]
 
 
 # -------------------------------------------------------------------- files
