@@ -99,6 +99,34 @@ def test_a_source_repeated_within_a_pass_is_walked_twice(digits_shards):
     assert layout.tail == 0 and (counts == 2).all(), "each held sample twice in the pass"
 
 
+def test_each_walk_of_a_repeated_sample_draws_its_own_flip_and_noise(digits_shards):
+    """A sample walked twice in a pass is two augmentations, not one seen twice: its second walk's
+    draws are keyed apart from its id, and a source taken once draws by its ids as it always did."""
+    from prunepipe.pipelines.data.decode import SampleDecoder
+    from prunepipe.pipelines.data.mixture import WALK_SHIFT
+    from prunepipe.pipelines.tasks.randomness import SampleRandomness
+
+    mixture = mixture_of(digits_shards, "count: 56", "repeat: 2")
+    decoder = SampleDecoder(32, 3, hflip=True, seed=0)
+    stream = ShardStream(mixture.index, batch_size=16, seed=0, mixture=mixture, shuffle_buffer=64, decoder=decoder)
+    images, keys = {}, {}
+    for batch in stream.pass_loader(0, None):
+        noise = SampleRandomness(0, 0, batch.draw_ids).randn(4)
+        for i, (sample, key) in enumerate(zip(batch.ids.tolist(), batch.draw_ids.tolist())):
+            images.setdefault(sample, []).append(batch.images[i])
+            keys.setdefault(sample, []).append((key, noise[i]))
+    twice = [s for s in keys if len(keys[s]) == 2]
+    assert len(twice) == int(mixture.sizes[1]) and all(mixture.source_of(np.array(twice)) == 1)
+    for sample in twice:
+        (a, noise_a), (b, noise_b) = sorted(keys[sample], key=lambda k: k[0])
+        assert (a, b) == (sample, sample + (1 << WALK_SHIFT)), "walk 0 by its id, walk 1 apart"
+        assert not torch.equal(noise_a, noise_b)
+    flipped_once = sum(not torch.equal(*images[s]) for s in twice)
+    assert 0.3 < flipped_once / len(twice) < 0.7, "each walk tosses its own flip coin"
+    once = [s for s in keys if len(keys[s]) == 1]
+    assert all(keys[s][0][0] == s for s in once), "a sample taken once draws by its id"
+
+
 def test_mixture_mistakes_name_the_source_and_field(digits_shards):
     with pytest.raises(ValueError, match=r"data.train\[1\]: give one of weight, repeat, count, not weight and count"):
         parse_sources([{"path": "a", "weight": 1}, {"path": "b", "weight": 1, "count": 3}])

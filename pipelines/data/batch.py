@@ -11,6 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from prunepipe.pipelines.data.mixture import draw_keys
 from prunepipe.pipelines.data.shards import BadInput
 
 PADDING_ID = -1  # id of a padding sample: weight 0, never recorded by a pruner
@@ -35,11 +36,22 @@ class Batch:
     # its aspect-ratio bucket (every sample of a batch has the one shape); -1 for an unbucketed index. With
     # `worker` it names the sample stream the batch was read from: worker part `worker`'s stream of `bucket`
     bucket: int = -1
+    # int64 [B]: each sample's walk of its source in this pass (a mixture's repeat), where one is past its
+    # first; None when every sample is on its first walk. Draws are keyed by `draw_ids`, never by a walk
+    walks: torch.Tensor | None = None
 
     def _tensors(self) -> tuple[str, ...]:
-        return ("ids", "weights", "images", "labels") + (
-            ("text_tokens", "text_lengths") if self.text_tokens is not None else ()
+        return (
+            ("ids", "weights", "images", "labels")
+            + (("text_tokens", "text_lengths") if self.text_tokens is not None else ())
+            + (("walks",) if self.walks is not None else ())
         )
+
+    @property
+    def draw_ids(self) -> torch.Tensor:
+        """int64 [B]: the keys of the samples' per-sample draws (noise, timestep, mask): each id, moved
+        past every id for a later walk of the same sample in the pass (pipelines/data/mixture.py)."""
+        return self.ids if self.walks is None else draw_keys(self.ids, self.walks)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return dataclasses.replace(
@@ -55,7 +67,7 @@ class Batch:
         # arrays; only the images and text features take shared-memory segments, which the receiver maps.
         small = [
             t.numpy() if t is not None and t.device.type == "cpu" else t
-            for t in (self.ids, self.weights, self.labels, self.text_lengths)
+            for t in (self.ids, self.weights, self.labels, self.text_lengths, self.walks)
         ]
         return _rebuild, (
             small[0],
@@ -68,6 +80,7 @@ class Batch:
             self.text_tokens,
             small[3],
             self.bucket,
+            small[4],
         )
 
     def undecodable(self) -> int:
@@ -79,7 +92,17 @@ class Batch:
 
 
 def _rebuild(
-    ids, weights, images, labels, bad, worker, captions=(), text_tokens=None, text_lengths=None, bucket=-1
+    ids,
+    weights,
+    images,
+    labels,
+    bad,
+    worker,
+    captions=(),
+    text_tokens=None,
+    text_lengths=None,
+    bucket=-1,
+    walks=None,
 ) -> Batch:
     return Batch(
         torch.as_tensor(ids),
@@ -92,6 +115,7 @@ def _rebuild(
         text_tokens,
         None if text_lengths is None else torch.as_tensor(text_lengths),
         bucket,
+        None if walks is None else torch.as_tensor(walks),
     )
 
 
@@ -125,4 +149,5 @@ def real_samples(batches) -> Iterator[Batch]:
                 labels=batch.labels[keep],
                 captions=captions,
                 text_lengths=lengths,
+                walks=None if batch.walks is None else batch.walks[keep],
             )

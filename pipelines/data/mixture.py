@@ -28,6 +28,11 @@ MAX_SOURCES = 1024  # the draw keys a source into 10 bits of its stream
 AGREED_META = ("latent_shape", "vae", "scaling_factor", "shift_factor", "text_encoder", "text_width")
 _DRAW_SALT = 0x6D6978  # "mix": the draw's stream is neither the keep coin's nor an augmentation's
 _FEISTEL_ROUNDS = 4
+# A sample walked w > 0 times already in a pass draws its noise, mask, crop and flip by the key
+# id + (w << WALK_SHIFT), not by its id: each walk of an upsampled source is another augmentation.
+# Walk 0's key is the id itself, so a source taken once draws as it always did.
+WALK_SHIFT = 40
+MAX_SAMPLES = 1 << WALK_SHIFT
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,8 @@ class Mixture:
                 buckets,
             )
         sizes = np.array([i.num_samples for i in indexes], dtype=np.int64)
+        if int(sizes.sum()) >= MAX_SAMPLES:
+            raise ValueError(f"{key}: {int(sizes.sum()):,} samples; ids must stay below 2**{WALK_SHIFT}")
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         shard_source = np.repeat(np.arange(len(sources), dtype=np.int64), [len(i) for i in indexes])
         check_pass_length(sources, samples_per_pass, key)
@@ -342,6 +349,12 @@ def apportion(total: int, weights: np.ndarray) -> np.ndarray:
     """int64 counts that sum to `total`, in proportion to `weights`."""
     weights = np.asarray(weights, dtype=np.float64)
     return integer_counts(total * weights / weights.sum(), total)
+
+
+def draw_keys(ids, walks):
+    """The keys a batch's per-sample draws are made by: the id for a sample's first walk of the pass,
+    id + (walk << WALK_SHIFT) for a later one (numpy arrays, torch tensors or ints alike)."""
+    return ids + (walks << WALK_SHIFT)
 
 
 def _merged_buckets(sources: tuple[Source, ...], indexes: list[ShardIndex], key: str) -> tuple[dict, np.ndarray | None]:

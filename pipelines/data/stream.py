@@ -30,7 +30,7 @@ from prunepipe.pipelines.data.layout import (
     bucket_count,
     pass_layout,
 )
-from prunepipe.pipelines.data.mixture import Mixture, PassDraw, pass_units
+from prunepipe.pipelines.data.mixture import Mixture, PassDraw, draw_keys, pass_units
 from prunepipe.pipelines.data.remote import ReadRetry
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
 from prunepipe.pruning.pass_plan import PassPlan
@@ -392,8 +392,9 @@ class _PartReader(IterableDataset):
 
     def _kept_raw_samples(
         self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None
-    ) -> Iterator[tuple[int, float, dict]]:
-        """(id, weight, undecoded sample) of this slot's kept samples; the pre-decode stage."""
+    ) -> Iterator[tuple[int, float, dict, int]]:
+        """(id, weight, undecoded sample, its walk of its source this pass) of this slot's kept samples;
+        the pre-decode stage."""
         first_ids = self.index.first_ids
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
@@ -426,7 +427,7 @@ class _PartReader(IterableDataset):
                     if sample is None:
                         continue
                     delivered += 1
-                    yield first + position, float(weights[position]), sample
+                    yield first + position, float(weights[position]), sample, piece.copy
                     if delivered == len(mine) and not piece.to_shard_end:
                         break  # the rest of this shard is another slot's
             except BadInputError as e:
@@ -451,25 +452,28 @@ class _PartReader(IterableDataset):
         """The next batch of `samples`; then `drain`'s streams are read to their ends (never decoded).
         Padding is shaped like the last decoded sample (`template`), else a replayed one, else `shape`
         (a bucket's recorded shape; float32, as `decoder.finish` gives every batch)."""
-        ids, weights, pixels, labels, texts = [], [], [], [], []
+        ids, keys, walks, weights, pixels, labels, texts = [], [], [], [], [], [], []
         while len(ids) < self.batch_size:
             item = next(samples, None)
             if item is None:
                 break
-            sample_id, weight, sample = item
+            sample_id, weight, sample, walk = item
+            key = draw_keys(sample_id, walk)  # a later walk of the sample draws its crop and flip anew
             try:
                 text = self.decoder.text(sample)  # before the pixels: cheap to refuse
-                decoded, label = self.decoder.decode(sample, sample_id, pass_index)
+                decoded, label = self.decoder.decode(sample, key, pass_index)
             except BadInputError as e:
                 self._bad(events, BadInput(str(e), undecodable=True))
                 continue
             ids.append(sample_id)
+            keys.append(key)
+            walks.append(walk)
             weights.append(weight)
             pixels.append(decoded)
             labels.append(label)
             texts.append(text)
         if pixels:
-            images = self.decoder.finish(torch.stack(pixels), np.array(ids, dtype=np.int64), pass_index)
+            images = self.decoder.finish(torch.stack(pixels), np.array(keys, dtype=np.int64), pass_index)
             template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
@@ -486,6 +490,7 @@ class _PartReader(IterableDataset):
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
             images = torch.cat([images, padding]) if pixels else padding
             ids += [PADDING_ID] * missing
+            walks += [0] * missing
             weights += [0.0] * missing
             labels += [NO_LABEL] * missing
             texts += [None] * missing
@@ -502,6 +507,7 @@ class _PartReader(IterableDataset):
             bad,
             worker,
             bucket=bucket,
+            walks=torch.tensor(walks, dtype=torch.int64) if any(walks) else None,
             **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
@@ -511,7 +517,7 @@ class _PartReader(IterableDataset):
             if item is None:
                 continue
             try:
-                return [self.decoder(item[2], item[0], pass_index)[0]]
+                return [self.decoder(item[2], draw_keys(item[0], item[3]), pass_index)[0]]
             except BadInputError:
                 continue
         return []

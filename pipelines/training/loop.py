@@ -208,11 +208,11 @@ class Trainer:
             self.debug.saw(batch.ids)
         self.bad_input.saw(batch, position)
         batch = batch.to(self.device, non_blocking=True)
-        randomness = SampleRandomness(cfg.seed, pass_index, batch.ids)
+        randomness = SampleRandomness(cfg.seed, pass_index, batch.draw_ids)
         if not accumulation.buckets_rebuilt:  # DDP's bucket layout, the same in fresh and resumed processes
             # a forward of the batch's own draws (they come in a fixed order per SampleRandomness: the step keeps its own)
             accumulation.rebuild_buckets(
-                lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.ids)).loss.float()
+                lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float()
             )
         with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
             out = self.forward(batch, randomness)
