@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from typing import Iterator
 
 import numpy as np
 from PIL import Image
 
-from prunepipe.tools.commands.sources import box_crop, digits, photo_crop_boxes, photo_files, split_by_permutation
+from prunepipe.tools.commands.sources import box_crop, bundled_photos, digits, photo_crop_boxes, split_by_permutation
 
 CAPTIONED_SOURCES = ("digits", "photos")
 # width:height of `--aspects` photo crops: square, landscape 2:1 and 4:3, portrait 1:2, as web images come
@@ -46,11 +45,8 @@ def aspect_crops(size: int, crops_per_photo: int, seed: int = 0) -> Iterator[tup
     CROP_ASPECTS, in turn, each resized to a shorter side of `size` and kept at its own aspect: data
     for aspect-ratio buckets (`latents encode --buckets`) that ships with the installed packages."""
     rng = np.random.default_rng(seed)
-    for label, path in enumerate(photo_files()):
-        with Image.open(path) as img:
-            photo = img.convert("RGB")
+    for label, name, photo in bundled_photos():
         width, height = photo.size
-        name = os.path.splitext(os.path.basename(path))[0]
         for i in range(crops_per_photo):
             across, down = CROP_ASPECTS[i % len(CROP_ASPECTS)]
             unit = int(

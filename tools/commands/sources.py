@@ -63,6 +63,14 @@ def photo_files() -> list[str]:
     return files
 
 
+def bundled_photos() -> Iterator[tuple[int, str, Image.Image]]:
+    """(class, name, RGB image) of each bundled photograph, in `photo_files` order."""
+    for label, path in enumerate(photo_files()):
+        with Image.open(path) as img:
+            photo = img.convert("RGB")
+        yield label, os.path.splitext(os.path.basename(path))[0], photo
+
+
 def photo_crops(size: int = 32, crops_per_photo: int = 250, seed: int = 0) -> Iterator[tuple[str, Image.Image, int]]:
     """Deterministic square crops of the bundled photographs, resized to `size`; class = photo."""
     for key, photo, label, box in photo_crop_boxes(size, crops_per_photo, seed):
@@ -81,11 +89,8 @@ def photo_crop_boxes(
     """(key, whole photograph, class, crop box (left, top, right, bottom)) of `photo_crops`' crops, in
     its order: where each crop sits, for captions that say so."""
     rng = np.random.default_rng(seed)
-    for label, path in enumerate(photo_files()):
-        with Image.open(path) as img:
-            photo = img.convert("RGB")
+    for label, name, photo in bundled_photos():
         w, h = photo.size
-        name = os.path.splitext(os.path.basename(path))[0]
         for i in range(crops_per_photo):
             side = int(rng.integers(min(size, min(w, h)), max(size, min(w, h) // 2) + 1))
             left, top = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
