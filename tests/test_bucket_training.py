@@ -20,38 +20,18 @@ from test_trainer import ROOT, assert_states_equal, final_state
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.data.shards import ShardIndex
-from prunepipe.pipelines.data.splits import read_captions
 from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.benchmarks.rehearse_cluster import kill_node
-from prunepipe.tools.commands.latents import encode_shards
-from prunepipe.tools.commands.shards import write_shards
-from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder
-from prunepipe.tools.fixtures.tiny_vae import write_tiny_vae
+from prunepipe.tools.fixtures.bucketed_photos import write_bucketed_photos
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny_buckets.yaml")
-BUCKETS = os.path.join(ROOT, "configs", "buckets_tiny.txt")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
 def bucketed(tmp_path_factory) -> str:
     """The recipe's data as its comment makes it, smaller: 8 crops of each photograph, 2 of each aspect."""
-    out = tmp_path_factory.mktemp("aspects")
-    write_shards("photos", str(out / "images"), size=32, shard_size=64, crops_per_photo=8, captions=True, aspects=True)
-    text_encoder = write_tiny_text_encoder(
-        str(out / "text_encoder"), read_captions(str(out / "images" / "train")), max_length=16
-    )
-    vae = write_tiny_vae(str(out / "vae"))
-    for split in ("train", "val"):
-        encode_shards(
-            str(out / "images" / split),
-            vae,
-            str(out / "latents" / split),
-            buckets=BUCKETS,
-            text_encoder=text_encoder,
-            batch_size=16,
-        )
-    return str(out / "latents")
+    return write_bucketed_photos(str(tmp_path_factory.mktemp("aspects")))
 
 
 def overrides(latents: str, runs: str, name: str, *extra: str) -> list[str]:

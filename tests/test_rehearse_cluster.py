@@ -30,3 +30,12 @@ def test_surviving_node_exits_by_itself_and_the_requeue_resumes_mid_pass(rehears
 @pytest.mark.slow
 def test_requeued_run_ends_bitwise_equal_to_the_uninterrupted_one(rehearsal):
     assert rehearsal["pass"], rehearsal["problems"]
+
+
+@pytest.mark.slow  # three runs of four processes on the tiny bucketed PixArt, about a minute on 2 cores
+def test_a_bucketed_text_to_image_run_requeued_mid_pass_ends_bitwise_equal(tmp_path):
+    """The same node death and requeue on aspect-ratio buckets: four latent shapes, batches of one bucket."""
+    verdict = rehearse(str(tmp_path), buckets=True)
+    assert verdict["pass"], verdict["problems"]
+    assert verdict["resume_checkpoint"]["batch_in_pass"] > 0, "resumed inside a pass"
+    assert "buckets" in verdict["compared"]["pass_fields"]

@@ -4,6 +4,8 @@ loader workers SIGKILLed at once) and a SLURM requeue (`checkpoint.resume=latest
 a run never interrupted: the final weights, EMA and pruner state bit for bit, and every pass summary.
 
 It emulates processes, rendezvous, collectives, files and signals; not NCCL, a network or GPUs.
+The run is the tiny MAE with InfoBatch; `--mixture` trains it on two sources, `--buckets` rehearses the
+tiny text-to-image PixArt on aspect-ratio buckets instead (latents of four shapes, batches of one bucket).
 Usage: python -m prunepipe.tools.benchmarks.rehearse_cluster [--work DIR]   (exit 1 on FAIL; docs/multinode.md)
 """
 
@@ -27,6 +29,7 @@ from prunepipe.tools.benchmarks.resume_check import differences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
+BUCKETS_CONFIG = os.path.join(ROOT, "configs", "ldm_t2i_tiny_buckets.yaml")
 NODES, RANKS_PER_NODE = 2, 2
 TINY_MAE = (
     "mae.embed_dim=32",
@@ -47,26 +50,40 @@ PASS_FIELDS = (
     "samples_forwarded",
     "held_out",
     "sources",  # a mixture's per-source accounting (--mixture)
+    "buckets",  # each aspect-ratio bucket's kept and forwarded (--buckets), without its train_loss
 )
 
 
-def run_overrides(data: str, runs_dir: str, name: str, passes: int, every_steps: int, dist_timeout: int) -> list[str]:
-    """The rehearsed run: tiny MAE, InfoBatch pruning from the second pass, two micro-batches per
-    optimizer step, loader workers chosen per rank, in-loop evaluation every pass (small), a metric
-    line every step (so the rehearsal sees how far the run got) and a short collective timeout."""
-    return [
+def run_overrides(
+    data: str, runs_dir: str, name: str, passes: int, every_steps: int, dist_timeout: int, buckets: bool = False
+) -> list[str]:
+    """The rehearsed run: tiny MAE (or with `buckets` the tiny bucketed PixArt, batches of 4), InfoBatch
+    pruning from the second pass, two micro-batches per optimizer step, loader workers chosen per rank,
+    in-loop evaluation every pass (small; none for the PixArt, whose VAE is random), a metric line every
+    step (so the rehearsal sees how far the run got) and a short collective timeout."""
+    common = [
         f"data.train={data}/train",
         f"data.val={data}/val",
         f"runs_dir={runs_dir}",
         f"name={name}",
         f"num_passes={passes}",
-        "data.batch_size=32",
         "optim.grad_accum=2",
         "data.num_workers=auto",
         f"checkpoint.every_steps={every_steps}",
         "checkpoint.keep=100",
         "log_every=1",
         f"dist_timeout_seconds={dist_timeout}",
+    ]
+    if buckets:
+        return [
+            *common,
+            "data.batch_size=4",
+            "data.val_batches=1",
+            "pruner={name: infobatch, prune_ratio: 0.5, delta: 0.75}",
+        ]
+    return [
+        *common,
+        "data.batch_size=32",
         "eval.every_passes=1",
         "eval.val_samples=64",
         "eval.probe.train_samples=300",
@@ -143,7 +160,7 @@ class Node:
         kill_node(self.process)
 
 
-def start_nodes(work: str, label: str, rdzv_id: str, overrides: list[str]) -> list[Node]:
+def start_nodes(work: str, label: str, rdzv_id: str, overrides: list[str], config: str = CONFIG) -> list[Node]:
     """Two `torchrun --nnodes=2 --nproc-per-node=2` launches sharing one c10d rendezvous on a fresh
     localhost port, as launch/slurm.sbatch starts one per node; each in a session of its own."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -169,7 +186,7 @@ def start_nodes(work: str, label: str, rdzv_id: str, overrides: list[str]) -> li
             "-m",
             "prunepipe.launch.cli",
             "train",
-            CONFIG,
+            config,
             *overrides,
         ]
         with open(log, "w") as out:
@@ -250,9 +267,17 @@ def compare_passes(reference: list[dict], requeued: list[dict]) -> list[str]:
             problems.append(f"pass {mine['pass_index'] + 1}: no summary after the requeue")
             continue
         for field in PASS_FIELDS:
-            if mine.get(field) != other.get(field):
+            if _repeatable(mine.get(field)) != _repeatable(other.get(field)):
                 problems.append(f"pass {mine['pass_index'] + 1} {field}: {mine.get(field)} != {other.get(field)}")
     return problems
+
+
+def _repeatable(value):
+    """A summary field without the training losses in it: like train_loss, a bucket's covers the part
+    of a resumed pass trained after the resume (the losses before it are not checkpointed)."""
+    if isinstance(value, dict):
+        return {k: _repeatable(v) for k, v in value.items() if k != "train_loss"}
+    return value
 
 
 def compare_evals(reference: list[dict], requeued: list[dict]) -> list[str]:
@@ -313,6 +338,7 @@ def rehearse(
     hang_limit: float = 180.0,
     run_limit: float = 600.0,
     mixture: bool = False,
+    buckets: bool = False,
     say=print,
 ) -> dict:
     """Reference run, killed run, requeue; returns the verdict (verdict["pass"] is the PASS/FAIL).
@@ -329,6 +355,7 @@ def rehearse(
             hang_limit=hang_limit,
             run_limit=run_limit,
             mixture=mixture,
+            buckets=buckets,
             say=say,
         )
     finally:
@@ -348,6 +375,7 @@ def _rehearse(
     hang_limit: float,
     run_limit: float,
     mixture: bool,
+    buckets: bool,
     say,
 ) -> dict:
     start = time.time()
@@ -357,7 +385,13 @@ def _rehearse(
 
     os.makedirs(work, exist_ok=True)
     data, runs = os.path.join(work, "digits"), os.path.join(work, "runs")
-    if not os.path.exists(os.path.join(data, "train", "index.json")):
+    if buckets:  # photo crops at four aspect ratios, encoded to latents of four shapes
+        data = os.path.join(work, "aspects", "latents")
+        if not os.path.exists(os.path.join(data, "val", "index.json")):
+            from prunepipe.tools.fixtures.bucketed_photos import write_bucketed_photos
+
+            write_bucketed_photos(os.path.join(work, "aspects"), crops_per_photo=16)
+    elif not os.path.exists(os.path.join(data, "train", "index.json")):
         from prunepipe.tools.commands.shards import write_shards
 
         write_shards("digits", data, size=32, shard_size=200, val_fraction=0.1)
@@ -384,6 +418,7 @@ def _rehearse(
         "dist_timeout_seconds": dist_timeout,
         "killed_node": kill,
         "mixture": mixture,
+        "buckets": buckets,
         "problems": [],
     }
     problems = verdict["problems"]
@@ -394,8 +429,8 @@ def _rehearse(
         return verdict
 
     def job(label: str, rdzv_id: str, name: str, extra: list[str] = ()) -> list[Node]:
-        overrides = [*run_overrides(data, runs, name, passes, every_steps, dist_timeout), *mixed, *extra]
-        nodes = start_nodes(work, label, rdzv_id, overrides)
+        overrides = [*run_overrides(data, runs, name, passes, every_steps, dist_timeout, buckets), *mixed, *extra]
+        nodes = start_nodes(work, label, rdzv_id, overrides, BUCKETS_CONFIG if buckets else CONFIG)
         started.extend(nodes)
         return nodes
 
@@ -559,8 +594,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train on two sources (digits and photo crops, weights 3:1), scores per source",
     )
+    parser.add_argument(
+        "--buckets",
+        action="store_true",
+        help="rehearse the tiny text-to-image PixArt on aspect-ratio buckets (photo crops at 1:1, 2:1, 1:2, 4:3)",
+    )
     parser.add_argument("--json", help="write the verdict here too")
     args = parser.parse_args(argv)
+    if args.mixture and args.buckets:
+        parser.error("--mixture and --buckets rehearse different runs: give one")
     verdict = rehearse(
         os.path.abspath(args.work),
         passes=args.passes,
@@ -569,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         kill=args.kill,
         hang_limit=args.hang_limit,
         mixture=args.mixture,
+        buckets=args.buckets,
     )
     print(describe(verdict))
     if args.json:
