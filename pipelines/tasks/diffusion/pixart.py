@@ -121,8 +121,12 @@ class SizeConditions:
     def of(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """`added_cond_kwargs` for the batch `x` (every sample of a batch has its one size)."""
         height, width = self.image_size(int(x.shape[-2]), int(x.shape[-1]))
-        resolution = torch.tensor([[float(height), float(width)]], device=x.device).expand(len(x), 2)
-        return {"resolution": resolution, "aspect_ratio": torch.full((len(x), 1), height / width, device=x.device)}
+        # filled on the device: a tensor of a Python list would be a host copy the step waits for
+        full = [torch.full((len(x), 1), float(value), device=x.device) for value in (height, width)]
+        return {
+            "resolution": torch.cat(full, dim=1),
+            "aspect_ratio": torch.full((len(x), 1), height / width, device=x.device),
+        }
 
 
 def added_conditions(model: nn.Module, x: torch.Tensor, sizes: SizeConditions | None) -> dict:
