@@ -28,6 +28,7 @@ from prunepipe.pipelines.data.group_table import group_table_path
 from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
+from prunepipe.pipelines.data.splits import index_metadata
 from prunepipe.pipelines.data.workers import check_num_workers
 from prunepipe.pipelines.evaluation.config import EvalConfig, validate_eval_config
 from prunepipe.pipelines.tasks.diffusion.config import (
@@ -342,7 +343,7 @@ def _check_buckets(cfg: RunConfig) -> None:
         return
     for name in ("train", "val"):
         for source in parse_sources(getattr(cfg.data, name), f"data.{name}", rules=name == "train"):
-            if "buckets" in ShardIndex.load(source.path).meta:
+            if "buckets" in index_metadata(source.path):
                 setting = "task=mae" if cfg.task == "mae" else f"ldm.space={cfg.ldm.space}"
                 raise ConfigError(
                     f"data check: data.{name}={source.path!r} holds latents bucketed by aspect ratio "

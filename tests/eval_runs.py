@@ -89,20 +89,9 @@ def trained_task(run_dir: str):
 
 def tiny_vae(channels: int = 3, size: int = 32):
     """A tiny randomly initialised AutoencoderKL (seed 0): size x size x channels -> size/2 x size/2 x 4."""
-    import torch
-    from diffusers import AutoencoderKL
+    from prunepipe.tools.fixtures.tiny_vae import tiny_vae as fixture
 
-    torch.manual_seed(0)
-    return AutoencoderKL(
-        in_channels=channels,
-        out_channels=channels,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=size,
-    )
+    return fixture(channels, sample_size=size)
 
 
 def digit_shards(digits_shards: str, out, shards: int, per_shard: int, broken=None) -> str:

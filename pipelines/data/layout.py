@@ -92,36 +92,23 @@ def pass_layout(
             )
     num_units = len(index) if units is None else len(unit_shard)
     order = np.random.default_rng([seed, pass_index]).permutation(num_units).astype(np.int64)
+    shard_of_unit = np.arange(len(index), dtype=np.int64) if unit_shard is None else unit_shard
+    copy_of_unit = np.zeros(num_units, dtype=np.int64) if unit_copy is None else unit_copy
     if index.buckets is not None:
-        shard_of_unit = np.arange(len(index), dtype=np.int64) if unit_shard is None else unit_shard
-        copy_of_unit = np.zeros(num_units, dtype=np.int64) if unit_copy is None else unit_copy
         # the buckets in an order of the pass's own, so that the trim and the deal's wrap fall on
         # another bucket each pass, never on the same one run-long
         bucket_order = np.random.default_rng([seed, pass_index, _BUCKET_ORDER_SALT]).permutation(bucket_count(index))
         return _bucketed_layout(
             index, order, bucket_order, kept_per_shard, shard_of_unit, copy_of_unit, world_size, workers, batch_size
         )
-    ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])])
-    total = int(ordered_cum[-1])
+    ordered_cum = np.concatenate([[0], np.cumsum(kept_per_shard[order])]).astype(np.int64).tolist()
+    total = ordered_cum[-1]
     slots = world_size * workers
     bounds = [t * total // slots for t in range(slots + 1)]
-    slices = []
-    for t in range(slots):
-        lo, hi = bounds[t], bounds[t + 1]
-        mine = []
-        j = int(np.searchsorted(ordered_cum, lo, side="right")) - 1
-        while j < len(order) and ordered_cum[j] < hi:
-            start = max(lo, ordered_cum[j]) - ordered_cum[j]
-            end = min(hi, ordered_cum[j + 1]) - ordered_cum[j]
-            if end > start:
-                to_end = bool(end == ordered_cum[j + 1] - ordered_cum[j])
-                u = int(order[j])
-                if units is None:
-                    mine.append(SliceOfShard(u, int(start), int(end), to_end))
-                else:
-                    mine.append(SliceOfShard(int(unit_shard[u]), int(start), int(end), to_end, int(unit_copy[u])))
-            j += 1
-        slices.append(tuple(mine))
+    unit_list, shard_list, copy_list = order.tolist(), shard_of_unit.tolist(), copy_of_unit.tolist()
+    slices = [
+        tuple(_pieces(unit_list, ordered_cum, bounds[t], bounds[t + 1], shard_list, copy_list)) for t in range(slots)
+    ]
     sizes = np.diff(bounds).reshape(world_size, workers)
     batches = sizes // batch_size
     steps = int(batches.sum(axis=1).min())

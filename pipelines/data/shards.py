@@ -110,6 +110,10 @@ class ShardIndex:
     def first_ids(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
 
+    def shard_of(self, ids) -> np.ndarray:
+        """int64 per global id: the shard that holds it."""
+        return np.searchsorted(self.first_ids, np.asarray(ids, dtype=np.int64), side="right") - 1
+
     @property
     def num_samples(self) -> int:
         return int(self.counts.sum())

@@ -53,13 +53,14 @@ def read_split(
     )
     pending: dict[int, tuple[list, list, list, list]] = {}  # per bucket (-1: unbucketed): ids, images, labels, texts
     taken = chosen_ids(index, total)  # ordinal in the split of each chosen id
+    holding = None if taken is None else set(index.shard_of(list(taken)).tolist())  # shards holding a chosen id
     read = 0
     bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
     for shard, url in enumerate(index.urls):
-        first, count = int(index.first_ids[shard]), int(index.counts[shard])
+        first = int(index.first_ids[shard])
         if taken is None and read >= total:
             break
-        if taken is not None and not any(i in taken for i in range(first, first + count)):
+        if holding is not None and shard not in holding:
             continue
         bucket = -1 if index.buckets is None else int(index.buckets[shard])
 
@@ -126,9 +127,10 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
     if wanted and max(wanted) >= index.num_samples:
         raise ValueError(f"{index.path}: lists {index.num_samples} samples; sample {max(wanted)} was asked for")
     found: dict[int, np.ndarray] = {}
+    holding = set(index.shard_of(sorted(wanted)).tolist())
     for shard, url in enumerate(index.urls):
-        first, count = int(index.first_ids[shard]), int(index.counts[shard])
-        if not any(first <= i < first + count for i in wanted):
+        first = int(index.first_ids[shard])
+        if shard not in holding:
             continue
         expected = index.expected(shard)
         for position, sample in read_shard(url, lambda p, first=first: first + p in wanted, expected=expected):

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from prunepipe.pipelines.data.decode import caption
 from prunepipe.pipelines.data.mixture import first_path
-from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_shard
+from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_keys, read_shard
 from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
@@ -467,10 +467,10 @@ def aligned_held_out(held_out: str, reference: str, count: int) -> tuple[list[st
     keys: list[str] = []
     index = ShardIndex.load(reference)
     for shard, url in enumerate(index.urls):
-        for _, sample in read_shard(url, expected=index.expected(shard)):
+        for key, _ in read_keys(url, expected=index.expected(shard)):  # tar headers only: no image is read
             if len(keys) == count:
                 break
-            keys.append(sample["__key__"])
+            keys.append(key)
         if len(keys) == count:
             break
     place = {key: i for i, key in enumerate(keys)}

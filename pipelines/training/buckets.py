@@ -16,8 +16,7 @@ class BucketTally:
 
     def __init__(self, index: ShardIndex):
         self.names = [str(b.get("name", i)) for i, b in enumerate(index.bucket_table)]
-        self.first_ids = index.first_ids
-        self.shard_bucket = index.buckets
+        self.index = index
         self.loss_sum = np.zeros(len(self.names), dtype=np.float64)
         self.loss_count = np.zeros(len(self.names), dtype=np.int64)
 
@@ -27,8 +26,7 @@ class BucketTally:
 
     def bucket_of(self, ids: np.ndarray) -> np.ndarray:
         """int64 per (real) global id: its bucket, the bucket of the shard that holds it."""
-        shard = np.searchsorted(self.first_ids, np.asarray(ids, dtype=np.int64), side="right") - 1
-        return self.shard_bucket[shard]
+        return self.index.buckets[self.index.shard_of(ids)]
 
     def saw(self, ids: np.ndarray, losses: np.ndarray) -> np.ndarray:
         """Count a step's real samples (every rank's, as gathered); returns int64 [B]: each bucket's."""

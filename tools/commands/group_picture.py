@@ -27,7 +27,7 @@ def thumbnails(index: ShardIndex, ids: list[int], side: int) -> dict[int, Image.
     an id that cannot be read is left out."""
     decoder = SampleDecoder(resolution=side)
     first_ids = index.first_ids
-    shard_of = np.searchsorted(first_ids, ids, side="right") - 1
+    shard_of = index.shard_of(ids)
     images: dict[int, Image.Image] = {}
     for shard in np.unique(shard_of):
         wanted = {int(i) - int(first_ids[shard]) for i in np.asarray(ids)[shard_of == shard]}

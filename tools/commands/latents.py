@@ -45,7 +45,7 @@ from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
 from prunepipe.pipelines.data.resize import resize_cover_crop
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardEntry, ShardIndex, read_shard
 from prunepipe.pipelines.data.side_tables import write_json
-from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder, vae_factor
 from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder, identity_key
 from prunepipe.tools.commands.aspect_buckets import BUCKET_FIELD, BucketTable, bucket_name, load_buckets
 from prunepipe.tools.commands.shard_jobs import (
@@ -80,11 +80,6 @@ def bucket_shard(output: str, bucket: int, buckets: int) -> str:
     """OUT/shard-000003.b07.tar: input shard 3's samples of bucket 7 (as many digits as the table needs,
     two at least, so that the names sort in bucket order)."""
     return f"{output[: -len('.tar')]}.b{bucket:0{max(2, len(str(buckets - 1)))}d}.tar"
-
-
-def vae_factor(autoencoder) -> int:
-    """The AutoencoderKL's downsampling factor: 2 per down block but the last (diffusers' vae_scale_factor)."""
-    return 2 ** (len(autoencoder.config.block_out_channels) - 1)
 
 
 def index_resolution(index: ShardIndex) -> int:

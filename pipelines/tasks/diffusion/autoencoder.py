@@ -57,3 +57,8 @@ def autoencoder_folder(name: str, subfolder: str = "", cache_dir: str = "") -> s
 
         folder = snapshot_download(name, local_files_only=True, cache_dir=cache_dir or None)
     return os.path.join(folder, subfolder) if subfolder else folder
+
+
+def vae_factor(autoencoder) -> int:
+    """The AutoencoderKL's downsampling factor: 2 per down block but the last (diffusers' vae_scale_factor)."""
+    return 2 ** (len(autoencoder.config.block_out_channels) - 1)

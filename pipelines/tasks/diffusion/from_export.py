@@ -17,7 +17,7 @@ from diffusers import (
     UNet2DModel,
 )
 
-from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder, vae_factor
 from prunepipe.pipelines.tasks.diffusion.dit import DiTTransformer2DModel, dit_null_label
 from prunepipe.pipelines.tasks.diffusion.export import (
     AUTOENCODER_INFO,
@@ -192,9 +192,7 @@ def export_size_conditions(model, info: dict, autoencoder: AutoencoderKL | None)
     VAE's, as PixArtAlphaPipeline counts them (1 in pixel space)."""
     if not getattr(model, "use_additional_conditions", False):
         return None
-    factor = info.get("downsampling") or (
-        2 ** (len(autoencoder.config.block_out_channels) - 1) if autoencoder is not None else 1
-    )
+    factor = info.get("downsampling") or (vae_factor(autoencoder) if autoencoder is not None else 1)
     return SizeConditions(int(factor))
 
 

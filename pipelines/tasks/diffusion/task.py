@@ -21,7 +21,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteSchedu
 
 from prunepipe.pipelines.data.batch import real_samples
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
-from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder, vae_factor
 from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig, check_config
 from prunepipe.pipelines.tasks.diffusion.dit import build_dit, dit_shape
 from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
@@ -107,7 +107,7 @@ class DiffusionTask:
                     f"ldm.vae={cfg.vae!r} encodes {vae.config.in_channels}-channel "
                     f"images but the data decodes to {channels} channels (data.channels)"
                 )
-            size = image_size // 2 ** (len(vae.config.block_out_channels) - 1)
+            size = image_size // vae_factor(vae)
             latent_channels = vae.config.latent_channels
             self.scaling_factor = cfg.scaling_factor or float(vae.config.scaling_factor)
             self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -208,7 +208,7 @@ class DiffusionTask:
         if cfg.space == "pixel":
             return 1
         if cfg.space == "vae":
-            return 2 ** (len(self.autoencoder.config.block_out_channels) - 1)
+            return vae_factor(self.autoencoder)
         shape, resolution = meta.get("latent_shape"), meta.get("resolution")
         if shape and isinstance(resolution, int) and resolution % int(shape[-1]) == 0:
             return resolution // int(shape[-1])
