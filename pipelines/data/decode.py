@@ -101,14 +101,8 @@ class SampleDecoder:
             raise BadInputError(
                 f"{_where(sample)}: no image field (expected one of {', '.join(IMAGE_FIELDS)}; has: {_fields(sample)})"
             )
-        data = sample[field]
-        pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
         try:
-            if pixels is not None:
-                img = Image.fromarray(pixels.permute(1, 2, 0).numpy())
-            else:
-                with Image.open(io.BytesIO(data)) as opened:
-                    img = opened.convert("RGB" if self.channels == 3 else "L")
+            img = self._opened(sample, field, self._fast(sample, field))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
             raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
         return img, self._label(sample)
@@ -141,18 +135,25 @@ class SampleDecoder:
             )
         return FLIPPED_LATENT_FIELD if flip_coin(self.seed, pass_index, [sample_id])[0] else plain_field
 
+    def _fast(self, sample: dict, field: str) -> torch.Tensor | None:
+        """uint8 [3, H, W] from torchvision's decoders where they apply (RGB, their formats), else None."""
+        return _fast_rgb(sample[field]) if self.channels == 3 and field in FAST_FIELDS else None
+
+    def _opened(self, sample: dict, field: str, pixels: torch.Tensor | None) -> Image.Image:
+        """The image as decoded, uncropped: the fast decoders' `pixels` where there are some (PIL resizes
+        the same pixels), else PIL's decoding, in RGB or L as `channels` says."""
+        if pixels is not None:
+            return Image.fromarray(pixels.permute(1, 2, 0).numpy())
+        with Image.open(io.BytesIO(sample[field])) as opened:
+            return opened.convert("RGB" if self.channels == 3 else "L")
+
     def _image(self, sample: dict, field: str, sample_id: int, pass_index: int) -> torch.Tensor:
-        data = sample[field]
-        pixels = _fast_rgb(data) if self.channels == 3 and field in FAST_FIELDS else None
+        pixels = self._fast(sample, field)
         random_crop = self.crop == "random_resized"
         if pixels is not None and not random_crop and tuple(pixels.shape[1:]) == (self.resolution, self.resolution):
             return pixels
         try:
-            if pixels is not None:  # decoded, but at another size (or to be cropped): PIL resizes the same pixels
-                img = Image.fromarray(pixels.permute(1, 2, 0).numpy())
-            else:
-                with Image.open(io.BytesIO(data)) as opened:
-                    img = opened.convert("RGB" if self.channels == 3 else "L")
+            img = self._opened(sample, field, pixels)
             if random_crop:  # on the original image, before any resize (MAE's RandomResizedCrop)
                 box = random_resized_crop_box(
                     *img.size, self.crop_scale, crop_uniforms(self.seed, pass_index, sample_id)
@@ -160,12 +161,9 @@ class SampleDecoder:
                 img = resize_crop(img, self.resolution, box)
             else:
                 img = resize_center_crop(img, self.resolution)
-            array = np.asarray(img, dtype=np.uint8)
+            return image_pixels(img)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
             raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
-        if array.ndim == 2:
-            array = array[:, :, None]
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
     @staticmethod
     def _latent(sample: dict, field: str) -> torch.Tensor:
@@ -185,6 +183,14 @@ class SampleDecoder:
                 f"(ldm.num_classes; -1 = no label)"
             )
         return label
+
+
+def image_pixels(img: Image.Image) -> torch.Tensor:
+    """uint8 [C, H, W] of a PIL image (C = 1 for L)."""
+    array = np.asarray(img, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
 def caption(sample: dict) -> str:

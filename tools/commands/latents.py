@@ -40,6 +40,7 @@ from prunepipe.pipelines.data.decode import (
     TEXT_NULL_FILE,
     SampleDecoder,
     caption,
+    image_pixels,
 )
 from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
 from prunepipe.pipelines.data.resize import resize_cover_crop
@@ -336,9 +337,8 @@ def encode_shard(
 
     def write_batch(bucket: int | None) -> None:
         batch, tar = pending[bucket], tar_of(bucket)
-        images = torch.stack([image for _, image, _ in batch])
-        if images.dtype == torch.uint8:  # a bucket's pixels wait as bytes: a quarter of float32's memory
-            images = decoder.finish(images, np.zeros(len(images), dtype=np.int64), 0)
+        # a bucket's pixels waited as bytes (a quarter of float32's memory); the square ones come finished
+        images = decoder.finish(torch.stack([image for _, image, _ in batch]), np.zeros(len(batch), dtype=np.int64), 0)
         images = images.to(device)
         latents = encode(images)
         tar.latent_shape = list(latents.shape[1:])
@@ -373,10 +373,7 @@ def encode_shard(
         bucket = table.nearest(height, width)
         bucket_height, bucket_width = table.sizes[bucket]
         img, (top, left) = resize_cover_crop(original, bucket_height, bucket_width)
-        array = np.asarray(img, dtype=np.uint8)
-        if array.ndim == 2:
-            array = array[:, :, None]
-        pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()  # uint8 until its batch is full
+        pixels = image_pixels(img)  # uint8 until its batch is full
         where = {
             "bucket": bucket_name(bucket_height, bucket_width),
             "original_size": [height, width],
