@@ -21,7 +21,7 @@ from test_data import CountingDecoder
 
 from prunepipe.pipelines.checkpoint.position import TrainingPosition
 from prunepipe.pipelines.data.batch import Batch, real_samples
-from prunepipe.pipelines.data.layout import SliceOfShard, bucket_count, pass_layout
+from prunepipe.pipelines.data.layout import SliceOfShard, pass_layout
 from prunepipe.pipelines.data.mixture import Mixture, PassUnits
 from prunepipe.pipelines.data.shards import ShardEntry, ShardIndex
 from prunepipe.pipelines.data.splits import read_split
@@ -168,7 +168,7 @@ def random_index(rng, *, bucketed: bool) -> ShardIndex:
 def check_bucketed_layout(index, layout, unit_shard, unit_copy, unit_kept, world, workers) -> None:
     workers = max(1, workers)
     slots = world * workers
-    num_buckets = bucket_count(index)
+    num_buckets = index.num_buckets
     assert layout.batches.sum(axis=1).tolist() == [layout.steps] * world, "every rank the same steps"
     assert layout.bucket_batches.shape == (slots, num_buckets)
     assert np.array_equal(layout.bucket_batches.sum(axis=1).reshape(world, workers), layout.batches)
@@ -271,7 +271,7 @@ def test_an_unbucketed_layout_is_what_it_was():
 @pytest.mark.parametrize("pruned", [False, True], ids=["full", "half-dropped"])
 def test_batches_of_one_bucket_cover_the_kept_samples_once_with_equal_steps(bucketed, pruned):
     index = ShardIndex.load(bucketed)
-    assert bucket_count(index) == 3
+    assert index.num_buckets == 3
     interleaved = False
     for world in (1, 2, 3):
         for pass_index in range(2):
@@ -313,7 +313,7 @@ def tallies(index, per_rank, skip: int, world: int, workers: int) -> np.ndarray:
     rows = []
     for rank, batches in enumerate(per_rank):
         tally = BadInputTally(cfg)
-        tally.begin_pass(TrainingPosition(), rank, world, workers, buckets=bucket_count(index))
+        tally.begin_pass(TrainingPosition(), rank, world, workers, buckets=index.num_buckets)
         for batch in batches[:skip]:
             tally.saw(batch, TrainingPosition())
         rows.append(tally.undecodable)
@@ -323,7 +323,7 @@ def tallies(index, per_rank, skip: int, world: int, workers: int) -> np.ndarray:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_pass_resumed_mid_way_yields_exactly_the_rest(bucketed_corrupt, workers):
     index = ShardIndex.load(bucketed_corrupt)
-    world, buckets = 2, bucket_count(index)
+    world, buckets = 2, index.num_buckets
     plan = half_plan(index, 1) if workers else None
     full, layout = run_pass(index, 1, plan, world=world, workers=workers, on_bad_sample="skip")
     for batches in full:

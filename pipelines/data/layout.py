@@ -97,7 +97,7 @@ def pass_layout(
     if index.buckets is not None:
         # the buckets in an order of the pass's own, so that the trim and the deal's wrap fall on
         # another bucket each pass, never on the same one run-long
-        bucket_order = np.random.default_rng([seed, pass_index, _BUCKET_ORDER_SALT]).permutation(bucket_count(index))
+        bucket_order = np.random.default_rng([seed, pass_index, _BUCKET_ORDER_SALT]).permutation(index.num_buckets)
         return _bucketed_layout(
             index, order, bucket_order, kept_per_shard, shard_of_unit, copy_of_unit, world_size, workers, batch_size
         )
@@ -119,14 +119,6 @@ def pass_layout(
 
 
 _BUCKET_ORDER_SALT = 0x627563  # "buc": the pass's bucket order is a stream apart from its unit order
-
-
-def bucket_count(index: ShardIndex) -> int:
-    """The buckets of a bucketed index (its table's, or more if a shard names a higher one); 0 when the
-    index is not bucketed."""
-    if index.buckets is None:
-        return 0
-    return max(len(index.bucket_table), int(index.buckets.max()) + 1 if len(index.buckets) else 0)
 
 
 def _bucketed_layout(
@@ -153,7 +145,7 @@ def _bucketed_layout(
     deal): read, never decoded, so that its shards are still read to their ends. Then every rank
     above the smallest total drops batches (at most one), from its largest worker first (the first
     such), from the last bucket in `bucket_order` that worker holds batches of."""
-    num_buckets = bucket_count(index)
+    num_buckets = index.num_buckets
     slots = world_size * workers
     unit_bucket = index.buckets[unit_shard]
     deal_slot = np.array([(d % world_size) * workers + (d // world_size) % workers for d in range(slots)])

@@ -89,6 +89,12 @@ class ShardIndex:
         for name in ("sizes", "crcs"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.full(len(self.urls), UNKNOWN, dtype=np.int64))
+        if (
+            self.buckets is not None
+            and len(self.buckets)
+            and not 0 <= int(self.buckets.min()) <= int(self.buckets.max()) < len(self.meta.get("buckets", []))
+        ):
+            raise ValueError(f"{self.path}: a shard names a bucket its table of {self.num_buckets} does not list")
 
     def expected(self, shard: int) -> Expected:
         """What the index knows of shard `shard`'s bytes, for its reader to check (`read_shard`)."""
@@ -100,6 +106,16 @@ class ShardIndex:
         """The buckets as index.json lists them: {"name": "HxW", "image": [H, W], "shape": [C, h, w]} each
         (`image` the size the images were cropped to, `shape` the stored tensor's); [] when not bucketed."""
         return list(self.meta.get("buckets", [])) if self.buckets is not None else []
+
+    @property
+    def num_buckets(self) -> int:
+        """Buckets in the table (every shard names one of them); 0 when not bucketed."""
+        return len(self.bucket_table)
+
+    @property
+    def bucket_names(self) -> list[str]:
+        """Each bucket's name, "HxW" of the images cut to it."""
+        return [str(b["name"]) for b in self.bucket_table]
 
     @property
     def bucket_shapes(self) -> list[tuple[int, ...]]:
@@ -215,7 +231,11 @@ def _recorded_buckets(path: str, shards: list[dict], meta: dict) -> np.ndarray |
     marked = [s for s in shards if "bucket" in s]
     if table is None and not marked:
         return None
-    if not isinstance(table, list) or not table or not all(isinstance(b, dict) and "shape" in b for b in table):
+    if (
+        not isinstance(table, list)
+        or not table
+        or not all(isinstance(b, dict) and {"name", "shape"} <= b.keys() for b in table)
+    ):
         raise ValueError(
             f"{path}: shards name aspect-ratio buckets but the index's 'buckets' is not a list of "
             f'{{"name", "image", "shape"}} entries (got {table!r})'

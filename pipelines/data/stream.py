@@ -27,7 +27,6 @@ from prunepipe.pipelines.data.layout import (
     PassLayout,
     SliceOfShard,
     batches_taken_per_worker,
-    bucket_count,
     pass_layout,
 )
 from prunepipe.pipelines.data.mixture import Mixture, PassDraw, draw_keys, pass_units
@@ -94,7 +93,7 @@ class ShardStream:
     def num_buckets(self) -> int:
         """The index's aspect-ratio buckets (0: not bucketed): undecodable counts are kept per worker part
         and bucket, `max(1, num_buckets)` a part."""
-        return bucket_count(self.index)
+        return self.index.num_buckets
 
     def draw(self, pass_index: int) -> PassDraw | None:
         """How pass `pass_index` takes each source (None: one source, whole)."""
@@ -367,7 +366,7 @@ class _PartReader(IterableDataset):
         replayed: dict[int, collections.deque] = {b: collections.deque(maxlen=8) for b in streams}
         taken = np.bincount(order[:skip], minlength=len(counts)) * self.batch_size
         for b, samples in streams.items():  # resume: replay each bucket's order without decoding
-            undecodable = part.undecodable[b] if b < len(part.undecodable) else 0
+            undecodable = part.undecodable[b]
             for _ in range(int(taken[b]) + undecodable):
                 replayed[b].append(next(samples, None))
         events.clear()  # met while replaying: counted by the run that trained those batches
@@ -387,7 +386,7 @@ class _PartReader(IterableDataset):
                 part.part,
                 drain=drain,
                 bucket=b,
-                shape=shapes[b] if b < len(shapes) else None,
+                shape=shapes[b],
             )
 
     def _kept_raw_samples(

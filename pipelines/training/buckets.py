@@ -15,7 +15,7 @@ class BucketTally:
     part it trained, as train_loss does)."""
 
     def __init__(self, index: ShardIndex):
-        self.names = [str(b.get("name", i)) for i, b in enumerate(index.bucket_table)]
+        self.names = index.bucket_names
         self.index = index
         self.loss_sum = np.zeros(len(self.names), dtype=np.float64)
         self.loss_count = np.zeros(len(self.names), dtype=np.int64)

@@ -63,7 +63,7 @@ def check_same_buckets(position: TrainingPosition, mixture: Mixture, resume_from
     scores would follow other samples. The position records the table (names and shapes, "" unbucketed)
     and counts each bucket's forwarded samples."""
     index = mixture.index
-    table = [[str(b.get("name", "")), list(shape)] for b, shape in zip(index.bucket_table, index.bucket_shapes)]
+    table = [[name, list(shape)] for name, shape in zip(index.bucket_names, index.bucket_shapes)]
     record = json.dumps(table) if table else ""
     if resume_from is not None and position.buckets != record:
         raise ValueError(

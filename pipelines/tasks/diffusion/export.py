@@ -250,7 +250,7 @@ def _sizes_note(task) -> list[str]:
     """README lines on the sizes the model trained at (aspect-ratio buckets) and samples at, [] for one size."""
     if not task.bucket_table:
         return []
-    names = ", ".join(str(b.get("name", "x".join(map(str, b["shape"][-2:])))) for b in task.bucket_table)
+    names = ", ".join(str(b["name"]) for b in task.bucket_table)
     side = task.sample_size
     base = f"{side}x{side} px" if task.cfg.space == "pixel" else f"{side}x{side} latents"
     if task.cfg.space != "pixel" and task.downsampling:

@@ -233,7 +233,7 @@ class DiffusionTask:
         vae = self.downsampling if cfg.space == "vae" else 1
         for bucket in self.bucket_table:
             shape = [int(v) for v in bucket["shape"]]
-            name = f"data.train's bucket {bucket.get('name', 'x'.join(map(str, shape[-2:])))!r} (shape {shape})"
+            name = f"data.train's bucket {bucket['name']!r} (shape {shape})"
             if cfg.space == "latents" and shape[0] != self.in_channels:
                 raise ValueError(
                     f"{name} holds {shape[0]}-channel latents; the model takes {self.in_channels} "
