@@ -28,6 +28,8 @@ import numpy as np
 
 from prunepipe.pipelines.data.layout import pass_layout
 from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.tools.commands.aspect_buckets import BucketTable, load_buckets
+from prunepipe.tools.commands.latents import bucket_shard
 
 
 def bucket_shares(sizes: list[tuple[int, int]], spread: float = 0.35) -> np.ndarray:
@@ -37,20 +39,21 @@ def bucket_shares(sizes: list[tuple[int, int]], spread: float = 0.35) -> np.ndar
     return shares / shares.sum()
 
 
-def indexes(samples: int, shard_size: int, sizes: list[tuple[int, int]]) -> tuple[ShardIndex, ShardIndex]:
-    """(the input shards unbucketed, the same images as a tar per bucket of each input shard)."""
+def indexes(samples: int, shard_size: int, table: BucketTable) -> tuple[ShardIndex, ShardIndex]:
+    """(the input shards unbucketed, the same images as a tar per bucket of each input shard, named and
+    described as `latents encode --buckets` writes them for an SD VAE)."""
+    sizes = list(table.sizes)
     inputs = max(1, samples // shard_size)
     per_input = np.floor(shard_size * bucket_shares(sizes)).astype(np.int64)
     per_input[np.argmax(per_input)] += shard_size - int(per_input.sum())  # each input shard holds shard_size
     held = np.flatnonzero(per_input)
     counts = np.tile(per_input[held], inputs)
     buckets = np.tile(held, inputs).astype(np.int64)
-    table = [{"name": f"{h}x{w}", "image": [h, w], "shape": [4, h // 8, w // 8]} for h, w in sizes]
     bucketed = ShardIndex(
-        tuple(f"shard-{i // len(held):06d}.b{b:02d}.tar" for i, b in enumerate(buckets)),
+        tuple(bucket_shard(f"shard-{i // len(held):06d}.tar", b, len(sizes)) for i, b in enumerate(buckets)),
         counts,
         "bucketed",
-        {"buckets": table},
+        {"buckets": table.index_entries(4, 8)},
         buckets=buckets,
     )
     plain = ShardIndex(tuple(f"shard-{i:06d}.tar" for i in range(inputs)), np.full(inputs, shard_size), "plain")
@@ -87,12 +90,6 @@ def measure(index: ShardIndex, args, world: int) -> dict:
     }
 
 
-def table_sizes(name: str) -> list[tuple[int, int]]:
-    from prunepipe.tools.commands.aspect_buckets import load_buckets
-
-    return [(int(h), int(w)) for h, w in load_buckets(name).sizes]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=float, default=1e8, help="images (default: %(default)g)")
     parser.add_argument("--shard-size", type=int, default=10_000, help="images an input shard (img2dataset's 10k)")
@@ -107,9 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args) -> int:
-    sizes = table_sizes(args.buckets)
+    table = load_buckets(args.buckets)
     world = args.nodes * args.ranks_per_node
-    plain, bucketed = indexes(int(args.samples), args.shard_size, sizes)
+    plain, bucketed = indexes(int(args.samples), args.shard_size, table)
     rows = [measure(plain, args, world), measure(bucketed, args, world)]
     ratio = {k: rows[1][k] / rows[0][k] for k in ("tars", "index_mb", "layout_s", "layout_mb") if rows[0][k]}
     if args.json:
@@ -119,7 +116,7 @@ def run_from_args(args) -> int:
     print(
         f"<!-- {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, numpy {np.__version__}; "
         f"{args.nodes} nodes x {args.ranks_per_node} ranks x {args.workers} workers, batch {args.batch_size}, "
-        f"{args.buckets} ({len(sizes)} buckets), input shards of {args.shard_size}, {args.kept:.0%} kept -->"
+        f"{args.buckets} ({len(table.sizes)} buckets), input shards of {args.shard_size}, {args.kept:.0%} kept -->"
     )
     print("| index | tars | samples | index (MB) | layout (s) | layout (MB) | steps | tail |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -50,6 +50,14 @@ class BucketTable:
     def names(self) -> list[str]:
         return [bucket_name(h, w) for h, w in self.sizes]
 
+    def index_entries(self, channels: int, factor: int) -> list[dict]:
+        """index.json's `buckets`: each bucket's name, image size and latent shape for a VAE of
+        `channels` latent channels and downsampling `factor`."""
+        return [
+            {"name": bucket_name(h, w), "image": [h, w], "shape": [channels, h // factor, w // factor]}
+            for h, w in self.sizes
+        ]
+
     def describe(self) -> dict:
         """What index.json and the job's settings record of the table."""
         return {"name": self.name, "source": self.source, "sizes": [list(size) for size in self.sizes]}

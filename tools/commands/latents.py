@@ -183,10 +183,7 @@ def encode_shards(
         channels = int(autoencoder.config.latent_channels)
         bucket_meta = {
             "latent_shape": [channels, resolution // factor, resolution // factor],
-            "buckets": [
-                {"name": bucket_name(h, w), "image": [h, w], "shape": [channels, h // factor, w // factor]}
-                for h, w in table.sizes
-            ],
+            "buckets": table.index_entries(channels, factor),
             "bucket_table": {"name": table.name, "source": table.source},
         }
     decoder = SampleDecoder(resolution=resolution, channels=autoencoder.config.in_channels)
