@@ -70,14 +70,15 @@ class Trainer:
 
         # ------------------------------------------------------------ the task, the data, the pruner
         torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
-        # each rank loads its model's parts (a text encoder, the shards' records) from its own node: one
-        # that cannot stops every rank here, not only itself while the others wait in the next collective
-        task = self.task = on_every_rank(lambda: build_task(cfg))
-        agree_on_text(task)
         # every source's index.json from each rank's node: one that cannot read it stops every rank here
         mixture = self.mixture = on_every_rank(
             lambda: Mixture.load(cfg.data.train, samples_per_pass=cfg.data.samples_per_pass)
         )
+        # each rank loads its model's parts (a text encoder, the shards' records: the mixture's index, not
+        # read again) from its own node: one that cannot stops every rank here, not only itself while the
+        # others wait in the next collective
+        task = self.task = on_every_rank(lambda: build_task(cfg, mixture=mixture))
+        agree_on_text(task)
         self.pass_length = int(mixture.per_pass().sum())  # samples the sources' rules draw a pass, before pruning
         if is_main and len(mixture.sources) > 1:
             print(f"data.train: {len(mixture.sources)} sources, ids laid end to end\n{mixture.describe()}", flush=True)

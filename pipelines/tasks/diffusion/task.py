@@ -43,11 +43,12 @@ from prunepipe.pipelines.tasks.wrappers import unwrap
 HELD_OUT_TIMESTEPS = 10
 
 
-def precomputed_text(cfg: DiffusionConfig, shards: str) -> PrecomputedText:
-    """The text features stored with the shards at `shards`, checked against the config."""
+def precomputed_text(cfg: DiffusionConfig, shards: str, meta: dict | None = None) -> PrecomputedText:
+    """The text features stored with the shards at `shards` (`meta`: their index.json's keys, where read
+    already), checked against the config."""
     if not shards:
         raise ValueError("ldm.text.features=precomputed reads the features stored with the train shards (data.train)")
-    text = PrecomputedText(shards)
+    text = PrecomputedText(shards, meta)
     if cfg.text.tokenizer:
         raise ValueError(
             f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.features=precomputed the shards "
@@ -73,6 +74,7 @@ class DiffusionTask:
         channels: int,
         shards: str = "",
         buckets: list[dict] | None = None,
+        train_meta: dict | None = None,
     ):
         """`image_size` and `channels` describe the decoded images. With ldm.space=latents the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
@@ -80,8 +82,10 @@ class DiffusionTask:
         holds the text features (ldm.text.features=precomputed) and names the VAE of its latents.
         `buckets`: the train split's aspect-ratio buckets as index.json lists them ({"name", "image",
         "shape"} each; a mixture's merged table), None = those of `shards`' index.json, if any; each is
-        checked against the backbone here, and kept as `bucket_table`."""
+        checked against the backbone here, and kept as `bucket_table`. `train_meta`: the train split's
+        index.json keys where the caller has read them (the loop's mixture), None = read from `shards`."""
         self.cfg = cfg
+        self._given_meta = train_meta
         self.shards = shards
         self.conditioning = check_config(cfg)
         self.timestep_sampler = (
@@ -140,7 +144,7 @@ class DiffusionTask:
         # ---------------------------------------------------------------- model and schedule
         self.text_encoder: TextEncoder | PrecomputedText | None = None
         if self.conditioning == "text" and cfg.text.features == "precomputed":
-            self.text_encoder = precomputed_text(cfg, shards)
+            self.text_encoder = precomputed_text(cfg, shards, self._given_meta)
         elif self.conditioning == "text":
             self.text_encoder = TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length)
         self.model = (
@@ -196,6 +200,8 @@ class DiffusionTask:
     def _train_meta(self) -> dict:
         """The train split's index.json keys (resolution, latent_shape, buckets where bucketed, ...), {}
         without one here."""
+        if self._given_meta is not None:
+            return dict(self._given_meta)
         if not self.shards or not os.path.exists(index_file(self.shards)):
             return {}
         return dict(ShardIndex.load(self.shards).meta)

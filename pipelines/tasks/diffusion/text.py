@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from prunepipe.pipelines.data.decode import TEXT_NULL_FILE
-from prunepipe.pipelines.data.shards import ShardIndex
+from prunepipe.pipelines.data.shards import ShardIndex, index_file
 
 # config.model_type -> the transformers class holding the encoder alone (a T5 folder also has a decoder)
 ENCODER_CLASSES = {
@@ -276,20 +276,21 @@ class PrecomputedText:
     sample's real tokens (text.npy), the empty caption's (text_null.npy beside index.json), and the
     encoder's identity in index.json. Answers what TextEncoder answers, without the encoder."""
 
-    def __init__(self, folder: str):
-        index = ShardIndex.load(folder)
-        meta = index.meta
+    def __init__(self, folder: str, meta: dict | None = None):
+        """`meta`: the keys of `folder`'s index.json where the caller has read them already."""
+        index_path = index_file(folder)
+        meta = ShardIndex.load(folder).meta if meta is None else meta
         if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
             raise ValueError(
-                f"ldm.text.features=precomputed: {index.path} records no text features; write "
+                f"ldm.text.features=precomputed: {index_path} records no text features; write "
                 f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
                 f"ldm.text.features=encoder and ldm.text.encoder to the encoder's folder to encode captions in the loop"
             )
-        self.index_path = index.path
+        self.index_path = index_path
         self.info = dict(meta["text_encoder"])
         self.width = int(meta["text_width"])
         self.max_length = int(self.info["max_length"])
-        null_path = os.path.join(os.path.dirname(index.path), TEXT_NULL_FILE)
+        null_path = os.path.join(os.path.dirname(index_path), TEXT_NULL_FILE)
         try:
             self._null_tokens = np.load(null_path, allow_pickle=False)
         except OSError as e:
