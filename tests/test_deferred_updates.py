@@ -111,7 +111,7 @@ def test_the_pruner_gets_step_k_scores_only_after_step_k_plus_1_forward_began(di
 
     cfg = tiny_cfg(digits_shards, tmp_path, "order", extra=["num_passes=1", "checkpoint.every_steps=1000"])
     monkeypatch.setattr(
-        loop, "build_task", lambda c: RecordingTask(c.mae, image_size=c.data.resolution, channels=c.data.channels)
+        loop, "build_task", lambda c, **_: RecordingTask(c.mae, image_size=c.data.resolution, channels=c.data.channels)
     )
     monkeypatch.setattr(loop, "build_pruner", recording_pruner)
     loop.train(cfg)
