@@ -79,6 +79,19 @@ class CudaConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model is spread over the ranks (pipelines/training/parallel.py, docs/multinode.md)."""
+
+    # ddp: every rank holds the whole model (26 bytes a parameter) | fsdp: parameters, gradients, AdamW and EMA
+    # sharded over every rank (FSDP2) | hsdp: sharded within a group of ranks, the groups replicated
+    strategy: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    replicas: int = 0  # hsdp: how many copies (each sharded over world / replicas ranks); 0 = one per node
+    reshard_after_forward: bool = True  # fsdp: free each block's gathered weights after its forward (less memory)
+    # recompute each block's activations in backward instead of keeping them: none | full | N (every Nth block)
+    activation_checkpointing: Any = "none"
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-3  # the peak rate; unused when blr > 0
     blr: float = 0.0  # > 0: peak rate = blr x effective batch / 256, MAE's rule (world x batch_size x grad_accum)
@@ -154,6 +167,7 @@ class RunConfig:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     cuda: CudaConfig = field(default_factory=CudaConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     init: InitConfig = field(default_factory=InitConfig)  # another run's weights, unless the run resumes
     mae: MAEConfig = field(default_factory=MAEConfig)
@@ -189,6 +203,7 @@ RANGES = {
     "checkpoint.keep": ">= 1",
     "score.buckets": ">= 1",
     "score.momentum": "[0, 1)",
+    "parallel.replicas": (">= 0", "0 = one per node"),
 }
 
 
@@ -224,6 +239,7 @@ def validate(cfg: RunConfig) -> None:
             "score.normalise=stratum_mean or stratum_zscore"
         )
     _validate_init(cfg)
+    _validate_parallel(cfg)
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
     if cfg.eval.every_passes and not cfg.data.val:
@@ -255,6 +271,48 @@ def _validate_init(cfg: RunConfig) -> None:
             f"config: init.weights={weights!r} is inside this run's own folder {cfg.run_dir!r}; a run continues "
             f"from its own checkpoints with checkpoint.resume=latest, init.weights names another run"
         )
+
+
+def _validate_parallel(cfg: RunConfig) -> None:
+    """The sharded strategies' settings: what activation checkpointing accepts, bf16 rather than fp16 (FSDP2
+    reduces in fp32 and keeps fp32 master weights: no loss scaler), no in-loop evaluators (they sample
+    with rank-dependent counts; `prunepipe eval` judges a sharded run's checkpoint on one process)."""
+    par = cfg.parallel
+    try:
+        par.activation_checkpointing = checkpointed_every(par.activation_checkpointing)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if par.strategy == "ddp":
+        return
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError(
+            f"config: parallel.strategy={par.strategy} trains in bf16 with fp32 reductions and master weights; "
+            f"mixed_precision=fp16 needs a loss scaler it does not have: use mixed_precision=bf16 (or auto)"
+        )
+    if cfg.eval.every_passes:
+        raise ConfigError(
+            f"config: eval.every_passes={cfg.eval.every_passes} under parallel.strategy={par.strategy}: the "
+            f"evaluators run on whole models; set eval.every_passes=0 and judge the checkpoints with "
+            f"`prunepipe eval RUN` (the per-pass held-out loss is still written)"
+        )
+
+
+def checkpointed_every(setting) -> str | int:
+    """parallel.activation_checkpointing in one spelling: none, full (every block), or N >= 2 (every Nth)."""
+    if setting in ("none", 0, "0"):
+        return "none"
+    if setting in ("full", 1, "1"):
+        return "full"
+    try:
+        every = int(setting)
+    except (TypeError, ValueError):
+        every = 0
+    if every < 1:
+        raise ValueError(
+            f"parallel.activation_checkpointing={setting!r} is not accepted; accepted: none, full, or N >= 1 "
+            f"(every Nth block)"
+        )
+    return "full" if every == 1 else every
 
 
 def pruner_hparams(pruner: dict) -> dict:

@@ -14,6 +14,9 @@ the gradients became ready), and beyond two ranks a reduction's sums depend on t
 resumed process would sum the step after a resume in another order than the uninterrupted run, and
 its weights would drift in the last bits (the cluster rehearsal checks it, docs/multinode.md).
 `rebuild_buckets` makes every process regroup before its first real step.
+
+Under fsdp and hsdp (parallel.py) each micro-batch's gradients are reduce-scattered as its backward runs,
+so nothing waits for a group's last micro-batch and a skipped one needs no repair; FSDP2 has no buckets.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+
+from prunepipe.pipelines.training.parallel import ModelParallel
 
 
 def accumulation_group(micro: int, total: int, accum: int) -> tuple[bool, int]:
@@ -35,10 +40,11 @@ def accumulation_group(micro: int, total: int, accum: int) -> tuple[bool, int]:
 class GradientAccumulation:
     """Which micro-batches synchronise gradients, and the repair for a skipped step-ending one."""
 
-    def __init__(self, accelerator, model: torch.nn.Module, accum: int):
-        self.accelerator, self.model, self.accum = accelerator, model, accum
+    def __init__(self, accelerator, model: torch.nn.Module, accum: int, parallel: ModelParallel):
+        self.accelerator, self.model, self.accum, self.parallel = accelerator, model, accum, parallel
         self.backwards_in_group = 0  # micro-batches of the current group whose backward ran
-        self.buckets_rebuilt = accelerator.num_processes == 1  # one process has no buckets to regroup
+        # one process has no buckets to regroup, nor FSDP2 any
+        self.buckets_rebuilt = accelerator.num_processes == 1 or parallel.sharded
 
     def rebuild_buckets(self, loss_of_a_batch) -> None:
         """Once per process, before its first real micro-batch (at a step boundary: a fresh start or
@@ -58,7 +64,10 @@ class GradientAccumulation:
         return accumulation_group(micro, total, self.accum)
 
     def sync_context(self, is_step: bool):
-        """Around forward and backward: `no_sync` unless this micro-batch ends an optimizer step."""
+        """Around forward and backward: `no_sync` unless this micro-batch ends an optimizer step (ddp)."""
+        if self.parallel.sharded:
+            self.parallel.before_forward(is_step)
+            return nullcontext()
         return nullcontext() if is_step else self.accelerator.no_sync(self.model)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -69,7 +78,7 @@ class GradientAccumulation:
         """This micro-batch's backward did not run (on every rank alike). If it ended a step, finish
         the synchronised backward its forward announced with a zero loss through every parameter: DDP
         averages what the group accumulated. Gradients nobody computed stay None (`has_gradients`)."""
-        if not (is_step and self.accelerator.num_processes > 1):
+        if not (is_step and self.accelerator.num_processes > 1) or self.parallel.sharded:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.accelerator.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)

@@ -16,6 +16,8 @@ from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
 
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.tasks.diffusion.dit import compile_blocks
+from prunepipe.pipelines.training.node_tables import local_rank_and_size
+from prunepipe.pipelines.training.parallel import ModelParallel, checkpoint_activations, device_mesh, shard_model
 
 
 def mixed_precision(cfg: RunConfig) -> str:
@@ -79,12 +81,30 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, device: torch.device
 
 
 def prepare_model(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Module):
-    """(the model wrapped for the run, its AdamW), both through accelerate's prepare."""
-    device = accelerator.device
+    """(the model made ready for the run, its AdamW, the strategy): activation checkpointing, the device,
+    then DDP through accelerate's prepare, or FSDP2 / HSDP units (parallel.strategy)."""
+    device, par = accelerator.device, cfg.parallel
     set_backend_flags(cfg, device)
+    checkpoint_activations(model, par.activation_checkpointing)  # hooks only: names and state dict unchanged
     place_model(cfg, model, device)  # before the optimizer: the fused kernel checks the parameters' device
-    optimizer = build_optimizer(cfg, model, device)
-    return accelerator.prepare(model, optimizer)
+    if par.strategy == "ddp":
+        model, optimizer = accelerator.prepare(model, build_optimizer(cfg, model, device))
+        return model, optimizer, ModelParallel("ddp", model, accelerator)
+    ensure_process_group(device)
+    _, local_world = local_rank_and_size() if accelerator.num_processes > 1 else (0, 1)
+    mesh = device_mesh(par.strategy, par.replicas, accelerator.num_processes, local_world, device.type)
+    shard_model(model, mesh, bf16=mixed_precision(cfg) == "bf16", reshard_after_forward=par.reshard_after_forward)
+    optimizer = build_optimizer(cfg, model, device)  # over the shards
+    may_skip = cfg.on_nonfinite_loss == "skip"
+    return model, optimizer, ModelParallel(par.strategy, model, accelerator, mesh, may_skip=may_skip)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """A process group of one where accelerate made none (one process): FSDP2's mesh needs one. An
+    in-memory store, so nothing listens on a port."""
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 class DeviceWaitCheck:

@@ -26,10 +26,11 @@ class DiTSettings:
     """ldm.dit.preset: the DiT of backbone=dit, a preset (DiT-S/2, B/2, L/2, XL/2; /4 and /8 too) whose numbers
     the others override when > 0."""
 
-    # dit.py's DIT_PRESETS: S, B, L, XL (Table 1 of the paper) at patch 2, 4 or 8
+    # dit.py's DIT_PRESETS: S, B, L, XL (Table 1 of the paper) and 8B (~8.2 B parameters) at patch 2, 4 or 8
     preset: Literal[
         "DiT-S/2", "DiT-S/4", "DiT-S/8", "DiT-B/2", "DiT-B/4", "DiT-B/8",
         "DiT-L/2", "DiT-L/4", "DiT-L/8", "DiT-XL/2", "DiT-XL/4", "DiT-XL/8",
+        "DiT-8B/2", "DiT-8B/4", "DiT-8B/8",
     ] = "DiT-S/2"  # fmt: skip
     depth: int = 0
     width: int = 0
@@ -51,6 +52,8 @@ class TextSettings:
     encoder: str = ""
     tokenizer: str = ""  # its tokenizer's folder; "" = the encoder's
     max_length: int = 77  # tokens per caption (CLIP 77; PixArt-alpha's T5 120)
+    # the encoder's weights: auto = bfloat16 on CUDA (T5-XXL 9.5 GB on every GPU instead of 19), float32 on a CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     caption_dropout: float = 0.1  # share of samples trained on the empty caption's features (PixArt, Sana)
 
 

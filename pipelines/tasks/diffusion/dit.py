@@ -22,15 +22,17 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from prunepipe.pipelines.tasks.wrappers import unwrap
 
-# name -> (depth, hidden size, heads): Table 1 of the paper; the patch size follows the slash
-DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+# name -> (depth, hidden size, heads): Table 1 of the paper; the patch size follows the slash. 8B: this
+# project's, ~8.2 B parameters (48 blocks of 3072, heads of 128), the size of the largest diffusion transformers
+# pretrained now, for sharded training (docs/multinode.md, "Models past one GPU")
+DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16), "8B": (48, 3072, 24)}
 DIT_PRESETS = tuple(f"DiT-{size}/{patch}" for size in DIT_SIZES for patch in (2, 4, 8))
 
 
 def dit_shape(preset: str, depth: int = 0, width: int = 0, heads: int = 0, patch_size: int = 0) -> dict:
     """(num_layers, hidden size, heads, patch size) of `preset`, each overridden when > 0
     (tiny CPU models: `DiT-S/2` with depth 2, width 64, heads 2)."""
-    match = re.fullmatch(r"DiT-(S|B|L|XL)/(\d+)", preset)
+    match = re.fullmatch(rf"DiT-({'|'.join(DIT_SIZES)})/(\d+)", preset)
     if not match:
         raise ValueError(
             f"ldm.dit.preset={preset!r} is not accepted; accepted: {', '.join(DIT_PRESETS)} "
@@ -81,6 +83,14 @@ class DiTTransformer2DModel(diffusers.DiTTransformer2DModel):
     The same name as diffusers' class on purpose: save_pretrained writes it into config.json, an
     export's model_index.json names it, and init.weights compares it, so an export loads in diffusers
     (DiTPipeline, DiTTransformer2DModel.from_pretrained: square inputs there) as before."""
+
+    def called_outside_their_block(self) -> list[nn.Module]:
+        """Modules the forward calls from outside the block that holds them: the final layer's modulation
+        reads block 0's timestep and label embedder after the last block (diffusers' design; DiT shares one
+        embedder, diffusers gives each block its own and keeps block 0's for the end, and exports depend on
+        those names). A sharded model makes each of them a unit of its own (pipelines/training/parallel.py),
+        gathered whenever it is called."""
+        return [self.transformer_blocks[0].norm1.emb]
 
     def forward(
         self,
