@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+# 1: accelerate's save_state (model.safetensors, optimizer.bin), written by rank 0; 2: the model, optimizer and
+# EMA weights through torch.distributed.checkpoint, written by every rank (sharded.py). Both verify; only 2 resumes.
+FORMAT = 2
+FORMATS = (1, 2)
 _CHUNK = 1 << 22
 
 
@@ -27,16 +30,23 @@ def file_crc32(path: str, sync: bool = False) -> int:
     return crc
 
 
-def write_manifest(folder: str, step: int) -> str:
-    """Sync every file of `folder` to disk, then write (and sync) its manifest, last."""
-    files = {}
+def file_entry(path: str) -> dict:
+    """A file's manifest entry (size and CRC-32), the file synced to disk on the way."""
+    return {"bytes": os.path.getsize(path), "crc32": f"{file_crc32(path, sync=True):08x}"}
+
+
+def write_manifest(folder: str, step: int, known: dict[str, dict] | None = None) -> str:
+    """Sync every file of `folder` to disk, then write (and sync) its manifest, last. `known`: entries
+    other ranks made of the files they wrote (relative name -> file_entry), taken as they are, so that
+    no rank reads back the whole checkpoint alone."""
+    files, known = {}, known or {}
     for root, _, names in os.walk(folder):
         for name in sorted(names):
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
             if relative in (MANIFEST, MANIFEST + ".tmp"):
                 continue
-            files[relative] = {"bytes": os.path.getsize(path), "crc32": f"{file_crc32(path, sync=True):08x}"}
+            files[relative] = known[relative] if relative in known else file_entry(path)
     body = {"format": FORMAT, "step": step, "files": files}
     path = os.path.join(folder, MANIFEST)
     with open(path + ".tmp", "w") as f:
@@ -77,8 +87,8 @@ def verify(folder: str, only: Callable[[str], bool] | None = None) -> Verdict:
         files = manifest["files"]
         if not isinstance(files, dict) or not files:
             raise ValueError("lists no files")
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format {manifest.get('format')!r}, this version reads {FORMAT}")
+        if manifest.get("format") not in FORMATS:
+            raise ValueError(f"format {manifest.get('format')!r}, this version reads {' and '.join(map(str, FORMATS))}")
         body = {key: manifest[key] for key in ("format", "step", "files")}
         if manifest.get("self_crc32") != _self_crc(body):
             raise ValueError("its own CRC-32 does not match its content")
@@ -98,6 +108,15 @@ def verify(folder: str, only: Callable[[str], bool] | None = None) -> Verdict:
         if crc != entry["crc32"]:
             return Verdict(folder, f"{name} has CRC-32 {crc}, manifest says {entry['crc32']} (its bytes changed)")
     return Verdict(folder)
+
+
+def manifest_format(folder: str) -> int | None:
+    """The format its manifest records (FORMATS), None without a readable manifest."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            return int(json.load(f)["format"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _self_crc(body: dict) -> str:

@@ -1,9 +1,10 @@
-"""Checkpoints on disk, in one format: accelerate's `save_state` folder (model, optimizer, RNG of every
-rank), the run's named parts beside them (EMA, pruner, training position, ...: parts.py) and a manifest
-written last. A save goes
+"""Checkpoints on disk, in one format: the model, the optimizer and the EMA's weights through
+torch.distributed.checkpoint, every rank writing what it holds (sharded.py), the run's named parts beside
+them (EMA settings, pruner, training position, ...: parts.py) and a manifest written last. A save goes
 to a temporary folder that is renamed when complete; a failed save raises and leaves the previous
 checkpoints as they were. `latest` means the newest checkpoint whose manifest verifies: damaged ones
-are reported with the file and the reason, and skipped.
+are reported with the file and the reason, and skipped. Resuming from one that is not the newest
+moves the newer ones aside (`abandon_newer`), so that the next `latest` is the branch that goes on.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from typing import Callable
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
-from prunepipe.pipelines.checkpoint.manifest import verify, write_manifest
+from prunepipe.pipelines.checkpoint.manifest import FORMAT, file_entry, manifest_format, verify, write_manifest
 from prunepipe.pipelines.checkpoint.parts import EMA, POSITION, PRUNER, CheckpointParts, read_part
 from prunepipe.pipelines.checkpoint.pruner_state import resolve_tables
+from prunepipe.pipelines.checkpoint.sharded import EMA_WEIGHTS, MODEL, TrainingState, is_sharded, read_whole
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+ABANDONED_PREFIX = "abandoned-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -108,25 +113,41 @@ def choose_resume(accelerator, resume: str, run_dir: str) -> str | None:
     return answer[0]
 
 
-def load_resume(accelerator, folder: str, parts: CheckpointParts) -> None:
-    """accelerate's load_state (model, optimizer, RNG), then the run's parts by name; a failure named
-    by the folder (a checkpoint that verifies can still fail to load, e.g. one of another model)."""
+def load_resume(folder: str, state: TrainingState, parts: CheckpointParts) -> None:
+    """The model, optimizer and EMA weights (every rank its share, at this run's world size and strategy),
+    then the run's parts by name; a failure named by the folder (a checkpoint that verifies can still fail
+    to load, e.g. one of another model)."""
+    if not is_sharded(folder):
+        raise CheckpointError(
+            f"{folder}: checkpoint format {manifest_format(folder)} (accelerate's save_state: model.safetensors, "
+            f"optimizer.bin) cannot be resumed by this version, which resumes format {FORMAT} "
+            f"(torch.distributed.checkpoint); start a stage from its weights and EMA with init.weights={folder}, "
+            f"or finish the run with the version that wrote it"
+        )
     try:
-        accelerator.load_state(folder)
+        state.load(folder)
         parts.load(folder)
     except ValueError:  # a part refusing this run's settings (another group table, another pruner): said as is
         raise
-    except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise their own types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP, pickle and torch raise their own types
+        first = (
+            _last_line(e)
+            if isinstance(e, CheckpointException)
+            else str(e).strip().splitlines()[0]
+            if str(e).strip()
+            else type(e).__name__
+        )
         raise CheckpointError(
             f"{folder}: cannot be loaded ({type(e).__name__}: {first}); resume from an older "
             f"checkpoint with checkpoint.resume=PATH"
         ) from e
 
 
-def save_checkpoint(accelerator, run_dir: str, step: int, keep: int, parts: CheckpointParts) -> str:
-    """Every rank calls this (each saves its RNG state); rank 0 writes the model, the optimizer and the
-    named `parts`, the manifest, renames and prunes.
+def save_checkpoint(
+    accelerator, run_dir: str, step: int, keep: int, parts: CheckpointParts, state: TrainingState
+) -> str:
+    """Every rank calls this and writes its share of `state` (model, optimizer, EMA weights) and the
+    manifest entries of its own files; rank 0 writes the named `parts`, the manifest, renames and prunes.
     A failure on any rank raises on every rank, removes the partial folder and touches no older one."""
     folder = checkpoints_dir(run_dir)
     final = os.path.join(folder, f"{PREFIX}{step:06d}")
@@ -138,12 +159,19 @@ def save_checkpoint(accelerator, run_dir: str, step: int, keep: int, parts: Chec
             if name.startswith(TMP_PREFIX):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     accelerator.wait_for_everyone()
-    failure = _attempt(lambda: accelerator.save_state(tmp))
+    entries: dict = {}
+
+    def write_own_share() -> None:  # each rank sums up its own files: nobody reads the whole checkpoint back
+        for path in state.save(tmp):
+            entries[os.path.relpath(path, tmp)] = file_entry(path)
+
+    failure = _attempt(write_own_share)
     if is_main and failure is None:
         failure = _attempt(lambda: parts.save(tmp))
     _raise_on_any_rank(accelerator, failure, final, tmp, run_dir)
+    known = _gathered_entries(accelerator, entries)
     if is_main:
-        failure = _attempt(lambda: _seal(tmp, final, step))
+        failure = _attempt(lambda: _seal(tmp, final, step, known))
     _raise_on_any_rank(accelerator, failure, final, tmp, run_dir)
     if is_main:  # the new checkpoint verifies (its manifest was just made from its files) and is kept
         for old in complete_checkpoints(run_dir)[:-keep]:
@@ -152,9 +180,18 @@ def save_checkpoint(accelerator, run_dir: str, step: int, keep: int, parts: Chec
     return final
 
 
-def _seal(tmp: str, final: str, step: int) -> None:
+def _gathered_entries(accelerator, entries: dict) -> dict:
+    """Every rank's manifest entries of the files it wrote, merged (on every rank)."""
+    if accelerator.num_processes == 1:
+        return entries
+    gathered: list = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(gathered, entries)
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
+def _seal(tmp: str, final: str, step: int, known: dict) -> None:
     """Manifest last, then the rename that makes the checkpoint visible."""
-    write_manifest(tmp, step)
+    write_manifest(tmp, step, known)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -164,9 +201,16 @@ def _seal(tmp: str, final: str, step: int) -> None:
 def _attempt(action) -> BaseException | None:
     try:
         action()
-    except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, safetensors' own: all a failed save
+    except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError: all a failed save
         return e
+    except CheckpointException as e:  # DCP's (a BaseException): each failed rank's traceback, the cause last
+        return OSError(_last_line(e))
     return None
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _raise_on_any_rank(accelerator, failure: BaseException | None, final: str, tmp: str, run_dir: str) -> None:
@@ -186,6 +230,31 @@ def _raise_on_any_rank(accelerator, failure: BaseException | None, final: str, t
     ) from failure
 
 
+def abandon_newer(run_dir: str, resumed: str, say: Callable[[str], None] = print) -> str | None:
+    """Resuming from `resumed`, an older checkpoint of this run (a rollback): its newer checkpoints belong to
+    the branch given up, so they move into checkpoints/abandoned-TIME/ (named in the log) before the run
+    saves again; `latest` and retention then see the live branch only. Returns the folder they went to."""
+    match = _STEP.match(os.path.basename(os.path.normpath(resumed)))
+    if not match or os.path.abspath(os.path.dirname(os.path.normpath(resumed))) != os.path.abspath(
+        checkpoints_dir(run_dir)
+    ):
+        return None  # another run's checkpoint: nothing of this run's to set aside
+    at = int(match.group(1))
+    newer = [f for f in complete_checkpoints(run_dir) if int(_STEP.match(os.path.basename(f)).group(1)) > at]
+    if not newer:
+        return None
+    aside = os.path.join(checkpoints_dir(run_dir), ABANDONED_PREFIX + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(aside, exist_ok=True)
+    for folder in newer:
+        os.replace(folder, os.path.join(aside, os.path.basename(folder)))
+    _fsync_dir(checkpoints_dir(run_dir))
+    say(
+        f"rolled back to {os.path.basename(resumed)}: {len(newer)} newer checkpoint(s) "
+        f"({', '.join(os.path.basename(f) for f in newer)}) moved to {aside}"
+    )
+    return aside
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -201,21 +270,29 @@ def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables
     `read_tables=False` leaves the pruner's table files unread (their names stay), for readers of the weights."""
     from safetensors.torch import load_file
 
-    weights = os.path.join(checkpoint, "model.safetensors")
+    weights = os.path.join(checkpoint, "model.safetensors")  # format 1: accelerate's files
     if not read_model:
         model = None
+    elif is_sharded(checkpoint):
+        model = read_whole(checkpoint, MODEL)
     elif os.path.isfile(weights):
         model = load_file(weights)
     elif os.path.isfile(os.path.join(checkpoint, "pytorch_model.bin")):
         model = torch.load(os.path.join(checkpoint, "pytorch_model.bin"), map_location="cpu", weights_only=True)
     else:
-        raise FileNotFoundError(f"{checkpoint}: no model.safetensors (not an accelerate checkpoint of prunepipe train)")
+        raise FileNotFoundError(f"{checkpoint}: no weights (neither a DCP .metadata nor model.safetensors)")
     pruner = read_part(checkpoint, PRUNER)
     if pruner is not None and read_tables:
         pruner = resolve_tables(pruner, checkpoint)
+    ema = read_part(checkpoint, EMA)
+    if ema is not None and "names" in ema:  # format 2: the weights beside the settings, by parameter name
+        names = ema.pop("names")
+        if read_model and is_sharded(checkpoint):
+            shadow = read_whole(checkpoint, EMA_WEIGHTS) or {}
+            ema["shadow_params"] = [shadow[name] for name in names]
     return {
         "model": model,
-        "ema": read_part(checkpoint, EMA),
+        "ema": ema,
         "pruner": pruner,
         "position": read_part(checkpoint, POSITION),
     }

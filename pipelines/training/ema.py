@@ -51,6 +51,30 @@ class PassProgressEMA(EMAModel):
             self.to(device=placed.device)
 
 
+class EMASettings:
+    """The EMA's checkpoint part beside its weights (which torch.distributed.checkpoint saves sharded as
+    they are: pipelines/checkpoint/sharded.py): decay, step count and warmup, and the names of the
+    parameters its weights follow, in order, so that one process can rebuild diffusers' state."""
+
+    def __init__(self, ema: EMAModel, names: list[str]):
+        self.ema, self.names = ema, names
+
+    def state_dict(self) -> dict:
+        state = {key: value for key, value in self.ema.state_dict().items() if key != "shadow_params"}
+        return {**state, "names": list(self.names)}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        names = state.pop("names", None)
+        if names is not None and list(names) != list(self.names):
+            raise ValueError(
+                f"the checkpoint's EMA follows {len(names)} parameters, this model has {len(self.names)} "
+                f"(first difference: {next((a, b) for a, b in zip(names + [None], self.names + [None]) if a != b)})"
+            )
+        state.pop("shadow_params", None)
+        self.ema.load_state_dict(state)
+
+
 def with_ema_weights(model: nn.Module, ema: EMAModel) -> nn.Module:
     """A copy of `model` (the bare module) holding `ema`'s weights: what an export writes beside the live ones."""
     ema_model = copy.deepcopy(model)

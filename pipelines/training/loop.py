@@ -19,6 +19,7 @@ import torch
 from prunepipe.pipelines.checkpoint.parts import CheckpointParts
 from prunepipe.pipelines.checkpoint.position import TrainingPosition
 from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
+from prunepipe.pipelines.checkpoint.sharded import TrainingState
 from prunepipe.pipelines.checkpoint.store import save_checkpoint
 from prunepipe.pipelines.config import RunConfig, check_data, pruner_hparams
 from prunepipe.pipelines.data.mixture import Mixture
@@ -27,6 +28,7 @@ from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
 from prunepipe.pipelines.progress import EveryFewSeconds, pass_label, progress
 from prunepipe.pipelines.ranks import on_every_rank
 from prunepipe.pipelines.tasks.build import build_task
+from prunepipe.pipelines.trained import export_run
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
 from prunepipe.pipelines.training.accumulation import GradientAccumulation
 from prunepipe.pipelines.training.bad_input import BadInputTally
@@ -34,7 +36,7 @@ from prunepipe.pipelines.training.buckets import BucketTally
 from prunepipe.pipelines.training.data import load_held_out, train_stream
 from prunepipe.pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from prunepipe.pipelines.training.device import DeviceWaitCheck, prepare_model, start_accelerator
-from prunepipe.pipelines.training.ema import PassProgressEMA, with_ema_weights
+from prunepipe.pipelines.training.ema import EMASettings, PassProgressEMA, with_ema_weights
 from prunepipe.pipelines.training.groups import use_configured_groups
 from prunepipe.pipelines.training.metrics import format_pass, open_metrics, write_run_config
 from prunepipe.pipelines.training.node_tables import NodeTables, node_place
@@ -86,14 +88,16 @@ class Trainer:
         pruner = self.pruner = build_pruner(name, mixture.index.num_samples, cfg.num_passes, seed=cfg.seed, **hparams)
 
         # ------------------------------------------------------------ the model, its optimizer and EMA
-        self.model, self.optimizer = prepare_model(cfg, accelerator, task.model)
-        self.trained = list(accelerator.unwrap_model(self.model).parameters())  # what the EMA follows
+        self.model, self.optimizer, self.parallel = prepare_model(cfg, accelerator, task.model)
+        named = list(accelerator.unwrap_model(self.model).named_parameters())  # sharded in place under fsdp
+        self.trained = [param for _, param in named]  # what the EMA follows
         full_steps = self.pass_length / (self.world * cfg.data.batch_size * cfg.optim.grad_accum)  # a full pass
         self.ema = PassProgressEMA(
             self.trained, decay=cfg.ema_decay, warmup=cfg.ema_warmup, full_steps_per_pass=full_steps
         )
         self.ema.to(self.device)
-
+        names = [name for name, _ in named]
+        self.state = TrainingState(self.model, self.optimizer, self.ema, names)  # every rank saves its share
         # ------------------------------------------------------------ the pruner's tables and groups per node
         place = node_place(self.rank, self.world)
         self.node_tables = NodeTables(pruner, *place.as_tuple(), announce=is_main)
@@ -105,13 +109,15 @@ class Trainer:
         self.buckets = BucketTally(mixture.index)  # aspect-ratio buckets: none unless the shards are bucketed
         self.scorer = self.source_strata.normaliser(cfg.score)
         self.parts = CheckpointParts(
-            ema=self.ema,
+            ema=EMASettings(self.ema, names),
             pruner=CheckpointedPruner(pruner),  # its tables as files of their own, written once
             position=self.position,
             score_normaliser=self.scorer if cfg.score.normalise != "none" else None,
             timestep_sampler=task.timestep_sampler,
         )
-        self.resumed_from = resume_or_start(cfg, accelerator, self.parts, self.model, task, mixture, announce=is_main)
+        self.resumed_from = resume_or_start(
+            cfg, accelerator, self.state, self.parts, self.model, task, mixture, announce=is_main
+        )
 
         # ------------------------------------------------------------ the stream, the judges, the log
         self.stream = train_stream(cfg, mixture, task, self.rank, self.world)
@@ -122,7 +128,7 @@ class Trainer:
         )
         self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position)
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
-        self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum)
+        self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
         # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
         self.workers = agreed_loader_workers(cfg.data.num_workers, device_type=self.device.type)
         self.last_saved = self.position.optimizer_steps if self.resumed_from else -1
@@ -143,9 +149,8 @@ class Trainer:
         self.stream.close()  # the loader workers, kept from pass to pass
         if position.optimizer_steps != self.last_saved:
             self.save()
-        if self.is_main and position.pass_index >= cfg.num_passes:
-            bare = self.accelerator.unwrap_model(self.model)
-            self.task.export(bare, with_ema_weights(bare, self.ema), os.path.join(cfg.run_dir, "export"))
+        if position.pass_index >= cfg.num_passes:
+            self.export()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         return summary
@@ -246,7 +251,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.cfg.optim.grad_clip > 0:
-                self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+                self.parallel.clip_gradients(self.cfg.optim.grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.step(self.trained, progress)
@@ -255,7 +260,7 @@ class Trainer:
 
     def forward(self, batch, randomness: SampleRandomness):
         """The task's per-sample losses of `batch` through the wrapped model, under mixed precision."""
-        with self.accelerator.autocast():
+        with self.parallel.autocast():
             return self.task.per_sample(self.model, batch, randomness)
 
     def consume(self, record: StepRecord) -> None:
@@ -325,5 +330,16 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint at the current step (every rank; rank 0 writes the files)."""
         step = self.position.optimizer_steps
-        save_checkpoint(self.accelerator, self.cfg.run_dir, step, self.cfg.checkpoint.keep, self.parts)
+        save_checkpoint(self.accelerator, self.cfg.run_dir, step, self.cfg.checkpoint.keep, self.parts, self.state)
         self.last_saved = step
+
+    def export(self) -> None:
+        """The trained model's export (RUN/export): from the model in memory, or under fsdp, whose ranks
+        each hold a shard, from the checkpoint just saved, read whole on rank 0 (what `prunepipe export` does)."""
+        out = os.path.join(self.cfg.run_dir, "export")
+        if self.parallel.sharded:
+            if self.is_main:
+                export_run(self.cfg.run_dir, out=out)
+        elif self.is_main:
+            bare = self.accelerator.unwrap_model(self.model)
+            self.task.export(bare, with_ema_weights(bare, self.ema), out)

@@ -12,7 +12,8 @@ import numpy as np
 
 from prunepipe.pipelines.checkpoint.parts import EMA, POSITION, CheckpointParts
 from prunepipe.pipelines.checkpoint.position import TrainingPosition
-from prunepipe.pipelines.checkpoint.store import choose_resume, load_resume
+from prunepipe.pipelines.checkpoint.sharded import TrainingState
+from prunepipe.pipelines.checkpoint.store import abandon_newer, choose_resume, load_resume
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.data.mixture import Mixture
 from prunepipe.pipelines.progress import position_label
@@ -32,16 +33,27 @@ def agree_on_text(task) -> None:
 
 
 def resume_or_start(
-    cfg: RunConfig, accelerator, parts: CheckpointParts, model, task, mixture: Mixture, *, announce: bool
+    cfg: RunConfig,
+    accelerator,
+    state: TrainingState,
+    parts: CheckpointParts,
+    model,
+    task,
+    mixture: Mixture,
+    *,
+    announce: bool,
 ) -> str | None:
-    """Load the newest intact checkpoint into the model, optimizer, RNG and `parts`, or on a stage's
-    first start init.weights into the bare `model` and the EMA part; then check the resumed position
-    (the position part) against this run's text encoder and mixture. Returns the checkpoint resumed
-    from, None on a fresh start."""
-    position, ema = parts.parts[POSITION], parts.parts[EMA]
+    """Load the newest intact checkpoint (or checkpoint.resume's) into the model, optimizer and EMA weights
+    (`state`) and `parts`, or on a stage's first start init.weights into the bare `model` and the EMA;
+    then check the resumed position (the position part) against this run's text encoder and mixture.
+    A rollback (resuming from a checkpoint that is not the newest) sets the newer ones aside. Returns the
+    checkpoint resumed from, None on a fresh start."""
+    position, ema = parts.parts[POSITION], parts.parts[EMA].ema
     resume_from = choose_resume(accelerator, cfg.checkpoint.resume, cfg.run_dir)  # the newest intact checkpoint
     if resume_from is not None:
-        load_resume(accelerator, resume_from, parts)
+        load_resume(resume_from, state, parts)
+        if accelerator.is_main_process:
+            abandon_newer(cfg.run_dir, resume_from)
         if announce:
             print(
                 f"resumed from {resume_from}: {position_label(position.pass_index, position.batch_in_pass, cfg.num_passes)}, "
