@@ -208,6 +208,8 @@ def encode_shards(
         "on_bad_sample": on_bad_sample,
         "text_encoder": identity_key(encoder.identity()) if encoder else None,
     }
+    if encoder is not None and encoder.model.dtype != torch.float32:  # bf16 on CUDA: other features than fp32's
+        settings["text_dtype"] = str(encoder.model.dtype).removeprefix("torch.")
     if table is not None:  # only then: an unbucketed job's digest (and its seals) stay as they were
         settings["buckets"] = {"name": table.name, "sizes": [list(size) for size in table.sizes]}
     vae_source = {"vae": os.path.abspath(vae) if os.path.isdir(vae) else vae, "subfolder": subfolder}  # for humans

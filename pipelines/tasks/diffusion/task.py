@@ -146,7 +146,9 @@ class DiffusionTask:
         if self.conditioning == "text" and cfg.text.features == "precomputed":
             self.text_encoder = precomputed_text(cfg, shards, self._given_meta)
         elif self.conditioning == "text":
-            self.text_encoder = TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length)
+            self.text_encoder = TextEncoder(
+                cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length, dtype=cfg.text.dtype
+            )
         self.model = (
             build_text_dit(
                 cfg.dit.preset,

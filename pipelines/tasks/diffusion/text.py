@@ -118,6 +118,16 @@ def caption_dropped(draws, rate: float, device) -> torch.Tensor:
     return draws.rand().to(device) < rate
 
 
+TEXT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def text_dtype(name: str) -> torch.dtype:
+    """ldm.text.dtype as a torch dtype: auto = bfloat16 where CUDA has it, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return TEXT_DTYPES[name]
+
+
 class TextEncoder:
     """A frozen encoder in eval mode and its tokenizer, both read from local folders only."""
 
@@ -129,9 +139,11 @@ class TextEncoder:
         *,
         setting: str = "ldm.text.encoder",
         tokenizer_setting: str = "ldm.text.tokenizer",
+        dtype: str = "auto",
     ):
         """`setting` and `tokenizer_setting` name where `path` and `tokenizer` came from (a config key,
-        or the flags of `prunepipe latents encode`), for the messages."""
+        or the flags of `prunepipe latents encode`), for the messages. `dtype` (ldm.text.dtype): what the
+        weights are loaded in; auto = bf16 on CUDA (T5-XXL: 9.5 GB instead of 19 on every GPU), fp32 on a CPU."""
         import transformers
 
         # absolute: an export records them, and is sampled from anywhere
@@ -161,7 +173,7 @@ class TextEncoder:
             self.class_name = ENCODER_CLASSES[config.model_type]
             try:
                 self.model, info = getattr(transformers, self.class_name).from_pretrained(
-                    self.path, local_files_only=True, output_loading_info=True
+                    self.path, local_files_only=True, output_loading_info=True, dtype=text_dtype(dtype)
                 )
             except (OSError, ValueError) as e:
                 raise FileNotFoundError(
