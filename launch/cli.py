@@ -515,6 +515,11 @@ BENCHES = {
         "pipe: shards through the retrying reader against webdataset's "
         "gopen; a command failing once per shard; a hanging one",
     ),
+    "memory": (
+        "prunepipe.tools.benchmarks.memory",
+        "per GPU under ddp and fsdp, with and without activation checkpointing: weights, grads, AdamW, EMA, text "
+        "encoder, activations per sample (models built on `meta`) and the largest batch that fits",
+    ),
     "dedup-scale": (
         "prunepipe.tools.benchmarks.dedup_scale",
         "shards dedup at 1e6 planted embeddings of 512 dims: wall time, peak RSS, precision and recall",

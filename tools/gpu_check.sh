@@ -6,6 +6,8 @@
 #   3. kill-and-resume exactness on CUDA with InfoBatch on: final weights, EMA and pruner state,
 #   4. gradient all-reduces per optimizer step with grad_accum 4 under DDP on NCCL (world size 1, then
 #      two processes sharing the one GPU, which NCCL may refuse: reported either way),
+#   5. parallel.strategy=fsdp at world 1 through the loop, and `bench memory`'s prediction beside
+#      torch.cuda.max_memory_allocated for DiT-XL/2 and MAE ViT-L/16 (memory.jsonl),
 # then writes docs/gpu.md (and everything under $OUT when set).
 # Usage: tools/gpu_check.sh            (on the GPU machine)
 #        tools/gpu_check.sh --cpu-smoke (every step at the smallest size on a CPU; writes only under $OUT)
@@ -32,7 +34,7 @@ else
 fi
 say "python $("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")')"
 
-say "1/4 CUDA-only tests"
+say "1/5 CUDA-only tests"
 set +e
 timeout 180 "$PY" -m pytest -q -m "not slow" -k cuda tests/test_randomness.py tests/test_deferred_updates.py \
   tests/test_text_features.py \
@@ -42,13 +44,13 @@ set -e
 TESTS=$(tail -n 1 "$OUT_DIR/cuda_tests.log")
 say "tests (exit $TESTS_RC): $TESTS"
 
-say "2/4 throughput, size $SIZE"
+say "2/5 throughput, size $SIZE"
 timeout 330 "$PY" -m prunepipe.launch.cli bench throughput --task all --size "$SIZE" --passes "$PASSES" \
   --repeats "$REPEATS" --json "$OUT_DIR/throughput.json" "${BENCH_SIZE[@]}" > "$OUT_DIR/throughput.log" 2>&1 \
   || say "throughput FAILED (exit $?)"
 grep -E "repeat|project/bare" "$OUT_DIR/throughput.log" || tail -n 20 "$OUT_DIR/throughput.log"
 
-say "3/4 kill-and-resume with InfoBatch (weights, EMA, pruner)"
+say "3/5 kill-and-resume with InfoBatch (weights, EMA, pruner)"
 DATA="$OUT_DIR/digits"
 [ -f "$DATA/train/index.json" ] || "$PY" -m prunepipe.launch.cli shards write --out "$DATA" > /dev/null
 timeout 240 "$PY" -m prunepipe.tools.benchmarks.resume_check configs/mae_tiny_infobatch.yaml --out "$OUT_DIR/resume" \
@@ -56,7 +58,7 @@ timeout 240 "$PY" -m prunepipe.tools.benchmarks.resume_check configs/mae_tiny_in
   > "$OUT_DIR/resume.log" 2>&1 || { cat "$OUT_DIR/resume.log"; say "resume check FAILED"; }
 say "resume: $(grep -o '"bitwise_equal": [a-z]*' "$OUT_DIR/resume.json" || echo 'no verdict')"
 
-say "4/4 gradient all-reduces per optimizer step, grad_accum 4"
+say "4/5 gradient all-reduces per optimizer step, grad_accum 4"
 set +e
 timeout 120 "$PY" -m prunepipe.tools.benchmarks.allreduce_count --grad-accum 4 --micro-batches 10 --json "$OUT_DIR/allreduce.json" \
   > "$OUT_DIR/allreduce.log" 2>&1
@@ -69,6 +71,14 @@ echo $? > "$OUT_DIR/allreduce_two.rc"
 set -e
 say "all-reduce count: $(grep -o '"one_bucket_set_per_step": [a-z]*' "$OUT_DIR/allreduce.json" || echo 'no verdict') (exit $ALLREDUCE_RC);" \
   "two processes: exit $(cat "$OUT_DIR/allreduce_two.rc")"
+
+say "5/5 fsdp at world 1 (the tiny DiT through the loop), bench memory's prediction beside the measured peak"
+timeout 150 "$PY" -m prunepipe.launch.cli train configs/ldm_dit_tiny_infobatch.yaml "data.train=$DATA/train" \
+  "data.val=$DATA/val" parallel.strategy=fsdp num_passes=2 "runs_dir=$OUT_DIR/runs" name=fsdp1 > "$OUT_DIR/fsdp1.log" 2>&1 \
+  && say "fsdp world 1: $(grep -E '^pass 2/2' "$OUT_DIR/fsdp1.log" | tail -n 1)" || { tail -n 20 "$OUT_DIR/fsdp1.log"; say "fsdp world 1 FAILED"; }
+timeout 150 "$PY" -m prunepipe.launch.cli bench memory --presets "DiT-XL/2 256 px" "MAE ViT-L/16 224 px" \
+  --measure "${MEMORY_BATCH:-16}" > "$OUT_DIR/memory.jsonl" 2> "$OUT_DIR/memory.log" || say "memory measurement FAILED"
+cat "$OUT_DIR/memory.jsonl"
 
 "$PY" -m prunepipe.tools.benchmarks.gpu_report --throughput "$OUT_DIR/throughput.json" --resume "$OUT_DIR/resume.json" \
   --allreduce "$OUT_DIR/allreduce.json" --allreduce-two "$OUT_DIR/allreduce_two.json" \

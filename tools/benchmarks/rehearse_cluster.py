@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prunepipe.pipelines.checkpoint.sharded import OPTIMIZER, read_whole
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.tools.benchmarks.resume_check import differences
 
@@ -317,10 +318,16 @@ def compare_final_states(reference_dir: str, requeued_dir: str) -> tuple[list[st
     ema_counters = [{k: v for k, v in state["ema"].items() if k != "shadow_params"} for state in (a, b)]
     problems += differences(*ema_counters, "ema")  # its step count and decay
     problems += differences(a["pruner"], b["pruner"], "pruner") + differences(a["position"], b["position"], "position")
+    moments = [read_whole(folder, OPTIMIZER) or {} for folder in (a_dir, b_dir)]
+    keys = sorted(moments[0])
+    problems += tensor_mismatch(
+        "AdamW", [moments[0][k] for k in keys], [moments[1].get(k, torch.empty(0)) for k in keys]
+    )
     compared = {
         "checkpoint": os.path.basename(a_dir),
         "model_tensors": len(names),
         "ema_tensors": len(a["ema"]["shadow_params"]),
+        "optimizer_tensors": len(keys),
         "pruner": sorted(a["pruner"]),
         "position": sorted(a["position"]),
     }
@@ -339,6 +346,7 @@ def rehearse(
     run_limit: float = 600.0,
     mixture: bool = False,
     buckets: bool = False,
+    strategy: str = "ddp",
     say=print,
 ) -> dict:
     """Reference run, killed run, requeue; returns the verdict (verdict["pass"] is the PASS/FAIL).
@@ -356,6 +364,7 @@ def rehearse(
             run_limit=run_limit,
             mixture=mixture,
             buckets=buckets,
+            strategy=strategy,
             say=say,
         )
     finally:
@@ -376,6 +385,7 @@ def _rehearse(
     run_limit: float,
     mixture: bool,
     buckets: bool,
+    strategy: str,
     say,
 ) -> dict:
     start = time.time()
@@ -408,6 +418,8 @@ def _rehearse(
             "score.normalise=stratum_mean",
             "score.per_source=true",
         ]
+    if strategy != "ddp":  # the model sharded over all 4 ranks, or per node and replicated across the two
+        mixed.append(f"parallel.strategy={strategy}")
     shutil.rmtree(runs, ignore_errors=True)  # runs of an earlier rehearsal would be resumed and appended to
     verdict: dict = {
         "work": work,
@@ -419,6 +431,7 @@ def _rehearse(
         "killed_node": kill,
         "mixture": mixture,
         "buckets": buckets,
+        "strategy": strategy,
         "problems": [],
     }
     problems = verdict["problems"]
@@ -599,6 +612,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rehearse the tiny text-to-image PixArt on aspect-ratio buckets (photo crops at 1:1, 2:1, 1:2, 4:3)",
     )
+    parser.add_argument(
+        "--strategy",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="parallel.strategy of the runs (hsdp: each node's ranks shard, the nodes replicate)",
+    )
     parser.add_argument("--json", help="write the verdict here too")
     args = parser.parse_args(argv)
     if args.mixture and args.buckets:
@@ -612,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         hang_limit=args.hang_limit,
         mixture=args.mixture,
         buckets=args.buckets,
+        strategy=args.strategy,
     )
     print(describe(verdict))
     if args.json:
