@@ -15,7 +15,6 @@ import sys
 
 import pytest
 from eval_runs import TINY_MAE, one_torch_thread, session_dir
-from safetensors.torch import load_file
 
 from prunepipe.launch.cli import main as cli_main
 from prunepipe.pipelines.checkpoint.manifest import MANIFEST, verify
@@ -34,10 +33,10 @@ from prunepipe.pipelines.training.loop import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "mae_tiny_infobatch.yaml")
 STOP = 42  # the stopped run saves at 10, 20, 30, 40 and, when it stops, 42: the newest to damage
+WEIGHTS = "__0_0.distcp"  # the model, AdamW and the EMA's weights as torch.distributed.checkpoint writes them
 KINDS = (
-    "model.safetensors",
-    "optimizer.bin",
-    "random_states_0.pkl",
+    WEIGHTS,
+    ".metadata",
     "pruner.pt",
     "ema.pt",
     "position.pt",
@@ -108,7 +107,7 @@ def copy_of_stopped(runs: dict, name: str) -> str:
 
 
 def final_weights(run_dir: str) -> dict:
-    return load_file(os.path.join(latest_checkpoint(run_dir), "model.safetensors"))
+    return load_checkpoint_states(latest_checkpoint(run_dir))["model"]
 
 
 def test_a_saved_checkpoint_has_a_manifest_that_verifies(runs):
@@ -118,9 +117,7 @@ def test_a_saved_checkpoint_has_a_manifest_that_verifies(runs):
         assert verify(folder).intact, verify(folder).describe()
         manifest = json.load(open(os.path.join(folder, MANIFEST)))
         assert set(manifest["files"]) == (set(KINDS) | set(TABLE_FILES)) - {MANIFEST}
-        assert manifest["files"]["model.safetensors"]["bytes"] == os.path.getsize(
-            os.path.join(folder, "model.safetensors")
-        )
+        assert manifest["files"][WEIGHTS]["bytes"] == os.path.getsize(os.path.join(folder, WEIGHTS))
 
 
 @pytest.mark.parametrize("how", DAMAGES)
@@ -168,10 +165,8 @@ def test_resume_latest_skips_a_damaged_checkpoint_and_ends_bitwise_equal(runs, k
 def test_resume_from_a_named_damaged_checkpoint_fails_naming_the_file(runs):
     run_dir = copy_of_stopped(runs, "named_damaged")
     newest = latest_checkpoint(run_dir)
-    damage(os.path.join(newest, "optimizer.bin"), "truncate")
-    with pytest.raises(
-        CheckpointError, match=rf"checkpoint.resume={newest}: optimizer.bin is 100 bytes, manifest says"
-    ):
+    damage(os.path.join(newest, WEIGHTS), "truncate")
+    with pytest.raises(CheckpointError, match=rf"checkpoint.resume={newest}: {WEIGHTS} is 100 bytes, manifest says"):
         resolve_resume(newest, run_dir)
     args = [
         "train",
@@ -188,16 +183,14 @@ def test_resume_from_a_named_damaged_checkpoint_fails_naming_the_file(runs):
         [sys.executable, "-m", "prunepipe.launch.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2
-    assert (
-        done.stderr.strip().splitlines()[-1].startswith(f"prunepipe: error: checkpoint.resume={newest}: optimizer.bin")
-    )
+    assert done.stderr.strip().splitlines()[-1].startswith(f"prunepipe: error: checkpoint.resume={newest}: {WEIGHTS}")
 
 
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(runs):
     run_dir = copy_of_stopped(runs, "all_damaged")
     for folder in complete_checkpoints(run_dir):
-        damage(os.path.join(folder, "model.safetensors"), "flip")
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint \(step_000042: model.safetensors has CRC-32"):
+        damage(os.path.join(folder, WEIGHTS), "flip")
+    with pytest.raises(CheckpointError, match=rf"no intact checkpoint \(step_000042: {WEIGHTS} has CRC-32"):
         resolve_resume("latest", run_dir)
 
 
@@ -216,7 +209,7 @@ def test_evaluating_latest_skips_a_damaged_checkpoint(runs, capsys):
     from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 
     run_dir = copy_of_stopped(runs, "eval_damaged")
-    damage(os.path.join(latest_checkpoint(run_dir), "model.safetensors"), "truncate")
+    damage(os.path.join(latest_checkpoint(run_dir), WEIGHTS), "truncate")
     record = evaluate_checkpoint(run_dir, overrides=["probe.enabled=false", "val_samples=64"], write=False)
     assert record["optimizer_steps"] == 40
     assert "; evaluating step_000040" in capsys.readouterr().out
@@ -236,10 +229,11 @@ def test_a_save_the_file_system_refuses_midway_keeps_the_previous_checkpoint(run
     run_dir = copy_of_stopped(runs, "refused")
     before = latest_checkpoint(run_dir)
     sizes = {name: os.path.getsize(os.path.join(before, name)) for name in os.listdir(before)}
-    # Files up to the model's size may be written, the optimizer's (larger) may not: the save stops
+    # Files up to the parts' sizes may be written, the weights' (larger) may not: the save stops
     # after writing part of the checkpoint, as on a full disk.
-    limit = (sizes["model.safetensors"] + sizes["optimizer.bin"]) // 2
-    assert sizes["model.safetensors"] < limit < sizes["optimizer.bin"]
+    largest_part = max(size for name, size in sizes.items() if name != WEIGHTS)
+    limit = (largest_part + sizes[WEIGHTS]) // 2
+    assert largest_part < limit < sizes[WEIGHTS]
     args = [
         "train",
         CONFIG,
@@ -273,7 +267,7 @@ def test_a_reader_of_the_pruner_state_checks_only_the_files_it_reads(runs, tmp_p
 
     run_dir = copy_of_stopped(runs, "scores_only")
     newest, previous = complete_checkpoints(run_dir)[-1], complete_checkpoints(run_dir)[-2]
-    damage(os.path.join(newest, "optimizer.bin"), "flip")  # not read for the histograms
+    damage(os.path.join(newest, WEIGHTS), "flip")  # not read for the histograms
     damage(os.path.join(previous, "pruner.pt"), "flip")  # read: that checkpoint is left out
     assert verify(newest, only=is_part_file).intact
     assert not verify(newest).intact

@@ -42,12 +42,11 @@ def tiny_cfg(digits_shards, tmp_path, name, config="mae_tiny_infobatch.yaml", ex
 
 def checkpoint_states(run_dir) -> dict:
     """step folder name -> (pruner state, model weights) of every checkpoint the run kept."""
-    from safetensors.torch import load_file
 
     states = {}
     for folder in complete_checkpoints(run_dir):
         pruner = load_checkpoint_states(folder, read_model=False)["pruner"]  # tables read from their files
-        states[os.path.basename(folder)] = (pruner, load_file(os.path.join(folder, "model.safetensors")))
+        states[os.path.basename(folder)] = (pruner, load_checkpoint_states(folder)["model"])
     return states
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from eval_runs import digit_shards
-from safetensors.torch import load_file
 
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint
 from prunepipe.pipelines.data.layout import pass_layout
@@ -190,8 +189,8 @@ def two_ranks_of_32_and_one_of_64(config: str, common: list[str], tmp_path) -> t
     ("one", in this process), 3 optimizer steps each (a 64-sample set, 3 passes)."""
     launch(2, config, common + ["name=two", "data.batch_size=32"])
     train_here(config, common + ["name=one", "data.batch_size=64"])
-    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
-    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
+    two = load_checkpoint_states(latest_checkpoint(str(tmp_path / "two")))["model"]
+    one = load_checkpoint_states(latest_checkpoint(str(tmp_path / "one")))["model"]
     assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
     return two, one
 

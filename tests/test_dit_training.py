@@ -9,11 +9,10 @@ import os
 import pytest
 import torch
 from eval_runs import digit_shards, feature_net, one_torch_thread, session_dir
-from safetensors.torch import load_file
 from test_distributed import assert_held_out_flow_loss_fell, launch, passes_of, trained_from_its_first_model
 from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 
-from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
@@ -116,8 +115,8 @@ def test_two_ranks_of_batch_b_train_the_dit_like_one_rank_of_batch_2b(digits_sha
     config = "ldm_dit_tiny_full.yaml"
     launch(2, config, common + ["name=two", "data.batch_size=32"])
     launch(1, config, common + ["name=one", "data.batch_size=64"])
-    two = load_file(os.path.join(latest_checkpoint(str(tmp_path / "two")), "model.safetensors"))
-    one = load_file(os.path.join(latest_checkpoint(str(tmp_path / "one")), "model.safetensors"))
+    two = load_checkpoint_states(latest_checkpoint(str(tmp_path / "two")))["model"]
+    one = load_checkpoint_states(latest_checkpoint(str(tmp_path / "one")))["model"]
     assert passes_of(str(tmp_path / "two"))[-1]["optimizer_steps"] == 3
     moved = 0
     for key in one:

@@ -9,10 +9,11 @@ import shutil
 
 import pytest
 from eval_runs import one_torch_thread, trained_task
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from test_text_eval import clip, text_run  # noqa: F401 (fixtures)
 from test_text_to_image import captioned, encoder  # noqa: F401 (fixtures)
 
+from prunepipe.pipelines.checkpoint.store import load_checkpoint_states
 from prunepipe.pipelines.evaluation.clip_score import clip_score_metric
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.runner import Evaluator
@@ -71,7 +72,7 @@ def test_transformers_loads_are_quiet_and_leave_its_settings_and_the_projects_ba
     # what would change results is still said, in one line: a tensor the weights lack starts random
     broken = str(tmp_path / "broken")
     shutil.copytree(encoder, broken)
-    weights = load_file(os.path.join(broken, "model.safetensors"))
+    weights = load_checkpoint_states(broken)["model"]
     gone = sorted(weights)[0]
     del weights[gone]
     save_file(weights, os.path.join(broken, "model.safetensors"), metadata={"format": "pt"})

@@ -14,9 +14,8 @@ import time
 
 import pytest
 from eval_runs import digit_shards
-from safetensors.torch import load_file
 
-from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.remote import ReadRetry
 from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
@@ -84,8 +83,8 @@ def test_a_command_that_dies_mid_stream_once_per_shard_trains_to_the_same_weight
     train(load_config(CONFIG, [*common, "name=clean", f"data.train={local_shards}"]))
     train(load_config(CONFIG, [*common, "name=flaky", f"data.train={flaky}"]))
     assert len(os.listdir(markers)) == 3, "every shard's command failed once"
-    clean = load_file(os.path.join(latest_checkpoint(str(tmp_path / "clean")), "model.safetensors"))
-    resumed = load_file(os.path.join(latest_checkpoint(str(tmp_path / "flaky")), "model.safetensors"))
+    clean = load_checkpoint_states(latest_checkpoint(str(tmp_path / "clean")))["model"]
+    resumed = load_checkpoint_states(latest_checkpoint(str(tmp_path / "flaky")))["model"]
     assert clean.keys() == resumed.keys()
     for name in clean:
         assert clean[name].equal(resumed[name]), f"{name} differs after the reads resumed"
@@ -116,7 +115,7 @@ def test_training_over_a_lying_store_reads_the_same_samples_or_stops_naming_url_
     from prunepipe.pipelines.training.loop import train
 
     train(load_config(CONFIG, [*common, "name=clean", f"data.train={local_shards}"]))
-    clean = load_file(os.path.join(latest_checkpoint(str(tmp_path / "clean")), "model.safetensors"))
+    clean = load_checkpoint_states(latest_checkpoint(str(tmp_path / "clean")))["model"]
     names = [os.path.basename(url) for url in ShardIndex.load(local_shards).urls]
     with FaultServer() as server:
         served = http_index(local_shards, tmp_path / "http", server)
@@ -125,7 +124,7 @@ def test_training_over_a_lying_store_reads_the_same_samples_or_stops_naming_url_
         server.fault(names[1], Fault("busy", seconds=0), Fault("drop", at=half), Fault("ignore_range"))
         server.fault(names[2], Fault("no_terminator"))
         train(load_config(CONFIG, [*common, "name=lying", f"data.train={served}"]))
-        lying = load_file(os.path.join(latest_checkpoint(str(tmp_path / "lying")), "model.safetensors"))
+        lying = load_checkpoint_states(latest_checkpoint(str(tmp_path / "lying")))["model"]
         assert all(clean[k].equal(lying[k]) for k in clean), "every sample was read as the local file holds it"
 
         other = open(ShardIndex.load(local_shards).urls[2], "rb").read()

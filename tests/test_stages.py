@@ -15,7 +15,7 @@ from eval_runs import one_torch_thread
 from safetensors.torch import load_file
 from test_trainer import ROOT, TINY_MAE, final_state, overrides, straight_and_resumed
 
-from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.config import ConfigError, load_config
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.mae import sincos_pos_embed
@@ -85,7 +85,7 @@ def test_a_stage_at_twice_the_resolution_starts_from_the_last_stages_export(stag
     records = [json.loads(x) for x in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     losses = [r["loss"] for r in records if r.get("kind") == "train"]
     assert len(losses) == 3 and all(loss == loss for loss in losses)
-    trained = load_file(os.path.join(latest_checkpoint(cfg.run_dir), "model.safetensors"))
+    trained = load_checkpoint_states(latest_checkpoint(cfg.run_dir))["model"]
     assert not torch.equal(trained["proj_out_2.weight"], live_weights["proj_out_2.weight"])
 
 

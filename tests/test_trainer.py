@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from safetensors.torch import load_file
 
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states, resolve_resume
 from prunepipe.pipelines.config import load_config
@@ -75,7 +74,7 @@ def run_cli(config, args, **kw) -> subprocess.Popen:
 
 def final_state(run_dir):
     checkpoint = latest_checkpoint(run_dir)
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    weights = load_checkpoint_states(checkpoint)["model"]
     pruner = load_checkpoint_states(checkpoint, read_model=False)["pruner"]  # tables read from their files
     return checkpoint, weights, pruner
 
