@@ -34,6 +34,7 @@ RANK_PROGRAM = textwrap.dedent("""
     from accelerate import Accelerator
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from prunepipe.pipelines.training.accumulation import GradientAccumulation
+    from prunepipe.pipelines.training.parallel import ModelParallel
 
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -59,7 +60,7 @@ RANK_PROGRAM = textwrap.dedent("""
     optimizer.zero_grad(set_to_none=True)
     per_sync, syncs[:] = len(syncs), []
 
-    accumulation = GradientAccumulation(accelerator, model, 4)
+    accumulation = GradientAccumulation(accelerator, model, 4, ModelParallel("ddp", model, accelerator))
     total = 8
     for micro in range(total):
         is_step, size = accumulation.group(micro, total)
@@ -71,7 +72,7 @@ RANK_PROGRAM = textwrap.dedent("""
     counted = len(syncs)
 
     # the micro-batch that ends a step is skipped (a non-finite loss on some rank: every rank skips it)
-    accumulation = GradientAccumulation(accelerator, model, 2)
+    accumulation = GradientAccumulation(accelerator, model, 2, ModelParallel("ddp", model, accelerator))
     syncs_at = {}
     for micro in range(4):
         syncs[:] = []

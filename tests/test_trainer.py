@@ -155,7 +155,7 @@ def test_checkpoint_half_written_when_killed_is_never_picked(digits_shards, tmp_
     # What a kill during a save leaves: the temporary folder with a truncated file.
     torn = os.path.join(os.path.dirname(good), ".tmp-step_999999")
     shutil.copytree(good, torn)
-    with open(os.path.join(torn, "model.safetensors"), "r+b") as f:
+    with open(os.path.join(torn, "__0_0.distcp"), "r+b") as f:
         f.truncate(100)
     assert latest_checkpoint(cfg.run_dir) == good
     assert resolve_resume("latest", cfg.run_dir) == good

@@ -28,8 +28,8 @@ from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
 from prunepipe.pipelines.progress import EveryFewSeconds, pass_label, progress
 from prunepipe.pipelines.ranks import on_every_rank
 from prunepipe.pipelines.tasks.build import build_task
-from prunepipe.pipelines.trained import export_run
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.trained import export_run
 from prunepipe.pipelines.training.accumulation import GradientAccumulation
 from prunepipe.pipelines.training.bad_input import BadInputTally
 from prunepipe.pipelines.training.buckets import BucketTally
