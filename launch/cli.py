@@ -515,6 +515,11 @@ BENCHES = {
         "pipe: shards through the retrying reader against webdataset's "
         "gopen; a command failing once per shard; a hanging one",
     ),
+    "datapath": (
+        "prunepipe.tools.benchmarks.datapath",
+        "MAE's 224 px crop and flip from JPEG shards, img/s a core: the project's path, the MAE "
+        "repository's, torchvision uint8 and decode alone; the cores a GPU needs",
+    ),
     "dedup-scale": (
         "prunepipe.tools.benchmarks.dedup_scale",
         "shards dedup at 1e6 planted embeddings of 512 dims: wall time, peak RSS, precision and recall",

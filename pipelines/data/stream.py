@@ -471,8 +471,9 @@ class _PartReader(IterableDataset):
             pixels.append(decoded)
             labels.append(label)
             texts.append(text)
+        flips = None
         if pixels:
-            images = self.decoder.finish(torch.stack(pixels), np.array(keys, dtype=np.int64), pass_index)
+            images, flips = self.decoder.batch_images(torch.stack(pixels), np.array(keys, dtype=np.int64), pass_index)
             template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
@@ -488,6 +489,8 @@ class _PartReader(IterableDataset):
             missing = self.batch_size - len(ids)
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
             images = torch.cat([images, padding]) if pixels else padding
+            if flips is not None:  # padding is never mirrored (and is zeros on any path)
+                flips = torch.cat([flips, torch.zeros(missing, dtype=torch.bool)])
             ids += [PADDING_ID] * missing
             walks += [0] * missing
             weights += [0.0] * missing
@@ -507,6 +510,7 @@ class _PartReader(IterableDataset):
             worker,
             bucket=bucket,
             walks=torch.tensor(walks, dtype=torch.int64) if any(walks) else None,
+            flips=flips,
             **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
@@ -516,7 +520,9 @@ class _PartReader(IterableDataset):
             if item is None:
                 continue
             try:
-                return [self.decoder(item[2], draw_keys(item[0], item[3]), pass_index)[0]]
+                key = draw_keys(item[0], item[3])
+                pixels = self.decoder.decode(item[2], key, pass_index)[0]
+                return [self.decoder.batch_images(pixels[None], np.array([key]), pass_index)[0][0]]
             except BadInputError:
                 continue
         return []
