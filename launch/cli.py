@@ -62,6 +62,7 @@ def _shards_write(args) -> None:
         **(redundant_options(args) if args.source == "redundant" else {}),
         captions=args.captions,
         aspects=args.aspects,
+        square=args.square,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
@@ -571,8 +572,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="for --source folder: processes decoding and resizing images (default: the usable "
+        help="for --source folder --square: processes decoding and resizing images (default: the usable "
         "cores; 0 or 1: this process)",
+    )
+    write.add_argument(
+        "--square",
+        action="store_true",
+        help="for --source folder: decode each image and write its centre square at --resolution as PNG; "
+        "without it each file's bytes are written as they are (a JPEG stays a JPEG, uncropped, as "
+        "img2dataset writes them) and training crops the whole image",
     )
     write.add_argument(
         "--captions",

@@ -285,7 +285,9 @@ def read_shard(
     key) when the shard is missing, corrupt or truncated, or a `pipe:` or http(s) read still fails
     after `retry`'s reopens (pipelines/data/remote.py); samples yielded before that point are valid.
     `expected` is what the index knows of the shard's bytes (`ShardIndex.expected`): a local file of
-    another size is refused at open, a remote stream checks size and CRC-32 as its bytes pass.
+    another size is refused at open, except one shorter that ends inside the tar (cut short: its
+    samples before the cut are yielded, then the error names the cut); a remote stream checks size
+    and CRC-32 as its bytes pass.
     """
     last_key = None
 
@@ -315,30 +317,48 @@ def _reading(
     except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
         raise BadInputError(f"shard {url}: cannot open: {e}") from e
     finished = False
+    cut_short = ""
     try:
         size = _file_size(stream)
         if expected.size is not None and size is not None and size != expected.size:
             # a stat, not a read: the reader seeks past unwanted members, so this is all it can check
-            raise BadInputError(
-                f"shard {url}: the file is {size} bytes but its index records {expected.size}: it was "
-                f"replaced, cut short or grown since it was indexed; restore it, or index the shards "
-                f"again (`prunepipe shards index`; `prunepipe shards verify` checks every shard's bytes)"
-            )
+            if size > expected.size or not url.lower().endswith(".tar") or _ends_a_tar(stream, size):
+                raise BadInputError(
+                    f"shard {url}: the file is {size} bytes but its index records {expected.size}: it was "
+                    f"replaced, cut short or grown since it was indexed; restore it, or index the shards "
+                    f"again (`prunepipe shards index`; `prunepipe shards verify` checks every shard's bytes)"
+                )
+            # A plain tar, shorter and ending inside the archive: the file was cut (a copy or a download
+            # stopped). The members before the cut are the indexed ones, in place: they are read, and the
+            # first one that runs past the end is where the shard's loss starts. (A compressed one cut
+            # short cannot be told from one replaced without reading it: refused.)
+            cut_short = f", the file cut short at {size} of the {expected.size} bytes its index records"
         yield stream
         if retried:  # the padding after the end blocks too: the stream checks the index's size and CRC-32 at its end
             while stream.read(1 << 16):
                 pass
         finished = True
     except ShardReadError as e:
-        raise BadInputError(f"shard {url}: {e} ({where()})") from e
+        raise BadInputError(f"shard {url}: {e} ({where()}{cut_short})") from e
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}: {_first_line(e)}") from e
+        raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}{cut_short}: {_first_line(e)}") from e
     finally:
         try:
             stream.close()
         except Exception as e:  # noqa: BLE001
             if finished:  # otherwise the error being raised already names the shard
                 raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
+
+
+def _ends_a_tar(stream: BinaryIO, size: int) -> bool:
+    """Whether a local file ends as a whole tar does, in zero blocks (the end-of-archive marker, or a
+    writer's padding after it); the stream is left at its start."""
+    try:
+        stream.seek(max(0, size - 2 * 512))
+        tail = stream.read(2 * 512)
+    finally:
+        stream.seek(0)
+    return len(tail) == 2 * 512 and not tail.strip(b"\0")
 
 
 def _file_size(stream: BinaryIO) -> int | None:

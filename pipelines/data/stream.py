@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prunepipe.pipelines.data.batch import PADDING_ID, Batch, text_fields
-from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder
+from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder, stack_pixels
 from prunepipe.pipelines.data.layout import (
     PassLayout,
     SliceOfShard,
@@ -126,6 +126,8 @@ class ShardStream:
             batch_size=self.batch_size,
             units=units if draw is not None and not draw.whole else None,
         )
+        length = self.index.num_samples if draw is None else int(draw.drawn.sum())
+        layout = dataclasses.replace(layout, length=length)
         if units is not None:
             sources = self.mixture.shard_source[units.shard]
             per_source = np.bincount(sources, weights=units.kept, minlength=len(self.mixture.sources))
@@ -412,7 +414,8 @@ class _PartReader(IterableDataset):
                 # Pruned samples and other slots' samples are skipped inside the tar reader: their
                 # bytes are seeked past (read and dropped on a pipe), never decoded. A sample past
                 # the index's count is read so that the error can name it. A local shard of another
-                # size than its index records is refused at open (a shard replaced since indexing).
+                # size than its index records is refused at open (a shard replaced since indexing),
+                # unless it was cut short: its samples before the cut are delivered, the rest lost.
                 expected = self.index.expected(piece.shard)
                 for position, sample in read_shard(
                     url, lambda p: p >= count or bool(want[p]), retry=self.retry, expected=expected
@@ -430,11 +433,11 @@ class _PartReader(IterableDataset):
                     if delivered == len(mine) and not piece.to_shard_end:
                         break  # the rest of this shard is another slot's
             except BadInputError as e:
-                self._bad(events, BadInput(str(e), len(mine) - delivered))
+                self._bad(events, BadInput(str(e) + _lost(first + mine[delivered:]), len(mine) - delivered))
                 continue
             if delivered < len(mine) or (piece.to_shard_end and seen < count):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
-                self._bad(events, BadInput(message, len(mine) - delivered))
+                self._bad(events, BadInput(message + _lost(first + mine[delivered:]), len(mine) - delivered))
 
     def _next_batch(
         self,
@@ -473,7 +476,7 @@ class _PartReader(IterableDataset):
             texts.append(text)
         flips = None
         if pixels:
-            images, flips = self.decoder.batch_images(torch.stack(pixels), np.array(keys, dtype=np.int64), pass_index)
+            images, flips = self.decoder.batch_images(stack_pixels(pixels), np.array(keys, dtype=np.int64), pass_index)
             template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
@@ -532,6 +535,14 @@ class _PartReader(IterableDataset):
             raise BadInputError(event.message + " (data.on_bad_sample=stop; set it to skip to go on)")
         log.warning("skipping %d sample(s): %s", event.samples_lost, event.message)
         events.append(event)
+
+
+def _lost(ids: np.ndarray) -> str:
+    """The ids a damaged shard kept from this slot, for the message that counts them."""
+    if len(ids) == 0:
+        return ""
+    span = f"id {ids[0]}" if len(ids) == 1 else f"ids {ids[0]} to {ids[-1]}"
+    return f"; lost {len(ids)} sample(s) of this slot, {span}"
 
 
 class PassLoader:
