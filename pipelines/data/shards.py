@@ -269,12 +269,28 @@ def _resolve(url: str, base: str) -> str:
     return url
 
 
+@dataclass
+class ShardCursor:
+    """Where a read of a shard stands: the next sample's position and the byte offset where its
+    headers start. `read_shard` moves it past each sample it yields; a later read given it starts
+    there, a seek on a local file (`resumable`), not a walk from the start."""
+
+    position: int = 0
+    offset: int = 0
+
+
+def resumable(url: str) -> bool:
+    """Whether a read of `url` can start at a ShardCursor by seeking: a local plain tar."""
+    return _is_local(url) and url.lower().endswith(".tar")
+
+
 def read_shard(
     url: str,
     wanted: Callable[[int], bool] | None = None,
     *,
     retry: ReadRetry = DEFAULT_RETRY,
     expected: Expected = NOTHING_EXPECTED,
+    cursor: ShardCursor | None = None,
 ) -> Iterator[tuple[int, dict | None]]:
     """Yield (position, sample) for each sample of one shard, members grouped by key as webdataset
     groups them.
@@ -288,16 +304,29 @@ def read_shard(
     another size is refused at open, except one shorter that ends inside the tar (cut short: its
     samples before the cut are yielded, then the error names the cut); a remote stream checks size
     and CRC-32 as its bytes pass.
+
+    `cursor` (a local plain tar only, `resumable`): the read starts where it stands, and it is moved
+    past every sample yielded, so that a reader closed between samples can be opened again there.
     """
     last_key = None
+    start = cursor if cursor is not None and cursor.offset > 0 else None
+    if start is not None and not resumable(url):
+        raise ValueError(f"shard {url}: only a local .tar is read from a byte offset")
 
     def where() -> str:
         return f"after key {last_key!r}" if last_key is not None else "before its first sample"
 
     with _reading(url, where, retry, expected) as stream:
-        for position, sample in _samples(TarMembers(stream), url, wanted):
+        if start is not None:
+            stream.seek(start.offset)
+        members = TarMembers(stream, offset=0 if start is None else start.offset)
+        for position, sample in _samples(members, url, wanted, 0 if start is None else start.position):
             if sample is not None:
                 last_key = sample["__key__"]
+            if cursor is not None:  # a sample is yielded when the walk meets the next one's headers;
+                # a rejected one as soon as its own are met, and a read resumed there rejects it again
+                cursor.position = position if sample is None else position + 1
+                cursor.offset = members.entry_offset
             yield position, sample
 
 
@@ -421,9 +450,10 @@ def _sample_field(name: str) -> tuple[str, str] | None:
     return None if prefix is None else (prefix, suffix.lower())
 
 
-def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict | None]]:
-    """Consecutive members sharing a key form a sample (webdataset's grouping, `_sample_field`)."""
-    position, key, sample = -1, None, None
+def _samples(members: TarMembers, url: str, wanted, first: int = 0) -> Iterator[tuple[int, dict | None]]:
+    """Consecutive members sharing a key form a sample (webdataset's grouping, `_sample_field`);
+    the first one met is at position `first`."""
+    position, key, sample = first - 1, None, None
     for name, _ in members.members():
         split = _sample_field(name)
         if split is None:

@@ -10,6 +10,7 @@ per-bucket batch counts. Nothing here knows about models, tasks or pruners beyon
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -31,7 +32,15 @@ from prunepipe.pipelines.data.layout import (
 )
 from prunepipe.pipelines.data.mixture import Mixture, PassDraw, draw_keys, pass_units
 from prunepipe.pipelines.data.remote import ReadRetry
-from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.shards import (
+    DEFAULT_RETRY,
+    BadInput,
+    BadInputError,
+    ShardCursor,
+    ShardIndex,
+    read_shard,
+    resumable,
+)
 from prunepipe.pruning.pass_plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -363,7 +372,10 @@ class _PartReader(IterableDataset):
         for b, mine in sorted(pieces.items()):
             share = self.shuffle_buffer * kept[b] // total if self.shuffle_buffer > 1 else self.shuffle_buffer
             rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part, 1 + b])
-            streams[b] = _shuffled(self._kept_raw_samples(mine, part.plan, events, part.draw), share, rng)
+            # read a batch at a time, its shard closed in between: a worker holds at most one shard open
+            # whatever the number of buckets (each stream's reader would stay open between its turns)
+            raw = self._kept_raw_samples(mine, part.plan, events, part.draw, chunk=self.batch_size)
+            streams[b] = _shuffled(raw, share, rng)
         skip = min(part.skip, len(order))
         replayed: dict[int, collections.deque] = {b: collections.deque(maxlen=8) for b in streams}
         taken = np.bincount(order[:skip], minlength=len(counts)) * self.batch_size
@@ -392,10 +404,11 @@ class _PartReader(IterableDataset):
             )
 
     def _kept_raw_samples(
-        self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None
+        self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None, chunk: int = 0
     ) -> Iterator[tuple[int, float, dict, int]]:
         """(id, weight, undecoded sample, its walk of its source this pass) of this slot's kept samples;
-        the pre-decode stage."""
+        the pre-decode stage. `chunk` > 0: each shard is open only while `chunk` of them are read
+        (`_shard_samples`), so that many such streams read in turns hold no shard open between turns."""
         first_ids = self.index.first_ids
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
@@ -417,8 +430,8 @@ class _PartReader(IterableDataset):
                 # size than its index records is refused at open (a shard replaced since indexing),
                 # unless it was cut short: its samples before the cut are delivered, the rest lost.
                 expected = self.index.expected(piece.shard)
-                for position, sample in read_shard(
-                    url, lambda p: p >= count or bool(want[p]), retry=self.retry, expected=expected
+                for position, sample in self._shard_samples(
+                    url, lambda p: p >= count or bool(want[p]), expected, chunk
                 ):
                     seen = position + 1
                     if position >= count:
@@ -438,6 +451,39 @@ class _PartReader(IterableDataset):
             if delivered < len(mine) or (piece.to_shard_end and seen < count):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
                 self._bad(events, BadInput(message + _lost(first + mine[delivered:]), len(mine) - delivered))
+
+    def _shard_samples(self, url: str, select, expected, chunk: int) -> Iterator[tuple[int, dict | None]]:
+        """read_shard's (position, sample) of one shard; with `chunk` > 0 read `chunk` selected samples
+        at a time, the shard closed in between: a local tar opened again at the byte where the last read
+        stopped (`ShardCursor`), any other shard read whole at its first turn (a tar of one bucket of
+        one input shard: hundreds of samples). The same samples in the same order either way; an error
+        comes after the samples read before it."""
+        if chunk <= 0:
+            yield from read_shard(url, select, retry=self.retry, expected=expected)
+            return
+        cursor = ShardCursor() if resumable(url) else None
+        while True:
+            got: list = []
+            taken = 0
+            failed: BadInputError | None = None
+            ended = True
+            try:
+                with contextlib.closing(
+                    read_shard(url, select, retry=self.retry, expected=expected, cursor=cursor)
+                ) as reader:
+                    for position, sample in reader:
+                        got.append((position, sample))
+                        taken += sample is not None
+                        if cursor is not None and taken == chunk:
+                            ended = False
+                            break
+            except BadInputError as e:
+                failed = e
+            yield from got
+            if failed is not None:
+                raise failed
+            if ended:
+                return
 
     def _next_batch(
         self,

@@ -1,0 +1,97 @@
+"""The shard readers a loader worker holds in a bucketed pass: each bucket's stream reads a batch at a
+time and closes its shard in between, so a worker whose part spans every bucket of pixart512's 33
+holds at most one reader open (never one per bucket), and a resumed part yields exactly the rest."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+import prunepipe.pipelines.data.stream as stream_module
+from prunepipe.pipelines.data.shards import ShardEntry, ShardIndex
+from prunepipe.pipelines.data.stream import PartOfPass, ShardStream
+
+BUCKETS = 33  # diffusers' PixArt 512 table
+RANKS, WORKERS = 64, 8
+SHARDS_PER_BUCKET, PER_SHARD = 4, 256  # 1024 samples a bucket: two batches of each bucket for every slot
+MAX_OPEN = 4
+
+
+@pytest.fixture(scope="module")
+def bucketed_33(tmp_path_factory) -> ShardIndex:
+    """33 buckets of tiny latents, a tar per (input shard, bucket) as `latents encode --buckets` writes."""
+    folder = tmp_path_factory.mktemp("buckets33")
+    table = [{"name": f"{8 + b}x16", "image": [8 + b, 16], "shape": [1, 1, 1 + b % 4]} for b in range(BUCKETS)]
+    entries = []
+    for shard in range(SHARDS_PER_BUCKET):
+        for bucket in range(BUCKETS):
+            path = os.path.join(folder, f"{shard:03d}_{bucket:02d}.tar")
+            with wds.TarWriter(path) as sink:
+                for position in range(PER_SHARD):
+                    raw = io.BytesIO()
+                    np.save(raw, np.full(table[bucket]["shape"], position, dtype=np.float16))
+                    sink.write({"__key__": f"{shard:03d}_{bucket:02d}_{position:04d}", "latent.npy": raw.getvalue()})
+            entries.append(ShardEntry(path, PER_SHARD, os.path.getsize(path), None, bucket))
+    ShardIndex.write(str(folder), entries, buckets=table, latent_shape=[1, 1, 1])
+    return ShardIndex.load(str(folder))
+
+
+@contextlib.contextmanager
+def counted_readers(monkeypatch):
+    """[readers open now, the most open at once] over every shard read of the stream."""
+    counts = [0, 0]
+    real = stream_module.read_shard
+
+    def counting(*args, **kwargs):
+        counts[0] += 1
+        counts[1] = max(counts[1], counts[0])
+        try:
+            yield from real(*args, **kwargs)
+        finally:
+            counts[0] -= 1
+
+    monkeypatch.setattr(stream_module, "read_shard", counting)
+    yield counts
+
+
+def part_batches(stream: ShardStream, rank: int, worker: int, skip: int = 0) -> list:
+    """The batches loader worker `worker` of rank `rank` yields in pass 0 of a 64 x 8 layout, in this process."""
+    layout = stream.layout(0, None, WORKERS)
+    slot = rank * WORKERS + worker
+    part = PartOfPass(
+        1,
+        0,
+        None,
+        None,
+        worker,
+        layout.slices[slot],
+        int(layout.batches[rank][worker]),
+        skip,
+        (0,) * BUCKETS,
+        tuple(int(v) for v in layout.bucket_batches[slot]),
+    )
+    stream._reader._in_process = part
+    return list(iter(stream._reader))
+
+
+@pytest.mark.parametrize("rank, worker", [(0, 0), (37, 5)])
+def test_a_worker_spanning_33_buckets_holds_at_most_four_shard_readers(bucketed_33, monkeypatch, rank, worker):
+    stream = ShardStream(bucketed_33, batch_size=1, seed=3, rank=rank, world_size=RANKS, shuffle_buffer=64)
+    with counted_readers(monkeypatch) as counts:
+        batches = part_batches(stream, rank, worker)
+    assert len({b.bucket for b in batches}) == BUCKETS, "the part reads every bucket, in turns"
+    assert counts[0] == 0, "every reader is closed at the part's end"
+    assert counts[1] <= MAX_OPEN, f"{counts[1]} shard readers open at once"
+
+
+def test_a_resumed_bucketed_part_yields_exactly_the_rest(bucketed_33):
+    stream = ShardStream(bucketed_33, batch_size=1, seed=3, rank=5, world_size=RANKS, shuffle_buffer=64)
+    whole = [(b.bucket, b.ids.tolist()) for b in part_batches(stream, 5, 2)]
+    for skip in (1, 17):
+        rest = [(b.bucket, b.ids.tolist()) for b in part_batches(stream, 5, 2, skip=skip)]
+        assert rest == whole[skip:], f"resumed after {skip} batches"
