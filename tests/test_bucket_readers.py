@@ -1,6 +1,7 @@
 """The shard readers a loader worker holds in a bucketed pass: each bucket's stream reads a batch at a
 time and closes its shard in between, so a worker whose part spans every bucket of pixart512's 33
-holds at most one reader open (never one per bucket), and a resumed part yields exactly the rest."""
+holds at most one reader open (never one per bucket), and a resumed part yields exactly the rest.
+A bucketed held-out read at 512 ranks opens only the shards holding the rank's own ids."""
 
 from __future__ import annotations
 
@@ -95,3 +96,45 @@ def test_a_resumed_bucketed_part_yields_exactly_the_rest(bucketed_33):
     for skip in (1, 17):
         rest = [(b.bucket, b.ids.tolist()) for b in part_batches(stream, 5, 2, skip=skip)]
         assert rest == whole[skip:], f"resumed after {skip} batches"
+
+
+def test_a_bucketed_held_out_read_at_512_ranks_opens_only_the_shards_holding_a_ranks_ids(bucketed_33, monkeypatch):
+    import prunepipe.pipelines.data.splits as splits
+
+    world, held_out = 512, 4096
+    chosen = splits.chosen_ids(bucketed_33, held_out)
+    assert chosen is not None, "a bucketed split's held-out samples are spread over it"
+    real = splits.read_shard
+    opened: dict[str, int] = {}  # url -> the last position read
+
+    def recording(url, *args, **kwargs):
+        opened[url] = -1
+        for position, sample in real(url, *args, **kwargs):
+            opened[url] = position
+            yield position, sample
+
+    monkeypatch.setattr(splits, "read_shard", recording)
+    for rank in (0, 1, 300, 511):
+        opened.clear()
+        batches = list(
+            splits.read_split(
+                bucketed_33.path,
+                resolution=8,
+                channels=1,
+                batch_size=4,
+                max_samples=held_out,
+                rank=rank,
+                world_size=world,
+            )
+        )
+        mine = sorted(i for i, ordinal in chosen.items() if ordinal % world == rank)
+        assert sorted(i for b in batches for i in b.ids.tolist()) == mine
+        holding = {bucketed_33.urls[s] for s in bucketed_33.shard_of(mine).tolist()}
+        assert set(opened) == holding, f"rank {rank} opened {len(opened)} shards, {len(holding)} hold its ids"
+        assert len(opened) <= len(mine) == held_out // world
+        for url, last in opened.items():
+            shard = bucketed_33.urls.index(url)
+            first = int(bucketed_33.first_ids[shard])
+            assert last == max(i for i in mine if bucketed_33.shard_of([i])[0] == shard) - first, (
+                "stopped after its last"
+            )
