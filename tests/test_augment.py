@@ -23,6 +23,7 @@ from torchvision.transforms.v2.functional import resized_crop as tensor_resized_
 
 from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.augment import CROP_RATIO, crop_uniforms, random_resized_crop_box
+from prunepipe.pipelines.data.batch import PADDING_ID, Batch
 from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.shards import ShardIndex, read_shard
 from prunepipe.pipelines.data.splits import read_split
@@ -201,6 +202,14 @@ def test_pixels_left_for_the_device_become_the_hosts_floats_with_the_same_flips(
         assert moved.images.dtype == torch.float32 and moved.flips is None
         raw.update(zip(batch.ids.tolist(), moved.images))
     stream.close()
+    padded = Batch(
+        torch.tensor([3, PADDING_ID]),
+        torch.ones(2),
+        torch.full((2, 1, 1, 2), 255, dtype=torch.uint8),
+        torch.zeros(2, dtype=torch.int64),
+        flips=torch.tensor([True, False]),
+    ).to("cpu")
+    assert padded.images[1].abs().sum() == 0, "padding is zeros, as on the host"
     shared = sorted(set(raw) & set(on_host))  # the worker layouts drop other tails
     assert len(shared) > 0.8 * index.num_samples
     for sample_id in shared:

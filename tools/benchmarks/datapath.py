@@ -235,6 +235,8 @@ def run_from_args(args) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         location = args.data or write_bundled_jpegs(os.path.join(scratch, "jpegs"), args.images)
         index = ShardIndex.load(location)
+        if index.num_samples < args.batch:  # the stream trains whole batches only
+            raise ValueError(f"{index.path}: {index.num_samples} images, fewer than a batch of --batch {args.batch}")
         print(report(measure(index, args.batch, args.repeats), args, index))
     return 0
 
