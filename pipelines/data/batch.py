@@ -134,7 +134,7 @@ def _rebuild(
 
 def float_pixels(pixels: torch.Tensor, flips: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """float32 [B, C, H, W] in [-1, 1] of uint8 `pixels`, on their device: x / 127.5 - 1 (what
-    SampleDecoder.finish computes on the host, bit for bit), mirrored where `flips` is set, and zero
+    SampleDecoder.finish computes on the host: the same bits on a CPU), mirrored where `flips` is set, and zero
     where the id is padding's (as padding is on the host path)."""
     images = pixels.float().div_(127.5).sub_(1.0).contiguous()  # a channels-last batch (stack_pixels) too
     if flips is not None:
