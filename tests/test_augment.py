@@ -276,3 +276,29 @@ def test_latents_cannot_be_cropped_and_the_error_names_shard_key_or_field(tmp_pa
             os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
             [f"data.train={digits_shards}/train", "data.crop_scale=[0.0,1.0]"],
         )
+
+
+def test_mae_training_on_jpeg_shards_keeps_the_boxes_and_coins_within_the_stated_pixel_bound(tmp_path):
+    """The training stream on img2dataset-style JPEG shards, uint8 path finished on the device, against
+    the path before it (PIL's resize, floats flipped on the host), sample by sample: the same samples,
+    the same mirror (each image closer to the old one than to its mirror), and pixels within the bound
+    of `test_tensor_crop_pixels_stay_within_a_stated_bound_of_pils` (mean below 0.1 level)."""
+    from prunepipe.tools.benchmarks.datapath import _PILCropDecoder, write_bundled_jpegs
+
+    index = ShardIndex.load(write_bundled_jpegs(str(tmp_path / "jpegs"), count=48, shard_size=16))
+    settings = dict(crop="random_resized", hflip=True, seed=5)
+    now = SampleDecoder(224, pixels_on_device=True, **settings)
+    before = _PILCropDecoder(224, **settings)
+    images = []
+    for decoder in (now, before):
+        stream = ShardStream(index, batch_size=8, decoder=decoder, seed=5, shuffle_buffer=16)
+        images.append({i: im for b in stream.pass_loader(1) for i, im in zip(b.ids.tolist(), b.to("cpu").images)})
+        stream.close()
+    assert images[0].keys() == images[1].keys() and len(images[0]) == 48
+    gaps = []
+    for sample_id, image in images[0].items():
+        old = images[1][sample_id]
+        gap = float((image - old).abs().mean()) * 127.5
+        assert gap < float((image - old.flip(-1)).abs().mean()) * 127.5, f"sample {sample_id} mirrored otherwise"
+        gaps.append(gap)
+    assert np.mean(gaps) < 0.1, f"mean difference {np.mean(gaps):.3f} levels"
