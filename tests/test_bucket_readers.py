@@ -44,11 +44,12 @@ def bucketed_33(tmp_path_factory) -> ShardIndex:
 
 @contextlib.contextmanager
 def counted_readers(monkeypatch):
-    """[readers open now, the most open at once] over every shard read of the stream."""
-    counts = [0, 0]
+    """[readers open now, the most open at once, the urls opened in turn] over every shard read of the stream."""
+    counts = [0, 0, []]
     real = stream_module.read_shard
 
     def counting(*args, **kwargs):
+        counts[2].append(args[0])
         counts[0] += 1
         counts[1] = max(counts[1], counts[0])
         try:
@@ -138,3 +139,19 @@ def test_a_bucketed_held_out_read_at_512_ranks_opens_only_the_shards_holding_a_r
             assert last == max(i for i in mine if bucketed_33.shard_of([i])[0] == shard) - first, (
                 "stopped after its last"
             )
+
+
+def test_a_bucketed_part_over_pipe_shards_reads_each_whole_once_and_yields_the_same(bucketed_33, monkeypatch):
+    """A `pipe:` shard cannot be opened at a byte: its stream reads it once, at its first turn, up to its
+    last sample for the slot, and holds the selected samples; the batches are the local ones."""
+    import dataclasses
+
+    piped = dataclasses.replace(bucketed_33, urls=tuple(f"pipe:cat {url}" for url in bucketed_33.urls))
+    local = ShardStream(bucketed_33, batch_size=1, seed=3, rank=9, world_size=RANKS, shuffle_buffer=64)
+    remote = ShardStream(piped, batch_size=1, seed=3, rank=9, world_size=RANKS, shuffle_buffer=64)
+    expected = [(b.bucket, b.ids.tolist()) for b in part_batches(local, 9, 4)]
+    with counted_readers(monkeypatch) as counts:
+        got = [(b.bucket, b.ids.tolist()) for b in part_batches(remote, 9, 4)]
+    assert got == expected
+    assert counts[1] <= MAX_OPEN
+    assert len(counts[2]) == len(set(counts[2])), "each pipe: shard is run once"

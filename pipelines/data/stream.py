@@ -430,8 +430,9 @@ class _PartReader(IterableDataset):
                 # size than its index records is refused at open (a shard replaced since indexing),
                 # unless it was cut short: its samples before the cut are delivered, the rest lost.
                 expected = self.index.expected(piece.shard)
+                last = None if piece.to_shard_end or len(mine) == 0 else int(mine[-1])
                 for position, sample in self._shard_samples(
-                    url, lambda p: p >= count or bool(want[p]), expected, chunk
+                    url, lambda p: p >= count or bool(want[p]), expected, chunk, last
                 ):
                     seen = position + 1
                     if position >= count:
@@ -452,12 +453,14 @@ class _PartReader(IterableDataset):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
                 self._bad(events, BadInput(message + _lost(first + mine[delivered:]), len(mine) - delivered))
 
-    def _shard_samples(self, url: str, select, expected, chunk: int) -> Iterator[tuple[int, dict | None]]:
+    def _shard_samples(
+        self, url: str, select, expected, chunk: int, last: int | None = None
+    ) -> Iterator[tuple[int, dict | None]]:
         """read_shard's (position, sample) of one shard; with `chunk` > 0 read `chunk` selected samples
         at a time, the shard closed in between: a local tar opened again at the byte where the last read
         stopped (`ShardCursor`), any other shard read whole at its first turn (a tar of one bucket of
-        one input shard: hundreds of samples). The same samples in the same order either way; an error
-        comes after the samples read before it."""
+        one input shard: hundreds of samples), up to position `last` where the rest is another slot's.
+        The same samples in the same order either way; an error comes after the samples read before it."""
         if chunk <= 0:
             yield from read_shard(url, select, retry=self.retry, expected=expected)
             return
@@ -474,6 +477,8 @@ class _PartReader(IterableDataset):
                     for position, sample in reader:
                         got.append((position, sample))
                         taken += sample is not None
+                        if last is not None and position >= last:
+                            break
                         if cursor is not None and taken == chunk:
                             ended = False
                             break
