@@ -62,6 +62,7 @@ def _shards_write(args) -> None:
         **(redundant_options(args) if args.source == "redundant" else {}),
         captions=args.captions,
         aspects=args.aspects,
+        square=args.square,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
@@ -520,6 +521,11 @@ BENCHES = {
         "per GPU under ddp and fsdp, with and without activation checkpointing: weights, grads, AdamW, EMA, text "
         "encoder, activations per sample (models built on `meta`) and the largest batch that fits",
     ),
+    "datapath": (
+        "prunepipe.tools.benchmarks.datapath",
+        "MAE's 224 px crop and flip from JPEG shards, img/s a core: the project's path, the MAE "
+        "repository's, torchvision uint8 and decode alone; the cores a GPU needs",
+    ),
     "dedup-scale": (
         "prunepipe.tools.benchmarks.dedup_scale",
         "shards dedup at 1e6 planted embeddings of 512 dims: wall time, peak RSS, precision and recall",
@@ -571,8 +577,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="for --source folder: processes decoding and resizing images (default: the usable "
+        help="for --source folder --square: processes decoding and resizing images (default: the usable "
         "cores; 0 or 1: this process)",
+    )
+    write.add_argument(
+        "--square",
+        action="store_true",
+        help="for --source folder: decode each image and write its centre square at --resolution as PNG; "
+        "without it each file's bytes are written as they are (a JPEG stays a JPEG, uncropped, as "
+        "img2dataset writes them) and training crops the whole image",
     )
     write.add_argument(
         "--captions",

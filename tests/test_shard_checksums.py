@@ -1,6 +1,6 @@
 """Every index records each shard's size and CRC-32, and every reader checks a shard against it: a
-local shard replaced or cut short since it was indexed is refused at open, naming it and both
-sizes; `prunepipe shards verify` reads every byte and finds what a size check cannot (a flipped
+local shard replaced since it was indexed is refused at open, naming it and both sizes; one cut short
+yields its samples before the cut, then stops naming the cut and both sizes; `prunepipe shards verify` reads every byte and finds what a size check cannot (a flipped
 byte); an index without the fields (img2dataset's tools, a hand-written one) still reads."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_a_copied_folder_is_indexed_again_with_the_crc32s_its_stats_files_record
 
 
 @pytest.mark.parametrize("change", ["cut short", "replaced"])
-def test_a_local_shard_changed_since_indexing_is_refused_naming_it_and_both_sizes(tmp_path, change):
+def test_a_local_shard_changed_since_indexing_is_refused_or_read_to_its_cut_naming_both_sizes(tmp_path, change):
     folder = tmp_path / "shards"
     folder.mkdir()
     write_tarwriter_shard(str(folder / "a.tar"), 6)
@@ -124,6 +124,13 @@ def test_a_local_shard_changed_since_indexing_is_refused_naming_it_and_both_size
     now = os.path.getsize(changed)
     assert now != indexed
     sizes = re.escape(f"the file is {now} bytes but its index records {indexed}")
+    if change == "cut short":  # read to the cut: the samples before it are the indexed ones
+        sizes = ".*" + re.escape(f"the file cut short at {now} of the {indexed} bytes its index records")
+        before = []
+        with pytest.raises(BadInputError, match=re.escape(f"shard {changed}: ") + sizes):
+            for _, sample in read_shard(changed, expected=index.expected(1)):
+                before.append(sample["__key__"])
+        assert 0 < len(before) < 6 and before == [f"s{i:05d}" for i in range(6, 6 + len(before))]
     for read in (
         lambda: list(read_shard(changed, expected=index.expected(1))),
         lambda: count_samples(changed, expected=index.expected(1)),

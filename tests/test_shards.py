@@ -23,7 +23,7 @@ from prunepipe.pipelines.checkpoint.manifest import file_crc32
 from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, count_samples, read_shard, survey_shard
 from prunepipe.pipelines.data.stream import ShardStream
-from prunepipe.tools.commands.shards import describe_counting, index_shards, inspect_shards
+from prunepipe.tools.commands.shards import describe_counting, index_shards, inspect_shards, png_bytes
 
 
 def jpeg_bytes(seed: int, size: int = 16) -> bytes:
@@ -474,6 +474,7 @@ def test_folder_writing_holds_one_chunk_of_decoded_images(tmp_path, monkeypatch)
         val_fraction=0.1,
         workers=0,
         chunk=16,
+        square=True,
     )
     assert decoded[0] == handed[0] == 120
     assert max(waiting) == 16, "decoded but not yet written: one chunk at most"
@@ -494,6 +495,7 @@ def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
             seed=1,
             workers=workers,
             chunk=5,
+            square=True,
         )
     one, two = (written_samples(tmp_path / name) for name in ("one", "two"))
     assert one == two
@@ -502,6 +504,44 @@ def test_folder_writing_in_worker_processes_writes_the_same_shards(tmp_path):
             ShardIndex.load(str(tmp_path / "one" / split)).urls, ShardIndex.load(str(tmp_path / "two" / split)).urls
         ):
             assert [s["png"] for _, s in read_shard(url_one)] == [s["png"] for _, s in read_shard(url_two)]
+
+
+def test_a_folder_is_written_as_its_files_bytes_unless_a_square_is_asked_for(tmp_path):
+    """img2dataset's way: a JPEG stays the same JPEG (every byte, the whole photograph), a PNG the
+    same PNG, each under its format's field; --square decodes and centre-crops to PNG at --resolution."""
+    from prunepipe.tools.commands.shards import write_shards
+    from prunepipe.tools.commands.sources import bundled_photos
+
+    folder = tmp_path / "images" / "class_0"
+    folder.mkdir(parents=True)
+    originals = {}
+    for i, (_, name, photo) in enumerate(list(bundled_photos())[:3]):
+        path = folder / f"{i}_{name}.jpg"
+        photo.crop((0, 0, 200, 150)).save(path, format="JPEG", quality=90)
+        originals[path.read_bytes()] = (200, 150)
+    (folder / "grey.png").write_bytes(png_bytes(Image.new("L", (40, 30), 128)))
+    originals[(folder / "grey.png").read_bytes()] = (40, 30)
+    (folder / "named_png_but_jpeg.png").write_bytes(next(iter(originals)))  # the header decides the field
+
+    write_shards("folder", str(tmp_path / "kept"), folder=str(tmp_path / "images"), val_fraction=0.0, size=32)
+    index = ShardIndex.load(str(tmp_path / "kept" / "train"))
+    samples = [s for url in index.urls for _, s in read_shard(url)]
+    assert index.meta["keys"] == ["cls", "jpg", "png"] and "size" not in index.meta
+    fields = sorted(next(k for k in s if k in ("jpg", "png")) for s in samples)
+    assert fields == ["jpg"] * 4 + ["png"]
+    for s in samples:
+        data = s.get("jpg", s.get("png"))
+        assert data in originals, "the file's bytes, unchanged"
+        assert Image.open(io.BytesIO(data)).size == originals[data], "the whole image, uncropped"
+
+    write_shards(
+        "folder", str(tmp_path / "square"), folder=str(tmp_path / "images"), val_fraction=0.0, size=32, square=True
+    )
+    index = ShardIndex.load(str(tmp_path / "square" / "train"))
+    assert index.meta["size"] == 32 and sorted(index.meta["keys"]) == ["cls", "png"]
+    for url in index.urls:
+        for _, s in read_shard(url):
+            assert Image.open(io.BytesIO(s["png"])).size == (32, 32)
 
 
 def test_class_folders_linked_in_are_followed_once_and_a_link_loop_ends(tmp_path):

@@ -18,13 +18,15 @@ def test_auto_counts_the_processes_that_share_this_ranks_cpus():
     torchrun_ranks = [("n1", node)] * 8  # 8 ranks inherit one affinity: they share it
     mine = torchrun_ranks[0]
     assert sharing_processes(mine, torchrun_ranks) == 8
-    assert loader_workers("auto", sharing_processes(mine, torchrun_ranks), cores=len(node)) == 8  # 12 - 1, capped
+    assert loader_workers("auto", sharing_processes(mine, torchrun_ranks), cores=len(node)) == 11  # 12 - 1, no cap
     # srun --cpus-per-task=12, 8 tasks: each rank is bound to 12 CPUs of its own
     bound = [("n1", set(range(12 * t, 12 * t + 12))) for t in range(8)] + [("n2", set(range(12)))]
     assert sharing_processes(bound[3], bound) == 1
-    assert loader_workers("auto", sharing_processes(bound[3], bound), cores=12) == 8
+    assert loader_workers("auto", sharing_processes(bound[3], bound), cores=12) == 11
     # what LOCAL_WORLD_SIZE alone gave there: the bound share divided by the tasks again
     assert loader_workers("auto", 8, cores=12) == 0
+    # a node of 224 cores and 8 GPUs: every core but the training process's decodes
+    assert loader_workers("auto", 8, cores=224) == 27
 
 
 AGREE_PROGRAM = textwrap.dedent("""

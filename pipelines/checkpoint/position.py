@@ -24,6 +24,7 @@ class TrainingPosition:
     samples_forwarded: int = 0  # over all ranks, padding excluded
     skipped_nonfinite: int = 0
     bad_samples: int = 0
+    bad_samples_at_pass_start: int = 0  # bad_samples when this pass began: the pass's own losses are the rest
     wall_seconds: float = 0.0
     world_size: int = 1  # the layout the pass was running under
     num_workers: int = 0

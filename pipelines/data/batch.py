@@ -23,7 +23,9 @@ class Batch:
 
     ids: torch.Tensor  # int64 [B]
     weights: torch.Tensor  # float32 [B]
-    images: torch.Tensor  # float32 [B, C, H, W] in [-1, 1] (or latents)
+    # float32 [B, C, H, W] in [-1, 1] (or latents); uint8 pixels [B, C, H, W] where the decoder leaves
+    # them for the device (SampleDecoder.pixels_on_device), which `to` turns into those floats
+    images: torch.Tensor
     labels: torch.Tensor  # int64 [B], -1 where the shards carry no class
     bad: tuple[BadInput, ...] = ()  # bad-input events met while filling this batch
     worker: int = 0  # the part of this rank's slice it came from (for resuming exactly)
@@ -39,12 +41,15 @@ class Batch:
     # int64 [B]: each sample's walk of its source in this pass (a mixture's repeat), where one is past its
     # first; None when every sample is on its first walk. Draws are keyed by `draw_ids`, never by a walk
     walks: torch.Tensor | None = None
+    # bool [B] beside uint8 images: mirror this sample when `to` brings its pixels to float
+    flips: torch.Tensor | None = None
 
     def _tensors(self) -> tuple[str, ...]:
         return (
             ("ids", "weights", "images", "labels")
             + (("text_tokens", "text_lengths") if self.text_tokens is not None else ())
             + (("walks",) if self.walks is not None else ())
+            + (("flips",) if self.flips is not None else ())
         )
 
     @property
@@ -54,9 +59,14 @@ class Batch:
         return self.ids if self.walks is None else draw_keys(self.ids, self.walks)
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return dataclasses.replace(
+        """The batch on `device`; uint8 pixels arrive as uint8 (a quarter of float32's bytes) and become
+        float32 in [-1, 1] there, mirrored where `flips` says, padding all zeros (`float_pixels`)."""
+        moved = dataclasses.replace(
             self, **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in self._tensors()}
         )
+        if moved.images.dtype != torch.uint8:
+            return moved
+        return dataclasses.replace(moved, images=float_pixels(moved.images, moved.flips, moved.ids), flips=None)
 
     def pin_memory(self) -> "Batch":
         """The DataLoader's pin_memory=True calls this: pinned tensors copy to CUDA without a host wait."""
@@ -67,7 +77,7 @@ class Batch:
         # arrays; only the images and text features take shared-memory segments, which the receiver maps.
         small = [
             t.numpy() if t is not None and t.device.type == "cpu" else t
-            for t in (self.ids, self.weights, self.labels, self.text_lengths, self.walks)
+            for t in (self.ids, self.weights, self.labels, self.text_lengths, self.walks, self.flips)
         ]
         return _rebuild, (
             small[0],
@@ -81,6 +91,7 @@ class Batch:
             small[3],
             self.bucket,
             small[4],
+            small[5],
         )
 
     def undecodable(self) -> int:
@@ -103,6 +114,7 @@ def _rebuild(
     text_lengths=None,
     bucket=-1,
     walks=None,
+    flips=None,
 ) -> Batch:
     return Batch(
         torch.as_tensor(ids),
@@ -116,7 +128,18 @@ def _rebuild(
         None if text_lengths is None else torch.as_tensor(text_lengths),
         bucket,
         None if walks is None else torch.as_tensor(walks),
+        None if flips is None else torch.as_tensor(flips),
     )
+
+
+def float_pixels(pixels: torch.Tensor, flips: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [B, C, H, W] in [-1, 1] of uint8 `pixels`, on their device: x / 127.5 - 1 (what
+    SampleDecoder.finish computes on the host: the same bits on a CPU), mirrored where `flips` is set, and zero
+    where the id is padding's (as padding is on the host path)."""
+    images = pixels.float().div_(127.5).sub_(1.0).contiguous()  # a channels-last batch (stack_pixels) too
+    if flips is not None:
+        images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+    return images.masked_fill_((ids == PADDING_ID)[:, None, None, None], 0.0)
 
 
 def text_fields(texts: list, *, captions: bool = False, width: int = 0) -> dict:
@@ -150,4 +173,5 @@ def real_samples(batches) -> Iterator[Batch]:
                 captions=captions,
                 text_lengths=lengths,
                 walks=None if batch.walks is None else batch.walks[keep],
+                flips=None if batch.flips is None else batch.flips[keep],
             )

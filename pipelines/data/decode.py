@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from prunepipe.pipelines.data.augment import CROPS, crop_uniforms, flip_coin, random_resized_crop_box
-from prunepipe.pipelines.data.resize import resize_center_crop, resize_crop
+from prunepipe.pipelines.data.resize import resize_center_crop
 from prunepipe.pipelines.data.shards import BadInputError
 
 try:  # deprecated since torchvision 0.29 (for TorchCodec, which needs FFmpeg); PIL decodes all where it is gone
@@ -61,6 +61,10 @@ class SampleDecoder:
     # > 0: the task reads precomputed text features of this width, at most text_max_length tokens
     text_width: int = 0
     text_max_length: int = 0
+    # True: a batch keeps its uint8 pixels and carries its flip coins, and `Batch.to` brings them to float
+    # and flips them on the device it moves to (a quarter of the bytes to copy, no float work in the
+    # loader workers); False: `finish` does that on the host. Either gives the same floats.
+    pixels_on_device: bool = False
 
     def __post_init__(self):
         if self.crop not in CROPS:
@@ -118,12 +122,21 @@ class SampleDecoder:
         image flipped where its flip coin of (seed, pass_index, id) says (latents were chosen in `decode`)."""
         if stacked.dtype != torch.uint8:
             return stacked
-        batch = stacked.float().div_(127.5).sub_(1.0)
+        batch = stacked.float().div_(127.5).sub_(1.0).contiguous()
         if self.hflip:
             flip = torch.from_numpy(flip_coin(self.seed, pass_index, ids))
             if bool(flip.any()):
                 batch[flip] = batch[flip].flip(-1)
         return batch
+
+    def batch_images(
+        self, stacked: torch.Tensor, ids: np.ndarray, pass_index: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(a batch's images, its flip coins or None) as the stream hands them on: with `pixels_on_device`
+        uint8 pixels and a bool [B] of the images `finish` would mirror; else `finish`'s floats and None."""
+        if not (self.pixels_on_device and stacked.dtype == torch.uint8):
+            return self.finish(stacked, ids, pass_index), None
+        return stacked, torch.from_numpy(flip_coin(self.seed, pass_index, ids)) if self.hflip else None
 
     def _latent_flip_choice(self, sample: dict, plain_field: str, sample_id: int, pass_index: int) -> str:
         """The field of the plain latent or, where the flip coin says, of the mirrored image's."""
@@ -153,15 +166,15 @@ class SampleDecoder:
         if pixels is not None and not random_crop and tuple(pixels.shape[1:]) == (self.resolution, self.resolution):
             return pixels
         try:
-            img = self._opened(sample, field, pixels)
             if random_crop:  # on the original image, before any resize (MAE's RandomResizedCrop)
+                if pixels is None:
+                    pixels = image_pixels(self._opened(sample, field, None))
+                height, width = pixels.shape[1:]
                 box = random_resized_crop_box(
-                    *img.size, self.crop_scale, crop_uniforms(self.seed, pass_index, sample_id)
+                    width, height, self.crop_scale, crop_uniforms(self.seed, pass_index, sample_id)
                 )
-                img = resize_crop(img, self.resolution, box)
-            else:
-                img = resize_center_crop(img, self.resolution)
-            return image_pixels(img)
+                return tensor_resized_crop(pixels, self.resolution, box)
+            return image_pixels(resize_center_crop(self._opened(sample, field, pixels), self.resolution))
         except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
             raise BadInputError(f"{_where(sample)}: cannot decode field {field!r} as an image: {e}") from e
 
@@ -183,6 +196,29 @@ class SampleDecoder:
                 f"(ldm.num_classes; -1 = no label)"
             )
         return label
+
+
+def tensor_resized_crop(pixels: torch.Tensor, size: int, box: tuple[int, int, int, int]) -> torch.Tensor:
+    """The (top, left, height, width) box of uint8 `pixels` [C, H, W] resized to size x size, bicubic and
+    antialiased on the uint8 tensor: torchvision's `resized_crop` of a tensor, without a PIL image. PIL's
+    bicubic filter (the same a = -0.5 kernel, antialiased alike) gives pixels within about 0.05 levels on
+    average (docs/data.md, "Pixels of the random resized crop") at about twice the speed; channels-last
+    is the layout torch's uint8 kernel reads fastest (docs/throughput.md)."""
+    top, left, height, width = box
+    crop = pixels[None, :, top : top + height, left : left + width].contiguous(memory_format=torch.channels_last)
+    if (height, width) == (size, size):
+        return crop[0]
+    return torch.nn.functional.interpolate(crop, size=(size, size), mode="bicubic", antialias=True)[0]
+
+
+def stack_pixels(pixels: list[torch.Tensor]) -> torch.Tensor:
+    """The samples' `decode` outputs as one batch [B, ...]. Channels-last pixels (the crop's resize
+    leaves them so) are stacked as such, a copy of whole rows, and the batch is channels-last too:
+    stacking them into the default layout transposes every image on the host, about a tenth of the
+    crop's time; the device makes the floats contiguous (`Batch.to`)."""
+    if all(p.dtype == torch.uint8 and p.dim() == 3 and p.stride(0) == 1 for p in pixels):
+        return torch.stack([p.permute(1, 2, 0) for p in pixels]).permute(0, 3, 1, 2)
+    return torch.stack(pixels)
 
 
 def image_pixels(img: Image.Image) -> torch.Tensor:

@@ -44,6 +44,9 @@ class PassLayout:
     # `batches`); a slot's slices of bucket b are one contiguous run of b's kept samples
     bucket_batches: np.ndarray | None = None
     kept_per_bucket: np.ndarray | None = None  # int64 [B] for a bucketed index: each bucket's kept samples
+    # the samples the pass takes before pruning (a mixture: every walk its draw takes), what `kept` is a
+    # share of; 0 where the caller did not say (ShardStream.layout does)
+    length: int = 0
 
     @property
     def steps(self) -> int:

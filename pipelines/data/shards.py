@@ -269,12 +269,28 @@ def _resolve(url: str, base: str) -> str:
     return url
 
 
+@dataclass
+class ShardCursor:
+    """Where a read of a shard stands: the next sample's position and the byte offset where its
+    headers start. `read_shard` moves it past each sample it yields; a later read given it starts
+    there, a seek on a local file (`resumable`), not a walk from the start."""
+
+    position: int = 0
+    offset: int = 0
+
+
+def resumable(url: str) -> bool:
+    """Whether a read of `url` can start at a ShardCursor by seeking: a local plain tar."""
+    return _is_local(url) and url.lower().endswith(".tar")
+
+
 def read_shard(
     url: str,
     wanted: Callable[[int], bool] | None = None,
     *,
     retry: ReadRetry = DEFAULT_RETRY,
     expected: Expected = NOTHING_EXPECTED,
+    cursor: ShardCursor | None = None,
 ) -> Iterator[tuple[int, dict | None]]:
     """Yield (position, sample) for each sample of one shard, members grouped by key as webdataset
     groups them.
@@ -285,17 +301,32 @@ def read_shard(
     key) when the shard is missing, corrupt or truncated, or a `pipe:` or http(s) read still fails
     after `retry`'s reopens (pipelines/data/remote.py); samples yielded before that point are valid.
     `expected` is what the index knows of the shard's bytes (`ShardIndex.expected`): a local file of
-    another size is refused at open, a remote stream checks size and CRC-32 as its bytes pass.
+    another size is refused at open, except one shorter that ends inside the tar (cut short: its
+    samples before the cut are yielded, then the error names the cut); a remote stream checks size
+    and CRC-32 as its bytes pass.
+
+    `cursor` (a local plain tar only, `resumable`): the read starts where it stands, and it is moved
+    past every sample yielded, so that a reader closed between samples can be opened again there.
     """
     last_key = None
+    start = cursor if cursor is not None and cursor.offset > 0 else None
+    if start is not None and not resumable(url):
+        raise ValueError(f"shard {url}: only a local .tar is read from a byte offset")
 
     def where() -> str:
         return f"after key {last_key!r}" if last_key is not None else "before its first sample"
 
     with _reading(url, where, retry, expected) as stream:
-        for position, sample in _samples(TarMembers(stream), url, wanted):
+        if start is not None:
+            stream.seek(start.offset)
+        members = TarMembers(stream, offset=0 if start is None else start.offset)
+        for position, sample in _samples(members, url, wanted, 0 if start is None else start.position):
             if sample is not None:
                 last_key = sample["__key__"]
+            if cursor is not None:  # a sample is yielded when the walk meets the next one's headers;
+                # a rejected one as soon as its own are met, and a read resumed there rejects it again
+                cursor.position = position if sample is None else position + 1
+                cursor.offset = members.entry_offset
             yield position, sample
 
 
@@ -315,30 +346,48 @@ def _reading(
     except Exception as e:  # noqa: BLE001 - any opener failure is the same user-facing problem
         raise BadInputError(f"shard {url}: cannot open: {e}") from e
     finished = False
+    cut_short = ""
     try:
         size = _file_size(stream)
         if expected.size is not None and size is not None and size != expected.size:
             # a stat, not a read: the reader seeks past unwanted members, so this is all it can check
-            raise BadInputError(
-                f"shard {url}: the file is {size} bytes but its index records {expected.size}: it was "
-                f"replaced, cut short or grown since it was indexed; restore it, or index the shards "
-                f"again (`prunepipe shards index`; `prunepipe shards verify` checks every shard's bytes)"
-            )
+            if size > expected.size or not url.lower().endswith(".tar") or _ends_a_tar(stream, size):
+                raise BadInputError(
+                    f"shard {url}: the file is {size} bytes but its index records {expected.size}: it was "
+                    f"replaced, cut short or grown since it was indexed; restore it, or index the shards "
+                    f"again (`prunepipe shards index`; `prunepipe shards verify` checks every shard's bytes)"
+                )
+            # A plain tar, shorter and ending inside the archive: the file was cut (a copy or a download
+            # stopped). The members before the cut are the indexed ones, in place: they are read, and the
+            # first one that runs past the end is where the shard's loss starts. (A compressed one cut
+            # short cannot be told from one replaced without reading it: refused.)
+            cut_short = f", the file cut short at {size} of the {expected.size} bytes its index records"
         yield stream
         if retried:  # the padding after the end blocks too: the stream checks the index's size and CRC-32 at its end
             while stream.read(1 << 16):
                 pass
         finished = True
     except ShardReadError as e:
-        raise BadInputError(f"shard {url}: {e} ({where()})") from e
+        raise BadInputError(f"shard {url}: {e} ({where()}{cut_short})") from e
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-        raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}: {_first_line(e)}") from e
+        raise BadInputError(f"shard {url}: corrupt or truncated tar {where()}{cut_short}: {_first_line(e)}") from e
     finally:
         try:
             stream.close()
         except Exception as e:  # noqa: BLE001
             if finished:  # otherwise the error being raised already names the shard
                 raise BadInputError(f"shard {url}: reading failed: {_first_line(e)}") from e
+
+
+def _ends_a_tar(stream: BinaryIO, size: int) -> bool:
+    """Whether a local file ends as a whole tar does, in zero blocks (the end-of-archive marker, or a
+    writer's padding after it); the stream is left at its start."""
+    try:
+        stream.seek(max(0, size - 2 * 512))
+        tail = stream.read(2 * 512)
+    finally:
+        stream.seek(0)
+    return len(tail) == 2 * 512 and not tail.strip(b"\0")
 
 
 def _file_size(stream: BinaryIO) -> int | None:
@@ -401,9 +450,10 @@ def _sample_field(name: str) -> tuple[str, str] | None:
     return None if prefix is None else (prefix, suffix.lower())
 
 
-def _samples(members: TarMembers, url: str, wanted) -> Iterator[tuple[int, dict | None]]:
-    """Consecutive members sharing a key form a sample (webdataset's grouping, `_sample_field`)."""
-    position, key, sample = -1, None, None
+def _samples(members: TarMembers, url: str, wanted, first: int = 0) -> Iterator[tuple[int, dict | None]]:
+    """Consecutive members sharing a key form a sample (webdataset's grouping, `_sample_field`);
+    the first one met is at position `first`."""
+    position, key, sample = first - 1, None, None
     for name, _ in members.members():
         split = _sample_field(name)
         if split is None:

@@ -45,6 +45,9 @@ def read_split(
     spaced over the split (`chosen_ids`), not its first ones: each input shard's samples are grouped
     by bucket, widest first, so a prefix would hold the wide buckets only. Rank r then takes the chosen
     samples r, r + world, ... in index order.
+
+    A rank opens only the shards that hold its own samples (`own_ids`) and stops reading each after its
+    last one there.
     """
     index = ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
@@ -53,42 +56,51 @@ def read_split(
     )
     pending: dict[int, tuple[list, list, list, list]] = {}  # per bucket (-1: unbucketed): ids, images, labels, texts
     taken = chosen_ids(index, total)  # ordinal in the split of each chosen id
-    holding = None if taken is None else set(index.shard_of(list(taken)).tolist())  # shards holding a chosen id
-    read = 0
-    bar = progress(total, desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
-    for shard, url in enumerate(index.urls):
-        first = int(index.first_ids[shard])
-        if taken is None and read >= total:
-            break
-        if holding is not None and shard not in holding:
-            continue
+    mine = own_ids(index, total, rank, world_size, taken)
+    # Only the shards holding this rank's ids are opened, each read up to its last wanted sample: at 512
+    # ranks a rank's few held-out ids sit in a few shards, not in every shard the split's ids touch.
+    shards, ends = np.unique(index.shard_of(mine), return_index=True)
+    last_of = dict(zip(shards.tolist(), mine[np.r_[ends[1:], len(mine)] - 1].tolist())) if len(mine) else {}
+    wanted = set(mine.tolist())
+    found = 0
+    bar = progress(len(mine), desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
+    for shard in sorted(last_of):
+        url, first = index.urls[shard], int(index.first_ids[shard])
+        last = last_of[shard] - first
         bucket = -1 if index.buckets is None else int(index.buckets[shard])
-
-        def mine(p: int, first=first) -> bool:
-            ordinal = first + p if taken is None else taken.get(first + p)
-            return ordinal is not None and ordinal < total and ordinal % world_size == rank
-
-        for position, sample in read_shard(url, mine, expected=index.expected(shard)):
-            if taken is None and first + position >= total:
+        reader = read_shard(url, lambda p, first=first: first + p in wanted, expected=index.expected(shard))
+        for position, sample in reader:
+            if sample is not None:
+                found += 1
+                ids, images, labels, texts = pending.setdefault(bucket, ([], [], [], []))
+                texts.append(decoder.text(sample))
+                image, label = decoder.decode(sample, first + position)
+                ids.append(first + position)
+                images.append(image)
+                labels.append(label)
+                if len(ids) == batch_size:
+                    yield _batch(decoder, ids, images, labels, texts, bucket)
+                    del pending[bucket]
+            if position >= last:
+                reader.close()  # the rest of the shard is other ranks' or not held out
                 break
-            read += 1 if taken is None or first + position in taken else 0
-            if sample is None:
-                continue
-            ids, images, labels, texts = pending.setdefault(bucket, ([], [], [], []))
-            texts.append(decoder.text(sample))
-            image, label = decoder.decode(sample, first + position)
-            ids.append(first + position)
-            images.append(image)
-            labels.append(label)
-            if len(ids) == batch_size:
-                yield _batch(decoder, ids, images, labels, texts, bucket)
-                del pending[bucket]
-        bar.update(min(read, total) - bar.n)
+        bar.update(found - bar.n)
     bar.close()
-    if read < total:
-        raise ValueError(f"{index.path}: lists {index.num_samples} samples but its shards held only {read}")
+    if found < len(mine):
+        raise ValueError(
+            f"{index.path}: lists {index.num_samples} samples but its shards held only {found} of rank "
+            f"{rank}'s {len(mine)} held-out samples (a shard holds fewer samples than the index says)"
+        )
     for bucket in sorted(pending):
         yield _batch(decoder, *pending[bucket], bucket)
+
+
+def own_ids(index: ShardIndex, total: int, rank: int, world: int, taken: dict[int, int] | None) -> np.ndarray:
+    """int64, sorted: the ids rank `rank` of `world` reads of the split's first `total` (or of `taken`'s
+    chosen ones): those whose ordinal is congruent to `rank`."""
+    if taken is None:
+        return np.arange(rank, total, world, dtype=np.int64)
+    return np.array(sorted(i for i, ordinal in taken.items() if ordinal % world == rank), dtype=np.int64)
 
 
 def chosen_ids(index: ShardIndex, total: int) -> dict[int, int] | None:
@@ -133,9 +145,14 @@ def read_text_features(folder: str, ids, width: int, max_length: int) -> dict[in
         if shard not in holding:
             continue
         expected = index.expected(shard)
-        for position, sample in read_shard(url, lambda p, first=first: first + p in wanted, expected=expected):
+        last = max(i for i in wanted if first <= i < first + int(index.counts[shard])) - first
+        reader = read_shard(url, lambda p, first=first: first + p in wanted, expected=expected)
+        for position, sample in reader:
             if sample is not None:
                 found[first + position] = text_features(sample, width, max_length)
+            if position >= last:  # the rest of the shard is other ranks'
+                reader.close()
+                break
     missing = sorted(wanted - found.keys())
     if missing:
         raise ValueError(

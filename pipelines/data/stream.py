@@ -10,6 +10,7 @@ per-bucket batch counts. Nothing here knows about models, tasks or pruners beyon
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -22,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prunepipe.pipelines.data.batch import PADDING_ID, Batch, text_fields
-from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder
+from prunepipe.pipelines.data.decode import NO_LABEL, SampleDecoder, stack_pixels
 from prunepipe.pipelines.data.layout import (
     PassLayout,
     SliceOfShard,
@@ -31,7 +32,15 @@ from prunepipe.pipelines.data.layout import (
 )
 from prunepipe.pipelines.data.mixture import Mixture, PassDraw, draw_keys, pass_units
 from prunepipe.pipelines.data.remote import ReadRetry
-from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInput, BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.shards import (
+    DEFAULT_RETRY,
+    BadInput,
+    BadInputError,
+    ShardCursor,
+    ShardIndex,
+    read_shard,
+    resumable,
+)
 from prunepipe.pruning.pass_plan import PassPlan
 
 log = logging.getLogger(__name__)
@@ -126,6 +135,8 @@ class ShardStream:
             batch_size=self.batch_size,
             units=units if draw is not None and not draw.whole else None,
         )
+        length = self.index.num_samples if draw is None else int(draw.drawn.sum())
+        layout = dataclasses.replace(layout, length=length)
         if units is not None:
             sources = self.mixture.shard_source[units.shard]
             per_source = np.bincount(sources, weights=units.kept, minlength=len(self.mixture.sources))
@@ -361,7 +372,10 @@ class _PartReader(IterableDataset):
         for b, mine in sorted(pieces.items()):
             share = self.shuffle_buffer * kept[b] // total if self.shuffle_buffer > 1 else self.shuffle_buffer
             rng = np.random.default_rng([self.seed, part.pass_index, self.rank, part.part, 1 + b])
-            streams[b] = _shuffled(self._kept_raw_samples(mine, part.plan, events, part.draw), share, rng)
+            # read a batch at a time, its shard closed in between: a worker holds at most one shard open
+            # whatever the number of buckets (each stream's reader would stay open between its turns)
+            raw = self._kept_raw_samples(mine, part.plan, events, part.draw, chunk=self.batch_size)
+            streams[b] = _shuffled(raw, share, rng)
         skip = min(part.skip, len(order))
         replayed: dict[int, collections.deque] = {b: collections.deque(maxlen=8) for b in streams}
         taken = np.bincount(order[:skip], minlength=len(counts)) * self.batch_size
@@ -390,10 +404,11 @@ class _PartReader(IterableDataset):
             )
 
     def _kept_raw_samples(
-        self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None
+        self, slices, plan: PassPlan | None, events: list, draw: PassDraw | None = None, chunk: int = 0
     ) -> Iterator[tuple[int, float, dict, int]]:
         """(id, weight, undecoded sample, its walk of its source this pass) of this slot's kept samples;
-        the pre-decode stage."""
+        the pre-decode stage. `chunk` > 0: each shard is open only while `chunk` of them are read
+        (`_shard_samples`), so that many such streams read in turns hold no shard open between turns."""
         first_ids = self.index.first_ids
         for piece in slices:
             url, first = self.index.urls[piece.shard], int(first_ids[piece.shard])
@@ -412,10 +427,12 @@ class _PartReader(IterableDataset):
                 # Pruned samples and other slots' samples are skipped inside the tar reader: their
                 # bytes are seeked past (read and dropped on a pipe), never decoded. A sample past
                 # the index's count is read so that the error can name it. A local shard of another
-                # size than its index records is refused at open (a shard replaced since indexing).
+                # size than its index records is refused at open (a shard replaced since indexing),
+                # unless it was cut short: its samples before the cut are delivered, the rest lost.
                 expected = self.index.expected(piece.shard)
-                for position, sample in read_shard(
-                    url, lambda p: p >= count or bool(want[p]), retry=self.retry, expected=expected
+                last = None if piece.to_shard_end or len(mine) == 0 else int(mine[-1])
+                for position, sample in self._shard_samples(
+                    url, lambda p: p >= count or bool(want[p]), expected, chunk, last
                 ):
                     seen = position + 1
                     if position >= count:
@@ -430,11 +447,48 @@ class _PartReader(IterableDataset):
                     if delivered == len(mine) and not piece.to_shard_end:
                         break  # the rest of this shard is another slot's
             except BadInputError as e:
-                self._bad(events, BadInput(str(e), len(mine) - delivered))
+                self._bad(events, BadInput(str(e) + _lost(first + mine[delivered:]), len(mine) - delivered))
                 continue
             if delivered < len(mine) or (piece.to_shard_end and seen < count):
                 message = f"shard {url}: ended after {seen} samples, {self.index.path} lists {count}"
-                self._bad(events, BadInput(message, len(mine) - delivered))
+                self._bad(events, BadInput(message + _lost(first + mine[delivered:]), len(mine) - delivered))
+
+    def _shard_samples(
+        self, url: str, select, expected, chunk: int, last: int | None = None
+    ) -> Iterator[tuple[int, dict | None]]:
+        """read_shard's (position, sample) of one shard; with `chunk` > 0 read `chunk` selected samples
+        at a time, the shard closed in between: a local tar opened again at the byte where the last read
+        stopped (`ShardCursor`), any other shard read whole at its first turn (a tar of one bucket of
+        one input shard: hundreds of samples), up to position `last` where the rest is another slot's.
+        The same samples in the same order either way; an error comes after the samples read before it."""
+        if chunk <= 0:
+            yield from read_shard(url, select, retry=self.retry, expected=expected)
+            return
+        cursor = ShardCursor() if resumable(url) else None
+        while True:
+            got: list = []
+            taken = 0
+            failed: BadInputError | None = None
+            ended = True
+            try:
+                with contextlib.closing(
+                    read_shard(url, select, retry=self.retry, expected=expected, cursor=cursor)
+                ) as reader:
+                    for position, sample in reader:
+                        got.append((position, sample))
+                        taken += sample is not None
+                        if last is not None and position >= last:
+                            break
+                        if cursor is not None and taken == chunk:
+                            ended = False
+                            break
+            except BadInputError as e:
+                failed = e
+            yield from got
+            if failed is not None:
+                raise failed
+            if ended:
+                return
 
     def _next_batch(
         self,
@@ -471,8 +525,9 @@ class _PartReader(IterableDataset):
             pixels.append(decoded)
             labels.append(label)
             texts.append(text)
+        flips = None
         if pixels:
-            images = self.decoder.finish(torch.stack(pixels), np.array(keys, dtype=np.int64), pass_index)
+            images, flips = self.decoder.batch_images(stack_pixels(pixels), np.array(keys, dtype=np.int64), pass_index)
             template[:] = [images[0]]
         if len(ids) < self.batch_size:
             # Bad samples left this worker short: pad with weight 0 so every rank still takes the
@@ -488,6 +543,8 @@ class _PartReader(IterableDataset):
             missing = self.batch_size - len(ids)
             padding = torch.zeros((missing, *template[0].shape), dtype=template[0].dtype)
             images = torch.cat([images, padding]) if pixels else padding
+            if flips is not None:  # padding is never mirrored (and is zeros on any path)
+                flips = torch.cat([flips, torch.zeros(missing, dtype=torch.bool)])
             ids += [PADDING_ID] * missing
             walks += [0] * missing
             weights += [0.0] * missing
@@ -507,6 +564,7 @@ class _PartReader(IterableDataset):
             worker,
             bucket=bucket,
             walks=torch.tensor(walks, dtype=torch.int64) if any(walks) else None,
+            flips=flips,
             **text_fields(texts, captions=self.decoder.captions, width=self.decoder.text_width),
         )
 
@@ -516,7 +574,9 @@ class _PartReader(IterableDataset):
             if item is None:
                 continue
             try:
-                return [self.decoder(item[2], draw_keys(item[0], item[3]), pass_index)[0]]
+                key = draw_keys(item[0], item[3])
+                pixels = self.decoder.decode(item[2], key, pass_index)[0]
+                return [self.decoder.batch_images(pixels[None], np.array([key]), pass_index)[0][0]]
             except BadInputError:
                 continue
         return []
@@ -526,6 +586,14 @@ class _PartReader(IterableDataset):
             raise BadInputError(event.message + " (data.on_bad_sample=stop; set it to skip to go on)")
         log.warning("skipping %d sample(s): %s", event.samples_lost, event.message)
         events.append(event)
+
+
+def _lost(ids: np.ndarray) -> str:
+    """The ids a damaged shard kept from this slot, for the message that counts them."""
+    if len(ids) == 0:
+        return ""
+    span = f"id {ids[0]}" if len(ids) == 1 else f"ids {ids[0]} to {ids[-1]}"
+    return f"; lost {len(ids)} sample(s) of this slot, {span}"
 
 
 class PassLoader:

@@ -100,9 +100,14 @@ class TarMembers:
     """Iterate `members()` for (name, size) of each regular file; call `read()` for the current
     member's bytes, or do nothing and its data is skipped when the next member is asked for."""
 
-    def __init__(self, stream: BinaryIO, *, headers_only: bool = False):
+    def __init__(self, stream: BinaryIO, *, headers_only: bool = False, offset: int = 0):
+        """`offset`: where in the archive `stream` stands, a header's start (a walk resumed there)."""
         self.stream = stream
         self.headers_only = headers_only  # no member will be read: a local file gets no readahead
+        # bytes of the archive consumed so far, and where the current member's headers began (its
+        # first pax or long-name header, else its own): a walk resumed at `entry_offset` meets it again
+        self.offset = offset
+        self.entry_offset = offset
         try:
             self.seekable = bool(stream.seekable())
         except (AttributeError, OSError, ValueError):
@@ -125,6 +130,7 @@ class TarMembers:
     def _discard(self, n: int) -> None:
         if n <= 0:
             return
+        self.offset += n
         if self.seekable:  # the member's last byte is read, so a truncated member is noticed
             self.stream.seek(n - 1, io.SEEK_CUR)
             if not self.stream.read(1):
@@ -141,6 +147,7 @@ class TarMembers:
         if self._fallback is not None:
             return self._fallback_data
         n, self._unread = self._unread, 0
+        self.offset += n
         data = self.stream.read(n)
         if len(data) < n:
             data += self._read(n - len(data), "a member")
@@ -148,10 +155,11 @@ class TarMembers:
 
     # ------------------------------------------------------------------ headers
     def members(self) -> Iterator[tuple[str, int]]:
+        resumed = self.offset > 0
         first = self.stream.read(BLOCK)
         if not first:
             raise TarFormatError("empty file")
-        if first.startswith(COMPRESSED_MAGIC):
+        if first.startswith(COMPRESSED_MAGIC) and not resumed:
             yield from self._compressed(first)
             return
         if self.headers_only and self.seekable:
@@ -162,6 +170,9 @@ class TarMembers:
         header = first
         long_name, pax, extended = None, {}, False  # extended: an x or L header waits for its member
         while True:
+            if not extended:  # this header starts a member's headers
+                self.entry_offset = self.offset
+            self.offset += BLOCK
             if len(header) < BLOCK:
                 if not header:  # every tar writer ends with zero blocks; tarfile would stop quietly
                     raise TarFormatError(

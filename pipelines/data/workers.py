@@ -14,7 +14,6 @@ import os
 import socket
 
 AUTO = "auto"
-MAX_AUTO_WORKERS = 8  # past this, more decoders mostly cost memory and start-up
 
 
 def check_num_workers(value) -> int | str:
@@ -42,8 +41,9 @@ def loader_workers(
 ) -> int:
     """Workers per rank: the integer setting, or for `auto` this rank's share of the cores it may use
     (`cores`, default its CPU affinity, divided by the `processes_on_node` that share them) minus
-    what the training process computes with. On an accelerator that is one core (at most
-    MAX_AUTO_WORKERS workers). On a CPU it is torch's intra-op threads, which take every core they
+    what the training process computes with. On an accelerator that is one core, and every other core
+    decodes: MAE at 224 px needs a loader worker per ~800 img/s of the GPU (docs/throughput.md), more
+    than any fixed cap leaves a fast GPU. On a CPU it is torch's intra-op threads, which take every core they
     are given and spin between ops: a decoder beside them only waits for a core, and the step waits
     for it (measured: docs/throughput.md), so a CPU run decodes in-process unless cores are left."""
     setting = check_num_workers(setting)
@@ -57,8 +57,8 @@ def loader_workers(
     if device_type != "cuda":
         import torch
 
-        return max(0, min(MAX_AUTO_WORKERS, share - (compute_threads or torch.get_num_threads())))
-    return max(0, min(MAX_AUTO_WORKERS, share - 1))
+        return max(0, share - (compute_threads or torch.get_num_threads()))
+    return max(0, share - 1)
 
 
 def usable_cpus() -> set[int]:

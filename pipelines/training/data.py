@@ -23,6 +23,7 @@ def train_stream(cfg: RunConfig, mixture: Mixture, task, rank: int, world: int) 
         num_classes=task.label_classes,
         crop=cfg.data.crop,
         crop_scale=tuple(cfg.data.crop_scale),
+        pixels_on_device=True,  # the loop's Batch.to finishes them on its device
         **text_reading(task),
     )
     return ShardStream(

@@ -123,8 +123,13 @@ def format_pass(summary: dict, passes: int) -> str:
         for k, v in summary.get("held_out", {}).items()
         if isinstance(v, float) and not GRID_POINT.search(k)
     )  # denoise_mse is the grid's mean
+    kept = f"kept {summary['kept_fraction']:.1%}"
+    lost = summary.get("lost_samples", 0)
+    if lost:  # what trained, beside what the plan kept
+        trained = (summary["kept_samples"] - lost) / max(1, summary["pass_length"])
+        kept = f"kept {trained:.1%} ({summary['kept_fraction']:.1%} planned, {lost} lost to bad input)"
     return (
-        f"{pass_label(summary['pass_index'], passes)}: kept {summary['kept_fraction']:.1%}, "
+        f"{pass_label(summary['pass_index'], passes)}: {kept}, "
         f"{summary['steps_in_pass']} steps, train loss {summary['train_loss']:.4f}"
         f"{', held-out ' + held if held else ''}, {summary['wall_seconds']:.1f} s total"
     )

@@ -31,6 +31,7 @@ def begin_pass(position: TrainingPosition, pruner, stream: ShardStream, world: i
         pruner.plan(position.pass_index)
         position.consumed = Bitmap.zeros(num_samples)
         position.pass_offset = 0.0
+        position.bad_samples_at_pass_start = position.bad_samples
     plan = PassPlan.from_pruner(pruner)
     if position.batch_in_pass > 0 and (position.world_size, position.num_workers) != (world, num_workers):
         draw = stream.draw(position.pass_index)
@@ -63,8 +64,12 @@ def pass_summary(
         "pass_index": position.pass_index,
         "optimizer_steps": position.optimizer_steps,
         "steps_in_pass": layout.steps,
-        "kept_fraction": layout.kept / plan.num_samples,
+        # of the pass's length: a source taken twice (repeat: 2) is 2N samples long, not N
+        "kept_fraction": layout.kept / max(1, layout.length or plan.num_samples),
         "kept_samples": layout.kept,
+        "pass_length": layout.length or plan.num_samples,
+        # kept samples this pass lost to bad input (damaged shards, undecodable samples), every rank's
+        "lost_samples": position.bad_samples - position.bad_samples_at_pass_start,
         "tail": layout.tail,
         "peak_lr": cfg.optim.lr,
         "lr_at_pass_start": learning_rate(cfg, float(position.pass_index)),

@@ -110,12 +110,14 @@ def write_shards(
     chunk: int = FOLDER_CHUNK,
     captions: bool = False,
     aspects: bool = False,
+    square: bool = False,
 ) -> dict[str, str]:
     """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
-    ShardWriter; returns index paths. `folder` is written by `write_folder` (with `workers` and `chunk`).
-    `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
-    `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py);
-    with `aspects` too, the photo crops keep their own aspect ratios (four of them, shorter side `size`)."""
+        ShardWriter; returns index paths. `folder` is written by `write_folder`: each file's bytes as they are,
+    or with `square` centre-cropped to `size` as PNG (then with `workers` and `chunk`).
+        `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
+        `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py);
+        with `aspects` too, the photo crops keep their own aspect ratios (four of them, shorter side `size`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if captions:
@@ -151,6 +153,7 @@ def write_shards(
             seed=seed,
             workers=workers,
             chunk=chunk,
+            square=square,
         )
     if source == "redundant":
         splits = redundant_splits(
@@ -208,16 +211,21 @@ def write_folder(
     seed: int = 0,
     workers: int | None = None,
     chunk: int = FOLDER_CHUNK,
+    square: bool = False,
 ) -> dict[str, str]:
     """An image folder as train and val shards, in bounded memory and a global shuffle.
 
     It lists the files (paths only), draws one permutation of them from `seed`, takes val from its
     head and train from the rest, and writes each split in that order: shards in sorted path order
     would be class-sorted, and a rank's run of consecutive shards would then hold a few classes
-    only. What it holds at once is the list of paths and labels plus one chunk of `chunk` images,
-    decoded, resized to `size` and PNG-encoded by `workers` processes (default: the usable cores;
-    0 or 1: in this process). A sample's key is its position in sorted path order (`folder_key`):
-    the same folder gives an image the same key whatever the seed.
+    only. A sample's key is its position in sorted path order (`folder_key`): the same folder gives
+    an image the same key whatever the seed.
+
+    Each image's bytes are written as they are, under its format's field (a JPEG stays a JPEG, as
+    img2dataset writes them): training crops the whole photograph (MAE's random resized crop) and
+    nothing is re-encoded; each file is opened only to check that it is an image. With `square`, each
+    is decoded, resized and centre-cropped to `size` and PNG-encoded, one chunk of `chunk` images at
+    a time by `workers` processes (default: the usable cores; 0 or 1: in this process).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
@@ -225,6 +233,22 @@ def write_folder(
     order = np.random.default_rng(seed).permutation(len(paths))
     held = int(round(val_fraction * len(paths)))
     splits = {"train": order[held:], "val": order[:held]}
+    if not square:
+        return {
+            split: write_samples(
+                os.path.join(out, split),
+                folder_files(paths, labels, positions),
+                source="folder",
+                size=None,
+                shard_size=shard_size,
+                keys=None,  # the fields its files' formats give
+                desc=f"folder/{split}",
+                total=len(positions),
+                seed=seed,
+            )
+            for split, positions in splits.items()
+            if len(positions)
+        }
     workers = usable_cores() if workers is None else workers
     pool = process_pool(workers) if workers > 1 else None
     try:
@@ -245,6 +269,41 @@ def write_folder(
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
+
+
+def folder_files(paths: list[str], labels: np.ndarray, positions: np.ndarray) -> Iterator[dict]:
+    """The samples of the images at `positions`, in that order: each file's bytes unchanged under its
+    format's field (`image_field`), its class as `cls`."""
+    for i in positions:
+        path = paths[i]
+        field = image_field(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        sample = {"__key__": folder_key(int(i)), field: data}
+        if labels[i] >= 0:
+            sample["cls"] = str(int(labels[i]))
+        yield sample
+
+
+def image_field(path: str) -> str:
+    """The sample field of an image file: its format's extension as the decoder reads it (jpg for
+    JPEG, as img2dataset names it; png, webp, ...). PIL reads the header, not the pixels; a file that
+    is not an image, or whose format the decoder does not read, is refused naming it."""
+    try:
+        with Image.open(path) as img:
+            kind = img.format
+    except Exception as e:  # noqa: BLE001 - PIL raises many types for bad bytes
+        raise ValueError(f"{path}: not a readable image: {e}") from e
+    field = IMAGE_FORMAT_FIELDS.get(kind)
+    if field is None:
+        raise ValueError(
+            f"{path}: a {kind} image, which training does not decode; accepted: "
+            f"{', '.join(sorted(IMAGE_FORMAT_FIELDS))} (or write with --square, which re-encodes as PNG)"
+        )
+    return field
+
+
+IMAGE_FORMAT_FIELDS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "PPM": "ppm", "TIFF": "tiff"}
 
 
 def folder_png(path: str, size: int) -> bytes:
@@ -315,20 +374,26 @@ def write_samples(
     samples: Iterable[dict],
     *,
     source: str,
-    size: int,
+    size: int | None,
     shard_size: int,
-    keys: list[str],
+    keys: list[str] | None,
     desc: str,
     total: int | None = None,
     **meta,
 ) -> str:
     """webdataset samples, taken one at a time, as shards in `folder` with their index.json (listing
-    `keys`); returns its path."""
+    `keys`, or with None the fields the samples held; `size`, the side the images were cut to, where
+    there is one); returns its path."""
     entries: list[ShardEntry] = []
+    held: set[str] = set()
     with counted_shard_writer(folder, entries, maxcount=shard_size) as writer:
         for sample in tracked(samples, total=total, desc=desc, unit="img"):
+            if keys is None:
+                held.update(k for k in sample if not k.startswith("__"))
             writer.write(sample)
-    return ShardIndex.write(folder, entries, source=source, size=size, keys=keys, **meta)
+    if size is not None:
+        meta["size"] = size
+    return ShardIndex.write(folder, entries, source=source, keys=sorted(held) if keys is None else keys, **meta)
 
 
 @contextlib.contextmanager
@@ -654,7 +719,7 @@ def inspect_shards(location: str, grid_path: str | None = None, grid_count: int 
     index = ShardIndex.load(location)
     fields, labels = Counter(), Counter()
     images = []
-    decoder = SampleDecoder(resolution=int(index.meta.get("size", 32)))
+    decoder = SampleDecoder(resolution=int(index.meta.get("size") or 32))  # none: a folder's bytes as they are
     for shard, url in enumerate(index.urls):
         for _, sample in read_shard(url, expected=index.expected(shard)):
             fields.update(k for k in sample if not k.startswith("__"))
