@@ -289,12 +289,6 @@ def _validate_parallel(cfg: RunConfig) -> None:
             f"config: parallel.strategy={par.strategy} trains in bf16 with fp32 reductions and master weights; "
             f"mixed_precision=fp16 needs a loss scaler it does not have: use mixed_precision=bf16 (or auto)"
         )
-    if cfg.eval.every_passes:
-        raise ConfigError(
-            f"config: eval.every_passes={cfg.eval.every_passes} under parallel.strategy={par.strategy}: the "
-            f"evaluators run on whole models; set eval.every_passes=0 and judge the checkpoints with "
-            f"`prunepipe eval RUN` (the per-pass held-out loss is still written)"
-        )
 
 
 def checkpointed_every(setting) -> str | int:

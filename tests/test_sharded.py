@@ -57,7 +57,7 @@ def latents(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("latents")
     return {
         "train": write_latent_shards(str(root / "train"), 96, nan_at=37),
-        "val": write_latent_shards(str(root / "val"), 16, nan_at=-1),
+        "val": write_latent_shards(str(root / "val"), 17, nan_at=-1),  # 2 ranks: shares of 2 batches and 1
     }
 
 
@@ -65,7 +65,7 @@ def dit_args(latents: dict, runs: str, name: str) -> list[str]:
     return [
         f"data.train={latents['train']}",
         f"data.val={latents['val']}",
-        "data.val_batches=1",
+        "data.val_batches=3",
         f"runs_dir={runs}",
         f"name={name}",
         "ldm.space=latents",
@@ -115,14 +115,29 @@ def assert_same_run(run_a: str, run_b: str) -> None:
 
 
 def test_fsdp_and_hsdp_train_the_tiny_dit_as_ddp_does(latents, tmp_path):
-    finished(torchrun(2, DIT, dit_args(latents, str(tmp_path), "ddp")))
+    # the evaluator after pass 2 on the EMA weights; held-out shares of unequal length on the two ranks
+    evaluated = ["eval.every_passes=2", "eval.fid.enabled=false", "eval.val_samples=17"]
+    finished(torchrun(2, DIT, dit_args(latents, str(tmp_path), "ddp") + evaluated))
     for name in ("fsdp", "hsdp"):  # one launch at a time: two CPU cores
-        output = finished(torchrun(2, DIT, dit_args(latents, str(tmp_path), name) + STRATEGIES[name]))
+        output = finished(torchrun(2, DIT, dit_args(latents, str(tmp_path), name) + evaluated + STRATEGIES[name]))
         assert "pass 2/2" in output
         assert_same_run(str(tmp_path / "ddp"), str(tmp_path / name))
-    record = [json.loads(line) for line in open(tmp_path / "fsdp" / "metrics.jsonl") if '"pass"' in line][-1]
+    records = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in STRATEGIES}
+    record = [r for r in records["fsdp"] if r["kind"] == "pass"][-1]
     assert record["skipped_nonfinite"] == 2, "the NaN sample's micro-batch skipped in both passes"
-    assert "held_out" in record, "every rank joined the held-out forwards"
+    # every rank gathered whole weights for the held-out forwards, its share as long as it is
+    evals = {name: [r for r in runs if r["kind"] == "eval"] for name, runs in records.items()}
+    for name in ("fsdp", "hsdp"):
+        passes = [r for r in records[name] if r["kind"] == "pass"]
+        ddp_passes = [r for r in records["ddp"] if r["kind"] == "pass"]
+        assert np.allclose(
+            [p["held_out"]["denoise_mse"] for p in passes],
+            [p["held_out"]["denoise_mse"] for p in ddp_passes],
+            rtol=1e-4,
+        )
+        assert len(evals[name]) == 1 and np.isclose(
+            evals[name][0]["details"]["denoise_mse"], evals["ddp"][0]["details"]["denoise_mse"], rtol=1e-4
+        ), "the EMA weights evaluated whole"
     # the export of a sharded run, read whole from its checkpoint, holds what the ddp run exported
     from safetensors.torch import load_file
 

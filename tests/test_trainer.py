@@ -404,3 +404,28 @@ def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, wa
     assert ema_a["optimization_step"] == ema_b["optimization_step"] == 45
     assert len(ema_a["shadow_params"]) == len(straight)
     assert all(torch.equal(a, b) for a, b in zip(ema_a["shadow_params"], ema_b["shadow_params"]))
+
+
+def test_train_records_carry_samples_per_second_a_gpu_and_the_flops_of_a_sample(digits_shards, tmp_path):
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "mae_tiny_full.yaml"),
+        overrides(digits_shards, tmp_path, "rates", TINY_MAE + ["num_passes=1", "max_steps=6", "log_every=2"]),
+    )
+    train(cfg)
+    with open(os.path.join(cfg.run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if '"kind": "train"' in line]
+    assert [r["optimizer_steps"] for r in lines] == [2, 4, 6]
+    later = lines[1:]  # the first record has no earlier one to measure from
+    assert all(r["samples_per_s_per_gpu"] > 0 for r in later)
+    # counted once, on the first micro-batch; the same for every record; no MFU claimed off a known GPU
+    assert len({r["flops_per_sample"] for r in later}) == 1 and later[0]["flops_per_sample"] > 0
+    assert not any("mfu" in r for r in lines)
+
+
+def test_mfu_peaks_match_the_device_name_and_claim_nothing_for_an_unknown_one():
+    from prunepipe.pipelines.training.throughput import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_bf16_flops("NVIDIA GeForce RTX 4090") is None

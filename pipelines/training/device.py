@@ -17,7 +17,13 @@ from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.tasks.diffusion.dit import compile_blocks
 from prunepipe.pipelines.training.node_tables import local_rank_and_size
-from prunepipe.pipelines.training.parallel import ModelParallel, checkpoint_activations, device_mesh, shard_model
+from prunepipe.pipelines.training.parallel import (
+    ModelParallel,
+    checkpoint_activations,
+    device_mesh,
+    parameter_skeleton,
+    shard_model,
+)
 
 
 def mixed_precision(cfg: RunConfig) -> str:
@@ -85,6 +91,7 @@ def prepare_model(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Modu
     then DDP through accelerate's prepare, or FSDP2 / HSDP units (parallel.strategy)."""
     device, par = accelerator.device, cfg.parallel
     set_backend_flags(cfg, device)
+    skeleton = parameter_skeleton(model) if par.strategy != "ddp" else None  # evaluation's unsharded copies
     checkpoint_activations(model, par.activation_checkpointing)  # hooks only: names and state dict unchanged
     place_model(cfg, model, device)  # before the optimizer: the fused kernel checks the parameters' device
     if par.strategy == "ddp":
@@ -96,7 +103,7 @@ def prepare_model(cfg: RunConfig, accelerator: Accelerator, model: torch.nn.Modu
     shard_model(model, mesh, bf16=mixed_precision(cfg) == "bf16", reshard_after_forward=par.reshard_after_forward)
     optimizer = build_optimizer(cfg, model, device)  # over the shards
     may_skip = cfg.on_nonfinite_loss == "skip"
-    return model, optimizer, ModelParallel(par.strategy, model, accelerator, mesh, may_skip=may_skip)
+    return model, optimizer, ModelParallel(par.strategy, model, accelerator, mesh, may_skip=may_skip, skeleton=skeleton)
 
 
 def ensure_process_group(device: torch.device) -> None:

@@ -46,6 +46,7 @@ from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
 from prunepipe.pipelines.training.sources import SourceStrata, forwarded_by_source, pass_accounting
 from prunepipe.pipelines.training.sync_check import SyncDebug
+from prunepipe.pipelines.training.throughput import Throughput, rate_words
 from prunepipe.pruning import build_pruner, gather_tensors
 
 # Step k's scores reach the pruner after step k+1 is enqueued, so the step never waits for the
@@ -135,6 +136,7 @@ class Trainer:
         self.stopped = False  # max_steps reached
         self.bad_input = BadInputTally(cfg)
         self.device_waits = DeviceWaitCheck(cfg.debug_device_sync, self.device)
+        self.throughput = Throughput(self.world, self.device)  # samples/s a GPU and MFU in the train records
 
     # ---------------------------------------------------------------- the run
     def train(self) -> dict:
@@ -220,7 +222,8 @@ class Trainer:
             accumulation.rebuild_buckets(
                 lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float()
             )
-        with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
+        # DDP decides at the forward whether backward syncs; the first micro-batch's FLOPs are counted
+        with accumulation.sync_context(is_step), self.throughput.counted(len(batch.ids)):
             out = self.forward(batch, randomness)
             losses = out.loss.float()
             # Gathered on the device and copied to the host without waiting: consumed a step later.
@@ -289,16 +292,18 @@ class Trainer:
         steps = record.step + 1
         if self.is_main and steps % self.cfg.log_every == 0 and self.pass_losses:
             loss = self.pass_losses[-1]
-            self.metrics.train_line(steps, record.pass_index, loss, record.lr, position.samples_forwarded)
-            self.bar.set_postfix(loss=f"{loss:.4f}", kept=f"{self.kept_fraction:.0%}")
+            rates = self.throughput.rates(position.samples_forwarded)
+            self.metrics.train_line(steps, record.pass_index, loss, record.lr, position.samples_forwarded, rates)
+            self.bar.set_postfix(loss=f"{loss:.4f}", kept=f"{self.kept_fraction:.0%}", **rate_words(rates))
 
     # ---------------------------------------------------------------- pass ends and checkpoints
     def end_pass(self, plan, layout) -> dict:
         """The pass's record (held-out metrics over every rank), the evaluators when due, the next pass."""
         cfg, position = self.cfg, self.position
         pass_index = position.pass_index
+        held_out_model = self.evaluated("raw") if self.held_out is not None else None
         summary = pass_summary(
-            cfg, self.task, self.model, self.pruner, plan, layout, position, self.held_out, self.pass_losses
+            cfg, self.task, held_out_model, self.pruner, plan, layout, position, self.held_out, self.pass_losses
         )
         if len(self.mixture.sources) > 1:
             summary["kept_fraction"] = layout.kept / self.pass_length  # of what the sources' rules drew
@@ -312,11 +317,16 @@ class Trainer:
         if self.evaluator is not None and (pass_index + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
             at = {k: summary[k] for k in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")}
             at["pass"] = f"after {pass_label(pass_index, cfg.num_passes)}"
-            weights = weights_for_eval(self.model, self.ema, cfg.eval.weights)
-            self.metrics.write(self.evaluator.evaluate(self.task, weights, at=at))
+            self.metrics.write(self.evaluator.evaluate(self.task, self.evaluated(cfg.eval.weights), at=at))
         position.pass_index += 1
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
         return summary
+
+    def evaluated(self, which: str):
+        """The weights to evaluate ("ema" or "raw"): under fsdp a whole copy gathered on every rank."""
+        if not self.parallel.sharded:
+            return weights_for_eval(self.model, self.ema, which)
+        return self.parallel.whole(self.ema.shadow_params if which == "ema" else None)
 
     def catch_up(self) -> None:
         """Before a checkpoint and at a pass end (on every rank at the same step): every deferred update

@@ -65,10 +65,13 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "optimizer_steps":
                     self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
 
-    def train_line(self, optimizer_steps: int, pass_index: int, loss: float, lr: float, samples_forwarded: int):
-        """A train record: the loss of the last batch consumed at step `optimizer_steps`, and its lr."""
+    def train_line(
+        self, optimizer_steps: int, pass_index: int, loss: float, lr: float, samples_forwarded: int, rates: dict
+    ):
+        """A train record: the loss of the last batch consumed at step `optimizer_steps`, its lr, and the
+        throughput since the previous one (pipelines/training/throughput.py)."""
         record = {"kind": "train", "optimizer_steps": optimizer_steps, "pass_index": pass_index, "loss": loss}
-        self.write({**record, "lr": lr, "samples_forwarded": samples_forwarded})
+        self.write({**record, "lr": lr, "samples_forwarded": samples_forwarded, **rates})
 
     def resumed(self, checkpoint: str, *, optimizer_steps: int, pass_index: int, batch_in_pass: int) -> None:
         """The resume marker: this process continues from `checkpoint`, at step `optimizer_steps`,

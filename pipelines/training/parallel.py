@@ -9,10 +9,16 @@ the memory sharding exists to remove. Under hsdp the all-reduce between replicas
 traffic) waits for the group's last micro-batch, except under on_nonfinite_loss=skip: FSDP2 keeps the
 waiting sums inside itself, not in the gradients, so a skipped last micro-batch would leave them to be
 added into the next group's.
+
+Evaluation (the per-pass held-out loss, the evaluators) runs on whole weights: each rank's share of the
+held-out data differs in size, and a sharded forward is a collective every rank must call as often as
+the others. Under fsdp each rank gathers the weights (or the EMA's) into an unsharded copy, evaluates as
+under ddp, and drops it: 4 bytes a parameter for the evaluation's length, one all-gather a parameter.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -86,14 +92,28 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, reshard_after
     return len(units) + 1
 
 
+def parameter_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` with its parameters on `meta` (no memory) and its buffers copied (some hold
+    values computed at build time, such as positional tables): the unsharded shape to gather into."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
 class ModelParallel:
     """The strategy as the loop meets it: the sync decision of a micro-batch, the repair after a skipped
     one, gradient clipping and the forward's autocast."""
 
     def __init__(
-        self, strategy: str, model: nn.Module, accelerator, mesh: DeviceMesh | None = None, may_skip: bool = False
+        self,
+        strategy: str,
+        model: nn.Module,
+        accelerator,
+        mesh: DeviceMesh | None = None,
+        may_skip: bool = False,
+        skeleton: nn.Module | None = None,
     ):
         self.strategy, self.model, self.accelerator, self.mesh = strategy, model, accelerator, mesh
+        self.skeleton = skeleton  # fsdp: the model unsharded, parameters on `meta` (parameter_skeleton)
         self.sharded = strategy != "ddp"
         # hsdp: replicas all-reduce at a group's last micro-batch only, unless that one may be skipped
         self.defer_all_reduce = strategy == "hsdp" and not may_skip and isinstance(model, FSDPModule)
@@ -118,3 +138,20 @@ class ModelParallel:
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return total
+
+    def whole(self, weights: list[torch.Tensor] | None = None) -> nn.Module:
+        """An unsharded copy on this rank's device holding `weights` (the EMA's shadows, in parameter
+        order) or the trained weights, each gathered from every rank's shards: a collective, every rank
+        calls it. Under fsdp only (ddp evaluates its own replica)."""
+        named = list(self.model.named_parameters())
+        weights = weights if weights is not None else [param for _, param in named]
+        full = {}
+        for (name, _), tensor in zip(named, weights, strict=True):
+            tensor = tensor.detach()
+            full[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+        whole = copy.deepcopy(self.skeleton)
+        missing, unexpected = whole.load_state_dict(full, strict=False, assign=True)
+        left = [key for key in missing if key in dict(whole.named_parameters())]
+        if left or unexpected:
+            raise RuntimeError(f"whole model: parameters not gathered {left}, unknown {unexpected}")
+        return whole.to(next(iter(full.values())).device).eval().requires_grad_(False)
