@@ -147,6 +147,16 @@ def test_fsdp_and_hsdp_train_the_tiny_dit_as_ddp_does(latents, tmp_path):
     assert_close(exported[1], exported[0], "exported EMA weights")
 
 
+@pytest.mark.slow  # a run and two launches of two ranks, about a minute on 2 cores
+def test_init_weights_fills_each_ranks_shards_under_fsdp_as_ddp_loads_them_whole(latents, tmp_path):
+    train(load_config(DIT, [*dit_args(latents, str(tmp_path), "source"), "num_passes=1"]))
+    init = [f"init.weights={tmp_path / 'source'}", "max_steps=2", "ema_warmup=none"]
+    for name in ("ddp", "fsdp"):
+        output = finished(torchrun(2, DIT, dit_args(latents, str(tmp_path), name) + init + STRATEGIES[name]))
+        assert "tensors loaded; live weights from" in output
+    assert_same_run(str(tmp_path / "ddp"), str(tmp_path / "fsdp"))
+
+
 @pytest.mark.slow  # six launches of two ranks, about 3 minutes on 2 cores
 @pytest.mark.parametrize("config", ["mae_tiny_infobatch.yaml", "ldm_t2i_tiny.yaml"], ids=["mae", "pixart"])
 def test_fsdp_and_hsdp_train_mae_and_pixart_as_ddp_does(config, digits_shards, tmp_path, request):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 from diffusers.training_utils import EMAModel
 
@@ -32,10 +33,23 @@ class PassProgressEMA(EMAModel):
         self.warmup, self.full_steps_per_pass = warmup, full_steps_per_pass
         self._progress = 0.0
 
+    @torch.no_grad()
     def step(self, parameters, progress: float) -> None:
-        """Average in the weights reached at pass progress `progress` (pass_index + fraction of the pass)."""
+        """Average in the weights reached at pass progress `progress` (pass_index + fraction of the pass):
+        diffusers' foreach update, with frozen parameters (MAE's fixed positional tables) copied one by one,
+        since DTensor has no sharding rule for the foreach copy diffusers uses."""
         self._progress = progress
-        super().step(parameters)
+        self.optimization_step += 1
+        decay = self.cur_decay_value = self.get_decay(self.optimization_step)
+        shadows, trained = [], []
+        for shadow, param in zip(self.shadow_params, parameters, strict=True):
+            if param.requires_grad:
+                shadows.append(shadow)
+                trained.append(param)
+            else:
+                shadow.copy_(param)
+        if shadows:
+            torch._foreach_sub_(shadows, torch._foreach_sub(shadows, trained), alpha=1 - decay)
 
     def get_decay(self, optimization_step: int) -> float:
         if self.warmup == "none":

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from prunepipe.pipelines.checkpoint.manifest import MANIFEST
 from prunepipe.pipelines.checkpoint.store import checked, checkpoints_dir, load_checkpoint_states, newest_intact
@@ -217,6 +218,16 @@ def match(model: nn.Module, tensors: dict[str, torch.Tensor], scope: str = "") -
     return found
 
 
+def copy_whole(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """`tensor` into `target`, or under fsdp into this rank's shard of it: every rank read the same whole
+    tensor from its own node, so each keeps its part without any communication."""
+    if isinstance(target, DTensor):
+        tensor = distribute_tensor(
+            tensor.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        )
+    target.copy_(tensor)
+
+
 def load_source(model: nn.Module, ema, source: Source, *, strict: bool, warmup: str = "none") -> list[str]:
     """Copy `source` into `model` and `ema` (onto their devices, in their dtypes); returns the log lines.
     Strict: a learned tensor of another shape, one the model has not, or one of the model's that the source
@@ -228,7 +239,7 @@ def load_source(model: nn.Module, ema, source: Source, *, strict: bool, warmup: 
     state = model.state_dict()  # shares the parameters' storage: copy_ writes the model
     with torch.no_grad():
         for name, tensor in found.load.items():
-            state[name].copy_(tensor)
+            copy_whole(state[name], tensor)
         parameters = list(model.named_parameters())
         if len(parameters) != len(ema.shadow_params):
             raise InitWeightsError(
@@ -237,7 +248,7 @@ def load_source(model: nn.Module, ema, source: Source, *, strict: bool, warmup: 
         for shadow, (name, parameter) in zip(ema.shadow_params, parameters):
             loaded = ema_named.get(name) if name in found.load else None
             fits = loaded is not None and tuple(loaded.shape) == tuple(shadow.shape)
-            shadow.copy_(loaded if fits else parameter.detach())
+            copy_whole(shadow, loaded) if fits else shadow.copy_(parameter.detach())
     outside = [n for n in state if not n.startswith(source.scope)]
     parts = [
         f"init: from {source.described}: {len(found.load)} tensors loaded; live weights from {source.live_from}, "
