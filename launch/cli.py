@@ -521,6 +521,11 @@ BENCHES = {
         "per GPU under ddp and fsdp, with and without activation checkpointing: weights, grads, AdamW, EMA, text "
         "encoder, activations per sample (models built on `meta`) and the largest batch that fits",
     ),
+    "compile": (
+        "prunepipe.tools.benchmarks.compile_check",
+        "cuda.compile (inductor, per DiT block) beside eager: compilation time, step time, and whether a compiled "
+        "run repeats and resumes bit for bit",
+    ),
     "datapath": (
         "prunepipe.tools.benchmarks.datapath",
         "MAE's 224 px crop and flip from JPEG shards, img/s a core: the project's path, the MAE "

@@ -75,7 +75,7 @@ class CudaConfig:
     tf32: bool = True  # TF32 matmuls and convolutions (Ampere and newer): ~fp32 accuracy at tensor-core speed
     fused_adamw: bool = True  # AdamW's fused kernel: one launch per step instead of several per tensor
     channels_last: bool = True  # the UNet (task ldm) in channels_last memory format; MAE has no convs to speed up
-    compile: bool = False  # torch.compile the model; off by default: not verified for bitwise resume
+    compile: bool = False  # torch.compile each block; off: untimed on a GPU, untried in the loop (docs/diffusion.md)
 
 
 @dataclass

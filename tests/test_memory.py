@@ -91,3 +91,16 @@ def test_bench_memory_prints_every_preset_and_the_8b_dit_fits_eight_gpus_under_f
     assert cell[big, "fsdp", True]["per_sample"] * 5 <= cell[big, "fsdp", False]["per_sample"]
     text = cell["PixArt-XL/2 512 px + T5-XXL", "fsdp", True]["text_encoder"]
     assert 8.5 < text < 9.5, "T5-XXL's 4.76 B parameters in bf16 on every GPU"
+
+
+@pytest.mark.slow  # inductor compiles the blocks: about a minute on 2 cores with a cold cache
+def test_a_compiled_dit_repeats_and_resumes_bit_for_bit_on_cpu():
+    import argparse
+
+    from prunepipe.tools.benchmarks.compile_check import add_arguments, check
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    result = check(parser.parse_args(["--device", "cpu", "--steps", "4"]))
+    for name in ("eager", "compiled"):
+        assert result[name]["repeat_bitwise"] and result[name]["resume_bitwise"], (name, result)

@@ -39,3 +39,12 @@ def test_a_bucketed_text_to_image_run_requeued_mid_pass_ends_bitwise_equal(tmp_p
     assert verdict["pass"], verdict["problems"]
     assert verdict["resume_checkpoint"]["batch_in_pass"] > 0, "resumed inside a pass"
     assert "buckets" in verdict["compared"]["pass_fields"]
+
+
+@pytest.mark.slow  # three runs of four processes, about 2 minutes on 2 cores
+def test_a_fsdp_run_requeued_mid_pass_ends_bitwise_equal_optimizer_included(tmp_path):
+    """The same node death and requeue with the model, AdamW and the EMA sharded over the four ranks."""
+    verdict = rehearse(str(tmp_path), strategy="fsdp")
+    assert verdict["pass"], verdict["problems"]
+    assert verdict["resume_checkpoint"]["batch_in_pass"] > 0, "resumed inside a pass"
+    assert verdict["compared"]["optimizer_tensors"] > 0, "AdamW's moments compared"

@@ -572,7 +572,8 @@ def describe(verdict: dict) -> str:
         c = verdict["compared"]
         lines.append(
             f"  compared at {c.get('checkpoint')}: {c.get('model_tensors')} model tensors, "
-            f"{c.get('ema_tensors')} EMA tensors, the pruner's state and the position, bit for bit; "
+            f"{c.get('ema_tensors')} EMA tensors, {c.get('optimizer_tensors')} AdamW tensors, the pruner's state "
+            f"and the position, bit for bit; "
             f"{c['passes']} pass summaries ({', '.join(c['pass_fields'])}); {c['evals']} in-loop evaluations"
         )
         for r in verdict["pass_summaries"]:
