@@ -26,9 +26,16 @@ def data_overrides(digits_shards):
     return [f"data.train={digits_shards}/train", f"data.val={digits_shards}/val"]
 
 
+def with_bases(config: str) -> str:
+    """The config file's text after the texts of its `base:` files, nearest last."""
+    written = open(config).read()
+    base = re.search(r"^base: *(\S+)", written, re.M)
+    return (with_bases(os.path.join(os.path.dirname(config), base.group(1))) if base else "") + written
+
+
 @pytest.mark.parametrize("config", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
 def test_every_shipped_config_loads(config, digits_shards):
-    written = open(config).read()  # the encoder's folder, checked when a run builds it (none for stored features)
+    written = with_bases(config)  # the encoder's folder, checked when a run builds it (none for stored features)
     text = "conditioning: text" in written and "features: precomputed" not in written
     cfg = load_config(config, data_overrides(digits_shards) + (["ldm.text.encoder=encoder"] if text else []))
     assert cfg.task in ("mae", "ldm")

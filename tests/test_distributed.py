@@ -14,7 +14,7 @@ import pytest
 import torch
 from eval_runs import digit_shards
 
-from prunepipe.pipelines.checkpoint.store import latest_checkpoint
+from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.data.layout import pass_layout
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.tools.commands.shards import write_shards

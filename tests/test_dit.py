@@ -54,6 +54,7 @@ def test_presets_are_the_papers_sizes_and_their_parameter_counts_are_documented(
         "B": 12,
         "L": 24,
         "XL": 28,
+        "8B": 48,
     }
     assert dit_shape("DiT-XL/2") == {"num_layers": 28, "width": 1152, "heads": 16, "patch_size": 2}
     assert dit_shape("DiT-B/4", depth=2, width=64, heads=2)["patch_size"] == 4

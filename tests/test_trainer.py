@@ -399,8 +399,8 @@ def test_the_ema_resumes_bitwise_whatever_its_warmup(digits_shards, tmp_path, wa
         config, digits_shards, tmp_path, base, stop_at=30, end_at=45
     )  # step 30 is inside the pruned pass 2
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    ema_a = load_checkpoint_states(straight_at, read_model=False)["ema"]
-    ema_b = load_checkpoint_states(resumed_at, read_model=False)["ema"]
+    ema_a = load_checkpoint_states(straight_at)["ema"]
+    ema_b = load_checkpoint_states(resumed_at)["ema"]
     assert ema_a["optimization_step"] == ema_b["optimization_step"] == 45
     assert len(ema_a["shadow_params"]) == len(straight)
     assert all(torch.equal(a, b) for a, b in zip(ema_a["shadow_params"], ema_b["shadow_params"]))

@@ -266,7 +266,8 @@ def _fsync_dir(path: str) -> None:
 def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables: bool = True) -> dict:
     """{"model": state dict, "ema": EMAModel state | None, "pruner": state | None, "position": dict | None}
     of one checkpoint folder, its parts read by name (parts.py).
-    `read_model=False` leaves the weights unread ("model": None), for readers of the pruner state only;
+    `read_model=False` leaves the weights and the EMA's unread ("model": None, no "shadow_params"), for
+    readers of the pruner state only;
     `read_tables=False` leaves the pruner's table files unread (their names stay), for readers of the weights."""
     from safetensors.torch import load_file
 

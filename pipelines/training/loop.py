@@ -222,8 +222,12 @@ class Trainer:
             accumulation.rebuild_buckets(
                 lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float()
             )
-        # DDP decides at the forward whether backward syncs; the first micro-batch's FLOPs are counted
-        with accumulation.sync_context(is_step), self.throughput.counted(len(batch.ids)):
+        self.throughput.count_once(
+            lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float(),
+            self.model,
+            len(batch.ids),
+        )
+        with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
             out = self.forward(batch, randomness)
             losses = out.loss.float()
             # Gathered on the device and copied to the host without waiting: consumed a step later.

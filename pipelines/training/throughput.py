@@ -1,8 +1,8 @@
 """Samples a second per GPU and, on CUDA, model FLOPs utilisation (MFU) for the train records.
 
 The training FLOPs of a sample (forward and backward, activation checkpointing's recomputation
-included) are counted once, on the process's first micro-batch, by torch.utils.flop_counter from the
-ops that micro-batch dispatches: exactly what the task runs (MAE's masking, a bucket's shape, the text
+included) are counted once a process, by torch.utils.flop_counter from the ops a forward and backward of
+its first micro-batch dispatch: exactly what the task runs (MAE's masking, a bucket's shape, the text
 path), with no second description of each task's batch on `meta`. Bucketed shapes differ in cost: the
 first batch's bucket stands for all, which the docs say.
 """
@@ -10,7 +10,6 @@ first batch's bucket stands for all, which the docs say.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -41,18 +40,19 @@ class Throughput:
         self.flops_per_sample: float | None = None
         self.last: tuple[float, int] | None = None  # (time, samples forwarded) at the previous record
 
-    def counted(self, rows: int):
-        """Around the first micro-batch's forward and backward: its FLOPs over its `rows` (padding included,
-        since it is computed). Every later micro-batch runs without the counter."""
+    def count_once(self, loss_of_a_batch, model: torch.nn.Module, rows: int) -> None:
+        """At the process's first micro-batch: a forward and backward of `loss_of_a_batch()` times zero
+        under the counter, its gradients dropped, the FLOPs over its `rows` (padding included: it is
+        computed). Apart, not the step's own: ops seen by the counter may round differently, and a
+        resumed process would count at another step than the straight run did. Every rank calls it,
+        so the collectives of a sharded backward stay in step."""
         if self.flops_per_sample is not None:
-            return nullcontext()
-        return self._count(rows)
-
-    @contextmanager
-    def _count(self, rows: int):
+            return
         counter = FlopCounterMode(display=False)
         with counter:
-            yield
+            (loss_of_a_batch().sum() * 0.0).backward()
+        for param in model.parameters():
+            param.grad = None
         self.flops_per_sample = counter.get_total_flops() / max(1, rows)
 
     def rates(self, samples_forwarded: int) -> dict:

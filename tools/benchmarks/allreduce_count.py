@@ -27,6 +27,7 @@ from prunepipe.pipelines.data.batch import Batch
 from prunepipe.pipelines.tasks.mae import MAEConfig, MAETask
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
 from prunepipe.pipelines.training.accumulation import GradientAccumulation
+from prunepipe.pipelines.training.parallel import ModelParallel
 
 # The tiny MAE of configs/mae_tiny_base.yaml, narrowed as the distributed tests narrow it
 TINY_MAE = MAEConfig(
@@ -95,7 +96,7 @@ def count(grad_accum: int, micro_batches: int, batch_size: int, bucket_mb: float
 
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    accumulation = GradientAccumulation(DDPOnly(world), model, grad_accum)
+    accumulation = GradientAccumulation(DDPOnly(world), model, grad_accum, ModelParallel("ddp", model, DDPOnly(world)))
     per_micro, is_step_of, buckets_held = [], [], []
     for micro in range(micro_batches):
         is_step, group_size = accumulation.group(micro, micro_batches)
