@@ -215,9 +215,10 @@ def _shards_dedup(args) -> None:
 
 def _train(args) -> None:
     from prunepipe.pipelines.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a mistake in it is told before torch is imported
     from prunepipe.pipelines.training.loop import train
 
-    cfg = load_config(args.config, args.overrides)
     train(cfg)  # which checks the data the config names first, on every rank
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run folder: {cfg.run_dir}")
@@ -973,10 +974,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from prunepipe.pipelines.checkpoint.store import CheckpointError
-    from prunepipe.pipelines.data.shards import BadInputError
+# errors a user can act on, printed as one line; a class not yet imported cannot have been raised, so
+# these are looked up after the fact instead of importing their modules (and torch) before every command
+ACTIONABLE = (
+    ("prunepipe.pipelines.checkpoint.store", "CheckpointError"),
+    ("prunepipe.pipelines.data.shards", "BadInputError"),
+)
 
+
+def _actionable(error: BaseException) -> bool:
+    """Whether `error` is one the user can act on: ValueError (a config's ConfigError too), a missing file,
+    bad input or a bad checkpoint."""
+    kinds = [ValueError, FileNotFoundError]
+    kinds += [getattr(sys.modules[module], name) for module, name in ACTIONABLE if module in sys.modules]
+    return isinstance(error, tuple(kinds))
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
@@ -986,7 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError, BadInputError, CheckpointError) as e:  # the user can act on these
+    except Exception as e:
+        if not _actionable(e):
+            raise
         print(f"prunepipe: error: {e}", file=sys.stderr)
         return 2
     return code or 0
