@@ -214,19 +214,24 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
             f"`latents encode` recorded them)"
         )
     if isinstance(task.text_encoder, TextEncoder):
-        tokenizer_class = type(task.text_encoder.tokenizer).__name__
+        tokenizer = task.text_encoder.tokenizer
     else:  # the tokenizer alone names its class: rank 0 exports while the others wait, so no T5-XXL load
         import transformers
 
         with quiet_transformers():
             tokenizer = transformers.AutoTokenizer.from_pretrained(info["tokenizer"], local_files_only=True)
-        tokenizer_class = type(tokenizer).__name__
+    tokenizer_class = type(tokenizer).__name__
     written = []
     for name, folder in folders.items():
         target = os.path.join(out_dir, name)
         _remove(target)
         if name == "tokenizer" and os.path.realpath(folder) == os.path.realpath(info["text_encoder"]):
-            os.symlink("text_encoder", target)  # one folder holds both, as most hub repositories' do
+            # one folder holds both, as most hub repositories' do: a link to text_encoder/, or for a copy
+            # the tokenizer's own files (not the encoder's weights a second time)
+            if copy:
+                tokenizer.save_pretrained(target)
+            else:
+                os.symlink("text_encoder", target)
         else:
             _link_or_copy(folder, target, copy)
         written.append(target)
