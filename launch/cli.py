@@ -354,7 +354,10 @@ def _checkpoints_verify(args) -> int:
 
 def _eval(args) -> None:
     """Evaluate a checkpoint of a run; writes RUN/eval/step_XXXXXX.json."""
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.evaluation.config import EvalConfig, load_eval_config
+    from prunepipe.pipelines.evaluation.needs import plan_evaluation
+    from prunepipe.pipelines.evaluation.records import resolve_run_dir
 
     overrides = list(args.overrides)
     for option, key in (
@@ -366,11 +369,18 @@ def _eval(args) -> None:
     ):
         if getattr(args, option) is not None:
             overrides.append(f"{key}={getattr(args, option)}")
+    # the settings and what they need, checked before torch and the model load: a typo or every missing
+    # piece is told at once
+    run_dir = resolve_run_dir(args.run, args.runs_dir)
+    run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    eval_cfg = load_eval_config(getattr(run_cfg, "eval", None) or EvalConfig(), args.eval_config, overrides)
+    plan_evaluation(run_cfg, eval_cfg, run_dir if args.checkpoint == "latest" else "")
+    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+
     record = evaluate_checkpoint(
-        args.run,
+        run_dir,
         args.checkpoint,
-        config_path=args.eval_config,
-        overrides=overrides,
+        eval_cfg,
         runs_dir=args.runs_dir,
         device=args.device,
         overwrite=args.overwrite,
