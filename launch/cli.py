@@ -455,6 +455,12 @@ def _sample(args) -> None:
         Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
         caption = f"  {prompts[i]!r}" if prompts else f"  class {int(labels[i])}" if labels is not None else ""
         print(f"written: {path}{caption}")
+    from prunepipe.pipelines.tasks.diffusion.stock_call import stock_call
+
+    call = stock_call(export)
+    if call is not None:  # the same export in diffusers, as its README.md says
+        why = f" ({'; '.join(call.reasons)})" if call.reasons else ""
+        print(f"in diffusers: {call.pipeline}.from_pretrained({export!r}), then {call.call()}{why}")
 
 
 def _compare(args) -> None:
