@@ -215,9 +215,10 @@ def _shards_dedup(args) -> None:
 
 def _train(args) -> None:
     from prunepipe.pipelines.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a mistake in it is told before torch is imported
     from prunepipe.pipelines.training.loop import train
 
-    cfg = load_config(args.config, args.overrides)
     train(cfg)  # which checks the data the config names first, on every rank
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"run folder: {cfg.run_dir}")
@@ -353,7 +354,10 @@ def _checkpoints_verify(args) -> int:
 
 def _eval(args) -> None:
     """Evaluate a checkpoint of a run; writes RUN/eval/step_XXXXXX.json."""
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.config import load_config
+    from prunepipe.pipelines.evaluation.config import EvalConfig, load_eval_config
+    from prunepipe.pipelines.evaluation.needs import plan_evaluation
+    from prunepipe.pipelines.evaluation.records import resolve_run_dir
 
     overrides = list(args.overrides)
     for option, key in (
@@ -365,11 +369,18 @@ def _eval(args) -> None:
     ):
         if getattr(args, option) is not None:
             overrides.append(f"{key}={getattr(args, option)}")
+    # the settings and what they need, checked before torch and the model load: a typo or every missing
+    # piece is told at once
+    run_dir = resolve_run_dir(args.run, args.runs_dir)
+    run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    eval_cfg = load_eval_config(getattr(run_cfg, "eval", None) or EvalConfig(), args.eval_config, overrides)
+    plan_evaluation(run_cfg, eval_cfg, run_dir if args.checkpoint == "latest" else "")
+    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+
     record = evaluate_checkpoint(
-        args.run,
+        run_dir,
         args.checkpoint,
-        config_path=args.eval_config,
-        overrides=overrides,
+        eval_cfg,
         runs_dir=args.runs_dir,
         device=args.device,
         overwrite=args.overwrite,
@@ -444,6 +455,12 @@ def _sample(args) -> None:
         Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
         caption = f"  {prompts[i]!r}" if prompts else f"  class {int(labels[i])}" if labels is not None else ""
         print(f"written: {path}{caption}")
+    from prunepipe.pipelines.tasks.diffusion.stock_call import stock_call
+
+    call = stock_call(export)
+    if call is not None:  # the same export in diffusers, as its README.md says
+        why = f" ({'; '.join(call.reasons)})" if call.reasons else ""
+        print(f"in diffusers: {call.pipeline}.from_pretrained({export!r}), then {call.call()}{why}")
 
 
 def _compare(args) -> None:
@@ -978,10 +995,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from prunepipe.pipelines.checkpoint.store import CheckpointError
-    from prunepipe.pipelines.data.shards import BadInputError
+# errors a user can act on, printed as one line; a class not yet imported cannot have been raised, so
+# these are looked up after the fact instead of importing their modules (and torch) before every command
+ACTIONABLE = (
+    ("prunepipe.pipelines.checkpoint.store", "CheckpointError"),
+    ("prunepipe.pipelines.data.shards", "BadInputError"),
+)
 
+
+def _actionable(error: BaseException) -> bool:
+    """Whether `error` is one the user can act on: ValueError (a config's ConfigError too), a missing file,
+    bad input or a bad checkpoint."""
+    kinds = [ValueError, FileNotFoundError]
+    kinds += [getattr(sys.modules[module], name) for module, name in ACTIONABLE if module in sys.modules]
+    return isinstance(error, tuple(kinds))
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
@@ -991,7 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError, BadInputError, CheckpointError) as e:  # the user can act on these
+    except Exception as e:
+        if not _actionable(e):
+            raise
         print(f"prunepipe: error: {e}", file=sys.stderr)
         return 2
     return code or 0

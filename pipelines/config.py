@@ -23,12 +23,10 @@ from prunepipe.pipelines.config_schema import (
     load_structured,
     not_accepted,
 )
-from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD
 from prunepipe.pipelines.data.group_table import group_table_path
 from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
-from prunepipe.pipelines.data.splits import index_metadata
 from prunepipe.pipelines.data.workers import check_num_workers
 from prunepipe.pipelines.evaluation.config import EvalConfig, validate_eval_config
 from prunepipe.pipelines.tasks.diffusion.config import (
@@ -36,8 +34,7 @@ from prunepipe.pipelines.tasks.diffusion.config import (
     check_config,
     resolved_conditioning,
 )
-from prunepipe.pipelines.tasks.diffusion.text import stored_identity
-from prunepipe.pipelines.tasks.mae import MAEConfig
+from prunepipe.pipelines.tasks.mae_config import MAEConfig
 
 PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
 
@@ -391,6 +388,8 @@ def check_data(cfg: RunConfig) -> None:
 def _check_buckets(cfg: RunConfig) -> None:
     """Shards bucketed by aspect ratio hold latents of their bucket's shape (`latents encode --buckets`):
     only a latent-diffusion run on precomputed latents reads them."""
+    from prunepipe.pipelines.data.splits import index_metadata  # torch: the data check's, not the config's
+
     if cfg.task == "ldm" and cfg.ldm.space == "latents":
         return
     for name in ("train", "val"):
@@ -453,6 +452,8 @@ def _check_group_table(cfg: RunConfig) -> None:
 def _check_precomputed_text(cfg: RunConfig) -> None:
     """ldm.text.features=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
+    from prunepipe.pipelines.tasks.diffusion.text import stored_identity  # torch: the data check's
+
     made_by = {}
     splits = [("data.train", p) for p in source_paths(cfg.data.train)]
     splits += [("data.val", p) for p in source_paths(cfg.data.val, "data.val")] + [("eval.val", cfg.eval.val)]
@@ -481,6 +482,8 @@ def _check_precomputed_text(cfg: RunConfig) -> None:
 def _check_latent_augmentations(cfg: RunConfig) -> None:
     """Augmentations the decoder can apply where the shard index tells: a crop on images only, a flip
     on latents only where the mirrored images' latents are stored."""
+    from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD  # torch: the data check's
+
     cropped = cfg.data.crop != "center"
     train = first_path(cfg.data.train)  # a mixture's sources hold one kind of sample (pipelines/data/mixture.py)
     if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):

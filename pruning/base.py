@@ -10,12 +10,12 @@ from __future__ import annotations
 import abc
 import inspect
 import math
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import torch
 
 from .bitmap import Bitmap
 
@@ -101,12 +101,19 @@ def first_full_pass(num_passes: int, delta: float | str | Fraction) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _is_tensor(value: Any) -> bool:
+    """Whether `value` is a torch tensor, without importing torch: none exists before torch is imported
+    (a config check builds pruners without it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def as_ids(ids: Any) -> np.ndarray:
     """Ids as a 1-D int64 numpy array (from numpy, torch or a list); never via floats."""
-    if isinstance(ids, torch.Tensor):
+    if _is_tensor(ids):
         if ids.is_floating_point():
             raise TypeError(f"sample ids must be integers, got a {ids.dtype} tensor")
-        return ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
+        return ids.detach().to("cpu", sys.modules["torch"].int64).numpy().reshape(-1)
     array = np.asarray(ids)
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"sample ids must be integers, got dtype {array.dtype}")
@@ -115,7 +122,7 @@ def as_ids(ids: Any) -> np.ndarray:
 
 def as_losses(losses: Any) -> np.ndarray:
     """Losses as a 1-D float32 numpy array; torch half/bfloat16 go through `.float()` (numpy has no bf16)."""
-    if isinstance(losses, torch.Tensor):
+    if _is_tensor(losses):
         return losses.detach().float().cpu().numpy().reshape(-1)
     return np.asarray(losses, dtype=np.float32).reshape(-1)
 
@@ -243,6 +250,8 @@ class FrozenPlan:
         return skipped
 
     def to_state(self) -> dict:
+        import torch
+
         # copies: torch refuses to wrap the read-only arrays of a frozen plan
         bits = None if self.candidates is None else torch.from_numpy(self.candidates.packed.copy())
         keep_probs = None if self.keep_probs is None else torch.from_numpy(np.array(self.keep_probs))
@@ -460,6 +469,8 @@ class Pruner(abc.ABC):
         Like `nn.Module.state_dict()`, the tensors share memory with the pruner: copy them if the
         save runs while training continues.
         """
+        import torch
+
         return {
             "pruner": self.name,
             "num_samples": self.num_samples,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 NORMALISATIONS = ("none", "stratum_mean", "stratum_zscore")
 _EPS = 1e-12
@@ -78,6 +77,8 @@ class ScoreNormaliser:
             self.seen[b] += len(values)
 
     def state_dict(self) -> dict[str, Any]:
+        import torch
+
         return {
             "score_normaliser": self.kind,
             "num_strata": self.num_strata,

@@ -6,17 +6,21 @@ two separate collectives (packing ids into a float tensor corrupts them beyond 2
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from .base import as_ids, as_losses
+
+if TYPE_CHECKING:  # imported where used: the package imports without torch (a config check needs none)
+    import torch
 
 
 def _collective_device() -> torch.device:
     """The device the process group's backend gathers on: CUDA for NCCL, CPU for gloo."""
+    import torch
+    import torch.distributed as dist
+
     if "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -35,6 +39,9 @@ def gather_ids_losses(ids: Any, losses: Any) -> tuple[np.ndarray, np.ndarray]:
 def gather_batch(ids: Any, losses: Any, strata: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """`gather_ids_losses` with the samples' strata (int64, e.g. diffusion timesteps) when given:
     they travel in the ids' integer collective, two rows of one int64 tensor."""
+    import torch
+    import torch.distributed as dist
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return as_ids(ids), as_losses(losses), None if strata is None else as_ids(strata)
     ids, losses, strata = gather_tensors(
@@ -47,6 +54,9 @@ def gather_tensors(ids: torch.Tensor, losses: torch.Tensor, strata: torch.Tensor
     """`gather_batch` without leaving the device: (ids int64, losses float32, strata int64 | None)
     tensors [world * B] on the collective's device, for a loop that must not wait on a host copy.
     On one process they are the inputs, detached, flattened and typed."""
+    import torch
+    import torch.distributed as dist
+
     ids_tensor = ids.detach().reshape(-1).to(torch.int64)
     losses_tensor = losses.detach().reshape(-1).to(torch.float32)
     strata_tensor = None if strata is None else strata.detach().reshape(-1).to(torch.int64)
@@ -66,6 +76,9 @@ def gather_tensors(ids: torch.Tensor, losses: torch.Tensor, strata: torch.Tensor
 
 def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's `tensor`, in rank order."""
+    import torch
+    import torch.distributed as dist
+
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return parts

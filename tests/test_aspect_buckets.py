@@ -1,4 +1,4 @@
-"""Aspect-ratio buckets as a specification: real photographs cropped at 1:1, 1:2, 2:1 and 3:4 and
+"""Aspect-ratio buckets as a specification: real photographs cropped at 1:1, 1:2, 2:1 and 4:3 (w:h) and
 written as img2dataset shards are encoded by `latents encode --buckets` into one tar per bucket of each
 input shard, every latent at its nearest bucket's shape, with the crop and the original size beside
 it; the index lists the bucket tars and the whole table; a rerun skips sealed shards and redoes one
@@ -229,7 +229,7 @@ def test_named_diffusers_tables_resolve_and_bad_files_are_named(tmp_path):
     pixart = load_buckets("pixart512")
     assert pixart.sizes == tuple((int(h), int(w)) for h, w in ASPECT_RATIO_512_BIN.values())
     assert pixart.base == 512 and load_buckets("512") == pixart and pixart.names[0] == "256x1024"
-    assert pixart.sizes[pixart.nearest(600, 800)] == (448, 576), "diffusers' 0.78 bucket for a 3:4 photograph"
+    assert pixart.sizes[pixart.nearest(600, 800)] == (448, 576), "diffusers' 0.78 bucket for a 4:3 (w:h) photograph"
     assert load_buckets("2048").sizes == tuple((int(h), int(w)) for h, w in ASPECT_RATIO_2048_BIN.values())
 
     text = tmp_path / "sizes.txt"
@@ -257,7 +257,7 @@ def test_shards_index_aspect_counts_each_bucket_from_the_json_alone(images, tabl
         "1:1": PER_KIND,
         "1:2": PER_KIND,
         "2:1": PER_KIND,
-        "3:4": PER_KIND,
+        "4:3": PER_KIND,  # width:height, as ratios are said everywhere; sizes are HxW (24x32)
     }
     assert by_ratio.unknown == UNKNOWN, "samples whose json gives no size are counted, as unknown"
 

@@ -81,8 +81,11 @@ def test_score_histograms_come_from_the_pruner_tables_in_checkpoints(tiny_runs):
     assert any(s["threshold"] is not None for s in states)  # InfoBatch's mean-score threshold
 
 
-def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seconds_per_pass=10.0, kept=1.0):
-    """A run folder with a config, per-pass records (held-out masked_mse `curve`) and a final eval."""
+def fake_run(
+    root, name, pruner, seed, final, curve, samples_per_pass=1000, seconds_per_pass=10.0, kept=1.0, evaluated=True
+):
+    """A run folder with a config, per-pass records (held-out masked_mse `curve`) and a final eval (unless
+    not `evaluated`)."""
     path = root / name
     (path / "eval").mkdir(parents=True)
     (path / "config.yaml").write_text(
@@ -107,6 +110,8 @@ def fake_run(root, name, pruner, seed, final, curve, samples_per_pass=1000, seco
                 + "\n"
             )
     steps = 10 * len(curve)
+    if not evaluated:
+        return str(path)
     (path / "eval" / f"step_{steps:06d}.json").write_text(
         json.dumps({"kind": "eval", "weights": "ema", "precision": "fp32", "optimizer_steps": steps, "metrics": final})
     )
@@ -199,6 +204,46 @@ def test_compare_of_weights_that_were_not_evaluated_names_what_to_run(tiny_runs,
     assert compare_runs([full], [pruned], out=str(tmp_path / "ema"), plots=False)["pruned"][0][
         "metrics_source"
     ].startswith("eval/")
+
+
+def test_an_evaluated_run_is_never_judged_against_an_unevaluated_ones_training_log(seeds, tmp_path, capsys):
+    # the issue's case: Full never evaluated (its log's last held-out), the pruned run evaluated; the log
+    # reads other samples with other weights, so the gap between the two is no verdict
+    full = fake_run(tmp_path, "full_logged", "full", 0, {}, [0.5, 0.3, 0.2, 0.15], evaluated=False)
+    pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.13}, [0.5, 0.31, 0.21, 0.16], kept=0.7)
+    for baseline, judged in (([full], [pruned]), ([seeds[0]], [full])):
+        with pytest.raises(ValueError, match=r"1 run\(s\) have eval records and 1 only their training log"):
+            compare_runs(baseline, judged, out=str(tmp_path / "mixed"), plots=False)
+    assert cli_main(["compare", full, pruned, "--out", str(tmp_path / "mixed"), "--no-plots"]) == 2
+    assert f"`prunepipe eval {full}`, then compare again" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"`prunepipe eval .*full_logged`"):  # a same-compute reference too
+        compare_runs([seeds[0]], [pruned], same_compute=[full], out=str(tmp_path / "mixed"), plots=False)
+    assert not os.path.exists(tmp_path / "mixed" / "report.md")
+
+
+def test_runs_read_from_their_training_logs_alone_are_compared_and_labelled_so(tmp_path):
+    full = fake_run(tmp_path, "full", "full", 0, {}, [0.5, 0.3, 0.2, 0.15], evaluated=False)
+    pruned = fake_run(
+        tmp_path, "ib", "infobatch", 0, {}, [0.5, 0.31, 0.21, 0.16], samples_per_pass=700, kept=0.7, evaluated=False
+    )
+    report = compare_runs([full], [pruned], out=str(tmp_path / "logs"), plots=False)
+    assert report["quality_sources"]["ib"]["from"] == report["quality_sources"]["full"]["from"] == "training log"
+    assert report["equal_passes"]["ib"]["metrics"]["masked_mse"]["value"] == pytest.approx(0.16)
+    markdown = report["markdown"]
+    assert "ib: training log (metrics.jsonl, last pass held-out (not evaluated))" in markdown
+    passes = markdown.split("## Quality at equal passes")[1].split("##")[0]
+    assert "Quality read from each run's training log" in passes and "no run was evaluated" in passes
+    assert "ib's values: training log, metrics.jsonl, last pass held-out" in markdown
+
+
+def test_equal_compute_from_the_baselines_curves_reads_the_pruned_run_the_same_way_and_says_so(seeds, tmp_path):
+    pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.1}, [0.5, 0.31, 0.21, 0.16], 700, kept=0.7)
+    report = compare_runs(seeds, [pruned], out=str(tmp_path / "out"), plots=False)
+    assert report["quality_sources"]["ib"]["from"] == "eval record"
+    compute = report["equal_compute"]["ib"]
+    assert compute["metrics"]["masked_mse"]["value"] == pytest.approx(0.16), "the log's value, not the eval's 0.1"
+    assert compute["value_source"].startswith("training log") and "training logs" in compute["reference"]
+    assert "Quality read from each run's eval record" in report["markdown"].split("## Quality at equal passes")[1]
 
 
 def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_frontier(tmp_path):

@@ -1,6 +1,6 @@
 """The decoder: torchvision's fast path gives PIL's pixels for every mode shards carry, falls back
 to PIL where it does not apply, names bad bytes, and a batch decoded in two stages equals the
-samples decoded one by one."""
+samples decoded one by one; a caption is the txt field, else img2dataset's json caption."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from prunepipe.pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb
+from prunepipe.pipelines.data.decode import FAST_FIELDS, SampleDecoder, _fast_rgb, caption
 from prunepipe.pipelines.data.resize import resize_center_crop
 from prunepipe.pipelines.data.shards import BadInputError
 
@@ -75,6 +75,17 @@ def test_a_cut_off_image_names_its_shard_key_and_field(fmt):
     sample = {"__key__": "s00042", "__url__": "a.tar", fmt.lower(): data[: len(data) // 2]}
     with pytest.raises(BadInputError, match=rf"shard a\.tar key 's00042': cannot decode field '{fmt.lower()}'"):
         SampleDecoder(resolution=24)(sample, 0, 0)
+
+
+def test_an_empty_txt_falls_back_to_the_json_caption_and_no_caption_anywhere_is_named():
+    where = {"__key__": "000000007", "__url__": "00000.tar"}
+    assert caption({**where, "txt": b"  a red kite  \n"}) == "a red kite"
+    assert caption({**where, "txt": b"", "json": b'{"caption": " a red kite "}'}) == "a red kite"
+    assert caption({**where, "json": b'{"caption": "a red kite"}'}) == "a red kite"
+    with pytest.raises(BadInputError, match=r"key '000000007': no caption \(field 'txt' empty, and no 'caption'"):
+        caption({**where, "txt": b" ", "json": b'{"caption": ""}'})
+    with pytest.raises(BadInputError, match=r"no caption \(field 'txt' missing"):
+        caption({**where, "json": b'{"url": "x"}'})
 
 
 def test_a_batch_finished_at_once_equals_samples_decoded_one_by_one():

@@ -511,3 +511,17 @@ def test_embed_knows_its_model_by_its_weights_not_the_path_they_were_read_from(i
     # a requeue after the join, from a third copy: the table is whole, nothing is redone
     assert embed_shards(str(split), f"feature-net:{later}", rank=1, world=2, **embed) == path
     assert "is complete, made with these settings" in capsys.readouterr().out
+
+
+def test_a_seal_whose_settings_differ_only_in_the_bad_sample_policy_is_the_same_jobs(tmp_path):
+    """Seals of jobs that put --on-bad-sample in their digest (which changes no output) still count."""
+    folder, output = str(tmp_path / "out"), str(tmp_path / "out" / "shard-000000.tar")
+    earlier = ShardJob(folder, {"vae": "v", "on_bad_sample": "stop"}, JobRank(0, 1), what="latents encode", command="x")
+    with open(output, "wb") as f:
+        f.write(b"a sealed tar")
+    earlier.seal(output, {"skipped": []})
+    now = ShardJob(folder, {"vae": "v"}, JobRank(0, 1), what="latents encode", command="x")
+    assert now.digest != earlier.digest and now.sealed(output)["output_bytes"] == 12
+    other = ShardJob(folder, {"vae": "w"}, JobRank(0, 1), what="latents encode", command="prunepipe latents encode")
+    with pytest.raises(ValueError, match=r"other settings \(on_bad_sample, vae differ\)"):
+        other.sealed(output)

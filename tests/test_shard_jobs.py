@@ -225,6 +225,29 @@ def test_skipped_samples_are_recorded_and_counted_and_stop_names_shard_and_key(m
     assert [s["failed_to_decode"] for s in seals(out).values()] == [2, 0]
 
 
+def test_an_encode_stopped_by_a_bad_sample_continues_when_retried_with_skip_into_the_same_out(messy, vae, tmp_path):
+    from prunepipe.tools.commands.shards import index_shards
+
+    folder, encoder = messy
+    clean_first = str(tmp_path / "images")  # the clean shard first: it is sealed before the bad one stops the job
+    index_shards([os.path.join(folder, "00001.tar"), os.path.join(folder, "00000.tar")], clean_first, workers=1)
+    out = str(tmp_path / "latents")
+    with pytest.raises(BadInputError, match=r"00000\.tar key '000000003'.*--on-bad-sample stop; skip leaves"):
+        encode_shards(clean_first, vae, out, resolution=16, text_encoder=encoder)
+    [(name, sealed)] = seals(out).items()
+    assert sealed["on_bad_sample"] == "stop" and not sealed["skipped"]
+    written = tars(out)
+
+    # the retry the error suggests: the sealed shard is this job's (the policy changes no output), not redone
+    index = ShardIndex.load(
+        encode_shards(clean_first, vae, out, resolution=16, text_encoder=encoder, on_bad_sample="skip")
+    )
+    assert tars(out)[name.replace("_stats.json", ".tar")] == written[name.replace("_stats.json", ".tar")]
+    assert seals(out)[name] == sealed, "the shard sealed under stop was kept, not encoded again"
+    assert index.counts.tolist() == [6, 4] and index.meta["skipped"] == 2
+    assert len({seal["settings_digest"] for seal in seals(out).values()}) == 1
+
+
 def test_embed_shared_by_processes_that_never_meet_gives_one_process_table(images, tmp_path, capsys):
     whole = embed_shards(images, "phash", name="whole", batch_size=16)
     capsys.readouterr()

@@ -230,9 +230,9 @@ def image_pixels(img: Image.Image) -> torch.Tensor:
 
 
 def caption(sample: dict) -> str:
-    """The sample's caption: the `txt` field (UTF-8, stripped), else the `caption` of its `json` metadata,
-    where img2dataset writes it too. Missing, empty or undecodable is bad input, never a silently
-    unconditional sample."""
+    """The sample's caption: the `txt` field (UTF-8, stripped), else (no `txt`, or an empty one) the
+    `caption` of its `json` metadata, where img2dataset writes it too. Missing everywhere, empty
+    everywhere or undecodable is bad input, never a silently unconditional sample."""
     raw = sample.get(CAPTION_FIELD)
     if raw is None:
         return _json_caption(sample)
@@ -240,16 +240,14 @@ def caption(sample: dict) -> str:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
         raise BadInputError(f"{_where(sample)}: field {CAPTION_FIELD!r} is not UTF-8 text: {e}") from e
-    if not text:
-        raise BadInputError(f"{_where(sample)}: empty caption (field {CAPTION_FIELD!r})")
-    return text
+    return text or _json_caption(sample, txt="empty")
 
 
-def _json_caption(sample: dict) -> str:
-    """img2dataset's `json` metadata's `caption`, for a sample without a `txt` field."""
+def _json_caption(sample: dict, txt: str = "missing") -> str:
+    """img2dataset's `json` metadata's `caption`, for a sample whose `txt` field is `txt` (missing or empty)."""
     missing = (
-        f"{_where(sample)}: no caption (field {CAPTION_FIELD!r}, or a 'caption' in field {METADATA_FIELD!r}; "
-        f"has: {_fields(sample)})"
+        f"{_where(sample)}: no caption (field {CAPTION_FIELD!r} {txt}, and no 'caption' in field "
+        f"{METADATA_FIELD!r}; has: {_fields(sample)})"
     )
     raw = sample.get(METADATA_FIELD)
     if raw is None:

@@ -23,8 +23,6 @@ from typing import BinaryIO, Callable, Iterable, Iterator, NamedTuple
 from urllib.parse import urlparse
 
 import numpy as np
-import webdataset as wds
-from webdataset.tariterators import base_plus_ext
 
 from prunepipe.pipelines.data.remote import (
     NOTHING_EXPECTED,
@@ -340,6 +338,8 @@ def _reading(
     BadInputError naming the shard and `where()` (the last good key); so does a failed close, which
     is how webdataset's streams report a failed command, unless another error is already on its way.
     A remote read that failed after its retries says so, not that the tar is corrupt."""
+    import webdataset as wds  # here, not at the top: webdataset imports torch, which reading an index needs not
+
     retried = is_retried(url)
     try:
         stream = open_retrying(url, retry, expected) if retried else wds.gopen(url, "rb")
@@ -446,6 +446,8 @@ def _sample_field(name: str) -> tuple[str, str] | None:
     dot = name.find(".", start)
     if dot > start and "\n" not in name:
         return name[:dot], name[dot + 1 :].lower()
+    from webdataset.tariterators import base_plus_ext
+
     prefix, suffix = base_plus_ext(name)
     return None if prefix is None else (prefix, suffix.lower())
 

@@ -89,23 +89,34 @@ class FeatureNet:
         return to_uint8(images).float() / 255.0
 
 
+def inception_weights(cfg: FIDConfig) -> str:
+    """Where the Inception-v3 weights are read from: fid.weights, else torch hub's checkpoints folder under
+    either name the file goes by (the first name when neither is there)."""
+    hub = os.path.join(torch.hub.get_dir(), "checkpoints")
+    found = [
+        os.path.join(hub, n)
+        for n in (INCEPTION_FILE, INCEPTION_FILE_PYTORCH_FID)
+        if os.path.isfile(os.path.join(hub, n))
+    ]
+    return cfg.weights or (found[0] if found else os.path.join(hub, INCEPTION_FILE))
+
+
+def missing_inception(cfg: FIDConfig, path: str) -> str:
+    """Why FID cannot be computed without the Inception weights at `path`, and how to bring them."""
+    return (
+        f"fid.weights={cfg.weights!r}: no Inception-v3 weights at {path}. This machine never downloads: "
+        f"fetch {INCEPTION_URL} on a connected machine, copy it here and pass fid.weights=PATH (or put it "
+        f"at {path}); see docs/evaluation.md. For small domains use fid.feature=classifier"
+    )
+
+
 def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet:
     """The network `fid.feature` names, loaded from local files only. `shards_root` is where the
     classifier is looked for when `fid.weights` is empty (the folder holding train/ and val/)."""
     if cfg.feature == "inception":
-        hub = os.path.join(torch.hub.get_dir(), "checkpoints")
-        found = [
-            os.path.join(hub, n)
-            for n in (INCEPTION_FILE, INCEPTION_FILE_PYTORCH_FID)
-            if os.path.isfile(os.path.join(hub, n))
-        ]
-        path = cfg.weights or (found[0] if found else os.path.join(hub, INCEPTION_FILE))
+        path = inception_weights(cfg)
         if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"fid.weights={cfg.weights!r}: no Inception-v3 weights at {path}. This machine never downloads: "
-                f"fetch {INCEPTION_URL} on a connected machine, copy it here and pass fid.weights=PATH (or put it "
-                f"at {path}); see docs/evaluation.md. For small domains use fid.feature=classifier"
-            )
+            raise FileNotFoundError(missing_inception(cfg, path))
         return FeatureNet(
             cfg.inception_dim,
             f"inception{cfg.inception_dim}-{cfg.resize}-{file_digest(path)}",
@@ -115,12 +126,9 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
     if cfg.feature == "classifier":
         from prunepipe.pipelines.evaluation.features import load_classifier
 
-        path = cfg.weights or os.path.join(shards_root, CLASSIFIER_FILE)
+        path = classifier_weights(cfg, shards_root)
         if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"fid.weights={cfg.weights!r}: no small-domain classifier at {path}; write one with "
-                f"`python -m prunepipe.tools.commands.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU) or pass fid.weights=PATH"
-            )
+            raise FileNotFoundError(missing_classifier(cfg, path, shards_root))
         return FeatureNet(load_classifier(path), f"classifier-{file_digest(path)}", path)
     _, module_name, factory_name = cfg.feature.split(":")
     try:
@@ -135,10 +143,28 @@ def feature_net_from_config(cfg: FIDConfig, shards_root: str = "") -> FeatureNet
     return FeatureNet(module.eval().requires_grad_(False), f"module-{name}-{weights_id}", cfg.weights or None)
 
 
+def classifier_weights(cfg: FIDConfig, shards_root: str) -> str:
+    """Where the small-domain classifier is read from: fid.weights, else beside the shards."""
+    return cfg.weights or os.path.join(shards_root, CLASSIFIER_FILE)
+
+
+def missing_classifier(cfg: FIDConfig, path: str, shards_root: str) -> str:
+    return (
+        f"fid.weights={cfg.weights!r}: no small-domain classifier at {path}; write one with "
+        f"`python -m prunepipe.tools.commands.feature_net --shards {shards_root or 'SHARDS'}` (seconds on a CPU, "
+        f"labelled shards) or pass fid.weights=PATH"
+    )
+
+
+def shards_root_of(folder: str) -> str:
+    """The folder holding a split's folder (train/, val/): where the classifier is looked for."""
+    return os.path.dirname(os.path.abspath(folder.rstrip("/")))
+
+
 def load_feature_net(cfg: FIDConfig, folder: str) -> FeatureNet:
     """`feature_net_from_config` for images of the shards in `folder` (the classifier is looked for
     beside it), loaded by every rank from its node's disk: a node without the file stops every rank."""
-    shards_root = os.path.dirname(os.path.abspath(folder.rstrip("/")))
+    shards_root = shards_root_of(folder)
     return on_every_rank(lambda: feature_net_from_config(cfg, shards_root))
 
 

@@ -29,6 +29,7 @@ from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_keys, r
 from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
+from prunepipe.pipelines.evaluation.needs import plan_evaluation
 from prunepipe.pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, record_path, write_record
 from prunepipe.pipelines.evaluation.replication import save_pairs_picture
@@ -97,6 +98,16 @@ class Evaluator:
         self._caption_ids: list[int] | None = None  # caption i's held-out sample id, where it is not i
         self._replication = None  # the last evaluation's replication result (its pairs go into a picture)
         self._said_capped: set[str] = set()  # settings told they were capped at the held-out captions
+        self.skipped: dict[str, str] | None = None  # what `prepare` left out, and why (None: not prepared yet)
+
+    def prepare(self) -> dict[str, str]:
+        """Check what the evaluation needs (pipelines/evaluation/needs.py), decided on rank 0 for every rank:
+        EvalNeedsError naming every missing piece, or the settings to run with and the metrics left out
+        ({"fid_skipped": why}), returned and written into every record. Once; `evaluate` calls it first."""
+        if self.skipped is None:
+            plan = decided_on_rank0(lambda: plan_evaluation(self.run_cfg, self.cfg))
+            self.cfg, self.skipped = plan.cfg, plan.skipped
+        return dict(self.skipped)
 
     # ------------------------------------------------------------------ per task
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
@@ -417,6 +428,7 @@ class Evaluator:
         Every rank calls this and evaluates its share; every rank returns the same record, which rank
         0 writes to eval/step_XXXXXX.json."""
         rank, world = rank_and_world()
+        skipped = self.prepare()
         if self.cfg.replication.enabled and self.run_cfg.task != "ldm":
             raise ValueError(
                 f"eval config: replication.enabled measures copies among diffusion samples; run "
@@ -433,6 +445,7 @@ class Evaluator:
                 details = self._mae(task, bare, rank, world)
             else:
                 details = self._diffusion(task, bare, rank, world)
+        details.update(skipped)
         metrics = {k: v for k, v in details.items() if k in PRIMARY_METRICS}
         record = {
             "kind": "eval",
@@ -586,6 +599,8 @@ def evaluate_checkpoint(
         # rank 0 decides: a record written between two ranks' checks would send them different ways
         steps = trained.position.get("optimizer_steps", 0)
         decided_on_rank0(lambda: refuse_to_overwrite(run_dir, steps, eval_cfg.weights))
+    # every missing piece at once, before anything is evaluated (`prunepipe eval` checks before the load too)
+    decided_on_rank0(lambda: plan_evaluation(run_cfg, eval_cfg))
     check_text_identity(
         folder,
         trained.position.get("text_identity", ""),

@@ -1,7 +1,10 @@
 """`prunepipe compare`: was a pruned run lossless? Reads run folders (config.yaml, metrics.jsonl,
 eval/*.json), judges each quality metric against the baseline within a printed tolerance, at equal
 passes and at equal compute (docs/design.md, "What lossless means"), tabulates the cost and writes
-report.md, report.json and the PNG plots. It never evaluates a model (run `prunepipe eval` first).
+report.md, report.json and the PNG plots. It never evaluates a model (run `prunepipe eval` first), and
+never judges a number measured one way against one measured another: eval records are compared with
+eval records, a training log's held-out values with values read from training logs, and the report
+says per run and per section which it read.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ import numpy as np
 from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
 from prunepipe.pipelines.report.equal_quality import equal_quality
 from prunepipe.pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
-from prunepipe.pipelines.report.runs import RunSummary, held_out_metrics, load_run, trajectory_value
+from prunepipe.pipelines.report.runs import (
+    EVALUATED,
+    LOGGED,
+    RunSummary,
+    held_out_metrics,
+    load_run,
+    trajectory_value,
+)
 
 # Tolerances when the baseline is a single run (no measured seed noise): (value, relative?).
 DEFAULT_TOLERANCES = {
@@ -139,13 +149,16 @@ def equal_compute(
             f"{pruned.samples_forwarded}; quality from {match.metrics_source})"
         )
         references = {m: [match.metrics[m]] for m in match.metrics}
-        values = pruned.metrics
+        values, value_source = pruned.metrics, f"{pruned.quality_from}, {pruned.metrics_source}"
     else:
         source = (
             f"the baseline runs' held-out curves at {pruned.samples_forwarded} samples forwarded, read from their "
             f"training logs mid-schedule (learning rate not yet decayed there, which favours the pruned run); "
             f"pass --same-compute with full runs trained for that many samples for the fair reference"
         )
+        # read as the reference is: the training log's held-out records (the loop's samples and weights),
+        # whatever the equal-passes section read
+        value_source = f"{LOGGED}, metrics.jsonl, last pass held-out"
         references, values = {}, held_out_metrics(pruned.trajectory[-1]) if pruned.trajectory else {}
         for metric in values:
             read = [trajectory_value(b, metric, pruned.samples_forwarded) for b in baselines]
@@ -178,7 +191,7 @@ def equal_compute(
         verdict = "beats equal compute"
     else:
         verdict = "no better than training less"
-    return {"verdict": verdict, "reference": source, "metrics": metrics}
+    return {"verdict": verdict, "reference": source, "value_source": value_source, "metrics": metrics}
 
 
 def cost(baselines: list[RunSummary], run: RunSummary) -> dict:
@@ -300,6 +313,31 @@ def check_one_precision(runs: list[RunSummary], weights: str = "ema") -> None:
     )
 
 
+def check_one_source(runs: list[RunSummary], weights: str = "ema") -> None:
+    """Refuse to judge eval records against a training log's held-out values: the loop measures other
+    samples (eval.val_samples of the held-out split, mid-schedule for a curve) with the weights it trains,
+    the evaluators theirs, so a gap between the two says nothing about pruning. Names the `prunepipe eval`
+    command of every run that has only its training log."""
+    logged = [r for r in runs if r.quality_from == LOGGED]
+    evaluated = [r for r in runs if r.quality_from == EVALUATED]
+    if not (logged and evaluated):
+        return
+    flag = " --weights raw" if weights == "raw" else ""
+    listing = "; ".join(f"{r.path}: {r.metrics_source}" for r in logged)
+    raise ValueError(
+        f"compare: {len(evaluated)} run(s) have eval records and {len(logged)} only their training log's held-out "
+        f"values ({listing}); the two are measured on other samples with other weights, so they are not judged "
+        f"against each other. Evaluate "
+        + ", ".join(f"`prunepipe eval {r.path}{flag}`" for r in logged)
+        + ", then compare again"
+    )
+
+
+def quality_sources(runs: list[RunSummary]) -> dict:
+    """Per run: what its quality was read from (an eval record or its training log) and which file."""
+    return {r.name: {"from": r.quality_from or "nothing", "source": r.metrics_source} for r in runs}
+
+
 def compare_runs(
     baselines: list[str],
     pruned: list[str],
@@ -344,6 +382,7 @@ def compare_runs(
             + ", ".join(f"`prunepipe eval {r.path} --weights {weights}`" for r in other_weights)
             + f", or compare the weights they were evaluated with (--weights {other_weights[0].evaluated_weights[0]})"
         )
+    check_one_source(base + runs + same + curve, weights)
     check_one_precision(base + runs + same + curve, weights)
     tasks = {r.task for r in base + runs + same + curve}
     if len(tasks) > 1:
@@ -359,6 +398,7 @@ def compare_runs(
                 "seed": b.seed,
                 "metrics": b.metrics,
                 "metrics_source": b.metrics_source,
+                "quality_from": b.quality_from,
             }
             for b in base
         ],
@@ -370,10 +410,13 @@ def compare_runs(
                 "seed": r.seed,
                 "metrics": r.metrics,
                 "metrics_source": r.metrics_source,
+                "quality_from": r.quality_from,
             }
             for r in runs
         ],
         "k": k,
+        # the final quality the equal-passes and equal-quality sections read, per run (one kind: check_one_source)
+        "quality_sources": quality_sources(base + runs + same + curve),
         "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
         "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
         "cost": {r.name: cost(base, r) for r in base + runs},

@@ -121,6 +121,20 @@ def buckets_section(found: dict | None) -> list[str]:
     return ["## Per aspect-ratio bucket", "", *_table(header, rows), ""]
 
 
+def read_from(report: dict) -> str:
+    """The line under a section that reads each run's final quality: eval records or training logs."""
+    kinds = sorted({s["from"] for s in report.get("quality_sources", {}).values()} - {"nothing"})
+    if kinds == ["eval record"]:
+        return "Quality read from each run's eval record (eval/step_*.json of its last step; listed above)."
+    if kinds == ["training log"]:
+        return (
+            "Quality read from each run's training log (metrics.jsonl, its last pass's held-out values: the loop's "
+            "held-out samples and weights): no run was evaluated; `prunepipe eval RUN` measures them on the "
+            "eval split."
+        )
+    return "Quality read from: " + (", ".join(kinds) or "nothing") + "."
+
+
 def render_markdown(report: dict) -> str:
     base, pruned = report["baseline"], report["pruned"]
     names = [r["name"] for r in pruned]
@@ -129,14 +143,17 @@ def render_markdown(report: dict) -> str:
         "",
         f"Baseline: {', '.join(b['name'] for b in base)} (pruner {base[0]['pruner']}, {len(base)} run(s)). "
         "Pruned: " + ", ".join(f"{r['name']} ({r['pruner']})" for r in pruned) + ".",
-        "Quality from: " + "; ".join(f"{r['name']}: {r['metrics_source']}" for r in base + pruned) + ".",
+        "Quality from: "
+        + "; ".join(f"{r['name']}: {r.get('quality_from') or 'nothing'} ({r['metrics_source']})" for r in base + pruned)
+        + ".",
         "",
     ]
 
-    lines += equal_quality_section(report.get("equal_quality"))
+    quality = equal_quality_section(report.get("equal_quality"))
+    lines += quality + ([read_from(report), ""] if quality else [])
     lines += sources_section(report.get("sources"))
     lines += buckets_section(report.get("buckets"))
-    lines += ["## Quality at equal passes", ""]
+    lines += ["## Quality at equal passes", "", read_from(report), ""]
     metrics = [m for m in PRIMARY_METRICS if any(m in report["equal_passes"][n]["metrics"] for n in names)]
     header = ["metric", "better", "baseline"] + [h for n in names for h in (n, f"delta {n}", f"verdict {n}")]
     header.insert(3, "tolerance")
@@ -187,7 +204,10 @@ def render_markdown(report: dict) -> str:
     lines += _table(["run", "metric", "value", "full at equal compute", "delta", "tolerance", "verdict"], rows) + [""]
     for n in names:
         result = report["equal_compute"][n]
-        lines.append(f"- **{n} at equal compute: {result['verdict']}**. Reference: {result['reference']}.")
+        lines.append(
+            f"- **{n} at equal compute: {result['verdict']}**. Reference: {result['reference']}. "
+            f"{n}'s values: {result.get('value_source', 'n/a')}."
+        )
     lines.append("")
 
     lines += ["## Cost", ""]

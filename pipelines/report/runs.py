@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from prunepipe.pipelines.evaluation.records import EVAL_DIR, PRIMARY_METRICS
 
 RESUME = "resume"  # a resume marker's kind in metrics.jsonl (pipelines/training/metrics.py)
+EVALUATED, LOGGED = "eval record", "training log"  # RunSummary.quality_from
 # config keys that name a run or say how it is operated, not what it trains: runs differing only in
 # these are seeds of one setting
 IDENTITY_KEYS = (
@@ -47,6 +48,9 @@ class RunSummary:
     wall_seconds: float = 0.0
     metrics: dict = field(default_factory=dict)  # final quality: the latest eval record, else last held-out
     metrics_source: str = ""
+    # where `metrics` come from: EVALUATED (an eval record of the run's last step), LOGGED (the training
+    # log's last held-out record: the loop's held-out samples and weights), or "" (neither)
+    quality_from: str = ""
     # eval.precision of the eval record `metrics` come from ("fp32", "bf16"); None when they come from
     # the training log
     precision: str | None = None
@@ -94,9 +98,17 @@ def load_run(path: str, weights: str = "ema") -> RunSummary:
         run.metrics = dict(run.evals[-1]["metrics"])
         run.metrics_source = os.path.relpath(run.evals[-1].get("path", log_path), path)
         run.precision = run.evals[-1]["precision"]
+        run.quality_from = EVALUATED
     elif run.trajectory:
         run.metrics = held_out_metrics(run.trajectory[-1])
-        run.metrics_source = "metrics.jsonl, last pass held-out (not evaluated: run `prunepipe eval`)"
+        older = (
+            f"; its newest eval record is of step {run.evals[-1].get('optimizer_steps', 0)}, it trained to step "
+            f"{run.optimizer_steps}"
+            if run.evals
+            else ""
+        )
+        run.metrics_source = f"metrics.jsonl, last pass held-out (not evaluated{older})"
+        run.quality_from = LOGGED
     return run
 
 

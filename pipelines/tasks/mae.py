@@ -6,11 +6,9 @@ pruners, optimizers or torch.distributed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -18,23 +16,14 @@ from safetensors.torch import load_file, save_file
 from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import Block, VisionTransformer
 
-from prunepipe.pipelines.config_schema import not_accepted
 from prunepipe.pipelines.data.batch import real_samples
+from prunepipe.pipelines.tasks.mae_config import PAPER_DECODER, PRESETS, MAEConfig  # noqa: F401 (re-exported)
 from prunepipe.pipelines.tasks.randomness import SampleDraws, batch_draws, per_sample_seeded
 from prunepipe.pipelines.tasks.sample_losses import SampleLosses
 from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
 ENCODER_WEIGHTS = "encoder.safetensors"
 ENCODER_CONFIG = "encoder_config.json"
-
-# The paper's ViT-B/L/H encoders (MAE Appendix A.1) with its default 512-d, 8-block decoder (Table 1a/b).
-PRESETS = {
-    "vit_base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-    "vit_large": dict(patch_size=16, embed_dim=1024, depth=24, num_heads=16),
-    "vit_huge": dict(patch_size=14, embed_dim=1280, depth=32, num_heads=16),
-}
-PAPER_DECODER = dict(decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16, mlp_ratio=4.0)
-
 
 MASK_SHARE_STRATA = 100
 
@@ -65,31 +54,6 @@ def hidden_share(patches: torch.Tensor, noise: torch.Tensor, mask_ratio: float) 
     total = variation.sum(dim=1)
     flat = total <= 1e-12
     return torch.where(flat, torch.full_like(total, mask_ratio), hidden / total.clamp_min(1e-12))
-
-
-@dataclass
-class MAEConfig:
-    """Model and loss settings; a non-empty `preset` overrides the size fields with the paper's."""
-
-    preset: Literal["", "vit_base", "vit_large", "vit_huge"] = ""  # PRESETS; "": the size fields
-    patch_size: int = 4
-    embed_dim: int = 64
-    depth: int = 4
-    num_heads: int = 4
-    mlp_ratio: float = 4.0
-    decoder_embed_dim: int = 64
-    decoder_depth: int = 2
-    decoder_num_heads: int = 4
-    mask_ratio: float = 0.75
-    norm_pix_loss: bool = False
-
-    def resolved(self) -> "MAEConfig":
-        """A copy with the preset's sizes applied (the preset wins over the size fields)."""
-        if not self.preset:
-            return dataclasses.replace(self)
-        if self.preset not in PRESETS:
-            raise not_accepted("mae.preset", self.preset, ("", *PRESETS))
-        return dataclasses.replace(self, **PRESETS[self.preset], **PAPER_DECODER)
 
 
 def sincos_pos_embed(grid: int, dim: int) -> torch.Tensor:

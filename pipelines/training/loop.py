@@ -127,6 +127,10 @@ class Trainer:
         self.evaluator = (
             Evaluator(cfg, cfg.eval, run_dir=cfg.run_dir, device=self.device) if cfg.eval.every_passes else None
         )
+        if self.evaluator is not None:  # what it needs, checked now, not after the first eval.every_passes
+            for key, why in self.evaluator.prepare().items():
+                if is_main:
+                    print(f"prunepipe: eval: {key.removesuffix('_skipped')} skipped: {why}", flush=True)
         self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position)
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)

@@ -8,11 +8,13 @@ while every line a user reads names that pass 1-based, "pass pass_index+1/N" (pi
 An eval record's `pass` is that line's words ("after pass 5/40").
 
 A resumed run trains again, and logs again, the steps between its checkpoint and the point the
-earlier process was stopped at, so those steps appear twice in the file. The marker
-{"kind": "resume", "event": "resume", "from_step": S, ...} says where: every record before it with
-optimizer_steps > S belongs to the stopped process and is superseded by the records after it (a
-record at exactly S may be written again, as when S closed a pass; the later one wins).
-`pipelines/report/runs.py:read_metrics` reads the file that way.
+earlier process was stopped at. So that the file holds one record per pass (and per step), the resumed
+process first moves what the stopped one logged past its checkpoint into RUN/metrics_superseded.jsonl
+(as written, a line cut by the kill too): every record with optimizer_steps > S, and the pass and eval
+records of the pass it resumes inside (when S closed that pass, they were written after the checkpoint
+and are written again). Then the marker {"kind": "resume", "event": "resume", "from_step": S,
+"superseded": n, ...} says where. `pipelines/report/runs.py:read_metrics` reads files of older runs,
+which kept both, as if they had been cleaned so: at each marker the later record wins.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from prunepipe.pipelines.config import RunConfig, latent_shard_notes, to_yaml
 from prunepipe.pipelines.progress import pass_label
 
 RESUME = "resume"  # the `kind` (and `event`) of a resume marker
+SUPERSEDED_FILE = "metrics_superseded.jsonl"  # what a stopped process logged past its checkpoint
+PASS_RECORDS = ("pass", "eval")  # written at a pass's end: again by a run resumed inside that pass
 
 
 def write_run_config(cfg: RunConfig) -> None:
@@ -78,11 +82,13 @@ class MetricsLog:
         `batch_in_pass` batches into pass `pass_index` (0-based, as in every record)."""
         if not self.enabled:
             return
+        superseded = self._move_superseded(int(optimizer_steps), int(pass_index), int(batch_in_pass))
         self._append(
             {
                 "kind": RESUME,
                 "event": RESUME,
                 "from_step": int(optimizer_steps),
+                "superseded": superseded,
                 "optimizer_steps": int(optimizer_steps),
                 "pass_index": int(pass_index),
                 "batch_in_pass": int(batch_in_pass),
@@ -90,6 +96,29 @@ class MetricsLog:
                 "time": time.time(),
             }
         )
+
+    def _move_superseded(self, step: int, pass_index: int, batch_in_pass: int) -> int:
+        """Move what the stopped process logged after the checkpoint at `step` (see the module's
+        docstring) from metrics.jsonl to SUPERSEDED_FILE, the rest rewritten in place atomically;
+        returns how many lines moved."""
+        if not os.path.exists(self.path):
+            return 0
+        kept, moved = [], []
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                line = line if line.endswith(b"\n") else line + b"\n"
+                (moved if _superseded(line, step, pass_index, batch_in_pass) else kept).append(line)
+        if not moved:
+            return 0
+        with open(os.path.join(os.path.dirname(self.path), SUPERSEDED_FILE), "ab") as f:
+            f.writelines(moved)
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        return len(moved)
 
     def _append(self, record: dict) -> None:
         with open(self.path, "ab+") as f:  # appends always go to the end, wherever a read left off
@@ -100,6 +129,24 @@ class MetricsLog:
                 if f.read(1) != b"\n":
                     f.write(b"\n")
             f.write((json.dumps(record) + "\n").encode())
+
+
+def _superseded(line: bytes, step: int, pass_index: int, batch_in_pass: int) -> bool:
+    """Whether a metrics.jsonl line is the stopped process's past a checkpoint at `step`, `batch_in_pass`
+    batches into pass `pass_index`: a record after the step, a pass or eval record of that pass (written
+    at its end, after the checkpoint), or a line the kill cut. Resume markers stay."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True
+    if not isinstance(record, dict):
+        return True
+    if record.get("kind") == RESUME:
+        return False
+    if int(record.get("optimizer_steps", 0)) > step:
+        return True
+    inside = batch_in_pass > 0 and record.get("pass_index") == pass_index
+    return inside and record.get("kind") in PASS_RECORDS
 
 
 def open_metrics(run_dir: str, enabled: bool, resumed_from: str | None, position) -> MetricsLog:

@@ -12,7 +12,6 @@ Usage: python -m prunepipe.tools.benchmarks.rehearse_cluster [--work DIR]   (exi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ import torch
 
 from prunepipe.pipelines.checkpoint.sharded import OPTIMIZER, read_whole
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+from prunepipe.pipelines.report.runs import read_metrics
 from prunepipe.tools.benchmarks.resume_check import differences
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -221,16 +221,7 @@ def metric_records(run_dir: str, kind: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by the kill
-                continue
-            if record.get("kind") == kind:
-                records.append(record)
-    return records
+    return [record for record in read_metrics(path) if record.get("kind") == kind]  # each step once
 
 
 def last_logged_step(run_dir: str) -> int:

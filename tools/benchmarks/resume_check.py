@@ -16,6 +16,7 @@ import time
 import torch
 
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
+from prunepipe.pipelines.report.runs import read_metrics
 
 COMPARED = ("model", "ema", "pruner")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -63,8 +64,7 @@ def final_state(run_dir: str) -> dict:
 def check(config: str, out: str, overrides: list[str]) -> dict:
     common = [f"runs_dir={out}", *overrides]
     finished(launch(config, [*common, "name=straight"]), "the straight run")
-    with open(os.path.join(out, "straight", "metrics.jsonl")) as f:
-        steps = [json.loads(line) for line in f][-1]["optimizer_steps"]
+    steps = read_metrics(os.path.join(out, "straight", "metrics.jsonl"))[-1]["optimizer_steps"]
     half = max(1, steps // 2)
     killed_args = [*common, "name=killed", f"checkpoint.every_steps={half}"]
     killed = launch(config, killed_args)

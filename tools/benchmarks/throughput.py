@@ -27,6 +27,7 @@ from diffusers.training_utils import EMAModel
 from prunepipe.pipelines.config import RunConfig, load_config
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.data.workers import loader_workers
+from prunepipe.pipelines.report.runs import read_metrics
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.randomness import GeneratorDraws
 from prunepipe.pipelines.training.device import build_optimizer, mixed_precision, place_model, set_backend_flags
@@ -77,8 +78,7 @@ class Figures:
 def project_samples_per_second(cfg: RunConfig) -> tuple[float, int]:
     """(samples/s, steps) of `train(cfg)` over its passes after the first (the first warms up)."""
     train(cfg)
-    with open(os.path.join(cfg.run_dir, "metrics.jsonl")) as f:
-        passes = [r for r in map(json.loads, f) if r["kind"] == "pass"]
+    passes = [r for r in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if r["kind"] == "pass"]
     timed = passes[1:]
     seconds = sum(b["wall_seconds"] - a["wall_seconds"] for a, b in zip(passes, timed))
     samples = timed[-1]["samples_forwarded"] - passes[0]["samples_forwarded"]

@@ -26,7 +26,9 @@ NAMED_TABLES = {
 }
 ALIASES = {str(base): name for name, (_, _, base) in NAMED_TABLES.items()}  # "512" -> "pixart512"
 TIE_DECIMALS = 12  # log-ratio distances equal to 12 decimals are a tie: the bucket listed first wins
-# the histogram's bins without a table: common h:w ratios, tall to wide
+# the histogram's bins without a table: common ratios as (height, width), tall to wide; labelled width:height
+# as ratios are said everywhere here (`shards write --aspects`, a 4:3 photo is wide), sizes stay HxW as in
+# diffusers' tables and bucket files
 RATIO_BINS = ((4, 1), (3, 1), (2, 1), (16, 9), (3, 2), (4, 3), (1, 1), (3, 4), (2, 3), (9, 16), (1, 2), (1, 3), (1, 4))
 METADATA_FIELD = "json"  # img2dataset's per-sample metadata (width, height, original_width, ...)
 # beside each latent of a bucketed encode: {"bucket": "HxW", "original_size": [H0, W0], "crop_top_left": [t, l]}
@@ -219,9 +221,9 @@ class AspectHistogram:
 
 def aspect_histogram(sizes: list[tuple[int, int] | None], table: BucketTable | None = None) -> AspectHistogram:
     """The samples of `sizes` ((height, width) or None: unknown) by the bucket `table` gives them, or
-    without one by the nearest of the common ratios RATIO_BINS (labelled h:w)."""
+    without one by the nearest of the common ratios RATIO_BINS (labelled w:h, width:height)."""
     bins = table.sizes if table is not None else RATIO_BINS
-    labels = table.names if table is not None else [f"{h}:{w}" for h, w in RATIO_BINS]
+    labels = table.names if table is not None else [f"{w}:{h}" for h, w in RATIO_BINS]
     known = np.array([size for size in sizes if size is not None], dtype=np.int64).reshape(-1, 2)
     chosen = nearest_buckets(known[:, 0], known[:, 1], bins) if len(known) else np.zeros(0, np.int64)
     counts = np.bincount(chosen, minlength=len(bins)).astype(np.int64)
@@ -229,9 +231,9 @@ def aspect_histogram(sizes: list[tuple[int, int] | None], table: BucketTable | N
 
 
 def histogram_lines(histogram: AspectHistogram, table: BucketTable | None = None) -> list[str]:
-    """The histogram as a table: bucket of `table` (or ratio bin h:w), count, share; empty rows left out
+    """The histogram as a table: bucket of `table` (HxW) or ratio bin (w:h), count, share; empty rows left out
     (and counted), the unknown ones last."""
-    what = "bucket" if table is not None else "ratio h:w"
+    what = "bucket HxW" if table is not None else "ratio w:h"
     total = max(histogram.total, 1)
     width = max([len(what), len("unknown"), *(len(label) for label in histogram.labels)])
     lines = [f"{what:<{width}}  {'count':>10}  {'share':>7}"]

@@ -248,8 +248,7 @@ def embed_shards(
         **path_free(made_by),
         "shards": [os.path.basename(url) for url in index.urls],
         "counts": index.counts.tolist(),
-        "on_bad_sample": on_bad_sample,
-    }
+    }  # not on_bad_sample: a part sealed under `stop` held no bad sample, so a retry with `skip` continues it
     job = ShardJob(
         parts_dir, settings, me, what=f"embed {name}", command=f"prunepipe shards embed {shards_dir} --model {spec}"
     )

@@ -196,7 +196,9 @@ def encode_shards(
     # what the outputs depend on, and nothing that does not: the source by its shards' names and counts,
     # the VAE by its config and the sha256 of its weights, the text encoder by its files, never by a path
     # (a requeue may see the same folder under another mount, or the VAE staged to $TMPDIR; new weights
-    # at the same path are another VAE)
+    # at the same path are another VAE). Not --on-bad-sample: a shard sealed under `stop` held no bad
+    # sample, so a retry with `skip` (what a stop's error suggests) continues the same job; each seal
+    # records the policy it was written under and what it left out
     settings = {
         "source_shards": [os.path.basename(url) for url in index.urls],
         "source_counts": index.counts.tolist(),
@@ -205,7 +207,6 @@ def encode_shards(
         "dtype": dtype,
         "flip": flip,
         "batch_size": batch_size,
-        "on_bad_sample": on_bad_sample,
         "text_encoder": identity_key(encoder.identity()) if encoder else None,
     }
     if encoder is not None and encoder.model.dtype != torch.float32:  # bf16 on CUDA: other features than fp32's
@@ -250,7 +251,7 @@ def encode_shards(
             table,
         )
         files = None if table is None else [part_path(outputs[shard], part) for part in record["buckets"]]
-        job.seal(outputs[shard], record, files)
+        job.seal(outputs[shard], {**record, "on_bad_sample": on_bad_sample}, files)
         progress.shard_done(os.path.basename(outputs[shard]), record["successes"], len(record["skipped"]))
 
     job.work(todo, outputs, encode_one)  # a shard whose store fails is tried again after the others, then named

@@ -274,6 +274,11 @@ def file_sha256(path: str) -> str:
     return _HASHED[key]
 
 
+# settings that earlier jobs put in their digest but that change no output: a seal whose settings differ
+# from this job's in these alone is this job's (an encode stopped by a bad sample, retried with `skip`)
+OUTPUT_NEUTRAL = ("on_bad_sample",)
+
+
 def settings_digest(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -344,10 +349,17 @@ class ShardJob:
                 theirs = {}
             ours = self.settings
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            if theirs and not set(differ) - set(OUTPUT_NEUTRAL):
+                return self._intact(output, seal)
             raise ValueError(
                 f"{path}: sealed by `{self.command}` with other settings ({', '.join(differ) or 'unknown'}"
                 f" differ); rerun with the same settings to finish that job, or write to another --out"
             )
+        return self._intact(output, seal)
+
+    @staticmethod
+    def _intact(output: str, seal: dict) -> dict | None:
+        """`seal` when the files it covers are there at the sizes it records, else None (to be made again)."""
         files = seal.get("files")
         if isinstance(files, dict):  # the output is several files, each beside the nominal one
             folder = os.path.dirname(output)

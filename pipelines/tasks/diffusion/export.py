@@ -27,6 +27,7 @@ from diffusers import AutoencoderKL, DDIMScheduler
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
+from prunepipe.pipelines.tasks.diffusion.stock_call import StockCall, stock_call
 from prunepipe.pipelines.tasks.diffusion.text import TextEncoder, quiet_transformers
 from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 
@@ -92,8 +93,10 @@ def export_diffusion(task, model, ema_model, out_dir: str, *, copy: bool = False
             )
         )
     readme = os.path.join(out_dir, "README.md")
+    buckets = [tuple(b["image"]) for b in task.bucket_table or () if b.get("image")]
+    call = stock_call(out_dir, buckets) if pipeline is not None else None
     with open(readme, "w") as f:
-        f.write(export_readme(task, pipeline, reason, ema=ema_model is not None))
+        f.write(export_readme(task, pipeline, reason, ema=ema_model is not None, call=call))
     written.append(readme)
     return written
 
@@ -214,19 +217,24 @@ def _place_text_encoder(task, out_dir: str, copy: bool) -> tuple[dict | None, st
             f"`latents encode` recorded them)"
         )
     if isinstance(task.text_encoder, TextEncoder):
-        tokenizer_class = type(task.text_encoder.tokenizer).__name__
+        tokenizer = task.text_encoder.tokenizer
     else:  # the tokenizer alone names its class: rank 0 exports while the others wait, so no T5-XXL load
         import transformers
 
         with quiet_transformers():
             tokenizer = transformers.AutoTokenizer.from_pretrained(info["tokenizer"], local_files_only=True)
-        tokenizer_class = type(tokenizer).__name__
+    tokenizer_class = type(tokenizer).__name__
     written = []
     for name, folder in folders.items():
         target = os.path.join(out_dir, name)
         _remove(target)
         if name == "tokenizer" and os.path.realpath(folder) == os.path.realpath(info["text_encoder"]):
-            os.symlink("text_encoder", target)  # one folder holds both, as most hub repositories' do
+            # one folder holds both, as most hub repositories' do: a link to text_encoder/, or for a copy
+            # the tokenizer's own files (not the encoder's weights a second time)
+            if copy:
+                tokenizer.save_pretrained(target)
+            else:
+                os.symlink("text_encoder", target)
         else:
             _link_or_copy(folder, target, copy)
         written.append(target)
@@ -255,17 +263,48 @@ def _sizes_note(task) -> list[str]:
     base = f"{side}x{side} px" if task.cfg.space == "pixel" else f"{side}x{side} latents"
     if task.cfg.space != "pixel" and task.downsampling:
         base += f", {side * task.downsampling}x{side * task.downsampling} px"
-    lines = [
+    return [
         f"It trained on aspect-ratio buckets ({names}), each batch at its own size. prunepipe's FID and "
         f"`prunepipe sample` draw at the square base size ({base}).",
+        "",
     ]
-    image = task.bucket_table[-1].get("image")
-    if task.text_conditional and not task.cfg.dit.size_conditions and image:
-        lines.append(
-            f"`PixArtSigmaPipeline` draws at a bucket's size too: pass its `height=` and `width=` in pixels "
-            f"(e.g. `height={image[0]}, width={image[1]}`) with `use_resolution_binning=False`."
+
+
+def _stock_lines(call: StockCall, pixart_call: str) -> tuple[list[str], list[str]]:
+    """(the python lines, the prose after them) of a PixArt export: the plain call or the one with the
+    arguments it needs, prunepipe's own sampler's call, and a bucket's size where the run trained on buckets."""
+    code = [f"images = {call.call()}.images"]
+    prose = []
+    if call.plain:
+        binned = (
+            f" Resolution binning draws a square at PixArt's own {call.binned_side} px and resizes it to the "
+            f"run's {call.side} px; `use_resolution_binning=False` draws at {call.side} px."
+            if call.binned_side != call.side
+            else ""
         )
-    return [*lines, ""]
+        prose.append(f"`{call.call()}` draws from it with the pipeline's defaults.{binned}")
+    else:
+        prose.append(
+            f"`pipe(prompt)` alone does not draw from it: {'; '.join(call.reasons)}. So the call names "
+            f"{', '.join(f'`{k}`' for k in call.arguments)}."
+        )
+    code += ["# prunepipe's samples (its sampler, 50 steps, prompts as written):", f"images = {pixart_call}.images"]
+    if call.buckets:
+        height, width = call.buckets[-1]
+        code += [
+            "# a bucket's size (height, width in px; any bucket listed below):",
+            f"images = {call.call(height=str(height), width=str(width))}.images",
+        ]
+        prose.append(
+            f"The pipeline draws at each bucket's size it trained on, with `height=` and `width=` in pixels and "
+            f"`use_resolution_binning=False`: {', '.join(f'{h}x{w}' for h, w in call.buckets)} (height x width)."
+        )
+    if call.refused:
+        prose.append(
+            f"It refuses the buckets {', '.join(f'{h}x{w}' for h, w in call.refused)}: the pipeline takes sides "
+            f"of multiples of 8 px only (`prunepipe sample` draws the square base size)."
+        )
+    return code, prose
 
 
 # -------------------------------------------------------------------- files
@@ -290,7 +329,7 @@ def _write_json(out_dir: str, name: str, content: dict) -> str:
     return path
 
 
-def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
+def export_readme(task, pipeline: str | None, reason: str, *, ema: bool, call: StockCall | None = None) -> str:
     """The export's README: what loads it and the call that reproduces prunepipe's samples."""
     cfg = task.cfg
     weights = (
@@ -323,7 +362,7 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
         f"{getattr(task.text_encoder, 'max_length', cfg.text.max_length)}, "
         f"use_resolution_binning=False, clean_caption=False)"
     )
-    call = {
+    pipeline_call = {
         "DDPMPipeline": "pipe(batch_size=4, num_inference_steps=50)",
         "DiTPipeline": "pipe(class_labels=[0, 1, 2, 3], num_inference_steps=50, guidance_scale=1.0)",
         "PixArtAlphaPipeline": pixart_call,
@@ -336,12 +375,17 @@ def export_readme(task, pipeline: str | None, reason: str, *, ema: bool) -> str:
             f'# the live weights instead: pipe.{folder} = {model}.from_pretrained("EXPORT", '
             f'subfolder="{folder}", variant="{RAW_VARIANT}")'
         ]
-    lines += [f"images = {call}.images", "```", ""]
+    if call is not None:
+        code, prose = _stock_lines(call, pixart_call)
+        lines += ['prompt = "a photograph"', *code, "```", "", *(f"{line}\n" for line in prose)]
+    else:
+        lines += [f"images = {pipeline_call}.images", "```", ""]
     if pipeline.startswith("PixArt"):
         lines += [
-            "`max_sequence_length` is the caption length the run trained with; resolution binning knows "
-            "PixArt's own sizes only. The pipeline lowercases prompts; `prunepipe sample` reads them as "
-            "written, as the run did (they differ for a case-sensitive tokenizer such as T5's).",
+            "For prunepipe's samples, `max_sequence_length` is the caption length the run trained with and "
+            "resolution binning is off (it knows PixArt's own sizes only). The pipeline lowercases prompts; "
+            "`prunepipe sample` reads them as written, as the run did (they differ for a case-sensitive "
+            "tokenizer such as T5's).",
             "",
         ]
     if pipeline == "PixArtAlphaPipeline" and task.size_conditions is not None:

@@ -102,8 +102,11 @@ def load_text_encoder(export_dir: str, path: str | None = None) -> TextEncoder:
         encoder = TextEncoder(path, "", info["max_length"], setting="text_encoder")
     else:
         placed = os.path.join(export_dir, "text_encoder")
+        # a run whose tokenizer sat in its encoder's folder reads it from text_encoder/ (a copied export's
+        # tokenizer/ holds the tokenizer's files for diffusers; the digest is of the run's one folder)
+        shared = info["tokenizer"] == info["text_encoder"]
         model, tokenizer = (
-            (placed, os.path.join(export_dir, "tokenizer"))
+            (placed, placed if shared else os.path.join(export_dir, "tokenizer"))
             if os.path.exists(placed)
             else (os.path.join(export_dir, info["text_encoder"]), os.path.join(export_dir, info["tokenizer"]))
         )

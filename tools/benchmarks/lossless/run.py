@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prunepipe.pipelines.report.runs import read_metrics
 from prunepipe.tools.benchmarks.lossless.plan import (
     RunSpec,
     TaskPlan,
@@ -182,8 +183,7 @@ def execute(
     with mock.patch.object(loop, "build_pruner", build_timed), quiet[0], quiet[1]:
         loop.train(cfg)
     process_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    passes = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
-    passes = [r for r in passes if r.get("kind") == "pass"]
+    passes = [r for r in read_metrics(os.path.join(cfg.run_dir, "metrics.jsonl")) if r.get("kind") == "pass"]
     last = passes[-1]
     result = dataclasses.asdict(spec)
     result.update(
