@@ -40,6 +40,9 @@ from prunepipe.pipelines.tasks.diffusion.text import stored_identity
 from prunepipe.pipelines.tasks.mae import MAEConfig
 
 PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
+# log_with: accelerate's trackers (accelerate.utils.LoggerType, less "all": a run names what it writes to);
+# tensorboard is installed with the project, wandb with its `wandb` extra, the others by hand
+TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 
 
 @dataclass
@@ -160,6 +163,10 @@ class RunConfig:
     # timeout; torch's NCCL default is 10 minutes). Long enough for rank 0's checkpoint writes, short
     # enough that a hung job frees its nodes.
     dist_timeout_seconds: int = 1800
+    # where scalars, previews and the run's config go besides metrics.jsonl (which the report reads): accelerate's
+    # trackers (TRACKERS), started on rank 0; tensorboard writes RUN/tensorboard/, wandb RUN/wandb/ ([] = none)
+    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])
+    tracker_project: str = "prunepipe"  # the W&B project (and comet / mlflow experiment); TensorBoard's subfolder
     data: DataConfig = field(default_factory=DataConfig)
     # name, the pruner's hyper-parameters, and `groups` (dedup's group table: NAME for
     # groups/NAME.npy beside data.train's index, or a path; side data the loop reads, not a hyper-parameter)
@@ -242,6 +249,9 @@ def validate(cfg: RunConfig) -> None:
     _validate_parallel(cfg)
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
+    for tracker in cfg.log_with:
+        if tracker not in TRACKERS:
+            raise not_accepted("log_with", tracker, TRACKERS)
     if cfg.eval.every_passes and not cfg.data.val:
         raise ConfigError(
             f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "

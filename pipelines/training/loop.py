@@ -46,6 +46,7 @@ from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
 from prunepipe.pipelines.training.sources import SourceStrata, forwarded_by_source, pass_accounting
 from prunepipe.pipelines.training.sync_check import SyncDebug
+from prunepipe.pipelines.training.trackers import start_trackers
 from prunepipe.pruning import build_pruner, gather_tensors
 
 # Step k's scores reach the pruner after step k+1 is enqueued, so the step never waits for the
@@ -126,7 +127,8 @@ class Trainer:
         self.evaluator = (
             Evaluator(cfg, cfg.eval, run_dir=cfg.run_dir, device=self.device) if cfg.eval.every_passes else None
         )
-        self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position)
+        start_trackers(accelerator, cfg, self.position.optimizer_steps if self.resumed_from else None)
+        self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position, accelerator)
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
         # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
