@@ -252,6 +252,7 @@ def validate(cfg: RunConfig) -> None:
     for tracker in cfg.log_with:
         if tracker not in TRACKERS:
             raise not_accepted("log_with", tracker, TRACKERS)
+    _validate_previews(cfg)
     if cfg.eval.every_passes and not cfg.data.val:
         raise ConfigError(
             f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
@@ -379,6 +380,43 @@ def _validate_conditioning(cfg: RunConfig) -> None:
         raise ConfigError(
             f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
             f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards"
+        )
+
+
+def _validate_previews(cfg: RunConfig) -> None:
+    """eval.preview against the task: classes for a class-conditional model, prompts for a text-conditional
+    one, held-out shards for MAE's reconstructions, held-out captions and the validation loss."""
+    preview = cfg.eval.preview
+    if not preview.every_steps:
+        return
+    held_out = bool(cfg.eval.val or cfg.data.val)
+    conditioning = resolved_conditioning(cfg.ldm) if cfg.task == "ldm" else "none"
+    if preview.classes and conditioning != "class":
+        raise ConfigError(
+            f"config: eval.preview.classes={list(preview.classes)} draws classes of a class-conditional model; "
+            f"this run is {'MAE' if cfg.task == 'mae' else f'ldm.conditioning={conditioning}'}: leave it empty"
+        )
+    bad = [c for c in preview.classes if not 0 <= c < cfg.ldm.num_classes]
+    if bad:
+        raise ConfigError(
+            f"config: eval.preview.classes holds {bad[0]}; classes are 0 to ldm.num_classes-1 = {cfg.ldm.num_classes - 1}"
+        )
+    if preview.prompts and conditioning != "text":
+        raise ConfigError(
+            "config: eval.preview.prompts draws a text-conditional model; this run is "
+            f"{'MAE' if cfg.task == 'mae' else f'ldm.conditioning={conditioning}'}: leave it empty"
+        )
+    why = ""
+    if cfg.task == "mae":
+        why = "MAE's preview reconstructs held-out images"
+    elif conditioning == "text" and not preview.prompts:
+        why = "with no eval.preview.prompts a text-conditional model is drawn from held-out captions"
+    elif preview.val_samples:
+        why = f"eval.preview.val_samples={preview.val_samples} computes a validation loss on held-out samples"
+    if why and not held_out:
+        raise ConfigError(
+            f"config: eval.preview.every_steps={preview.every_steps}: {why}, and data.val is empty; set data.val=DIR"
+            + (" or eval.preview.val_samples=0" if why.startswith("eval.preview.val_samples") else "")
         )
 
 

@@ -42,6 +42,7 @@ from prunepipe.pipelines.training.metrics import format_pass, open_metrics, writ
 from prunepipe.pipelines.training.node_tables import NodeTables, node_place
 from prunepipe.pipelines.training.nonfinite import NonFiniteLossError, report_nonfinite  # noqa: F401 (the loop's error)
 from prunepipe.pipelines.training.passes import begin_pass, pass_summary
+from prunepipe.pipelines.training.previews import Previews
 from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
 from prunepipe.pipelines.training.sources import SourceStrata, forwarded_by_source, pass_accounting
@@ -129,6 +130,8 @@ class Trainer:
         )
         start_trackers(accelerator, cfg, self.position.optimizer_steps if self.resumed_from else None)
         self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position, accelerator)
+        bare = accelerator.unwrap_model(self.model)
+        self.previews = Previews(cfg, task, accelerator, bare, self.trained, self.ema, self.metrics)  # eval.preview
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
         # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
@@ -194,6 +197,9 @@ class Trainer:
             if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
                 self.catch_up()  # the checkpoint holds every update, as if none had waited
                 self.save()
+            if self.previews.due(position.optimizer_steps):  # every rank draws; outside the pass timer
+                self.device_waits.pause()
+                self.pass_start += self.previews.draw(position.optimizer_steps)
             if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                 self.stopped = True
                 break
