@@ -37,6 +37,9 @@ from prunepipe.pipelines.tasks.diffusion.config import (
 from prunepipe.pipelines.tasks.mae_config import MAEConfig
 
 PRUNER_SIDE_DATA = ("groups",)  # pruner keys the loop reads as data, not hyper-parameters
+# log_with: accelerate's trackers (accelerate.utils.LoggerType, less "all": a run names what it writes to);
+# tensorboard is installed with the project, wandb with its `wandb` extra, the others by hand
+TRACKERS = ("tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "aim")
 
 
 @dataclass
@@ -157,6 +160,10 @@ class RunConfig:
     # timeout; torch's NCCL default is 10 minutes). Long enough for rank 0's checkpoint writes, short
     # enough that a hung job frees its nodes.
     dist_timeout_seconds: int = 1800
+    # where scalars, previews and the run's config go besides metrics.jsonl (which the report reads): accelerate's
+    # trackers (TRACKERS), started on rank 0; tensorboard writes RUN/tensorboard/, wandb RUN/wandb/ ([] = none)
+    log_with: List[str] = field(default_factory=lambda: ["tensorboard"])
+    tracker_project: str = "prunepipe"  # the W&B project (and comet / mlflow experiment); TensorBoard's subfolder
     data: DataConfig = field(default_factory=DataConfig)
     # name, the pruner's hyper-parameters, and `groups` (dedup's group table: NAME for
     # groups/NAME.npy beside data.train's index, or a path; side data the loop reads, not a hyper-parameter)
@@ -239,6 +246,10 @@ def validate(cfg: RunConfig) -> None:
     _validate_parallel(cfg)
     if cfg.task == "ldm":
         _validate_conditioning(cfg)
+    for tracker in cfg.log_with:
+        if tracker not in TRACKERS:
+            raise not_accepted("log_with", tracker, TRACKERS)
+    _validate_previews(cfg)
     if cfg.eval.every_passes and not cfg.data.val:
         raise ConfigError(
             f"config: eval.every_passes={cfg.eval.every_passes} evaluates on held-out data, but data.val "
@@ -360,6 +371,43 @@ def _validate_conditioning(cfg: RunConfig) -> None:
         raise ConfigError(
             f"config: {' and '.join(sampled)} sample a text-conditional model from held-out captions "
             f"and data.val is empty: set data.val (or eval.val) to captioned held-out shards"
+        )
+
+
+def _validate_previews(cfg: RunConfig) -> None:
+    """eval.preview against the task: classes for a class-conditional model, prompts for a text-conditional
+    one, held-out shards for MAE's reconstructions, held-out captions and the validation loss."""
+    preview = cfg.eval.preview
+    if not preview.every_steps:
+        return
+    held_out = bool(cfg.eval.val or cfg.data.val)
+    conditioning = resolved_conditioning(cfg.ldm) if cfg.task == "ldm" else "none"
+    if preview.classes and conditioning != "class":
+        raise ConfigError(
+            f"config: eval.preview.classes={list(preview.classes)} draws classes of a class-conditional model; "
+            f"this run is {'MAE' if cfg.task == 'mae' else f'ldm.conditioning={conditioning}'}: leave it empty"
+        )
+    bad = [c for c in preview.classes if not 0 <= c < cfg.ldm.num_classes]
+    if bad:
+        raise ConfigError(
+            f"config: eval.preview.classes holds {bad[0]}; classes are 0 to ldm.num_classes-1 = {cfg.ldm.num_classes - 1}"
+        )
+    if preview.prompts and conditioning != "text":
+        raise ConfigError(
+            "config: eval.preview.prompts draws a text-conditional model; this run is "
+            f"{'MAE' if cfg.task == 'mae' else f'ldm.conditioning={conditioning}'}: leave it empty"
+        )
+    why = ""
+    if cfg.task == "mae":
+        why = "MAE's preview reconstructs held-out images"
+    elif conditioning == "text" and not preview.prompts:
+        why = "with no eval.preview.prompts a text-conditional model is drawn from held-out captions"
+    elif preview.val_samples:
+        why = f"eval.preview.val_samples={preview.val_samples} computes a validation loss on held-out samples"
+    if why and not held_out:
+        raise ConfigError(
+            f"config: eval.preview.every_steps={preview.every_steps}: {why}, and data.val is empty; set data.val=DIR"
+            + (" or eval.preview.val_samples=0" if why.startswith("eval.preview.val_samples") else "")
         )
 
 

@@ -7,7 +7,7 @@ without an import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import List, Literal, get_args
 
 from prunepipe.pipelines.config_schema import check_choices, check_ranges, load_structured, not_accepted
 
@@ -100,6 +100,29 @@ class ClipScoreConfig:
 
 
 @dataclass
+class PreviewConfig:
+    """Pictures while training (pipelines/training/previews.py): every `every_steps` optimizer steps a fixed
+    grid into RUN/previews/step_XXXXXX.png and the trackers, and a fixed-timestep validation loss on held-out
+    samples. Diffusion draws `classes` (class-conditional), `prompts` (text-to-image) or `num_images`
+    unconditional samples; MAE shows `num_images` held-out images as original | masked | reconstruction.
+    The noise, masks and samples are fixed by `seed`, so a picture changes only with the weights. Off by default."""
+
+    every_steps: int = 0  # optimizer steps between previews (0 = off)
+    # class-conditional: one image per entry ([] = classes 0, 1, .. of the first num_images, cycling)
+    classes: List[int] = field(default_factory=list)
+    # text-to-image: one image per prompt ([] = the first num_images held-out captions; on precomputed text
+    # features their stored features, else prompts are encoded by the encoder that wrote the features)
+    prompts: List[str] = field(default_factory=list)
+    num_images: int = 8  # images when neither list is given (MAE: held-out images, three columns each)
+    seed: int = 0  # the start noise of image i, MAE's masks: (seed, i) alone
+    guidance_scale: float = 4.0  # classifier-free guidance of class- and text-conditional models; unconditional: none
+    num_steps: int = 25  # sampler steps (DDIM, eta 0; flow: Euler)
+    # held-out samples of the validation loss (the task's held-out loss at its fixed timesteps or masks
+    # and fixed noise), the first in index order of eval.val or data.val; 0 = no validation loss
+    val_samples: int = 64
+
+
+@dataclass
 class EvalConfig:
     every_passes: int = 0  # evaluate during training every E passes (0 = only `prunepipe eval`)
     weights: Literal["ema", "raw"] = "ema"  # which weights of a checkpoint are evaluated
@@ -117,6 +140,7 @@ class EvalConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     clip_score: ClipScoreConfig = field(default_factory=ClipScoreConfig)
+    preview: PreviewConfig = field(default_factory=PreviewConfig)  # training only: `prunepipe eval` ignores it
 
 
 # every_passes, counts and sizes: a count of 0 means all where its comment says so
@@ -138,6 +162,11 @@ RANGES = {
     "replication.threshold": ("(0, 1)", "a ratio of distances"),
     "replication.pixel_size": ">= 1",
     "replication.picture_pairs": ">= 0",
+    "preview.every_steps": (">= 0", "0 = no previews"),
+    "preview.num_images": ">= 1",
+    "preview.num_steps": ">= 1",
+    "preview.guidance_scale": ">= 0",
+    "preview.val_samples": (">= 0", "0 = no validation loss"),
 }
 
 

@@ -33,9 +33,8 @@ def reconstruct(
     With norm_pix_loss the prediction is per-patch standardised pixels; it is mapped back with each
     true patch's mean and variance, as the MAE authors' visualisation does (so those statistics
     of masked patches come from the input)."""
-    latent, mask, ids_restore = model.forward_encoder(images, noise)
-    pred = model.forward_decoder(latent, ids_restore).float()  # [N, L, p*p*C]
-    masked_mse = (model.per_patch_loss(images, pred) * mask).sum(dim=1) / mask.sum(dim=1)
+    masked_mse, pred, mask = model(images, noise, with_prediction=True)  # through forward: FSDP's hooks run
+    pred = pred.float()  # [N, L, p*p*C]
     patches = model.patchify(images.float())
     if model.norm_pix_loss:
         mean = patches.mean(dim=-1, keepdim=True)

@@ -69,9 +69,11 @@ def generate_images(
     guidance_scale: float = 1.0,
     precision: str = "fp32",
     captions: Sequence[str] | None = None,
+    classes: Sequence[int] | None = None,
+    show_progress: bool = True,
 ) -> Iterator[torch.Tensor]:
     """This rank's samples i = rank, rank + world_size, ... < num_images as float [B, C, H, W]
-    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes, text-conditional
+    batches in [0, 1]. Class-conditional models get balanced labels i % num_classes (or classes[i]), text-conditional
     ones captions[i] (every rank holds the whole list; a run on precomputed features gets features
     [n, D] at this rank's places), guided by `guidance_scale` (1 = none) against
     the null label or the empty caption's features. `precision`: that of the model's and the decoder's
@@ -94,14 +96,17 @@ def generate_images(
     shape = (task.in_channels, *((size, size) if isinstance(size, int) else size))
     mine = np.arange(rank, num_images, world_size)
     name = "Euler" if task.cfg.objective == "flow" else "DDIM"
-    bar = progress(len(mine), desc=f"sampling ({name} {steps} steps)", unit="img", disable=rank != 0)
+    bar = progress(
+        len(mine), desc=f"sampling ({name} {steps} steps)", unit="img", disable=rank != 0 or not show_progress
+    )
     try:
         for start in range(0, len(mine), batch_size):
             indices = mine[start : start + batch_size]
             x = per_sample_seeded(shape, indices, seed, normal=True).to(device)
             labels = None
             if task.cfg.num_classes:
-                labels = task.class_labels(torch.from_numpy(indices % task.cfg.num_classes).to(device))
+                chosen = indices % task.cfg.num_classes if classes is None else np.asarray(classes)[indices]
+                labels = task.class_labels(torch.from_numpy(chosen).to(device))
             if task.text_conditional:  # captions, or their precomputed features
                 labels = task.text_encoder.encode([captions[i] for i in indices], device)
             with forward_precision(precision, device):

@@ -215,8 +215,10 @@ class MaskedAutoencoder(nn.Module):
         """[N, L] float32 mean squared error of each patch's pixels."""
         return (pred.float() - self.patch_targets(images)).pow(2).mean(dim=-1)
 
-    def forward(self, images: torch.Tensor, mask_noise: torch.Tensor) -> torch.Tensor:
-        """images [N, C, H, W], mask_noise [N, L] -> per-sample masked-patch MSE [N] float32.
+    def forward(self, images: torch.Tensor, mask_noise: torch.Tensor, with_prediction: bool = False):
+        """images [N, C, H, W], mask_noise [N, L] -> per-sample masked-patch MSE [N] float32, and with
+        `with_prediction` also the predicted patches [N, L, p*p*C] and the mask [N, L] (1 = hidden): a
+        reconstruction through the module's own forward, which a sharded model's hooks gather weights for.
 
         Every sample masks the same number of patches, so the batch mean of this equals the
         paper's (loss * mask).sum() / mask.sum().
@@ -224,7 +226,8 @@ class MaskedAutoencoder(nn.Module):
         latent, mask, ids_restore = self.forward_encoder(images, mask_noise)
         pred = self.forward_decoder(latent, ids_restore)
         loss = self.per_patch_loss(images, pred)
-        return (loss * mask).sum(dim=1) / mask.sum(dim=1)
+        masked_mse = (loss * mask).sum(dim=1) / mask.sum(dim=1)
+        return (masked_mse, pred, mask) if with_prediction else masked_mse
 
 
 class MAETask:

@@ -24,6 +24,7 @@ from prunepipe.pipelines.training.parallel import (
     parameter_skeleton,
     shard_model,
 )
+from prunepipe.pipelines.training.trackers import accelerator_logging
 
 
 def mixed_precision(cfg: RunConfig) -> str:
@@ -34,11 +35,14 @@ def mixed_precision(cfg: RunConfig) -> str:
 
 
 def start_accelerator(cfg: RunConfig) -> Accelerator:
-    """The run's Accelerator (and process group): a collective that waits longer than
+    """The run's Accelerator (and process group, and trackers): a collective that waits longer than
     dist_timeout_seconds fails the job instead of holding it."""
     timeout = InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_seconds))
     return Accelerator(
-        mixed_precision=mixed_precision(cfg), cpu=not torch.cuda.is_available(), kwargs_handlers=[timeout]
+        mixed_precision=mixed_precision(cfg),
+        cpu=not torch.cuda.is_available(),
+        kwargs_handlers=[timeout],
+        **accelerator_logging(cfg),  # log_with: the trackers (pipelines/training/trackers.py)
     )
 
 

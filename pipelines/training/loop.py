@@ -42,11 +42,13 @@ from prunepipe.pipelines.training.metrics import format_pass, open_metrics, writ
 from prunepipe.pipelines.training.node_tables import NodeTables, node_place
 from prunepipe.pipelines.training.nonfinite import NonFiniteLossError, report_nonfinite  # noqa: F401 (the loop's error)
 from prunepipe.pipelines.training.passes import begin_pass, pass_summary
+from prunepipe.pipelines.training.previews import Previews
 from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
 from prunepipe.pipelines.training.sources import SourceStrata, forwarded_by_source, pass_accounting
 from prunepipe.pipelines.training.sync_check import SyncDebug
 from prunepipe.pipelines.training.throughput import Throughput, rate_words
+from prunepipe.pipelines.training.trackers import start_trackers
 from prunepipe.pruning import build_pruner, gather_tensors
 
 # Step k's scores reach the pruner after step k+1 is enqueued, so the step never waits for the
@@ -131,7 +133,10 @@ class Trainer:
             for key, why in self.evaluator.prepare().items():
                 if is_main:
                     print(f"prunepipe: eval: {key.removesuffix('_skipped')} skipped: {why}", flush=True)
-        self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position)
+        start_trackers(accelerator, cfg, self.position.optimizer_steps if self.resumed_from else None)
+        self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position, accelerator)
+        bare = accelerator.unwrap_model(self.model)
+        self.previews = Previews(cfg, task, accelerator, bare, self.trained, self.ema, self.metrics)  # eval.preview
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
         # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
@@ -198,6 +203,9 @@ class Trainer:
             if position.optimizer_steps % cfg.checkpoint.every_steps == 0:
                 self.catch_up()  # the checkpoint holds every update, as if none had waited
                 self.save()
+            if self.previews.due(position.optimizer_steps):  # every rank draws; outside the pass timer
+                self.device_waits.pause()
+                self.pass_start += self.previews.draw(position.optimizer_steps)
             if cfg.max_steps and position.optimizer_steps >= cfg.max_steps:
                 self.stopped = True
                 break

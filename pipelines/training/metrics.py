@@ -1,8 +1,9 @@
 """The run's records in its folder: RUN/config.yaml as the run was started, and the metric log, one
-JSON line per record in RUN/metrics.jsonl on rank 0, mirrored to TensorBoard when it is installed. Train lines every `log_every` steps, pass summaries, eval records,
-and a resume marker each time a run resumes from a checkpoint.
+JSON line per record in RUN/metrics.jsonl on rank 0, its numbers mirrored to the run's trackers (log_with:
+pipelines/training/trackers.py). Train lines every `log_every` steps, pass summaries, eval records, previews'
+validation losses, and a resume marker each time a run resumes from a checkpoint.
 
-Every record has `kind` (train | pass | eval | resume) and `optimizer_steps` (the steps done when it
+Every record has `kind` (train | pass | eval | preview | resume) and `optimizer_steps` (the steps done when it
 was written). `pass_index` is the 0-based index of the pass: data, as in checkpoints and eval records,
 while every line a user reads names that pass 1-based, "pass pass_index+1/N" (pipelines/progress.py).
 An eval record's `pass` is that line's words ("after pass 5/40").
@@ -26,6 +27,7 @@ import time
 
 from prunepipe.pipelines.config import RunConfig, latent_shard_notes, to_yaml
 from prunepipe.pipelines.progress import pass_label
+from prunepipe.pipelines.training.trackers import log_record
 
 RESUME = "resume"  # the `kind` (and `event`) of a resume marker
 SUPERSEDED_FILE = "metrics_superseded.jsonl"  # what a stopped process logged past its checkpoint
@@ -42,32 +44,19 @@ def write_run_config(cfg: RunConfig) -> None:
 
 
 class MetricsLog:
-    """metrics.jsonl on rank 0 (and TensorBoard when it is installed). `resumed_from_step`: the
-    checkpoint's step when this process resumed, so that TensorBoard drops the stopped process's
-    later points instead of drawing them twice."""
+    """metrics.jsonl on rank 0, each record's numbers also to `accelerator`'s trackers (started by
+    trackers.start_trackers; none when the run logs with none)."""
 
-    def __init__(self, run_dir: str, enabled: bool, resumed_from_step: int | None = None):
+    def __init__(self, run_dir: str, enabled: bool, accelerator=None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.tensorboard = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                purge = None if resumed_from_step is None else resumed_from_step + 1
-                self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge)
-            except ImportError:
-                pass
+        self.accelerator = accelerator
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         self._append(record)
-        if self.tensorboard is not None:
-            step = record.get("optimizer_steps", 0)
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "optimizer_steps":
-                    self.tensorboard.add_scalar(f"{record.get('kind', 'train')}/{key}", value, step)
+        log_record(self.accelerator, record)
 
     def train_line(
         self, optimizer_steps: int, pass_index: int, loss: float, lr: float, samples_forwarded: int, rates: dict
@@ -149,10 +138,10 @@ def _superseded(line: bytes, step: int, pass_index: int, batch_in_pass: int) -> 
     return inside and record.get("kind") in PASS_RECORDS
 
 
-def open_metrics(run_dir: str, enabled: bool, resumed_from: str | None, position) -> MetricsLog:
-    """The run's MetricsLog; on a resume, its marker first (the steps after the checkpoint, at
-    `position`, are logged again: it says from where)."""
-    metrics = MetricsLog(run_dir, enabled, resumed_from_step=position.optimizer_steps if resumed_from else None)
+def open_metrics(run_dir: str, enabled: bool, resumed_from: str | None, position, accelerator=None) -> MetricsLog:
+    """The run's MetricsLog (mirrored to `accelerator`'s trackers); on a resume, its marker first (the steps
+    after the checkpoint, at `position`, are logged again: it says from where)."""
+    metrics = MetricsLog(run_dir, enabled, accelerator)
     if resumed_from is not None:
         metrics.resumed(
             resumed_from,
