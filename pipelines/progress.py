@@ -127,6 +127,12 @@ def progress(
     )
 
 
+def pass_bar(total: int, initial: int, pass_index: int, passes: int, samples_a_batch: int, disable: bool):
+    """A pass's bar, counted in batches and shown in samples over all ranks: the rate reads as samples/s."""
+    desc = pass_label(pass_index, passes)
+    return progress(total, initial=initial, disable=disable, desc=desc, unit="sample", unit_scale=samples_a_batch)
+
+
 def tracked(items: Iterable, *, total: int | None = None, desc: str = "", unit: str = "it") -> Iterator:
     """`items`, counted on a `progress` as they are consumed."""
     bar = progress(total if total is not None else _length(items), desc=desc, unit=unit)

@@ -1,10 +1,9 @@
-"""A checkpoint's named parts: what the loop keeps beside accelerate's files (the model in
-`model.safetensors`, the optimizer in `optimizer.bin`, each rank's RNG in `random_states_RANK.pkl`),
-each in a file named for what it holds, whichever options are on: `ema.pt`, `pruner.pt` (its tables in
-`pruner_tables/`, pruner_state.py), `position.pt`, `score_normaliser.pt`, `timestep_sampler.pt`.
-accelerate's registered objects were told apart by their order (`custom_checkpoint_N.pkl`), which
-shifted with the options; a part here is found by its name, and a part the run has and the
-checkpoint lacks (or the reverse) is refused by name. Opens only files of the folder it is given.
+"""A checkpoint's named parts: what the run keeps beside the model, optimizer and EMA weights that
+torch.distributed.checkpoint writes (sharded.py), each in a file named for what it holds, whichever options
+are on: `ema.pt` (its settings and step count), `pruner.pt` (its tables in `pruner_tables/`,
+pruner_state.py), `position.pt`, `score_normaliser.pt`, `timestep_sampler.pt`. A part is found by its
+name, and a part the run has and the checkpoint lacks (or the reverse) is refused by name. Opens only
+files of the folder it is given.
 """
 
 from __future__ import annotations

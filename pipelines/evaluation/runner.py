@@ -109,6 +109,18 @@ class Evaluator:
             self.cfg, self.skipped = plan.cfg, plan.skipped
         return dict(self.skipped)
 
+    @classmethod
+    def for_run(cls, cfg, device, announce: bool) -> Evaluator | None:
+        """The training loop's evaluator (None without eval.every_passes), what it needs checked at the
+        run's start rather than after the first eval.every_passes passes; what it skips said once."""
+        if not cfg.eval.every_passes:
+            return None
+        evaluator = cls(cfg, cfg.eval, run_dir=cfg.run_dir, device=device)
+        for key, why in evaluator.prepare().items():
+            if announce:
+                print(f"prunepipe: eval: {key.removesuffix('_skipped')} skipped: {why}", flush=True)
+        return evaluator
+
     # ------------------------------------------------------------------ per task
     def _val_batches(self, task, max_samples: int, rank: int, world: int):
         data = self.run_cfg.data

@@ -33,6 +33,15 @@ class PassProgressEMA(EMAModel):
         self.warmup, self.full_steps_per_pass = warmup, full_steps_per_pass
         self._progress = 0.0
 
+    @classmethod
+    def for_run(cls, cfg, parameters, samples_a_pass: int, world: int, device) -> PassProgressEMA:
+        """The run's EMA of `parameters` on `device`, its warmup counted in the steps of a full pass of
+        `samples_a_pass` samples over `world` ranks."""
+        full_steps = samples_a_pass / (world * cfg.data.batch_size * cfg.optim.grad_accum)
+        ema = cls(parameters, decay=cfg.ema_decay, warmup=cfg.ema_warmup, full_steps_per_pass=full_steps)
+        ema.to(device)
+        return ema
+
     @torch.no_grad()
     def step(self, parameters, progress: float) -> None:
         """Average in the weights reached at pass progress `progress` (pass_index + fraction of the pass):

@@ -25,7 +25,7 @@ from prunepipe.pipelines.config import RunConfig, check_data, pruner_hparams
 from prunepipe.pipelines.data.mixture import Mixture
 from prunepipe.pipelines.data.workers import agreed_loader_workers
 from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
-from prunepipe.pipelines.progress import EveryFewSeconds, pass_label, progress
+from prunepipe.pipelines.progress import EveryFewSeconds, pass_bar, pass_label
 from prunepipe.pipelines.ranks import on_every_rank
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
@@ -40,12 +40,12 @@ from prunepipe.pipelines.training.ema import EMASettings, PassProgressEMA, with_
 from prunepipe.pipelines.training.groups import use_configured_groups
 from prunepipe.pipelines.training.metrics import format_pass, open_metrics, write_run_config
 from prunepipe.pipelines.training.node_tables import NodeTables, node_place
-from prunepipe.pipelines.training.nonfinite import NonFiniteLossError, report_nonfinite  # noqa: F401 (the loop's error)
-from prunepipe.pipelines.training.passes import begin_pass, pass_summary
+from prunepipe.pipelines.training.nonfinite import NonFiniteLossError, nonfinite_to_skip, report_nonfinite  # noqa: F401
+from prunepipe.pipelines.training.passes import begin_pass, pass_summary, with_accounting
 from prunepipe.pipelines.training.previews import Previews
 from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
-from prunepipe.pipelines.training.sources import SourceStrata, forwarded_by_source, pass_accounting
+from prunepipe.pipelines.training.sources import SourceStrata, count_forwarded
 from prunepipe.pipelines.training.sync_check import SyncDebug
 from prunepipe.pipelines.training.throughput import Throughput, rate_words
 from prunepipe.pipelines.training.trackers import start_trackers
@@ -92,14 +92,10 @@ class Trainer:
 
         # ------------------------------------------------------------ the model, its optimizer and EMA
         self.model, self.optimizer, self.parallel = prepare_model(cfg, accelerator, task.model)
-        named = list(accelerator.unwrap_model(self.model).named_parameters())  # sharded in place under fsdp
-        self.trained = [param for _, param in named]  # what the EMA follows
-        full_steps = self.pass_length / (self.world * cfg.data.batch_size * cfg.optim.grad_accum)  # a full pass
-        self.ema = PassProgressEMA(
-            self.trained, decay=cfg.ema_decay, warmup=cfg.ema_warmup, full_steps_per_pass=full_steps
-        )
-        self.ema.to(self.device)
-        names = [name for name, _ in named]
+        bare = self.bare = accelerator.unwrap_model(self.model)
+        names = [name for name, _ in bare.named_parameters()]  # sharded in place under fsdp
+        self.trained = [param for _, param in bare.named_parameters()]  # what the EMA follows
+        self.ema = PassProgressEMA.for_run(cfg, self.trained, self.pass_length, self.world, self.device)
         self.state = TrainingState(self.model, self.optimizer, self.ema, names)  # every rank saves its share
         # ------------------------------------------------------------ the pruner's tables and groups per node
         place = node_place(self.rank, self.world)
@@ -126,16 +122,9 @@ class Trainer:
         self.stream = train_stream(cfg, mixture, task, self.rank, self.world)
         self.held_out = load_held_out(cfg, task, self.rank, self.world)  # every rank evaluates its share
         self.debug = SyncDebug(accelerator, cfg.run_dir) if cfg.debug_sync else None
-        self.evaluator = (
-            Evaluator(cfg, cfg.eval, run_dir=cfg.run_dir, device=self.device) if cfg.eval.every_passes else None
-        )
-        if self.evaluator is not None:  # what it needs, checked now, not after the first eval.every_passes
-            for key, why in self.evaluator.prepare().items():
-                if is_main:
-                    print(f"prunepipe: eval: {key.removesuffix('_skipped')} skipped: {why}", flush=True)
+        self.evaluator = Evaluator.for_run(cfg, self.device, announce=is_main)
         start_trackers(accelerator, cfg, self.position.optimizer_steps if self.resumed_from else None)
         self.metrics = open_metrics(cfg.run_dir, is_main, self.resumed_from, self.position, accelerator)
-        bare = accelerator.unwrap_model(self.model)
         self.previews = Previews(cfg, task, accelerator, bare, self.trained, self.ema, self.metrics)  # eval.preview
         self.pass_lines = EveryFewSeconds()  # every pass in metrics.jsonl; the printed lines thinned in a log file
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
@@ -187,14 +176,9 @@ class Trainer:
         total = loader.layout.steps
         self.pass_start, self.pass_losses = time.perf_counter(), []
         self.kept_fraction = loader.layout.kept / self.pass_length
-        # Counted in batches, shown in samples over all ranks: the rate reads as samples/s.
-        self.bar = progress(
-            total,
-            initial=position.batch_in_pass,
-            disable=not self.is_main,
-            desc=pass_label(pass_index, cfg.num_passes),
-            unit="sample",
-            unit_scale=cfg.data.batch_size * self.world,
+        samples_a_batch = cfg.data.batch_size * self.world
+        self.bar = pass_bar(
+            total, position.batch_in_pass, pass_index, cfg.num_passes, samples_a_batch, not self.is_main
         )
         self.deferred = DeferredRecords(self.consume, lag=SCORE_LAG)
         for batch in loader:
@@ -229,27 +213,20 @@ class Trainer:
         self.bad_input.saw(batch, position)
         batch = batch.to(self.device, non_blocking=True)
         randomness = SampleRandomness(cfg.seed, pass_index, batch.draw_ids)
+
+        def aside() -> torch.Tensor:  # the batch's losses on draws of their own: the step keeps its own
+            return self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float()
+
         if not accumulation.buckets_rebuilt:  # DDP's bucket layout, the same in fresh and resumed processes
-            # a forward of the batch's own draws (they come in a fixed order per SampleRandomness: the step keeps its own)
-            accumulation.rebuild_buckets(
-                lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float()
-            )
-        self.throughput.count_once(
-            lambda: self.forward(batch, SampleRandomness(cfg.seed, pass_index, batch.draw_ids)).loss.float(),
-            self.model,
-            len(batch.ids),
-        )
+            accumulation.rebuild_buckets(aside)
+        self.throughput.count_once(aside, self.model, len(batch.ids))  # FLOPs a sample, on the first batch
         with accumulation.sync_context(is_step):  # DDP decides at the forward whether backward syncs
             out = self.forward(batch, randomness)
             losses = out.loss.float()
             # Gathered on the device and copied to the host without waiting: consumed a step later.
             ids, gathered, strata = gather_tensors(batch.ids, out.for_pruner(), out.stratum)
             host, ready = to_host(ids, gathered, strata)
-            if cfg.on_nonfinite_loss == "skip" and not bool(torch.isfinite(gathered[ids >= 0]).all()):
-                # skipping needs the answer before backward: one host read per step, under this policy only
-                report_nonfinite(
-                    cfg, self.accelerator, *[t.cpu().numpy() for t in (ids, gathered)], step_at, pass_index, micro
-                )
+            if nonfinite_to_skip(cfg, self.accelerator, ids, gathered, step_at, pass_index, micro):
                 position.skipped_nonfinite += 1
                 host = [None, None, None]
                 accumulation.skipped(is_step)  # every rank skips alike: average what the group holds
@@ -293,13 +270,9 @@ class Trainer:
                 report_nonfinite(
                     self.cfg, self.accelerator, ids, gathered, record.step, record.pass_index, record.micro
                 )
-            position.consumed.set(ids[real])
-            position.forwarded_by_source += forwarded_by_source(self.mixture, ids[real])
-            if self.buckets.active:
-                position.forwarded_by_bucket += self.buckets.saw(ids[real], gathered[real])
+            count_forwarded(position, self.mixture, self.buckets, ids[real], gathered[real])
             self.pruner.update(ids, self.scorer(ids, gathered, self.source_strata(ids, strata)))
             self.task.observe(ids, strata, gathered)
-            position.samples_forwarded += int(real.sum())
             if real.any():  # a batch of padding only has no loss to report
                 self.pass_losses.append(float(gathered[real].mean()))
         if not record.is_step:
@@ -321,12 +294,7 @@ class Trainer:
         summary = pass_summary(
             cfg, self.task, held_out_model, self.pruner, plan, layout, position, self.held_out, self.pass_losses
         )
-        if len(self.mixture.sources) > 1:
-            summary["kept_fraction"] = layout.kept / self.pass_length  # of what the sources' rules drew
-            summary["sources"] = pass_accounting(self.mixture, layout.kept_per_source, position.forwarded_by_source)
-        if self.buckets.active:
-            summary["buckets"] = self.buckets.pass_accounting(layout.kept_per_bucket, position.forwarded_by_bucket)
-        summary["ema_decay"] = self.ema.cur_decay_value  # at the pass end: pruned and full runs alike
+        with_accounting(summary, layout, position, self.mixture, self.pass_length, self.buckets, self.ema)
         self.metrics.write(summary)
         if self.is_main and self.pass_lines.due(force=pass_index + 1 == cfg.num_passes):
             print(format_pass(summary, cfg.num_passes), flush=True)
@@ -354,7 +322,7 @@ class Trainer:
         self.pass_start = time.perf_counter()
 
     def save(self) -> None:
-        """A checkpoint at the current step (every rank; rank 0 writes the files)."""
+        """A checkpoint at the current step: every rank writes its shards, rank 0 seals it."""
         step = self.position.optimizer_steps
         save_checkpoint(self.accelerator, self.cfg.run_dir, step, self.cfg.checkpoint.keep, self.parts, self.state)
         self.last_saved = step
@@ -363,9 +331,7 @@ class Trainer:
         """The trained model's export (RUN/export): from the model in memory, or under fsdp, whose ranks
         each hold a shard, from the checkpoint just saved, read whole on rank 0 (what `prunepipe export` does)."""
         out = os.path.join(self.cfg.run_dir, "export")
-        if self.parallel.sharded:
-            if self.is_main:
-                export_run(self.cfg.run_dir, out=out)
+        if self.is_main and self.parallel.sharded:
+            export_run(self.cfg.run_dir, out=out)
         elif self.is_main:
-            bare = self.accelerator.unwrap_model(self.model)
-            self.task.export(bare, with_ema_weights(bare, self.ema), out)
+            self.task.export(self.bare, with_ema_weights(self.bare, self.ema), out)

@@ -5,6 +5,7 @@ its batch is skipped with a line saying which (skip); either way it never reache
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from prunepipe.pipelines.progress import pass_label
 
@@ -24,3 +25,13 @@ def report_nonfinite(
             f"non-finite loss at {where} for sample ids {bad_ids}; set on_nonfinite_loss=skip to skip such batches"
         )
     accelerator.print(f"skipping batch with non-finite loss at {where}, sample ids {bad_ids}")
+
+
+def nonfinite_to_skip(cfg, accelerator, ids, gathered, step: int, pass_index: int, micro: int) -> bool:
+    """Under on_nonfinite_loss=skip, whether a micro-batch's gathered losses hold a NaN or infinity (said
+    with its ids; every rank answers alike). Reading the answer before backward costs one host read a
+    step, under this policy only; under stop the host checks a step late, without waiting."""
+    if cfg.on_nonfinite_loss != "skip" or bool(torch.isfinite(gathered[ids >= 0]).all()):
+        return False
+    report_nonfinite(cfg, accelerator, ids.cpu().numpy(), gathered.cpu().numpy(), step, pass_index, micro)
+    return True

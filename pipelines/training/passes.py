@@ -13,7 +13,7 @@ from prunepipe.pipelines.data.stream import ShardStream
 from prunepipe.pipelines.evaluation.runner import held_out_over_ranks
 from prunepipe.pipelines.progress import pass_label
 from prunepipe.pipelines.training.schedule import learning_rate
-from prunepipe.pipelines.training.sources import combine_held_out
+from prunepipe.pipelines.training.sources import combine_held_out, pass_accounting
 from prunepipe.pruning.bitmap import Bitmap
 from prunepipe.pruning.pass_plan import PassPlan
 
@@ -58,7 +58,8 @@ def pass_summary(
     cfg: RunConfig, task, model, pruner, plan: PassPlan, layout, position: TrainingPosition, held_out, pass_losses
 ) -> dict:
     """The pass's record: what it kept and trained, its counters, and (collective) each held-out
-    source's metrics; `held_out` None when the run has no val shards."""
+    source's metrics; `held_out` None when the run has no val shards. A run's loop adds its sources'
+    and buckets' accounting (`with_accounting`)."""
     summary = {
         "kind": "pass",
         "pass_index": position.pass_index,
@@ -85,4 +86,16 @@ def pass_summary(
         summary["held_out"] = next(iter(by_source.values())) if len(by_source) == 1 else combine_held_out(by_source)
         if len(by_source) > 1:  # each held-out source on its own too
             summary["held_out_by_source"] = by_source
+    return summary
+
+
+def with_accounting(summary: dict, layout, position: TrainingPosition, mixture, pass_length: int, buckets, ema) -> dict:
+    """`summary` with each source's and each aspect-ratio bucket's kept and trained samples (where the
+    run has several), and the EMA's decay at the pass end (pruned and full runs alike)."""
+    if len(mixture.sources) > 1:
+        summary["kept_fraction"] = layout.kept / pass_length  # of what the sources' rules drew
+        summary["sources"] = pass_accounting(mixture, layout.kept_per_source, position.forwarded_by_source)
+    if buckets.active:
+        summary["buckets"] = buckets.pass_accounting(layout.kept_per_bucket, position.forwarded_by_bucket)
+    summary["ema_decay"] = ema.cur_decay_value
     return summary

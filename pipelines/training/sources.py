@@ -49,6 +49,16 @@ def forwarded_by_source(mixture: Mixture, ids: np.ndarray) -> np.ndarray:
     return np.bincount(mixture.source_of(ids), minlength=len(mixture.sources)).astype(np.int64)
 
 
+def count_forwarded(position, mixture: Mixture, buckets, ids: np.ndarray, losses: np.ndarray) -> None:
+    """Count a step's real `ids` (with their `losses`) into `position`: consumed this pass, forwarded
+    in the run, per source and per aspect-ratio bucket."""
+    position.consumed.set(ids)
+    position.forwarded_by_source += forwarded_by_source(mixture, ids)
+    if buckets.active:
+        position.forwarded_by_bucket += buckets.saw(ids, losses)
+    position.samples_forwarded += len(ids)
+
+
 def pass_accounting(mixture: Mixture, kept_per_source: np.ndarray | None, forwarded: np.ndarray | None) -> dict:
     """Per source: samples its rule draws a pass, kept by the pruner, skipped, and forwarded so far in
     the run (every pass, all ranks, padding excluded)."""
