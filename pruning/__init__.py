@@ -3,7 +3,7 @@
 pruning/ never imports a model or opens a file; torch.distributed appears only in sync.py.
 """
 
-from .base import FrozenPlan, Pruner, first_full_pass, rotation_keeps, uniform_coin
+from .base import FrozenPlan, Pruner, first_full_pass, rotation_keeps
 from .dedup import Dedup
 from .full import Full
 from .importance import Importance
@@ -11,6 +11,7 @@ from .infobatch import InfoBatch
 from .random_pruner import Random
 from .registry import PRUNERS, build_pruner, hparam_names
 from .scores import NORMALISATIONS, ScoreNormaliser
+from .splitmix import uniform_coin
 from .sync import gather_batch, gather_ids_losses, gather_tensors
 from .ted import TED
 

@@ -18,48 +18,11 @@ from typing import Any
 import numpy as np
 
 from .bitmap import Bitmap
+from .splitmix import uniform_coin
 
 # ----------------------------------------------------------------------------------------------
-# Counter-based coin
+# Counter-based coin (pruning/splitmix.py)
 # ----------------------------------------------------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's Weyl increment (odd, so id -> id*gamma is a bijection)
-_MIX_1 = 0xBF58476D1CE4E5B9
-_MIX_2 = 0x94D049BB133111EB
-
-
-def _mix64_scalar(z: int) -> int:
-    """SplitMix64's finaliser on one python int (exact 64-bit wraparound)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _stream_key(seed: int, pass_index: int) -> int:
-    """A 64-bit key per (seed, pass_index): the start of one SplitMix64 stream."""
-    return _mix64_scalar(_mix64_scalar(seed) + (pass_index & _MASK64) * _GOLDEN_GAMMA)
-
-
-def uniform_coin(seed: int, pass_index: int, ids: np.ndarray) -> np.ndarray:
-    """A uniform number in [0, 1) per id, float64, a pure function of (seed, pass_index, id).
-
-    The coin of `id` is output number `id` of a SplitMix64 stream keyed by (seed, pass_index), so it
-    does not depend on which other ids are asked for, in what order or in which process.
-    """
-    z = np.asarray(ids).astype(np.uint64)  # a fresh array: the in-place steps below may scribble
-    with np.errstate(over="ignore"):  # wraparound is the point of the hash
-        z *= np.uint64(_GOLDEN_GAMMA)
-        z += np.uint64(_stream_key(seed, pass_index))
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(_MIX_1)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(_MIX_2)
-        z ^= z >> np.uint64(31)
-    # the top 53 bits fill a double's mantissa exactly: every value is k / 2**53 < 1
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
 
 _ROTATION_SALT = 0x67726F7570  # "group": a stream of its own for each sample's phase on its rotation
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass, uniform_coin
+from .base import FrozenPlan, Pruner, check_flag, check_range, first_full_pass
 from .bitmap import Bitmap
+from .splitmix import uniform_coin
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TIE_BREAK_SALT = 0x7ED_71E5  # a coin stream of its own for breaking score ties in plan()

@@ -16,8 +16,9 @@ from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.layout import batches_taken_per_worker, pass_layout
 from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.data.stream import ShardStream
-from prunepipe.pruning.base import FrozenPlan, uniform_coin
+from prunepipe.pruning.base import FrozenPlan
 from prunepipe.pruning.pass_plan import PassPlan
+from prunepipe.pruning.splitmix import uniform_coin
 
 BATCH = 16
 

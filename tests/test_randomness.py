@@ -10,7 +10,7 @@ import scipy.stats
 import torch
 
 from prunepipe.pipelines.tasks.randomness import SampleRandomness, hash_bits, per_sample_seeded
-from prunepipe.pruning.base import _GOLDEN_GAMMA, _MIX_1, _MIX_2
+from prunepipe.pruning.splitmix import GAMMA, MIX_1, MIX_2
 
 ALPHA = 1e-3  # KS tests on fixed seeds: a false alarm is 1 in 1000 if they were random
 
@@ -22,15 +22,15 @@ def splitmix_reference(key: int, ids: np.ndarray, elements: int) -> np.ndarray:
         z = z.copy()
         with np.errstate(over="ignore"):
             z ^= z >> np.uint64(30)
-            z *= np.uint64(_MIX_1)
+            z *= np.uint64(MIX_1)
             z ^= z >> np.uint64(27)
-            z *= np.uint64(_MIX_2)
+            z *= np.uint64(MIX_2)
             z ^= z >> np.uint64(31)
         return z
 
     with np.errstate(over="ignore"):
-        start = mix(ids.astype(np.uint64) * np.uint64(_GOLDEN_GAMMA) + np.uint64(key))
-        steps = np.arange(1, elements + 1, dtype=np.uint64) * np.uint64(_GOLDEN_GAMMA)
+        start = mix(ids.astype(np.uint64) * np.uint64(GAMMA) + np.uint64(key))
+        steps = np.arange(1, elements + 1, dtype=np.uint64) * np.uint64(GAMMA)
         return mix(start[:, None] + steps[None, :])
 
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from prunepipe.pruning.base import uniform_coin
+from prunepipe.pruning.splitmix import uniform_coin
 
 CROPS = ("center", "random_resized")
 CROP_RATIO = (3 / 4, 4 / 3)  # RandomResizedCrop's default aspect range, which MAE keeps

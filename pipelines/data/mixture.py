@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
-from prunepipe.pruning.base import uniform_coin
+from prunepipe.pruning.splitmix import uniform_coin
 
 RULES = ("weight", "repeat", "count")
 MAX_SOURCES = 1024  # the draw keys a source into 10 bits of its stream

@@ -16,53 +16,31 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from prunepipe.pruning.base import _GOLDEN_GAMMA, _MASK64, _MIX_1, _MIX_2, _stream_key
+from prunepipe.pruning.splitmix import GAMMA_I64, MASK64, mix64_i64, shift_right_i64, signed, stream_key
 
 _UNIFORM_BITS = 24  # a float32 mantissa holds 24 bits exactly: every uniform is k / 2**24 < 1
-
-
-def _signed(value: int) -> int:
-    """The int64 with the same 64 bits as the unsigned `value`."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GAMMA, _M1, _M2 = _signed(_GOLDEN_GAMMA), _signed(_MIX_1), _signed(_MIX_2)
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: mask the sign copies off)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 tensors. Multiplication wraps modulo 2**64 on every torch
-    device (two's complement), which is exactly the unsigned product's low 64 bits."""
-    z = (z ^ _shift_right(z, 30)) * _M1
-    z = (z ^ _shift_right(z, 27)) * _M2
-    return z ^ _shift_right(z, 31)
 
 
 def hash_bits(key: int, ids: torch.Tensor, elements: int) -> torch.Tensor:
     """int64 [B, elements]: 64 random bits per (id, element) for a 64-bit `key`.
 
-    Sample `id` starts its own SplitMix64 stream at mix64(key + id * gamma); element e is output
+    Sample `id` starts its own SplitMix64 stream at mix64_i64(key + id * gamma); element e is output
     e + 1 of that stream, so it depends on (key, id, e) only."""
-    start = mix64(ids.to(torch.int64) * _GAMMA + _signed(key))  # [B]
-    steps = torch.arange(1, elements + 1, dtype=torch.int64, device=ids.device) * _GAMMA  # [E]
-    return mix64(start[:, None] + steps[None, :])
+    start = mix64_i64(ids.to(torch.int64) * GAMMA_I64 + signed(key))  # [B]
+    steps = torch.arange(1, elements + 1, dtype=torch.int64, device=ids.device) * GAMMA_I64  # [E]
+    return mix64_i64(start[:, None] + steps[None, :])
 
 
 def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
     """float32 in [0, 1) from the top 24 bits (exact: k / 2**24)."""
-    return _shift_right(bits, 64 - _UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
+    return shift_right_i64(bits, 64 - _UNIFORM_BITS).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 def bits_to_normal_pairs(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent float32 standard normals per 64 bits, by Box-Muller from two 24-bit
     uniforms: u1 in (0, 1] from the top bits (no log 0), u2 in [0, 1) from the low ones. |z| <= 5.77."""
     scale = 1.0 / (1 << _UNIFORM_BITS)
-    u1 = (_shift_right(bits, 64 - _UNIFORM_BITS) + 1).to(torch.float32) * scale
+    u1 = (shift_right_i64(bits, 64 - _UNIFORM_BITS) + 1).to(torch.float32) * scale
     u2 = (bits & ((1 << _UNIFORM_BITS) - 1)).to(torch.float32) * scale
     radius, angle = torch.sqrt(-2.0 * torch.log(u1)), (2.0 * math.pi) * u2
     return radius * torch.cos(angle), radius * torch.sin(angle)
@@ -85,7 +63,7 @@ class SampleRandomness:
     def _bits(self, elements: int) -> torch.Tensor:
         """int64 [B, elements] for the next draw."""
         self._calls += 1
-        key = _stream_key(self.seed * 7919 + self._calls, self.pass_index)  # one stream per (seed, draw, pass)
+        key = stream_key(self.seed * 7919 + self._calls, self.pass_index)  # one stream per (seed, draw, pass)
         return hash_bits(key, self.ids, elements)
 
     def rand(self, *shape: int) -> torch.Tensor:
@@ -100,7 +78,7 @@ class SampleRandomness:
 
     def randint(self, high: int) -> torch.Tensor:
         """int64 [B] in [0, high); the modulo bias is below high / 2**63."""
-        return _shift_right(self._bits(1), 1).reshape(-1) % int(high)
+        return shift_right_i64(self._bits(1), 1).reshape(-1) % int(high)
 
 
 class SampleDraws(Protocol):
