@@ -336,14 +336,6 @@ def load_image(path: str, size: int | None = None) -> Image.Image:
     return resize_center_crop(image, size) if size is not None else image
 
 
-def image_folder(root: str, size: int | None = None) -> Iterator[tuple[str, Image.Image, int]]:
-    """Images under `root` in sorted order, decoded one at a time; class = index of the first-level
-    subfolder (or -1)."""
-    paths, labels = list_image_folder(root)
-    for i, (path, label) in enumerate(zip(paths, labels)):
-        yield folder_key(i), load_image(path, size), int(label)
-
-
 def digit_items(options: SourceOptions) -> Iterator[tuple[str, Image.Image, int]]:
     """The digits source (source_registry.py): `digits` at the options' size."""
     return digits(options.size)
