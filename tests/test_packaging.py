@@ -131,7 +131,7 @@ def test_the_wheel_holds_every_module_and_config_and_imports_alone(wheel_venv, t
     script = "import json, sys, prunepipe.launch.cli as c; print(json.dumps([c.__file__, sys.path]))"
     cli, path = json.loads(in_venv(venv, "python", "-c", script, cwd=tmp_path))
     installed = os.path.join(purelib, "prunepipe")
-    assert cli == os.path.join(installed, "launch", "cli.py")
+    assert cli == os.path.join(installed, "launch", "cli", "__init__.py")
     root, dependencies = os.path.realpath(ROOT), os.path.realpath(sysconfig.get_paths()["purelib"])
     seen = [os.path.realpath(p or tmp_path) for p in path]
     assert not [p for p in seen if p.startswith(root + os.sep) and p != dependencies], path  # .venv may be in ROOT

@@ -140,8 +140,7 @@ def count(grad_accum: int, micro_batches: int, batch_size: int, bucket_mb: float
     return verdict
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=10, help="of one pass; 10 with 4 ends in a short group")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -152,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         help="DDP's bucket_cap_mb, small so that the tiny model fills several buckets",
     )
     parser.add_argument("--json", help="write the verdict here (rank 0)")
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args) -> int:
     verdict = count(args.grad_accum, args.micro_batches, args.batch_size, args.bucket_mb)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(verdict, indent=1))
@@ -160,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(verdict, f, indent=1)
     return 0 if verdict["one_bucket_set_per_step"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

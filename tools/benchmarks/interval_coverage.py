@@ -70,19 +70,26 @@ def coverage(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m prunepipe.tools.benchmarks.interval_coverage", description=__doc__.splitlines()[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiments", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[3, 5, 10])
     parser.add_argument("--true-compute", type=float, default=0.85)
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args) -> int:
     print(f"{'seeds':>5} {'true saving':>11} {'jackknife t 95% covers':>22} {'bootstrap 95% covers':>20}")
     for seeds in args.seeds:
         found = coverage(seeds, args.experiments, args.true_compute)
         print(f"{seeds:>5} {found['truth']:>11.2%} {found['t']:>22.1%} {found['bootstrap']:>20.1%}", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m prunepipe.tools.benchmarks.interval_coverage", description=__doc__.splitlines()[0]
+    )
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

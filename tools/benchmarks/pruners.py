@@ -97,16 +97,17 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--weight-ids", type=int, default=1_000_000, help="must be one of --plan-sizes")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--pruners", nargs="+", default=list(PRUNERS))
-    args = parser.parse_args()
+
+
+def run_from_args(args) -> int:
     if args.weight_ids not in args.plan_sizes:
-        parser.error(f"--weight-ids {args.weight_ids} must be one of --plan-sizes {args.plan_sizes}")
+        raise ValueError(f"--weight-ids {args.weight_ids} must be one of --plan-sizes {args.plan_sizes}")
     torch.set_num_threads(1)
     rows = [bench(name, args.plan_sizes, args.weight_ids, args.batch_sizes, args.repeats) for name in args.pruners]
     print(
@@ -114,6 +115,16 @@ def main() -> None:
         f"torch {torch.__version__}; median of {args.repeats} -->"
     )
     print(format_table(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    try:
+        return run_from_args(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

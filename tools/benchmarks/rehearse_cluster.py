@@ -576,8 +576,7 @@ def describe(verdict: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work", default="rehearsal", help="folder for the shards, runs and node logs")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--every-steps", type=int, default=4, help="checkpoint.every_steps (optimizer steps)")
@@ -611,9 +610,11 @@ def main(argv: list[str] | None = None) -> int:
         help="parallel.strategy of the runs (hsdp: each node's ranks shard, the nodes replicate)",
     )
     parser.add_argument("--json", help="write the verdict here too")
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args) -> int:
     if args.mixture and args.buckets:
-        parser.error("--mixture and --buckets rehearse different runs: give one")
+        raise ValueError("--mixture and --buckets rehearse different runs: give one")
     verdict = rehearse(
         os.path.abspath(args.work),
         passes=args.passes,
@@ -630,6 +631,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(verdict, f, indent=1)
     return 0 if verdict["pass"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    try:
+        return run_from_args(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 if __name__ == "__main__":

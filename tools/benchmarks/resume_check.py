@@ -93,22 +93,30 @@ def check(config: str, out: str, overrides: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("config")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config")
     parser.add_argument("--out", required=True, help="folder for the two runs")
     parser.add_argument("--json", help="write the verdict here")
-    parser.add_argument("overrides", nargs="*")
-    args, extra = parser.parse_known_args(argv)
-    if any("=" not in e for e in extra):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.overrides = [*args.overrides, *extra]  # key=value after the options are overrides too
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+
+def run_from_args(args) -> int:
     verdict = check(os.path.abspath(args.config), args.out, args.overrides)
     print(json.dumps(verdict, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(verdict, f, indent=1)
     return 0 if verdict["bitwise_equal"] and verdict["killed_mid_run"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    args, extra = parser.parse_known_args(argv)
+    if any("=" not in e for e in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*args.overrides, *extra]  # key=value after the options are overrides too
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

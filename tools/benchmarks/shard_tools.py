@@ -258,8 +258,7 @@ def load_line() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folder", required=True, help="the image folder to generate (or reuse); outside the repo")
     parser.add_argument("--images", type=int, default=100_000)
     parser.add_argument("--classes", type=int, default=100)
@@ -284,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         help="shards index --workers (default: its own, the usable cores); more than the cores "
         "overlaps the waits for storage",
     )
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args) -> int:
     out = args.out or args.folder.rstrip("/") + "_shards"
     print(f"load average at start: {load_line()} on {os.cpu_count()} cores")
 
@@ -347,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         compare_index("the same with img2dataset stats beside each shard", stats, sides, args.repeats, workers)
     print(f"load average at end: {load_line()}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -49,15 +49,16 @@ def time_reading(index: ShardIndex, workers: int, keep: bool) -> tuple[float, in
     return now() - start, n
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", default="photos", choices=("digits", "photos"))
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", help="existing shard folder (with index.json); default: write a temporary one")
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         location = args.data
@@ -100,6 +101,13 @@ def main(argv=None) -> None:
             f"time of the 50%-dropped pass: {t['drop 50% before decode'] / t['decode all']:.3f} of the full pass "
             f"(ideal 0.500)"
         )
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

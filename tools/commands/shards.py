@@ -21,7 +21,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Iterable, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, NamedTuple
 from urllib.parse import urlparse
 
 import numpy as np
@@ -54,13 +54,16 @@ from prunepipe.tools.commands.aspect_buckets import (
     metadata_size,
 )
 from prunepipe.tools.commands.captioned import CAPTIONED_KEYS, captioned_splits, img2dataset_sample
+from prunepipe.tools.commands.source_registry import SourceOptions, resolve, shard_source
+
+if TYPE_CHECKING:
+    from prunepipe.tools.commands.source_registry import Item
 from prunepipe.tools.commands.sources import (
     check_copy_kinds,
     copies_by_kind,
     folder_key,
     list_image_folder,
     load_image,
-    load_source,
     redundant_splits,
     split_by_permutation,
 )
@@ -112,12 +115,13 @@ def write_shards(
     aspects: bool = False,
     square: bool = False,
 ) -> dict[str, str]:
-    """Write the splits of `source` (train and val; `redundant` also val_mix and train_dedup) with webdataset's
-        ShardWriter; returns index paths. `folder` is written by `write_folder`: each file's bytes as they are,
-    or with `square` centre-cropped to `size` as PNG (then with `workers` and `chunk`).
-        `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and `copy_kinds`; with
-        `captions`, digits and photos are written as img2dataset writes image-text pairs (tools/commands/captioned.py);
-        with `aspects` too, the photo crops keep their own aspect ratios (four of them, shorter side `size`)."""
+    """Write the splits of `source`, a name of tools/commands/source_registry.py (train and val; `redundant`
+    also val_mix and train_dedup) with webdataset's ShardWriter; returns index paths. `folder` is written by
+    `write_folder`: each file's bytes as they are, or with `square` centre-cropped to `size` as PNG (then with
+    `workers` and `chunk`). `redundant_copies` and `redundant_kinds` are redundant_splits' `copy_counts` and
+    `copy_kinds`; with `captions`, digits and photos are written as img2dataset writes image-text pairs
+    (tools/commands/captioned.py); with `aspects` too, the photo crops keep their own aspect ratios (four of
+    them, shorter side `size`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if captions:
@@ -141,50 +145,40 @@ def write_shards(
         }
     if aspects:
         raise ValueError("--aspects writes captioned photo crops: give --source photos --captions")
-    if source == "folder":
-        if not folder:
-            raise ValueError("source 'folder' needs --folder PATH")
-        return write_folder(
-            folder,
-            out,
-            size=size,
-            shard_size=shard_size,
-            val_fraction=val_fraction,
-            seed=seed,
-            workers=workers,
-            chunk=chunk,
-            square=square,
-        )
-    if source == "redundant":
-        splits = redundant_splits(
-            size,
-            fraction=redundant_fraction,
-            originals=redundant_originals,
-            val_fraction=val_fraction,
-            crops_per_photo=crops_per_photo,
-            seed=seed,
-            copy_counts=redundant_copies,
-            copy_kinds=redundant_kinds,
-        )
-        meta = {
-            "redundant_fraction": redundant_fraction,
-            "redundant_originals": redundant_originals,
-            "redundant_copies": redundant_copies,
-            "redundant_kinds": check_copy_kinds(redundant_kinds),
-            "crops_per_photo": crops_per_photo,
-            "seed": seed,
-        }
-    else:
-        items = list(load_source(source, size=size, folder=folder, seed=seed, crops_per_photo=crops_per_photo))
-        splits = split_by_permutation(items, val_fraction, seed)
-        meta = {}
+    options = SourceOptions(
+        size=size,
+        shard_size=shard_size,
+        val_fraction=val_fraction,
+        seed=seed,
+        folder=folder,
+        crops_per_photo=crops_per_photo,
+        redundant_fraction=redundant_fraction,
+        redundant_originals=redundant_originals,
+        redundant_copies=redundant_copies,
+        redundant_kinds=redundant_kinds,
+        workers=workers,
+        chunk=chunk,
+        square=square,
+    )
+    found = shard_source(source)
+    if found.write is not None:
+        return resolve(found.write)(out, options)
+    items = list(resolve(found.items)(options))
+    return write_item_splits(out, source, split_by_permutation(items, val_fraction, seed), options)
+
+
+def write_item_splits(
+    out: str, source: str, splits: Mapping[str, list[Item]], options: SourceOptions, **meta
+) -> dict[str, str]:
+    """Each split's (key, image, class) items as PNG shards in OUT/SPLIT/, `meta` recorded in its index.json;
+    an empty split is not written."""
     return {
         split: write_split(
             os.path.join(out, split),
             ((k, png_bytes(im), label) for k, im, label in chosen),
             source=source,
-            size=size,
-            shard_size=shard_size,
+            size=options.size,
+            shard_size=options.shard_size,
             desc=f"{source}/{split}",
             total=len(chosen),
             **meta,
@@ -195,7 +189,48 @@ def write_shards(
     }
 
 
-def split_meta(source: str, items: list[tuple[str, Image.Image, int]]) -> dict:
+def write_redundant(out: str, options: SourceOptions) -> dict[str, str]:
+    """The redundant source (sources.py:redundant_splits): train, a clean val, val_mix and train_dedup, its
+    settings recorded in each index.json."""
+    splits = redundant_splits(
+        options.size,
+        fraction=options.redundant_fraction,
+        originals=options.redundant_originals,
+        val_fraction=options.val_fraction,
+        crops_per_photo=options.crops_per_photo,
+        seed=options.seed,
+        copy_counts=options.redundant_copies,
+        copy_kinds=options.redundant_kinds,
+    )
+    meta = {
+        "redundant_fraction": options.redundant_fraction,
+        "redundant_originals": options.redundant_originals,
+        "redundant_copies": options.redundant_copies,
+        "redundant_kinds": check_copy_kinds(options.redundant_kinds),
+        "crops_per_photo": options.crops_per_photo,
+        "seed": options.seed,
+    }
+    return write_item_splits(out, "redundant", splits, options, **meta)
+
+
+def write_folder_source(out: str, options: SourceOptions) -> dict[str, str]:
+    """The folder source: `write_folder` of --folder."""
+    if not options.folder:
+        raise ValueError("source 'folder' needs --folder PATH")
+    return write_folder(
+        options.folder,
+        out,
+        size=options.size,
+        shard_size=options.shard_size,
+        val_fraction=options.val_fraction,
+        seed=options.seed,
+        workers=options.workers,
+        chunk=options.chunk,
+        square=options.square,
+    )
+
+
+def split_meta(source: str, items: list[Item]) -> dict:
     """What index.json records of one split beyond the source's settings: for `redundant`, its copies
     of each kind (read from their keys)."""
     return {"copies_by_kind": copies_by_kind(key for key, _, _ in items)} if source == "redundant" else {}

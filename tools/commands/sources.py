@@ -17,8 +17,8 @@ from PIL import Image, ImageEnhance
 from prunepipe.pipelines.data.mixture import apportion, integer_counts  # copies per original, as shares of a pass
 from prunepipe.pipelines.data.resize import resize_center_crop, resize_crop
 from prunepipe.tools.commands.redundant_options import COPY_COUNTS, COPY_KINDS, DEFAULT_KINDS
+from prunepipe.tools.commands.source_registry import SourceOptions
 
-SOURCES = ("digits", "photos", "redundant", "folder")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
 
 # scikit-image's bundled photographs (in the wheel, not fetched) and scikit-learn's two samples.
@@ -336,21 +336,11 @@ def load_image(path: str, size: int | None = None) -> Image.Image:
     return resize_center_crop(image, size) if size is not None else image
 
 
-def image_folder(root: str, size: int | None = None) -> Iterator[tuple[str, Image.Image, int]]:
-    """Images under `root` in sorted order, decoded one at a time; class = index of the first-level
-    subfolder (or -1)."""
-    paths, labels = list_image_folder(root)
-    for i, (path, label) in enumerate(zip(paths, labels)):
-        yield folder_key(i), load_image(path, size), int(label)
+def digit_items(options: SourceOptions) -> Iterator[tuple[str, Image.Image, int]]:
+    """The digits source (source_registry.py): `digits` at the options' size."""
+    return digits(options.size)
 
 
-def load_source(name: str, *, size: int, folder: str | None = None, seed: int = 0, crops_per_photo: int = 250):
-    if name == "digits":
-        return digits(size)
-    if name == "photos":
-        return photo_crops(size, crops_per_photo=crops_per_photo, seed=seed)
-    if name == "folder":
-        if not folder:
-            raise ValueError("source 'folder' needs --folder PATH")
-        return image_folder(folder, size)
-    raise ValueError(f"unknown source {name!r}; accepted: {', '.join(SOURCES)}")
+def photo_items(options: SourceOptions) -> Iterator[tuple[str, Image.Image, int]]:
+    """The photos source (source_registry.py): `photo_crops` at the options' size, crops and seed."""
+    return photo_crops(options.size, crops_per_photo=options.crops_per_photo, seed=options.seed)
