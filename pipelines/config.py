@@ -25,7 +25,7 @@ from prunepipe.pipelines.config_schema import (
 )
 from prunepipe.pipelines.data.description import DataDescription, SplitRecords
 from prunepipe.pipelines.data.group_table import group_table_path
-from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources
+from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
 from prunepipe.pipelines.data.shards import ShardIndex, index_file
 from prunepipe.pipelines.data.workers import check_num_workers
