@@ -1,9 +1,8 @@
 """The Task: what the training loop (pipelines/training/) asks of a task, and all it asks. MAETask and
 DiffusionTask provide it; a new task provides it and is one entry of build.py's TASKS. The builder, the
 loop and the evaluator hold a task as a Task, and mypy checks that each task provides it
-(tests/test_packaging.py). The evaluators may read a
-task's own fields as well (a diffusion task's autoencoder, say); the loop never does
-(tests/test_layout.py checks it).
+(tests/test_packaging.py). The evaluators may read a task's own fields as well (a diffusion task's
+autoencoder, say); the loop never does (tests/test_layout.py checks it).
 """
 
 from __future__ import annotations
