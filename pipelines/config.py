@@ -23,6 +23,7 @@ from prunepipe.pipelines.config_schema import (
     load_structured,
     not_accepted,
 )
+from prunepipe.pipelines.data.description import DataDescription, SplitRecords
 from prunepipe.pipelines.data.group_table import group_table_path
 from prunepipe.pipelines.data.mixture import check_pass_length, first_path, parse_sources, source_paths
 from prunepipe.pipelines.data.remote import ReadRetry, is_retried
@@ -412,42 +413,43 @@ def _validate_previews(cfg: RunConfig) -> None:
 
 
 # ----------------------------------------------------------------------------- the data it names
-def check_data(cfg: RunConfig) -> None:
+def check_data(cfg: RunConfig, data: DataDescription | None = None) -> DataDescription:
     """The checks that read the data a (validated) config names: each split's index.json, the shards'
     latents and text features against the settings that need them, dedup's group table, remote shards'
     read deadline, the CLIPScore model's folder. Run at the start of a run (`train`) and by `prunepipe
-    train` before it launches; `load_config` never reads these files. Errors begin `data check:`."""
+    train` before it launches; `load_config` never reads these files. Errors begin `data check:`.
+    Returns the data description checked: `data`, or every source's index.json read once here."""
     _check_indexes(cfg)
-    _check_buckets(cfg)
-    _check_remote_deadline(cfg)
-    _check_latent_augmentations(cfg)
+    if data is None:
+        data = DataDescription.load(cfg.data)
+    _check_buckets(cfg, data)
+    _check_remote_deadline(cfg, data)
+    _check_latent_augmentations(cfg, data)
     _check_group_table(cfg)
     if cfg.task == "ldm" and resolved_conditioning(cfg.ldm) == "text":
         if cfg.ldm.text.features == "precomputed":
-            _check_precomputed_text(cfg)
+            _check_precomputed_text(cfg, data)
         clip = cfg.eval.clip_score.model
         if cfg.eval.every_passes and clip and not os.path.isdir(os.path.expanduser(clip)):
             raise ConfigError(
                 f"data check: eval.clip_score.model={clip!r}: no such folder (a local transformers CLIPModel "
                 f"and its processor; nothing is downloaded)"
             )
+    return data
 
 
-def _check_buckets(cfg: RunConfig) -> None:
+def _check_buckets(cfg: RunConfig, data: DataDescription) -> None:
     """Shards bucketed by aspect ratio hold latents of their bucket's shape (`latents encode --buckets`):
     only a latent-diffusion run on precomputed latents reads them."""
-    from prunepipe.pipelines.data.splits import index_metadata  # torch: the data check's, not the config's
-
     if cfg.task == "ldm" and cfg.ldm.space == "latents":
         return
-    for name in ("train", "val"):
-        for source in parse_sources(getattr(cfg.data, name), f"data.{name}", rules=name == "train"):
-            if "buckets" in index_metadata(source.path):
-                setting = "task=mae" if cfg.task == "mae" else f"ldm.space={cfg.ldm.space}"
-                raise ConfigError(
-                    f"data check: data.{name}={source.path!r} holds latents bucketed by aspect ratio "
-                    f"(`latents encode --buckets`), which only ldm.space=latents reads; got {setting}"
-                )
+    for setting, source, index in data.indexes():
+        if "buckets" in index.meta:
+            got = "task=mae" if cfg.task == "mae" else f"ldm.space={cfg.ldm.space}"
+            raise ConfigError(
+                f"data check: {setting}={source.path!r} holds latents bucketed by aspect ratio "
+                f"(`latents encode --buckets`), which only ldm.space=latents reads; got {got}"
+            )
 
 
 def _check_indexes(cfg: RunConfig) -> None:
@@ -464,27 +466,19 @@ def _check_indexes(cfg: RunConfig) -> None:
                 )
 
 
-def _check_remote_deadline(cfg: RunConfig) -> None:
+def _check_remote_deadline(cfg: RunConfig, data: DataDescription) -> None:
     """A remote shard's retries end before a collective's timeout: while one loader retries, its rank
     reaches no collective, and the others would fail on the process group's timeout first, without
     the read's own message."""
     deadline = cfg.data.remote.deadline_seconds
-    if deadline >= cfg.dist_timeout_seconds and _reads_remote_shards(cfg):
+    remote = any(any(map(is_retried, index.urls)) for _, _, index in data.indexes())  # pipe:, http(s), s3, gs, hf
+    if deadline >= cfg.dist_timeout_seconds and remote:
         raise ConfigError(
             f"data check: data.remote.deadline_seconds={deadline:g} lets one shard read stall that long, not "
             f"less than dist_timeout_seconds={cfg.dist_timeout_seconds}: the other ranks would time out in "
             f"their next collective before the read failed with its own message; lower "
             f"data.remote.deadline_seconds or raise dist_timeout_seconds"
         )
-
-
-def _reads_remote_shards(cfg: RunConfig) -> bool:
-    """Whether data.train's or data.val's index names a remote shard (pipe:, http(s), s3, gs, hf)."""
-    folders = source_paths(cfg.data.train) + source_paths(cfg.data.val, "data.val")
-    for folder in folders:
-        if folder and os.path.exists(index_file(folder)) and any(map(is_retried, ShardIndex.load(folder).urls)):
-            return True
-    return False
 
 
 def _check_group_table(cfg: RunConfig) -> None:
@@ -497,18 +491,16 @@ def _check_group_table(cfg: RunConfig) -> None:
             raise ConfigError(f"data check: pruner.groups={groups!r}: no group table at {path}")
 
 
-def _check_precomputed_text(cfg: RunConfig) -> None:
+def _check_precomputed_text(cfg: RunConfig, data: DataDescription) -> None:
     """ldm.text.features=precomputed: the train shards record their text features, and held-out shards
     hold features of the same encoder (a held-out loss of other features measures nothing)."""
     from prunepipe.pipelines.tasks.diffusion.text import stored_identity  # torch: the data check's
 
     made_by = {}
-    splits = [("data.train", p) for p in source_paths(cfg.data.train)]
-    splits += [("data.val", p) for p in source_paths(cfg.data.val, "data.val")] + [("eval.val", cfg.eval.val)]
-    for setting, folder in splits:
-        if not folder or not os.path.exists(index_file(folder)):
-            continue  # a missing split is named where it is read
-        index = ShardIndex.load(folder)
+    splits = [(setting, source.path, index) for setting, source, index in data.indexes()]
+    if cfg.eval.val and os.path.exists(index_file(cfg.eval.val)):  # a missing split is named where it is read
+        splits.append(("eval.val", cfg.eval.val, ShardIndex.load(cfg.eval.val)))
+    for setting, folder, index in splits:
         identity = stored_identity(index.meta)
         if not identity:
             raise ConfigError(
@@ -527,51 +519,56 @@ def _check_precomputed_text(cfg: RunConfig) -> None:
         )
 
 
-def _check_latent_augmentations(cfg: RunConfig) -> None:
+def _check_latent_augmentations(cfg: RunConfig, data: DataDescription) -> None:
     """Augmentations the decoder can apply where the shard index tells: a crop on images only, a flip
     on latents only where the mirrored images' latents are stored."""
     from prunepipe.pipelines.data.decode import FLIPPED_LATENT_FIELD  # torch: the data check's
 
     cropped = cfg.data.crop != "center"
-    train = first_path(cfg.data.train)  # a mixture's sources hold one kind of sample (pipelines/data/mixture.py)
-    if not (cropped or cfg.data.hflip) or not train or not os.path.exists(index_file(train)):
+    records = data.records  # a mixture's sources hold one kind of sample (pipelines/data/mixture.py)
+    if not (cropped or cfg.data.hflip) or "latent_shape" not in records.meta:  # what `latents encode` records
         return
-    index = ShardIndex.load(train)
-    if "latent_shape" not in index.meta:  # what `prunepipe latents encode` records
-        return
+    train = first_path(cfg.data.train)
     if cropped:
         raise ConfigError(
             f"data check: data.crop={cfg.data.crop} crops images, but data.train={train!r} holds "
-            f"latents ({index.path} records latent_shape); use data.crop=center"
+            f"latents ({records.index_path} records latent_shape); use data.crop=center"
         )
-    if cfg.data.hflip and FLIPPED_LATENT_FIELD not in index.meta.get("keys", [FLIPPED_LATENT_FIELD]):
+    keys = records.meta.get("keys", [FLIPPED_LATENT_FIELD])
+    if cfg.data.hflip and FLIPPED_LATENT_FIELD not in keys:
         raise ConfigError(
             f"data check: data.hflip=true, but the latent shards of data.train={train!r} hold no latents "
-            f"of mirrored images ({index.path} lists keys {index.meta['keys']}); encode them with "
+            f"of mirrored images ({records.index_path} lists keys {keys}); encode them with "
             f"`prunepipe latents encode --flip`, or set data.hflip=false"
         )
 
 
-def latent_shard_notes(cfg: RunConfig) -> list[str]:
+def latent_shard_notes(cfg: RunConfig, data: DataDescription | None = None) -> list[str]:
     """What to tell a run on precomputed latents (ldm.space=latents) at its start: there the run
     trains at the latent_shape of data.train's index.json, and data.resolution and data.channels go
     unused. Each may name the latents (their side, their channels) or the images they were encoded
     from (index.json's resolution, the VAE's in_channels); a value that names neither is a recipe
-    meant for other latents (a 256 px recipe on latents of 512 px images), said plainly, once."""
+    meant for other latents (a 256 px recipe on latents of 512 px images), said plainly, once.
+    `data`: the run's data description, else data.train's index.json is read here."""
     train = first_path(cfg.data.train)
-    if cfg.task != "ldm" or cfg.ldm.space != "latents" or not train or not os.path.exists(index_file(train)):
+    if cfg.task != "ldm" or cfg.ldm.space != "latents" or not train:
         return []
-    index = ShardIndex.load(train)
-    shape = index.meta.get("latent_shape")
+    if data is None:
+        if not os.path.exists(index_file(train)):
+            return []
+        records = SplitRecords.of(ShardIndex.load(train))
+    else:
+        records = data.records
+    shape, meta = records.meta.get("latent_shape"), records.meta
     if not isinstance(shape, list) or len(shape) != 3:
         return []
     channels, height, width = (int(n) for n in shape)
     latents = f"data.train={train!r} holds {channels}x{height}x{width} latents"
-    vae = _vae_config(index.meta)
-    source = index.meta.get("resolution")
+    vae = _vae_config(meta)
+    source = meta.get("resolution")
     if not isinstance(source, int) and vae and height == width:  # shards encoded before index.json said
         source = height * 2 ** (len(vae.get("block_out_channels", [0])) - 1)
-    by = f" by {index.meta['vae']!r}" if index.meta.get("vae") else ""
+    by = f" by {meta['vae']!r}" if meta.get("vae") else ""
     notes = []
     resolution = cfg.data.resolution
     # the sides data.resolution may name: the images' the latents were encoded from, the latents' own
@@ -589,7 +586,7 @@ def latent_shard_notes(cfg: RunConfig) -> list[str]:
         said = " or ".join(f"data.resolution={side}" for side in sides)
         notes.append(
             f"data.resolution={resolution} is not what this run trains on: {latents}, {encoded} "
-            f"({index.path}); on precomputed latents (ldm.space=latents) a run trains at the "
+            f"({records.index_path}); on precomputed latents (ldm.space=latents) a run trains at the "
             f"latents' size and data.resolution is unused. To train at {resolution} px, encode the images at "
             f"that side (`prunepipe latents encode IMAGES --vae VAE --resolution {resolution} --out DIR`)"
             + (f"; to say what it trains on, set {said}" if said else "")

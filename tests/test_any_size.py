@@ -22,6 +22,7 @@ from eval_runs import ROOT, diffusion_config, one_torch_thread
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.config_schema import ConfigError
 from prunepipe.pipelines.data.batch import Batch
+from prunepipe.pipelines.data.description import SplitRecords
 from prunepipe.pipelines.data.shards import ShardEntry, ShardIndex
 from prunepipe.pipelines.evaluation.config import EvalConfig
 from prunepipe.pipelines.evaluation.runner import Evaluator, aligned_held_out
@@ -278,10 +279,14 @@ def test_a_bucket_the_backbone_cannot_take_is_refused_naming_it_and_the_setting(
     with pytest.raises(
         ValueError, match=r"bucket '72x40' \(shape \[4, 9, 5\]\).*9x5.*patch size 2.*ldm\.dit\.patch_size"
     ):
-        DiffusionTask(diffusion_config(**TINY_DIT), image_size=BASE, channels=CHANNELS, buckets=BUCKETS)
+        DiffusionTask(
+            diffusion_config(**TINY_DIT), image_size=BASE, channels=CHANNELS, records=SplitRecords(buckets=BUCKETS)
+        )
     with pytest.raises(ValueError, match=r"bucket '72x40'.*UNet's downsampling 2.*block_out_channels"):
-        DiffusionTask(diffusion_config(), image_size=BASE, channels=CHANNELS, buckets=BUCKETS)
-    task = DiffusionTask(diffusion_config(**TINY_DIT), image_size=BASE, channels=CHANNELS, buckets=BUCKETS[:1])
+        DiffusionTask(diffusion_config(), image_size=BASE, channels=CHANNELS, records=SplitRecords(buckets=BUCKETS))
+    task = DiffusionTask(
+        diffusion_config(**TINY_DIT), image_size=BASE, channels=CHANNELS, records=SplitRecords(buckets=BUCKETS[:1])
+    )
     assert task.bucket_table == BUCKETS[:1] and task.bucket_sizes == {(8, 16): (64, 128)}
 
 

@@ -28,12 +28,40 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def run_mypy(folder, *options: str) -> subprocess.CompletedProcess:
-    """mypy, as the dev environment runs it, on PROBE from a folder outside the repository."""
+# Every task provides the Task protocol, and the builder, the loop and the evaluator hold a task as a Task;
+# a class with a model alone is refused as one (the one error expected)
+TASK_PROBE = textwrap.dedent("""
+    from prunepipe.pipelines.evaluation.runner import Evaluator
+    from prunepipe.pipelines.tasks.build import build_task
+    from prunepipe.pipelines.tasks.diffusion.task import DiffusionTask
+    from prunepipe.pipelines.tasks.mae import MAETask
+    from prunepipe.pipelines.tasks.protocol import Task
+    from prunepipe.pipelines.training.loop import Trainer
+
+    def tasks(mae: MAETask, ldm: DiffusionTask) -> list[Task]:
+        return [mae, ldm]
+
+    def held(trainer: Trainer) -> None:
+        reveal_type(trainer.task)
+
+    reveal_type(build_task)
+    reveal_type(Evaluator.evaluate)
+
+    class NoLoss:
+        model = None
+
+    broken: Task = NoLoss()
+""")
+SKIP_THIRD_PARTY = "[mypy]\nfollow_imports = skip\n[mypy-prunepipe.*]\nfollow_imports = silent\n"
+
+
+def run_mypy(folder, *options: str, probe_text: str = PROBE, targets=None) -> subprocess.CompletedProcess:
+    """mypy, as the dev environment runs it, on PROBE (or `targets`) from a folder outside the repository."""
     probe = folder / "probe.py"
-    probe.write_text(PROBE)
+    probe.write_text(probe_text)
     command = [sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", str(folder / "cache"), *options]
-    return subprocess.run([*command, str(probe)], cwd=folder, capture_output=True, text=True, timeout=600)
+    targets = [str(probe)] if targets is None else targets
+    return subprocess.run([*command, *targets], cwd=folder, capture_output=True, text=True, timeout=600)
 
 
 def assert_mypy_resolved(done: subprocess.CompletedProcess) -> None:
@@ -45,8 +73,22 @@ def assert_mypy_resolved(done: subprocess.CompletedProcess) -> None:
 def test_mypy_finds_the_namespace_of_the_editable_install(tmp_path):
     # The project followed silently, third-party packages skipped: 2 s of CPU, where following torch's
     # sources too takes a minute (the slow test below runs exactly that)
-    (tmp_path / "mypy.ini").write_text("[mypy]\nfollow_imports = skip\n[mypy-prunepipe.*]\nfollow_imports = silent\n")
+    (tmp_path / "mypy.ini").write_text(SKIP_THIRD_PARTY)
     assert_mypy_resolved(run_mypy(tmp_path, "--config-file", str(tmp_path / "mypy.ini")))
+
+
+def test_mypy_checks_the_task_protocol_on_every_task_the_builder_the_loop_and_the_evaluator(tmp_path):
+    (tmp_path / "mypy.ini").write_text(SKIP_THIRD_PARTY)
+    config = ["--config-file", str(tmp_path / "mypy.ini")]
+    builder = run_mypy(tmp_path, *config, targets=["-m", "prunepipe.pipelines.tasks.build"])
+    assert builder.returncode == 0, builder.stdout + builder.stderr  # each builder returns a Task
+    done = run_mypy(tmp_path, *config, probe_text=TASK_PROBE)
+    task = "prunepipe.pipelines.tasks.protocol.Task"
+    assert f'Revealed type is "{task}"' in done.stdout, done.stdout  # the loop's
+    assert f"-> {task}" in done.stdout, done.stdout  # the builder's
+    assert f"task: {task}, model" in done.stdout, done.stdout  # the evaluator's
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and 'type "NoLoss", variable has type "Task"' in errors[0], done.stdout
 
 
 @pytest.mark.slow

@@ -22,8 +22,8 @@ from test_trainer import straight_and_resumed
 
 from prunepipe.pipelines.config import ConfigError, check_data, load_config
 from prunepipe.pipelines.data.batch import real_samples
-from prunepipe.pipelines.data.decode import TEXT_FEATURES_FIELD, TEXT_NULL_FILE, SampleDecoder
-from prunepipe.pipelines.data.shards import BadInputError, ShardIndex, read_shard
+from prunepipe.pipelines.data.decode import TEXT_FEATURES_FIELD, SampleDecoder
+from prunepipe.pipelines.data.shards import TEXT_NULL_FILE, BadInputError, ShardIndex, read_shard
 from prunepipe.pipelines.data.splits import read_captions, read_split
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint

@@ -33,7 +33,6 @@ LABEL_FIELDS = ("cls", "label", "class")
 CAPTION_FIELD = "txt"  # img2dataset's caption (LAION, DataComp, CC12M, COYO shards alike)
 METADATA_FIELD = "json"  # img2dataset's metadata, which holds the caption too
 TEXT_FEATURES_FIELD = "text.npy"  # the caption's real tokens' features [n, D] (`latents encode --text-encoder`)
-TEXT_NULL_FILE = "text_null.npy"  # beside index.json: the empty caption's features, the null condition
 NO_LABEL = -1
 
 

@@ -225,7 +225,18 @@ class Mixture:
         sources = parse_sources(value, key)
         if not sources:
             raise ValueError(f"{key}: no shards to train on")
-        indexes = [ShardIndex.load(s.path) for s in sources]
+        return cls.of(sources, [ShardIndex.load(s.path) for s in sources], samples_per_pass=samples_per_pass, key=key)
+
+    @classmethod
+    def of(
+        cls,
+        sources: tuple[Source, ...],
+        indexes: list[ShardIndex],
+        *,
+        samples_per_pass: int = 0,
+        key: str = "data.train",
+    ) -> "Mixture":
+        """The sources laid end to end, from their indexes (read already, in the order listed)."""
         if len(indexes) == 1:
             index = indexes[0]
         else:

@@ -35,6 +35,7 @@ from prunepipe.pipelines.data.remote import (
 from prunepipe.pipelines.data.tar_reader import TarMembers, plain_member_names
 
 INDEX_NAME = "index.json"
+TEXT_NULL_FILE = "text_null.npy"  # beside index.json: the empty caption's features, the null condition
 DEFAULT_RETRY = ReadRetry()
 SKIP_META = re.compile(r"__[^/]*__($|/)")  # webdataset's tar_file_iterator skips these names
 SLASH, DOT, NEWLINE, UNDERSCORE = (ord(c) for c in "/.\n_")
@@ -144,8 +145,7 @@ class ShardIndex:
                 f"no shard index at {path}: write shards with `prunepipe shards write` or index "
                 f"existing ones with `prunepipe shards index`"
             )
-        with open(path) as f:
-            raw = json.load(f)
+        raw = read_index_json(path)
         try:
             shards = raw["shards"]
             urls = tuple(_resolve(s["url"], os.path.dirname(os.path.abspath(path))) for s in shards)
@@ -193,6 +193,34 @@ class ShardIndex:
             json.dump({"shards": shards, **meta}, f, indent=1)
         os.replace(tmp, path)
         return path
+
+
+def read_index_json(path: str) -> dict:
+    """index.json at `path` as stored: the one place the file is opened (ShardIndex.load, the metadata
+    and fingerprint readers), so that a run's reads of it can be counted."""
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object {{'shards': [...], ...}}, got {type(raw).__name__}")
+    return raw
+
+
+def index_metadata(location: str) -> dict:
+    """The keys of a split's index.json beside its shard list (source, latent_shape, vae, buckets, ...)."""
+    return {k: v for k, v in read_index_json(index_file(location)).items() if k != "shards"}
+
+
+def bucket_name(height: int, width: int) -> str:
+    """A bucket's name in index.json: "HxW" of the images cut to it."""
+    return f"{height}x{width}"
+
+
+def bucket_entries(sizes: Iterable[tuple[int, int]], channels: int, factor: int) -> list[dict]:
+    """index.json's `buckets`, as `_recorded_buckets` reads them back: each image size's name, the size
+    and the stored latent shape [channels, H / factor, W / factor] (a VAE of downsampling `factor`)."""
+    return [
+        {"name": bucket_name(h, w), "image": [h, w], "shape": [channels, h // factor, w // factor]} for h, w in sizes
+    ]
 
 
 def _recorded_bytes(path: str, shards: list[dict]) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prunepipe.pipelines.data.shards import INDEX_NAME
+from prunepipe.pipelines.data.shards import INDEX_NAME, read_index_json
 from prunepipe.pipelines.data.writer_names import temporary_name
 
 FORMAT = "prunepipe-side-table"
@@ -38,8 +38,7 @@ def index_fingerprint(shards_dir: str) -> dict:
     path = os.path.join(shards_dir, INDEX_NAME)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no shard index at {path}: side data lives beside a split's index.json")
-    with open(path) as f:
-        shards = json.load(f).get("shards")
+    shards = read_index_json(path).get("shards")
     if not isinstance(shards, list):
         raise ValueError(f"{path}: expected a 'shards' list")
     canonical = json.dumps([[s.get("url"), int(s.get("num_samples", -1))] for s in shards], separators=(",", ":"))

@@ -5,7 +5,6 @@ not). Never skips a bad sample silently: it stops, naming shard and key.
 
 from __future__ import annotations
 
-import json
 from typing import Iterator
 
 import numpy as np
@@ -13,12 +12,12 @@ import torch
 
 from prunepipe.pipelines.data.batch import Batch, text_fields
 from prunepipe.pipelines.data.decode import SampleDecoder, caption, text_features
-from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_shard
+from prunepipe.pipelines.data.shards import ShardIndex, read_shard
 from prunepipe.pipelines.progress import progress
 
 
 def read_split(
-    folder: str,
+    folder: str | ShardIndex,
     *,
     resolution: int,
     channels: int,
@@ -31,7 +30,8 @@ def read_split(
     text_width: int = 0,
     text_max_length: int = 0,
 ) -> Iterator[Batch]:
-    """Batches of the first `max_samples` samples (0 = all) of the shards in `folder`, in index order.
+    """Batches of the first `max_samples` samples (0 = all) of the shards in `folder` (or of an index
+    read already), in index order.
 
     With `world_size` > 1 this rank gets the samples whose id (their position in that order) is
     congruent to `rank`: the others' bytes are skipped in the tar reader (seeked past on a local file),
@@ -49,7 +49,7 @@ def read_split(
     A rank opens only the shards that hold its own samples (`own_ids`) and stops reading each after its
     last one there.
     """
-    index = ShardIndex.load(folder)
+    index = folder if isinstance(folder, ShardIndex) else ShardIndex.load(folder)
     total = index.num_samples if max_samples <= 0 else min(max_samples, index.num_samples)
     decoder = SampleDecoder(
         resolution, channels, captions=captions, text_width=text_width, text_max_length=text_max_length
@@ -63,7 +63,7 @@ def read_split(
     last_of = dict(zip(shards.tolist(), mine[np.r_[ends[1:], len(mine)] - 1].tolist())) if len(mine) else {}
     wanted = set(mine.tolist())
     found = 0
-    bar = progress(len(mine), desc=desc or f"reading {folder}", unit="img", disable=rank != 0)
+    bar = progress(len(mine), desc=desc or f"reading {index.path}", unit="img", disable=rank != 0)
     for shard in sorted(last_of):
         url, first = index.urls[shard], int(index.first_ids[shard])
         last = last_of[shard] - first
@@ -171,11 +171,3 @@ def _batch(decoder: SampleDecoder, ids, images, labels, texts, bucket: int = -1)
         **text_fields(texts, captions=decoder.captions, width=decoder.text_width),
         bucket=bucket,
     )
-
-
-def index_metadata(folder: str) -> dict:
-    """The extra keys of a split's index.json (tools/commands/latents.py records vae, latent_shape, ...)."""
-    path = index_file(folder)
-    with open(path) as f:
-        raw = json.load(f)
-    return {k: v for k, v in raw.items() if k != "shards"}

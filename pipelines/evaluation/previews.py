@@ -21,7 +21,8 @@ from torchvision.utils import make_grid
 
 from prunepipe.pipelines.data.batch import real_samples
 from prunepipe.pipelines.data.mixture import first_path
-from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
+from prunepipe.pipelines.data.shards import index_metadata
+from prunepipe.pipelines.data.splits import read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from prunepipe.pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct
 from prunepipe.pipelines.evaluation.sampling import generate_images, latent_decoder

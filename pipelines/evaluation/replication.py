@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prunepipe.pipelines.data.splits import index_metadata, read_split
+from prunepipe.pipelines.data.shards import index_metadata
+from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.evaluation.fid import to_uint8
 from prunepipe.pipelines.ranks import gather_in_index_order, gather_rows, rank_and_world
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from prunepipe.pipelines.data.decode import caption
 from prunepipe.pipelines.data.mixture import first_path
-from prunepipe.pipelines.data.shards import ShardIndex, index_file, read_keys, read_shard
-from prunepipe.pipelines.data.splits import index_metadata, read_captions, read_split, read_text_features
+from prunepipe.pipelines.data.shards import ShardIndex, index_file, index_metadata, read_keys, read_shard
+from prunepipe.pipelines.data.splits import read_captions, read_split, read_text_features
 from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, load_eval_config
 from prunepipe.pipelines.evaluation.fid import FIDEvaluator, load_feature_net
 from prunepipe.pipelines.evaluation.needs import plan_evaluation
@@ -45,6 +45,7 @@ from prunepipe.pipelines.ranks import (
 )
 from prunepipe.pipelines.tasks.build import text_reading
 from prunepipe.pipelines.tasks.diffusion.text import stored_identity
+from prunepipe.pipelines.tasks.protocol import Task
 from prunepipe.pipelines.tasks.wrappers import unwrap, weights_module
 from prunepipe.pipelines.trained import load_trained
 
@@ -66,7 +67,7 @@ def weights_for_eval(model: nn.Module, ema=None, which: str = "ema") -> nn.Modul
     return weights_module(ema, model)
 
 
-def held_out_over_ranks(task, model: nn.Module, batches, cfg: EvalConfig) -> dict:
+def held_out_over_ranks(task: Task, model: nn.Module, batches, cfg: EvalConfig) -> dict:
     """The task's held-out loss (MAE masked MSE, diffusion denoising MSE) of `model` on this rank's
     share of the held-out batches, combined over ranks, at `cfg.precision`. Every rank calls it (an
     empty share included); the training loop's per-pass `held_out` and the evaluators use it alike."""
@@ -435,7 +436,7 @@ class Evaluator:
         return folder
 
     # ------------------------------------------------------------------ entry point
-    def evaluate(self, task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
+    def evaluate(self, task: Task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
         """Metrics of `model` (the weights to evaluate: see `weights_for_eval`) at `eval.precision`.
         Every rank calls this and evaluates its share; every rank returns the same record, which rank
         0 writes to eval/step_XXXXXX.json."""

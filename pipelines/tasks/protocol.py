@@ -1,7 +1,8 @@
 """The Task: what the training loop (pipelines/training/) asks of a task, and all it asks. MAETask and
-DiffusionTask provide it; a new task provides it and registers in build.py. The evaluators may read a
-task's own fields as well (a diffusion task's autoencoder, say); the loop never does
-(tests/test_layout.py checks it).
+DiffusionTask provide it; a new task provides it and is one entry of build.py's TASKS. The builder, the
+loop and the evaluator hold a task as a Task, and mypy checks that each task provides it
+(tests/test_packaging.py). The evaluators may read a task's own fields as well (a diffusion task's
+autoencoder, say); the loop never does (tests/test_layout.py checks it).
 """
 
 from __future__ import annotations
@@ -34,10 +35,23 @@ class TextReading:
 @runtime_checkable
 class Task(Protocol):
     model: nn.Module  # the module trained; the loop wraps it (DDP, compile) and passes the wrapper back
-    num_strata: int  # per-sample strata its scores are comparable within (0: none)
-    label_classes: int  # labels a batch must hold fewer than (0: labels unused), checked by the decoder
-    text: TextReading | None  # the text its batches carry (None: no text)
-    timestep_sampler: object | None  # state the checkpoint keeps beside the model (a stateful sampler), or None
+
+    # read-only: a task may answer each by an attribute or a property
+    @property
+    def num_strata(self) -> int:
+        """Per-sample strata its scores are comparable within (0: none)."""
+
+    @property
+    def label_classes(self) -> int:
+        """Labels a batch must hold fewer than (0: labels unused), checked by the decoder."""
+
+    @property
+    def text(self) -> TextReading | None:
+        """The text its batches carry (None: no text)."""
+
+    @property
+    def timestep_sampler(self) -> object | None:
+        """State the checkpoint keeps beside the model (a stateful sampler), or None."""
 
     def per_sample(self, model: nn.Module, batch, generator: torch.Generator | SampleDraws) -> SampleLosses:
         """The batch's per-sample losses [B] (and strata) from the draws of `generator`, through `model`."""

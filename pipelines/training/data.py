@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from prunepipe.pipelines.config import RunConfig
 from prunepipe.pipelines.data.decode import SampleDecoder
+from prunepipe.pipelines.data.description import DataDescription
 from prunepipe.pipelines.data.mixture import Mixture, parse_sources
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.data.stream import ShardStream
 from prunepipe.pipelines.tasks.build import text_reading
+from prunepipe.pipelines.tasks.protocol import Task
 
 
-def train_stream(cfg: RunConfig, mixture: Mixture, task, rank: int, world: int) -> ShardStream:
+def train_stream(cfg: RunConfig, mixture: Mixture, task: Task, rank: int, world: int) -> ShardStream:
     """The stream of data.train for this rank: its loader workers live for the run, each pass posted to them."""
     decoder = SampleDecoder(
         cfg.data.resolution,
@@ -40,26 +42,32 @@ def train_stream(cfg: RunConfig, mixture: Mixture, task, rank: int, world: int) 
     )
 
 
-def load_held_out(cfg: RunConfig, task, rank: int = 0, world: int = 1) -> dict[str, list] | None:
+def load_held_out(
+    cfg: RunConfig, task: Task, rank: int = 0, world: int = 1, data: DataDescription | None = None
+) -> dict[str, list] | None:
     """Per held-out source (data.val: one folder, or a list of sources), this rank's share of the first
     `data.val_batches` batches of its shards in index order, decoded once (possibly empty), with the text
-    `task` reads for a text-conditional run; None when the run has no val shards."""
-    sources = parse_sources(cfg.data.val, "data.val", rules=False)
-    if not sources:
+    `task` reads for a text-conditional run; None when the run has no val shards. `data`: the run's data
+    description, whose held-out indexes are read already."""
+    if data is not None:
+        held_out = list(data.val)
+    else:
+        held_out = [(source, source.path) for source in parse_sources(cfg.data.val, "data.val", rules=False)]
+    if not held_out:
         return None
     return {
         source.name: list(
             read_split(
-                source.path,
+                index,
                 resolution=cfg.data.resolution,
                 channels=cfg.data.channels,
                 batch_size=cfg.data.batch_size,
                 max_samples=cfg.data.val_batches * cfg.data.batch_size,
                 rank=rank,
                 world_size=world,
-                desc=f"held-out samples{' of ' + source.name if len(sources) > 1 else ''}",
+                desc=f"held-out samples{' of ' + source.name if len(held_out) > 1 else ''}",
                 **text_reading(task),
             )
         )
-        for source in sources
+        for source, index in held_out
     }

@@ -22,7 +22,6 @@ from prunepipe.pipelines.checkpoint.pruner_state import CheckpointedPruner
 from prunepipe.pipelines.checkpoint.sharded import TrainingState
 from prunepipe.pipelines.checkpoint.store import save_checkpoint
 from prunepipe.pipelines.config import RunConfig, check_data, pruner_hparams
-from prunepipe.pipelines.data.mixture import Mixture
 from prunepipe.pipelines.data.workers import agreed_loader_workers
 from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
 from prunepipe.pipelines.progress import EveryFewSeconds, pass_bar, pass_label
@@ -68,21 +67,18 @@ class Trainer:
         accelerator = self.accelerator = start_accelerator(cfg)
         self.device, self.rank, self.world = accelerator.device, accelerator.process_index, accelerator.num_processes
         is_main = self.is_main = accelerator.is_main_process
-        on_every_rank(lambda: check_data(cfg))  # the data the config names, from each rank's node, first
+        # every source's index.json from each rank's node, read once here: one that cannot stops every rank
+        data = self.data = on_every_rank(lambda: check_data(cfg))
         if is_main:
-            write_run_config(cfg)
+            write_run_config(cfg, data)
         cfg = self.cfg = with_peak_learning_rate(cfg, self.world, announce=is_main)  # config.yaml keeps optim.blr
 
         # ------------------------------------------------------------ the task, the data, the pruner
         torch.manual_seed(cfg.seed)  # model initialisation only; per-step randomness is derived
-        # every source's index.json from each rank's node: one that cannot read it stops every rank here
-        mixture = self.mixture = on_every_rank(
-            lambda: Mixture.load(cfg.data.train, samples_per_pass=cfg.data.samples_per_pass)
-        )
-        # each rank loads its model's parts (a text encoder, the shards' records: the mixture's index, not
-        # read again) from its own node: one that cannot stops every rank here, not only itself while the
-        # others wait in the next collective
-        task = self.task = on_every_rank(lambda: build_task(cfg, mixture=mixture))
+        mixture = self.mixture = data.train
+        # each rank loads its model's parts (a text encoder, the shards' records) from its own node: one that
+        # cannot stops every rank here, not only itself while the others wait in the next collective
+        task = self.task = on_every_rank(lambda: build_task(cfg, data=data))
         agree_on_text(task)
         self.pass_length = int(mixture.per_pass().sum())  # samples the sources' rules draw a pass, before pruning
         if is_main and len(mixture.sources) > 1:
@@ -120,7 +116,7 @@ class Trainer:
 
         # ------------------------------------------------------------ the stream, the judges, the log
         self.stream = train_stream(cfg, mixture, task, self.rank, self.world)
-        self.held_out = load_held_out(cfg, task, self.rank, self.world)  # every rank evaluates its share
+        self.held_out = load_held_out(cfg, task, self.rank, self.world, data)  # every rank evaluates its share
         self.debug = SyncDebug(accelerator, cfg.run_dir) if cfg.debug_sync else None
         self.evaluator = Evaluator.for_run(cfg, self.device, announce=is_main)
         start_trackers(accelerator, cfg, self.position.optimizer_steps if self.resumed_from else None)

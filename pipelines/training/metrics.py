@@ -26,6 +26,7 @@ import re
 import time
 
 from prunepipe.pipelines.config import RunConfig, latent_shard_notes, to_yaml
+from prunepipe.pipelines.data.description import DataDescription
 from prunepipe.pipelines.progress import pass_label
 from prunepipe.pipelines.training.trackers import log_record
 
@@ -34,12 +35,13 @@ SUPERSEDED_FILE = "metrics_superseded.jsonl"  # what a stopped process logged pa
 PASS_RECORDS = ("pass", "eval")  # written at a pass's end: again by a run resumed inside that pass
 
 
-def write_run_config(cfg: RunConfig) -> None:
-    """RUN/config.yaml as given (on the main process), and the settings latent shards leave unused, said once."""
+def write_run_config(cfg: RunConfig, data: DataDescription | None = None) -> None:
+    """RUN/config.yaml as given (on the main process), and the settings latent shards leave unused, said once
+    (from `data`, the run's data description, where given)."""
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
         f.write(to_yaml(cfg))
-    for note in latent_shard_notes(cfg):
+    for note in latent_shard_notes(cfg, data):
         print(f"prunepipe: note: {note}", flush=True)
 
 

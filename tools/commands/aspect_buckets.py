@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prunepipe.pipelines.data.shards import bucket_entries, bucket_name
+
 # diffusers' PixArt tables ({"h/w": [h, w]} of floats), imported where used (the pipeline module
 # imports transformers: seconds), never copied
 PIXART = "diffusers.pipelines.pixart_alpha"
@@ -35,10 +37,6 @@ METADATA_FIELD = "json"  # img2dataset's per-sample metadata (width, height, ori
 BUCKET_FIELD = "bucket.json"
 
 
-def bucket_name(height: int, width: int) -> str:
-    return f"{height}x{width}"
-
-
 @dataclass(frozen=True)
 class BucketTable:
     """(height, width) image sizes, in the table's order (a bucket's number is its place here)."""
@@ -55,10 +53,7 @@ class BucketTable:
     def index_entries(self, channels: int, factor: int) -> list[dict]:
         """index.json's `buckets`: each bucket's name, image size and latent shape for a VAE of
         `channels` latent channels and downsampling `factor`."""
-        return [
-            {"name": bucket_name(h, w), "image": [h, w], "shape": [channels, h // factor, w // factor]}
-            for h, w in self.sizes
-        ]
+        return bucket_entries(self.sizes, channels, factor)
 
     def describe(self) -> dict:
         """What index.json and the job's settings record of the table."""

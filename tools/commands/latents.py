@@ -37,18 +37,25 @@ from prunepipe.pipelines.data.decode import (
     LABEL_FIELDS,
     METADATA_FIELD,
     TEXT_FEATURES_FIELD,
-    TEXT_NULL_FILE,
     SampleDecoder,
     caption,
     image_pixels,
 )
 from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
 from prunepipe.pipelines.data.resize import resize_cover_crop
-from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardEntry, ShardIndex, read_shard
+from prunepipe.pipelines.data.shards import (
+    DEFAULT_RETRY,
+    TEXT_NULL_FILE,
+    BadInputError,
+    ShardEntry,
+    ShardIndex,
+    bucket_name,
+    read_shard,
+)
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder, vae_factor
 from prunepipe.pipelines.tasks.diffusion.text import TextCondition, TextEncoder, identity_key
-from prunepipe.tools.commands.aspect_buckets import BUCKET_FIELD, BucketTable, bucket_name, load_buckets
+from prunepipe.tools.commands.aspect_buckets import BUCKET_FIELD, BucketTable, load_buckets
 from prunepipe.tools.commands.shard_jobs import (
     WAIT_HOURS,
     Progress,

@@ -24,7 +24,6 @@ import shutil
 import diffusers
 from diffusers import AutoencoderKL, DDIMScheduler
 
-from prunepipe.pipelines.data.shards import ShardIndex
 from prunepipe.pipelines.data.side_tables import write_json
 from prunepipe.pipelines.tasks.diffusion.autoencoder import autoencoder_folder, load_autoencoder
 from prunepipe.pipelines.tasks.diffusion.stock_call import StockCall, stock_call
@@ -176,23 +175,23 @@ def _place_vae(task, out_dir: str, copy: bool) -> tuple[float, float, str, str]:
     if cfg.space == "pixel":
         return task.scaling_factor, 0.0, "", "pixel space"
     if cfg.space == "latents":
-        meta = ShardIndex.load(task.shards).meta if task.shards else {}
-        name, subfolder = meta.get("vae", ""), meta.get("subfolder", "")
-        if not name:
+        vae_record = task.records.vae
+        if vae_record is None:
             return (
                 task.scaling_factor or 0.0,
                 0.0,
                 "",
                 ("the latent shards' index.json names no VAE (pass vae= to sample())"),
             )
+        name, subfolder = vae_record.name, vae_record.subfolder
         try:  # its config alone: rank 0 exports while the other ranks wait at the end of training
             config = AutoencoderKL.load_config(
                 autoencoder_folder(name, subfolder, cfg.cache_dir), local_files_only=True
             )
         except (OSError, ValueError) as e:
             return task.scaling_factor or 0.0, 0.0, "", f"the latent shards' vae {name!r}: {str(e).splitlines()[0]}"
-        scale = task.scaling_factor or float(meta.get("scaling_factor") or config["scaling_factor"])
-        shift = float(meta.get("shift_factor") or config.get("shift_factor") or 0.0)
+        scale = task.scaling_factor or float(vae_record.scaling_factor or config["scaling_factor"])
+        shift = float(vae_record.shift_factor or config.get("shift_factor") or 0.0)
     else:
         name, subfolder, config = cfg.vae, cfg.vae_subfolder, task.autoencoder.config
         scale, shift = task.scaling_factor, task.shift_factor

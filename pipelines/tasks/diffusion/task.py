@@ -1,31 +1,31 @@
-"""The latent-diffusion task: a diffusers UNet2DModel or DiTTransformer2DModel (dit.py), or for text
-conditioning a PixArtTransformer2DModel reading a frozen text encoder's features (pixart.py,
-pipelines/tasks/diffusion/text.py), trained with DDPMScheduler (epsilon or v) or flow matching (flow.py), in pixel
+"""The latent-diffusion task: a backbone by name (backbones.py: a diffusers UNet2DModel, a DiT, or for text
+conditioning a PixArtTransformer2DModel reading a frozen text encoder's features, text.py), trained with DDPMScheduler (epsilon or v) or flow matching (flow.py), in pixel
 space, on precomputed latents, or on latents of a frozen AutoencoderKL (autoencoder.py); a per-sample
 loss and a low-variance held-out loss. The export is export.py's; sampling an export, from_export.py's.
 Any size: every batch is trained and evaluated at its own height and width (aspect-ratio buckets, one
 bucket a batch), which the bucket table of the train split lists and the task checks against the
 backbone at build; sampling stays at the square base size, `sample_size`.
-Nothing here knows about shards, pruners, optimizers or torch.distributed; it never downloads.
+Nothing here knows about shards, pruners, optimizers or torch.distributed: the train split comes as its
+records (pipelines/data/description.py), never as a path; it never downloads.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import numpy as np
 import torch
 import torch.nn as nn
-from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler, UNet2DModel
+from diffusers import AutoencoderKL, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
 from prunepipe.pipelines.data.batch import real_samples
-from prunepipe.pipelines.data.shards import ShardIndex, index_file
+from prunepipe.pipelines.data.description import SplitRecords
 from prunepipe.pipelines.tasks.diffusion.autoencoder import load_autoencoder, vae_factor
+from prunepipe.pipelines.tasks.diffusion.backbones import BackboneInput, build_backbone
 from prunepipe.pipelines.tasks.diffusion.config import DiffusionConfig, check_config
-from prunepipe.pipelines.tasks.diffusion.dit import build_dit, dit_shape
+from prunepipe.pipelines.tasks.diffusion.dit import dit_shape
 from prunepipe.pipelines.tasks.diffusion.flow import HELD_OUT_S, draw_s, interpolate, s_stratum
-from prunepipe.pipelines.tasks.diffusion.pixart import SizeConditions, build_text_dit
+from prunepipe.pipelines.tasks.diffusion.pixart import SizeConditions
 from prunepipe.pipelines.tasks.diffusion.sampler import Condition, predict, sampling_scheduler
 from prunepipe.pipelines.tasks.diffusion.text import (
     PrecomputedText,
@@ -33,6 +33,7 @@ from prunepipe.pipelines.tasks.diffusion.text import (
     TextEncoder,
     caption_dropped,
     identity_key,
+    load_text_encoder,
 )
 from prunepipe.pipelines.tasks.diffusion.timesteps import LossSecondMomentSampler
 from prunepipe.pipelines.tasks.protocol import TextReading
@@ -43,78 +44,27 @@ from prunepipe.pipelines.tasks.wrappers import unwrap
 HELD_OUT_TIMESTEPS = 10
 
 
-def precomputed_text(cfg: DiffusionConfig, shards: str, meta: dict | None = None) -> PrecomputedText:
-    """The text features stored with the shards at `shards` (`meta`: their index.json's keys, where read
-    already), checked against the config."""
-    if not shards:
-        raise ValueError("ldm.text.features=precomputed reads the features stored with the train shards (data.train)")
-    text = PrecomputedText(shards, meta)
-    if cfg.text.tokenizer:
-        raise ValueError(
-            f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.features=precomputed the shards "
-            f"hold features; no tokenizer runs"
-        )
-    if cfg.text.max_length != text.max_length:
-        raise ValueError(
-            f"ldm.text.max_length={cfg.text.max_length}, but {text.index_path} holds features of up to "
-            f"{text.max_length} tokens (`latents encode --text-max-length`): set "
-            f"ldm.text.max_length={text.max_length}"
-        )
-    return text
-
-
 class DiffusionTask:
     """What the training loop needs from latent diffusion: the model, a per-sample loss, evaluation and export."""
 
-    def __init__(
-        self,
-        cfg: DiffusionConfig,
-        *,
-        image_size: int,
-        channels: int,
-        shards: str = "",
-        buckets: list[dict] | None = None,
-        train_meta: dict | None = None,
-    ):
+    def __init__(self, cfg: DiffusionConfig, *, image_size: int, channels: int, records: SplitRecords | None = None):
         """`image_size` and `channels` describe the decoded images. With ldm.space=latents the
         shards hold latents: set cfg.sample_size and cfg.in_channels to their shape (index.json
-        records `latent_shape`), or pass that shape here. `shards` is the train split: its index.json
-        holds the text features (ldm.text.features=precomputed) and names the VAE of its latents.
-        `buckets`: the train split's aspect-ratio buckets as index.json lists them ({"name", "image",
-        "shape"} each; a mixture's merged table), None = those of `shards`' index.json, if any; each is
-        checked against the backbone here, and kept as `bucket_table`. `train_meta`: the train split's
-        index.json keys where the caller has read them (the loop's mixture), None = read from `shards`."""
+        records `latent_shape`), or pass that shape here. `records`: what the train split's index.json
+        records (pipelines/data/description.py): its aspect-ratio buckets ({"name", "image", "shape"}
+        each; a mixture's merged table), each checked against the backbone here and kept as
+        `bucket_table`; the text features (ldm.text.features=precomputed); the VAE of its latents."""
         self.cfg = cfg
-        self._given_meta = train_meta
-        self.shards = shards
+        self.records = records if records is not None else SplitRecords()
         self.conditioning = check_config(cfg)
         self.timestep_sampler = (
             LossSecondMomentSampler(cfg.num_train_timesteps)
             if cfg.ddpm.timestep_sampling == "loss_second_moment"
             else None
         )
-
-        # ---------------------------------------------------------------- the space we denoise in
         self.autoencoder: AutoencoderKL | None = None
         self.shift_factor = 0.0
-        if cfg.space == "pixel":
-            size, latent_channels = image_size, channels
-            self.scaling_factor = cfg.scaling_factor or 1.0
-        elif cfg.space == "latents":
-            # the shards already hold (z - shift) * scale; the factor is only needed to decode samples
-            size, latent_channels = image_size, channels
-            self.scaling_factor = cfg.scaling_factor or None
-        else:
-            vae = self.autoencoder = load_autoencoder(cfg.vae, cfg.vae_subfolder, cfg.cache_dir)
-            if vae.config.in_channels != channels:
-                raise ValueError(
-                    f"ldm.vae={cfg.vae!r} encodes {vae.config.in_channels}-channel "
-                    f"images but the data decodes to {channels} channels (data.channels)"
-                )
-            size = image_size // vae_factor(vae)
-            latent_channels = vae.config.latent_channels
-            self.scaling_factor = cfg.scaling_factor or float(vae.config.scaling_factor)
-            self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        size, latent_channels = self._denoised_space(image_size, channels)
         # the base size: the square the model is built at, samples for FID and the export are drawn at
         self.sample_size = cfg.sample_size or size
         self.in_channels = cfg.in_channels or latent_channels
@@ -125,90 +75,56 @@ class DiffusionTask:
                 f"(2 ** (len(ldm.unet.block_out_channels) - 1))"
             )
         # ---------------------------------------------------------------- sizes: buckets, image pixels
-        meta = self._train_meta()
-        self.bucket_table: list[dict] = list(meta.get("buckets", []) if buckets is None else buckets)
+        self.bucket_table: list[dict] = list(self.records.buckets)
         # image pixels per pixel of the model's input: 1 in pixel space, the VAE's downsampling otherwise
-        self.downsampling = self._downsampling(meta)
+        self.downsampling = self._downsampling()
         # latent (h, w) -> the image (H, W) its bucket lists: a batch's image size (size conditions)
         self.bucket_sizes = self._check_buckets()
-        self.size_conditions = None
-        if cfg.dit.size_conditions:
-            if self.downsampling is None:
-                raise ValueError(
-                    f"ldm.dit.size_conditions embeds each batch's image size, but the latent shards at "
-                    f"{shards or '(none given)'} record neither the resolution they were encoded at nor "
-                    f"their buckets' image sizes (index.json's resolution, latent_shape, buckets)"
-                )
-            self.size_conditions = SizeConditions(self.downsampling, self.bucket_sizes)
-
+        self.size_conditions = self._size_conditions()
         # ---------------------------------------------------------------- model and schedule
-        self.text_encoder: TextEncoder | PrecomputedText | None = None
-        if self.conditioning == "text" and cfg.text.features == "precomputed":
-            self.text_encoder = precomputed_text(cfg, shards, self._given_meta)
-        elif self.conditioning == "text":
-            self.text_encoder = TextEncoder(
-                cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length, dtype=cfg.text.dtype
-            )
-        self.model = (
-            build_text_dit(
-                cfg.dit.preset,
-                sample_size=self.sample_size,
-                in_channels=self.in_channels,
-                caption_channels=self.text_encoder.hidden_size,
-                depth=cfg.dit.depth,
-                width=cfg.dit.width,
-                heads=cfg.dit.heads,
-                patch_size=cfg.dit.patch_size,
-                size_conditions=cfg.dit.size_conditions,
-            )
-            if self.text_encoder is not None
-            else build_dit(
-                cfg.dit.preset,
-                sample_size=self.sample_size,
-                in_channels=self.in_channels,
-                num_classes=cfg.num_classes,
-                depth=cfg.dit.depth,
-                width=cfg.dit.width,
-                heads=cfg.dit.heads,
-                patch_size=cfg.dit.patch_size,
-            )
-            if cfg.backbone == "dit"
-            else UNet2DModel(
-                sample_size=self.sample_size,
-                in_channels=self.in_channels,
-                out_channels=self.in_channels,
-                block_out_channels=tuple(cfg.unet.block_out_channels),
-                layers_per_block=cfg.unet.layers_per_block,
-                down_block_types=tuple(cfg.unet.down_block_types),
-                up_block_types=tuple(cfg.unet.up_block_types),
-                norm_num_groups=cfg.unet.norm_num_groups,
-                num_class_embeds=cfg.num_classes + 1 if cfg.num_classes else None,  # +1: the null class
-            )
+        self.text_encoder: TextEncoder | PrecomputedText | None = (
+            load_text_encoder(cfg, self.records) if self.conditioning == "text" else None
         )
-        # flow: the scheduler only records how to sample (timestep = s * T, as in training)
-        self.scheduler = (
-            FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps)
-            if cfg.objective == "flow"
-            else DDPMScheduler(
-                num_train_timesteps=cfg.num_train_timesteps,
-                beta_schedule=cfg.ddpm.beta_schedule,
-                prediction_type=cfg.ddpm.prediction_type,
-                # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
-                clip_sample=cfg.space == "pixel",
-            )
+        width = self.text_encoder.hidden_size if self.text_encoder is not None else 0
+        self.model = build_backbone(
+            cfg, BackboneInput(self.sample_size, self.in_channels, width), self.text_encoder is not None
         )
+        self.scheduler = training_scheduler(cfg)
 
-    # ---------------------------------------------------------------- sizes
-    def _train_meta(self) -> dict:
-        """The train split's index.json keys (resolution, latent_shape, buckets where bucketed, ...), {}
-        without one here."""
-        if self._given_meta is not None:
-            return dict(self._given_meta)
-        if not self.shards or not os.path.exists(index_file(self.shards)):
-            return {}
-        return dict(ShardIndex.load(self.shards).meta)
+    def _denoised_space(self, image_size: int, channels: int) -> tuple[int, int]:
+        """(side, channels) of what is denoised: the images themselves in pixel space and on precomputed
+        latents, else the latents of the VAE loaded here; sets the scaling (and shift) factor."""
+        cfg = self.cfg
+        if cfg.space == "pixel":
+            self.scaling_factor = cfg.scaling_factor or 1.0
+            return image_size, channels
+        if cfg.space == "latents":
+            # the shards already hold (z - shift) * scale; the factor is only needed to decode samples
+            self.scaling_factor = cfg.scaling_factor or None
+            return image_size, channels
+        vae = self.autoencoder = load_autoencoder(cfg.vae, cfg.vae_subfolder, cfg.cache_dir)
+        if vae.config.in_channels != channels:
+            raise ValueError(
+                f"ldm.vae={cfg.vae!r} encodes {vae.config.in_channels}-channel "
+                f"images but the data decodes to {channels} channels (data.channels)"
+            )
+        self.scaling_factor = cfg.scaling_factor or float(vae.config.scaling_factor)
+        self.shift_factor = float(getattr(vae.config, "shift_factor", None) or 0.0)
+        return image_size // vae_factor(vae), vae.config.latent_channels
 
-    def _downsampling(self, meta: dict) -> int | None:
+    def _size_conditions(self) -> SizeConditions | None:
+        """PixArt's size conditions of each bucket's image size (ldm.dit.size_conditions), or None."""
+        if not self.cfg.dit.size_conditions:
+            return None
+        if self.downsampling is None:
+            raise ValueError(
+                f"ldm.dit.size_conditions embeds each batch's image size, but the latent shards at "
+                f"{self.records.index_path or '(none given)'} record neither the resolution they were encoded "
+                f"at nor their buckets' image sizes (index.json's resolution, latent_shape, buckets)"
+            )
+        return SizeConditions(self.downsampling, self.bucket_sizes)
+
+    def _downsampling(self) -> int | None:
         """Image pixels per pixel of the model's input: 1 in pixel space, the VAE's factor (space=vae), or
         for precomputed latents index.json's resolution over its latent side (else a bucket's image over
         its latent); None where the latent shards record neither."""
@@ -217,9 +133,9 @@ class DiffusionTask:
             return 1
         if cfg.space == "vae":
             return vae_factor(self.autoencoder)
-        shape, resolution = meta.get("latent_shape"), meta.get("resolution")
-        if shape and isinstance(resolution, int) and resolution % int(shape[-1]) == 0:
-            return resolution // int(shape[-1])
+        shape, resolution = self.records.latent_shape, self.records.resolution
+        if shape and resolution is not None and resolution % shape[-1] == 0:
+            return resolution // shape[-1]
         for bucket in self.bucket_table:
             image, stored = bucket.get("image"), bucket["shape"]
             if image and int(image[-1]) % int(stored[-1]) == 0:
@@ -508,3 +424,16 @@ class DiffusionTask:
 def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[B] float32 MSE over all non-batch dims."""
     return (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+
+
+def training_scheduler(cfg: DiffusionConfig) -> DDPMScheduler | FlowMatchEulerDiscreteScheduler:
+    """The noise schedule trained with; for flow it only records how to sample (timestep = s * T, as in training)."""
+    if cfg.objective == "flow":
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=cfg.num_train_timesteps)
+    return DDPMScheduler(
+        num_train_timesteps=cfg.num_train_timesteps,
+        beta_schedule=cfg.ddpm.beta_schedule,
+        prediction_type=cfg.ddpm.prediction_type,
+        # x0 clipping to [-1, 1] suits pixels only; scaled latents are not bounded by 1
+        clip_sample=cfg.space == "pixel",
+    )

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prunepipe.pipelines.data.decode import TEXT_NULL_FILE
-from prunepipe.pipelines.data.shards import ShardIndex, index_file
+from prunepipe.pipelines.data.description import SplitRecords, TextFeatureRecord
 
 # config.model_type -> the transformers class holding the encoder alone (a T5 folder also has a decoder)
 ENCODER_CLASSES = {
@@ -288,21 +287,20 @@ class PrecomputedText:
     sample's real tokens (text.npy), the empty caption's (text_null.npy beside index.json), and the
     encoder's identity in index.json. Answers what TextEncoder answers, without the encoder."""
 
-    def __init__(self, folder: str, meta: dict | None = None):
-        """`meta`: the keys of `folder`'s index.json where the caller has read them already."""
-        index_path = index_file(folder)
-        meta = ShardIndex.load(folder).meta if meta is None else meta
-        if not isinstance(meta.get("text_encoder"), dict) or "text_width" not in meta:
+    def __init__(self, record: TextFeatureRecord | None, index_path: str = ""):
+        """`record`: the train split's text features as its index.json records them (None: it records
+        none, an error naming `index_path`)."""
+        if record is None:
             raise ValueError(
-                f"ldm.text.features=precomputed: {index_path} records no text features; write "
+                f"ldm.text.features=precomputed: {index_path or 'data.train'} records no text features; write "
                 f"them with `prunepipe latents encode ... --text-encoder PATH`, or set "
                 f"ldm.text.features=encoder and ldm.text.encoder to the encoder's folder to encode captions in the loop"
             )
-        self.index_path = index_path
-        self.info = dict(meta["text_encoder"])
-        self.width = int(meta["text_width"])
-        self.max_length = int(self.info["max_length"])
-        null_path = os.path.join(os.path.dirname(index_path), TEXT_NULL_FILE)
+        self.index_path = record.index_path
+        self.info = dict(record.encoder)
+        self.width = record.width
+        self.max_length = record.max_length
+        null_path = record.null_path
         try:
             self._null_tokens = np.load(null_path, allow_pickle=False)
         except OSError as e:
@@ -347,3 +345,24 @@ class PrecomputedText:
     def identity(self) -> dict:
         """The encoder that made the features, as TextEncoder.identity() recorded it at encoding time."""
         return dict(self.info)
+
+
+def load_text_encoder(cfg, records: SplitRecords) -> TextEncoder | PrecomputedText:
+    """What turns captions into features for a text-conditional task (`cfg` its ldm: section): the
+    encoder ldm.text names, or the features stored with the train split (`records`), checked against
+    the config."""
+    if cfg.text.features != "precomputed":
+        return TextEncoder(cfg.text.encoder, cfg.text.tokenizer, cfg.text.max_length, dtype=cfg.text.dtype)
+    text = PrecomputedText(records.text_features, records.index_path)
+    if cfg.text.tokenizer:
+        raise ValueError(
+            f"ldm.text.tokenizer={cfg.text.tokenizer!r}: with ldm.text.features=precomputed the shards "
+            f"hold features; no tokenizer runs"
+        )
+    if cfg.text.max_length != text.max_length:
+        raise ValueError(
+            f"ldm.text.max_length={cfg.text.max_length}, but {text.index_path} holds features of up to "
+            f"{text.max_length} tokens (`latents encode --text-max-length`): set "
+            f"ldm.text.max_length={text.max_length}"
+        )
+    return text
