@@ -350,3 +350,20 @@ def test_the_code_is_as_the_formatter_writes_it():
     for command in ([ruff, "format", "--check", "--quiet", "."], [ruff, "check", "--quiet", "."]):
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, f"{' '.join(command[1:])}: run `make format`\n{done.stdout}{done.stderr}"
+
+
+def test_design_pruner_contract_names_the_base_class_methods():
+    """docs/design.md's "Pruners" block lists the contract: every public method of `Pruner` that the loop
+    and the stream call is named there, and every name there exists on `Pruner`."""
+    import re as _re
+
+    from prunepipe.pruning.base import Pruner
+
+    with open(DESIGN) as f:
+        text = f.read()
+    block = text[text.index("class Pruner:") :]
+    block = block[: block.index("```")]
+    named = set(_re.findall(r"def (\w+)\(", block)) | set(_re.findall(r"^\s+(\w+): ", block, flags=_re.M))
+    called = {"plan", "weights", "update", "on_step", "stats", "state_dict", "load_state_dict", "frozen_plan"}
+    assert called <= named, f"docs/design.md's pruner contract leaves out {sorted(called - named)}"
+    assert all(hasattr(Pruner, name) for name in named), [n for n in named if not hasattr(Pruner, n)]
