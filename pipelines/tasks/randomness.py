@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from prunepipe.pruning.splitmix import GAMMA_I64, MASK64, mix64_i64, shift_right_i64, signed, stream_key
+from prunepipe.pruning.splitmix import GAMMA_I64, mix64_i64, shift_right_i64, signed, stream_key
 
 _UNIFORM_BITS = 24  # a float32 mantissa holds 24 bits exactly: every uniform is k / 2**24 < 1
 

@@ -12,6 +12,7 @@ Usage: python -m prunepipe.tools.benchmarks.rehearse_cluster [--work DIR]   (exi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
