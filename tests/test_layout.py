@@ -290,6 +290,13 @@ def test_the_loop_asks_of_a_task_only_what_the_task_protocol_declares_and_both_t
         assert isinstance(task, Task), type(task).__name__
 
 
+def test_the_loop_reads_in_one_sitting():
+    # the loop is the file everyone reads first: what it sets up and accounts lives in the modules that own it
+    with open(os.path.join(ROOT, "pipelines", "training", "loop.py")) as f:
+        lines = f.read().count("\n")
+    assert lines < 320, f"pipelines/training/loop.py has {lines} lines; move setup or accounting to its owner"
+
+
 def test_the_layout_map_of_docs_design_names_every_module_and_only_modules_that_exist():
     """The map in docs/design.md ("## Layout") is the reader's way in: every module of the four folders
     is named in it (its file name under its folder's line), and every file it names exists there."""

@@ -192,9 +192,13 @@ def _gathered_entries(accelerator, entries: dict) -> dict:
 def _seal(tmp: str, final: str, step: int, known: dict) -> None:
     """Manifest last, then the rename that makes the checkpoint visible."""
     write_manifest(tmp, step, known)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if os.path.exists(final):  # the same step again, after its pass's end: the older copy goes once replaced
+        aside = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}replaced-{os.path.basename(final)}")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, final)
     _fsync_dir(os.path.dirname(final))
 
 

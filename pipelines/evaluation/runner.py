@@ -33,7 +33,7 @@ from prunepipe.pipelines.evaluation.needs import plan_evaluation
 from prunepipe.pipelines.evaluation.precision import forward_precision, without_autocast_wrappers
 from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, record_path, write_record
 from prunepipe.pipelines.evaluation.replication import save_pairs_picture
-from prunepipe.pipelines.progress import position_label
+from prunepipe.pipelines.progress import pass_label, position_label
 from prunepipe.pipelines.ranks import (
     counts_by_rank,
     decided_on_rank0,
@@ -436,6 +436,12 @@ class Evaluator:
         return folder
 
     # ------------------------------------------------------------------ entry point
+    def after_pass(self, task: Task, model: nn.Module, summary: dict, num_passes: int) -> dict:
+        """`evaluate` at the end of the pass `summary` records, the record saying where in the run it is."""
+        at = {key: summary[key] for key in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")}
+        at["pass"] = f"after {pass_label(summary['pass_index'], num_passes)}"
+        return self.evaluate(task, model, at=at)
+
     def evaluate(self, task: Task, model: nn.Module, *, at: dict | None = None, write: bool = True) -> dict:
         """Metrics of `model` (the weights to evaluate: see `weights_for_eval`) at `eval.precision`.
         Every rank calls this and evaluates its share; every rank returns the same record, which rank

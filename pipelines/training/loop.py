@@ -10,7 +10,6 @@ step late, `end_pass` the pass's record. Every rank runs the same collectives in
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -24,23 +23,22 @@ from prunepipe.pipelines.checkpoint.store import save_checkpoint
 from prunepipe.pipelines.config import RunConfig, check_data, pruner_hparams
 from prunepipe.pipelines.data.workers import agreed_loader_workers
 from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
-from prunepipe.pipelines.progress import EveryFewSeconds, pass_bar, pass_label
+from prunepipe.pipelines.progress import EveryFewSeconds, pass_bar
 from prunepipe.pipelines.ranks import on_every_rank
 from prunepipe.pipelines.tasks.build import build_task
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
-from prunepipe.pipelines.trained import export_run
 from prunepipe.pipelines.training.accumulation import GradientAccumulation
 from prunepipe.pipelines.training.bad_input import BadInputTally
 from prunepipe.pipelines.training.buckets import BucketTally
 from prunepipe.pipelines.training.data import load_held_out, train_stream
 from prunepipe.pipelines.training.deferred import DeferredRecords, StepRecord, to_host
 from prunepipe.pipelines.training.device import DeviceWaitCheck, prepare_model, start_accelerator
-from prunepipe.pipelines.training.ema import EMASettings, PassProgressEMA, with_ema_weights
+from prunepipe.pipelines.training.ema import EMASettings, PassProgressEMA
 from prunepipe.pipelines.training.groups import use_configured_groups
 from prunepipe.pipelines.training.metrics import format_pass, open_metrics, write_run_config
 from prunepipe.pipelines.training.node_tables import NodeTables, node_place
 from prunepipe.pipelines.training.nonfinite import NonFiniteLossError, nonfinite_to_skip, report_nonfinite  # noqa: F401
-from prunepipe.pipelines.training.passes import begin_pass, pass_summary, with_accounting
+from prunepipe.pipelines.training.passes import begin_pass, open_pass, pass_summary, with_accounting
 from prunepipe.pipelines.training.previews import Previews
 from prunepipe.pipelines.training.resume import agree_on_text, resume_or_start
 from prunepipe.pipelines.training.schedule import learning_rate, pass_progress, with_peak_learning_rate
@@ -126,7 +124,7 @@ class Trainer:
         self.accumulation = GradientAccumulation(accelerator, self.model, cfg.optim.grad_accum, self.parallel)
         # decoding beside the step; one count for the whole job, since it shapes every rank's pass layout
         self.workers = agreed_loader_workers(cfg.data.num_workers, device_type=self.device.type)
-        self.last_saved = self.position.optimizer_steps if self.resumed_from else -1
+        self.last_saved = self.saved_at() if self.resumed_from else None
         self.stopped = False  # max_steps reached
         self.bad_input = BadInputTally(cfg)
         self.device_waits = DeviceWaitCheck(cfg.debug_device_sync, self.device)
@@ -143,10 +141,10 @@ class Trainer:
                 break
             summary = self.end_pass(plan, layout)
         self.stream.close()  # the loader workers, kept from pass to pass
-        if position.optimizer_steps != self.last_saved:
+        if self.saved_at() != self.last_saved:  # a checkpoint at a pass's last step predates its end
             self.save()
         if position.pass_index >= cfg.num_passes:
-            self.export()
+            self.parallel.export(self.task, self.ema, cfg.run_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         return summary
@@ -159,15 +157,8 @@ class Trainer:
         plan = begin_pass(position, self.pruner, self.stream, self.world, self.workers)
         if self.debug is not None:
             self.debug.begin_pass(plan, self.pruner)
-        loader = self.stream.pass_loader(
-            pass_index,
-            plan,
-            num_workers=self.workers,
-            skip_batches=position.batch_in_pass,
-            skip_undecodable=self.bad_input.begin_pass(
-                position, self.rank, self.world, self.workers, buckets=self.stream.num_buckets
-            ),
-            pin_memory=self.device.type == "cuda",
+        loader = open_pass(
+            self.stream, plan, position, self.bad_input, self.rank, self.world, self.workers, self.device
         )
         total = loader.layout.steps
         self.pass_start, self.pass_losses = time.perf_counter(), []
@@ -295,9 +286,9 @@ class Trainer:
         if self.is_main and self.pass_lines.due(force=pass_index + 1 == cfg.num_passes):
             print(format_pass(summary, cfg.num_passes), flush=True)
         if self.evaluator is not None and (pass_index + 1) % cfg.eval.every_passes == 0:  # outside the pass timer
-            at = {k: summary[k] for k in ("pass_index", "optimizer_steps", "samples_forwarded", "wall_seconds")}
-            at["pass"] = f"after {pass_label(pass_index, cfg.num_passes)}"
-            self.metrics.write(self.evaluator.evaluate(self.task, self.evaluated(cfg.eval.weights), at=at))
+            self.metrics.write(
+                self.evaluator.after_pass(self.task, self.evaluated(cfg.eval.weights), summary, cfg.num_passes)
+            )
         position.pass_index += 1
         position.batch_in_pass, position.pass_offset, position.excluded, position.undecodable = 0, 0.0, None, None
         return summary
@@ -321,13 +312,7 @@ class Trainer:
         """A checkpoint at the current step: every rank writes its shards, rank 0 seals it."""
         step = self.position.optimizer_steps
         save_checkpoint(self.accelerator, self.cfg.run_dir, step, self.cfg.checkpoint.keep, self.parts, self.state)
-        self.last_saved = step
+        self.last_saved = self.saved_at()
 
-    def export(self) -> None:
-        """The trained model's export (RUN/export): from the model in memory, or under fsdp, whose ranks
-        each hold a shard, from the checkpoint just saved, read whole on rank 0 (what `prunepipe export` does)."""
-        out = os.path.join(self.cfg.run_dir, "export")
-        if self.is_main and self.parallel.sharded:
-            export_run(self.cfg.run_dir, out=out)
-        elif self.is_main:
-            self.task.export(self.bare, with_ema_weights(self.bare, self.ema), out)
+    def saved_at(self) -> tuple[int, int]:
+        return self.position.optimizer_steps, self.position.pass_index

@@ -19,6 +19,7 @@ under ddp, and drops it: 4 bytes a parameter for the evaluation's length, one al
 from __future__ import annotations
 
 import copy
+import os
 from contextlib import nullcontext
 
 import torch
@@ -26,6 +27,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from prunepipe.pipelines.trained import export_run
+from prunepipe.pipelines.training.ema import with_ema_weights
 
 # where each model keeps its repeated blocks, in forward order: DiT / PixArt, the MAE encoder and
 # decoder, the UNet
@@ -155,3 +159,15 @@ class ModelParallel:
         if left or unexpected:
             raise RuntimeError(f"whole model: parameters not gathered {left}, unknown {unexpected}")
         return whole.to(next(iter(full.values())).device).eval().requires_grad_(False)
+
+    def export(self, task, ema, run_dir: str) -> None:
+        """The trained model's export (RUN/export), written by rank 0: from the model in memory, or under
+        fsdp, whose ranks each hold a shard, from the checkpoint just saved, read whole (as `prunepipe export`)."""
+        out = os.path.join(run_dir, "export")
+        if not self.accelerator.is_main_process:
+            return
+        if self.sharded:
+            export_run(run_dir, out=out)
+            return
+        bare = self.accelerator.unwrap_model(self.model)
+        task.export(bare, with_ema_weights(bare, ema), out)

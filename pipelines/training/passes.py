@@ -54,6 +54,29 @@ def begin_pass(position: TrainingPosition, pruner, stream: ShardStream, world: i
     return plan
 
 
+def open_pass(
+    stream: ShardStream,
+    plan: PassPlan,
+    position: TrainingPosition,
+    bad_input,
+    rank: int,
+    world: int,
+    workers: int,
+    device,
+):
+    """This rank's loader for the pass under `plan`: past the batches already trained, and past the samples
+    found undecodable in them before (they are counted once)."""
+    skip_undecodable = bad_input.begin_pass(position, rank, world, workers, buckets=stream.num_buckets)
+    return stream.pass_loader(
+        position.pass_index,
+        plan,
+        num_workers=workers,
+        skip_batches=position.batch_in_pass,
+        skip_undecodable=skip_undecodable,
+        pin_memory=device.type == "cuda",  # pinned host memory lets the copy to the GPU overlap the step
+    )
+
+
 def pass_summary(
     cfg: RunConfig, task, model, pruner, plan: PassPlan, layout, position: TrainingPosition, held_out, pass_losses
 ) -> dict:
