@@ -153,7 +153,7 @@ MAKE_COPY = {
     "near": near_duplicate,
     "crop": slightly_cropped,
 }
-# Heavy-tailed copy counts follow Zipf's law of rank with this exponent (docs/data.md): with 1 the
+# Heavy-tailed copy counts follow Zipf's law of rank with this exponent (docs/shard-tools.md): with 1 the
 # share of copies falls as 1/rank, and the count of originals copied at least n times as 1/n.
 ZIPF_EXPONENT = 1.0
 # A copy's key: ORIGINAL_dupNNNNN (near), ORIGINAL_dupexactNNNNN, _dupjpeg, _dupcrop; in val_mix `_heldoutdup...`.
