@@ -118,8 +118,8 @@ class InitConfig:
     """A new run started from another run's weights (a stage: 256 px, then 512 from its weights, as
     PixArt-alpha trains): the live weights and the EMA are loaded, nothing else; the optimizer, the
     schedule, the pruner's scores and the data position are the new run's (pipelines/training/init_weights.py).
-    The issue asks for `init.from`, but `from` is a Python keyword and cannot be a dataclass field that
-    OmegaConf maps, so the key is `init.weights`: what it names is where the weights come from."""
+    The key is `init.weights`, not `init.from`: `from` is a Python keyword and cannot be a dataclass field
+    that OmegaConf maps; what it names is where the weights come from."""
 
     weights: str = ""  # "" (a fresh model) | a RUN folder (its newest intact checkpoint) | a CHECKPOINT | an EXPORT
     strict: bool = True  # false: load the tensors that match, name the ones skipped, start those afresh

@@ -1,5 +1,5 @@
-"""`Random`: keep each sample with probability `keep`, weight 1/keep (the baseline InfoBatch's
-reviewers asked for). Scores are ignored; the coin of (seed, pass_index, id) is the only input.
+"""`Random`: keep each sample with probability `keep`, weight 1/keep (the baseline that tells
+selection from mere subsampling). Scores are ignored; the coin of (seed, pass_index, id) is the only input.
 """
 
 from __future__ import annotations

@@ -150,8 +150,8 @@ def test_the_held_out_loss_reads_batches_of_several_shapes_with_noise_fixed_at_e
 # ----------------------------------------------------------------------------- sampling at the base size
 def test_sampling_at_the_base_size_draws_what_diffusers_own_models_draw(encoder):
     """The DiT's forward is ours (diffusers' unpatchifies every input as a square) and the PixArt
-    transformer now names its interpolation scale: at the base size both compute exactly what the
-    diffusers models built as before compute, so sampling is unchanged."""
+    transformer names its interpolation scale: at the base size both compute exactly what diffusers'
+    own models compute, so sampling is unchanged."""
     task = make_task("class")
     stock = DiffusersDiT(**{k: v for k, v in task.model.config.items() if not k.startswith("_")})
     stock.load_state_dict(task.model.state_dict())

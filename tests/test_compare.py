@@ -207,7 +207,7 @@ def test_compare_of_weights_that_were_not_evaluated_names_what_to_run(tiny_runs,
 
 
 def test_an_evaluated_run_is_never_judged_against_an_unevaluated_ones_training_log(seeds, tmp_path, capsys):
-    # the case: Full never evaluated (its log's last held-out), the pruned run evaluated; the log
+    # Full never evaluated (its log's last held-out), the pruned run evaluated; the log
     # reads other samples with other weights, so the gap between the two is no verdict
     full = fake_run(tmp_path, "full_logged", "full", 0, {}, [0.5, 0.3, 0.2, 0.15], evaluated=False)
     pruned = fake_run(tmp_path, "ib", "infobatch", 0, {"masked_mse": 0.13}, [0.5, 0.31, 0.21, 0.16], kept=0.7)

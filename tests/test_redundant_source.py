@@ -1,7 +1,7 @@
 """The redundant source closer to web data (tools/commands/sources.py:redundant_splits): heavy-tailed copy
 counts that still sum to the stated fraction, exact, re-encoded, near and cropped copies made as
 named, keys that lead every copy to its original, val_mix and train_dedup by the same rules, flags
-that name themselves when wrong, and the first version's set unchanged by default."""
+that name themselves when wrong, and the default set unchanged, bit for bit."""
 
 from __future__ import annotations
 

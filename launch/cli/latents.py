@@ -51,7 +51,7 @@ def add_commands(sub, argv: list[str]) -> None:
         metavar="NAME|FILE",
         help="cut each image to its nearest aspect-ratio bucket, not the square: diffusers' PixArt table "
         "pixart256|pixart512|pixart1024|pixart2048 (or 256|512|1024|2048), or a file of sizes (HxW a line, or a "
-        "JSON list of [h, w]); one tar per bucket of each shard, its latents [C, H/f, W/f] (docs/data.md)",
+        "JSON list of [h, w]); one tar per bucket of each shard, its latents [C, H/f, W/f] (docs/buckets.md)",
     )
     add_job_arguments(
         encode,

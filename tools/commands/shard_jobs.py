@@ -399,7 +399,7 @@ class ShardJob:
         whose store fails after its retries (an http 404, a bucket that answers 503 for minutes) is set
         aside and tried once more after the others, so one unreadable shard costs this rank that shard, not
         the rest of its share; what fails again stays unsealed, for `finish` to report once the rest is
-        done. Bad data (and every other error) stops the job as before: it is the same on a second try."""
+        done. Bad data (and every other error) stops the job at once: it is the same on a second try."""
         set_aside = []
         for shard in todo:
             reason = self._attempt(make, shard, outputs[shard])

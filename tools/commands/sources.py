@@ -153,7 +153,7 @@ MAKE_COPY = {
     "near": near_duplicate,
     "crop": slightly_cropped,
 }
-# Heavy-tailed copy counts follow Zipf's law of rank with this exponent (docs/data.md): with 1 the
+# Heavy-tailed copy counts follow Zipf's law of rank with this exponent (docs/shard-tools.md): with 1 the
 # share of copies falls as 1/rank, and the count of originals copied at least n times as 1/n.
 ZIPF_EXPONENT = 1.0
 # A copy's key: ORIGINAL_dupNNNNN (near), ORIGINAL_dupexactNNNNN, _dupjpeg, _dupcrop; in val_mix `_heldoutdup...`.
@@ -257,8 +257,8 @@ def redundant_splits(
     `copy_kinds`: the share of copies of each kind (default all "near"): "exact" (identical pixels),
     "jpeg" (re-encoded at a random quality), "near" (moved by up to 2 px and recoloured), "crop"
     (trimmed by 5-15% and recoloured). A copy's key names its original and its kind (copy_key).
-    Labels are the photograph, as for `photos`. The defaults give the set of the first versions,
-    bit for bit: heavy counts draw nothing, and the kinds are drawn by a generator of their own."""
+    Labels are the photograph, as for `photos`. The defaults give one fixed set,
+    bit for bit (its digest is pinned by a test): heavy counts draw nothing, and the kinds are drawn by a generator of their own."""
     if not 0.0 <= fraction < 1.0 or originals < 1:
         raise ValueError(f"redundant: need 0 <= fraction < 1 and originals >= 1, got {fraction}, {originals}")
     if copy_counts not in COPY_COUNTS:

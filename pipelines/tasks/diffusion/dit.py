@@ -82,7 +82,7 @@ class DiTTransformer2DModel(diffusers.DiTTransformer2DModel):
 
     The same name as diffusers' class on purpose: save_pretrained writes it into config.json, an
     export's model_index.json names it, and init.weights compares it, so an export loads in diffusers
-    (DiTPipeline, DiTTransformer2DModel.from_pretrained: square inputs there) as before."""
+    (DiTPipeline, DiTTransformer2DModel.from_pretrained: square inputs there)."""
 
     def called_outside_their_block(self) -> list[nn.Module]:
         """Modules the forward calls from outside the block that holds them: the final layer's modulation
