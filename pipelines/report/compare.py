@@ -139,7 +139,7 @@ def equal_passes(baselines: list[RunSummary], pruned: RunSummary, given: dict, k
 def frontier_references(fulls: list[RunSummary], pruned: RunSummary) -> dict[str, float]:
     """Per metric of `pruned`: Full of its seed at its samples forwarded, read off that seed's fitted
     Full frontier (`fulls`: Full runs of any schedule length), the one reading of equal compute;
-    metrics whose frontier does not reach that compute are left out."""
+    metrics whose seed has no Full run, or Full at one length only (no frontier), are left out."""
     found = {}
     for metric in PRIMARY_METRICS:
         if metric not in pruned.metrics:
@@ -158,7 +158,8 @@ def equal_compute(
     """The pruned run against full training of the same samples forwarded: its seed's Full frontier
     (`fulls`: the baseline, same-compute and frontier runs, fitted as pipelines/report/frontier.py
     fits them) read at that compute, so that equal compute and equal quality are one reading; where
-    no frontier reaches it, the baseline runs' own held-out curves read at that many samples."""
+    the seed has no frontier (Full at one length only), the baseline runs' own held-out curves read at
+    that many samples."""
     references = {m: [v] for m, v in frontier_references([r for r in fulls if r.pruner == "full"], pruned).items()}
     on_frontier = bool(references)
     if on_frontier:
