@@ -14,13 +14,22 @@ from prunepipe.pipelines.report.lossless import LOSSLESS_K
 from prunepipe.pruning import build_pruner
 from prunepipe.tools.benchmarks.lossless.report import write_markdown
 from prunepipe.tools.benchmarks.lossless.run import TaskPlan, TimedPruner, bench, equal_compute_spec
-from prunepipe.tools.benchmarks.lossless.verdicts import (
-    beats_equal_compute,
-    delta_in_std,
-    interpolate_frontier,
-    lossless,
-    summarise,
-)
+from prunepipe.tools.benchmarks.lossless.verdicts import delta_in_std, summarise
+
+
+def lossless(value, full_mean, full_std, lower):
+    """compare's equal-passes verdict at the benchmark's tolerance (LOSSLESS_K Full seed stds)."""
+    from prunepipe.pipelines.report.compare import judge
+
+    return judge("masked_mse" if lower else "probe_accuracy", full_mean, value, LOSSLESS_K * full_std)[1] == "lossless"
+
+
+def beats_equal_compute(value, reference, full_std, lower):
+    """compare's equal-compute verdict at the benchmark's tolerance."""
+    from prunepipe.pipelines.report.compare import judge_equal_compute
+
+    metric = "masked_mse" if lower else "probe_accuracy"
+    return judge_equal_compute(metric, reference, value, LOSSLESS_K * full_std)[1] == "beats equal compute"
 
 
 def test_verdicts_lower_is_better_both_ways():
@@ -89,7 +98,7 @@ def test_summarise_gives_both_verdicts_from_constructed_runs():
         _result("Full @ Good", "equal_compute", 1.30, 700, passes=7, compute_of="Good"),
         _result("Bad", "pruned", 1.25, 700),
         _result("Full @ Bad", "equal_compute", 1.30, 700, passes=7, compute_of="Bad"),
-        _result("Tried", "ablation", 0.92, 850),  # no run of its own: interpolated between Full runs
+        _result("Tried", "ablation", 0.92, 850),  # no run of its own: read off seed 0's fitted frontier
     ]
     rows = {r["label"]: r for r in summarise(results, [plan])}
     assert rows["Good"]["lossless"] and rows["Good"]["beats_equal_compute"]
@@ -98,8 +107,11 @@ def test_summarise_gives_both_verdicts_from_constructed_runs():
     assert rows["Good"]["skipped"] == pytest.approx(0.3) and rows["Good"]["saving"] == pytest.approx(0.3)
     assert rows["Good"]["realised"] == pytest.approx(1.0)
     tried = rows["Tried"]
-    assert tried["equal_compute_how"] == "interpolated"
-    assert tried["equal_compute_value"] == pytest.approx(np.interp(850, [700, 700, 1000], [1.30, 1.30, 1.00]))
+    # every run's Full at equal compute is its seed's fitted frontier (here exact: Full at 700 of seed 0,
+    # and the three seeds at 1000 with levels 0, +0.1, -0.1), 1.30 at 700 and 1.15 at 850
+    assert {r["equal_compute_how"] for r in rows.values() if "lossless" in r} == {"frontier"}
+    assert rows["Good"]["equal_compute_value"] == pytest.approx(1.30)
+    assert tried["equal_compute_value"] == pytest.approx(np.interp(850, [700, 1000], [1.30, 1.00]))
     assert tried["lossless"] and tried["beats_equal_compute"]
 
 
@@ -108,7 +120,9 @@ def test_equal_compute_run_matches_samples_forwarded():
         {"task": "mae", "schedule": "long", "label": "InfoBatch", "samples_forwarded": 7040}, full_per_pass=480
     )
     assert spec.passes == 15 and spec.pruner == {"name": "full"} and spec.compute_of == "InfoBatch"
-    assert interpolate_frontier([(1.0, 2.0)], 1.0) is None  # one point is no frontier
+    from prunepipe.pipelines.report.frontier import quality_at
+
+    assert quality_at([(1.0, 2.0)], 1.0, lower_is_better=True) is None  # one point is no frontier
 
 
 def test_timed_pruner_changes_no_decision():
@@ -139,7 +153,7 @@ def test_bench_micro_runs_and_reports_both_verdicts(tmp_path):
     assert {r["label"] for r in judged} == {"Random", "InfoBatch", "TED"}
     for row in judged:
         assert isinstance(row["lossless"], bool) and row["beats_equal_compute"] in (True, False)
-        assert row["equal_compute_how"] == "run"
+        assert row["equal_compute_how"] == "frontier"
     by_label = {r["label"]: r for r in report["results"]}
     for label in ("Random", "InfoBatch", "TED"):  # the equal-compute Full forwards what the pruned run did, +- a pass
         assert abs(by_label[f"Full @ {label}"]["samples_forwarded"] - by_label[label]["samples_forwarded"]) <= 96
@@ -186,9 +200,14 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
             _result("Full @ Less", "equal_compute", equal, 700, seed=seed, passes=7, compute_of="Less"),
         ]
     rows = {r["label"]: r["metrics"]["masked_mse"] for r in arms(results, [plan])}
-    # Pays: mean 1.00 (std 0.05) vs Full 1.00 (std 0.10) and vs equal compute 1.45 (std 0.05)
+    # Full at equal compute is each seed's fitted frontier at 70%: the shape (1.45 at 70%) plus the
+    # seed's level (-0.025, +0.075, -0.05), i.e. 1.425, 1.525, 1.40 (mean 1.45), not the raw runs
+    readings = [1.425, 1.525, 1.40]
+    # Pays: mean 1.00 (std 0.05) vs Full 1.00 (std 0.10) and vs equal compute 1.45
+    pooled = math.sqrt((0.05**2 + np.var(readings, ddof=1)) / 2)
+    assert rows["Pays"]["equal_compute_mean"] == pytest.approx(1.45)
     assert rows["Pays"]["delta_passes"] == pytest.approx(0.0, abs=1e-9) and rows["Pays"]["lossless"]
-    assert rows["Pays"]["delta_compute"] == pytest.approx(-0.45 / 0.05) and rows["Pays"]["pays"]
+    assert rows["Pays"]["delta_compute"] == pytest.approx(-0.45 / pooled) and rows["Pays"]["pays"]
     assert not rows["Less"]["lossless"] and not rows["Less"]["pays"]  # what training less buys, no more
     # Full at 70% and at 100% of the passes, fitted as one shape (1.45, 1.00) plus a level per seed
     # (-0.025, +0.075, -0.05): Pays beats its seed's curve at 100% on seeds 0 and 1 (so it saves at
@@ -205,7 +224,7 @@ def test_pooled_std_verdicts_of_arms_at_three_seeds():
     assert [s["kind"] for s in less["per_seed"]] == ["interpolated", "interpolated", "at most"]
     assert less["per_seed"][2]["saving"] == pytest.approx(0.0, abs=1e-12)
     assert less["per_seed"][0]["saving"] == pytest.approx(1 - 0.7 / (0.7 + 0.3 * (1.425 - 1.35) / 0.45))
-    assert rows["Pays"]["paired_compute"]["differences"] == pytest.approx([-0.45, -0.45, -0.45])
+    assert rows["Pays"]["paired_compute"]["differences"] == pytest.approx([-0.475, -0.475, -0.40])
     assert rows["Pays"]["paired_compute"]["reading"] == "better"
     [target] = saving_targets(arms(results, [plan]))
     assert "best: Pays" in target["measured"] and "compute at equal quality" in target["target"]

@@ -286,8 +286,11 @@ def test_compare_reads_the_compute_saved_at_equal_quality_off_each_seeds_full_fr
     assert setting["setting"] == "ib" and setting["seeds"] == [0, 1, 2]
     assert summary["mean"] == pytest.approx(sum(savings) / 3) and summary["low"] > 0
     assert summary["verdict"].startswith("saves 25% [")
-    # the equal-compute reference is the pruned run's own seed
-    assert report["equal_compute"]["ib_s1"]["reference"].startswith("full run full_p3_s1")
+    # the equal-compute reference is the pruned run's own seed's fitted frontier read at its compute:
+    # 2800 samples lie 80% of the way from Full at 2 passes (0.20) to 3 (0.15), plus the seed's level
+    compute = report["equal_compute"]["ib_s1"]
+    assert compute["reference"].startswith("Full of seed 1 at 2800 samples forwarded, read off its fitted frontier")
+    assert compute["metrics"]["masked_mse"]["reference"] == pytest.approx(0.16 + 0.02)
     assert "## Compute saved at equal quality" in report["markdown"]
     assert report["markdown"].index("Compute saved at equal quality") < report["markdown"].index("equal passes")
     assert os.path.isfile(tmp_path / "out" / "quality_vs_compute_frontier.png")

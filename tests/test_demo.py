@@ -42,9 +42,13 @@ def test_demo_compares_a_pruned_run_with_full_runs_and_ends_with_both_verdicts(t
 
     report = json.load(open(runs / "demo_mae_infobatch" / "report" / "report.json"))
     assert [b["name"] for b in report["baseline"]] == names[2:4]
+    # Full at equal compute: each pruned run's own seed's fitted frontier (its baseline, equal-compute
+    # and half-length runs) read at its samples forwarded
     short = report["equal_compute"]["demo_mae_infobatch"]
-    assert short["reference"].startswith("full run demo_mae_full_short ")
-    assert report["equal_compute"]["demo_mae_infobatch_s1"]["reference"].startswith("full run demo_mae_full_short_s1")
+    assert short["reference"].startswith("Full of seed 0 at ") and "demo_mae_full_short" in short["reference"]
+    assert "_s1" not in short["reference"]
+    paired = report["equal_compute"]["demo_mae_infobatch_s1"]["reference"]
+    assert paired.startswith("Full of seed 1 at ") and "demo_mae_full_short_s1" in paired
     records = [json.loads(line) for line in open(runs / "demo_mae_full_short" / "metrics.jsonl")]
     assert (
         max(r["pass_index"] for r in records if r["kind"] == "pass") + 1 < 4

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
-from prunepipe.pipelines.report.equal_quality import equal_quality
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
+from prunepipe.pipelines.report.equal_quality import equal_quality, full_points
+from prunepipe.pipelines.report.frontier import equal_compute_references
 from prunepipe.pipelines.report.lossless import LOSSLESS_K, beats, is_lossless
 from prunepipe.pipelines.report.runs import (
     EVALUATED,
@@ -93,14 +94,14 @@ def judge(metric: str, reference: float, value: float, tolerance: float) -> tupl
     """(delta = value - reference, verdict): "lossless" unless worse by more than the tolerance
     (better is always fine)."""
     delta = value - reference
-    worse_by = -delta if PRIMARY_METRICS[metric] else delta
+    worse_by = delta if lower_is_better(metric) else -delta
     return delta, ("lossless" if is_lossless(worse_by, tolerance, k=1.0) else "not lossless")
 
 
 def judge_equal_compute(metric: str, reference: float, value: float, tolerance: float) -> tuple[float, str]:
     """Against a full run of the same compute: did the pruner's selection beat training less?"""
     delta = value - reference
-    better_by = delta if PRIMARY_METRICS[metric] else -delta
+    better_by = -delta if lower_is_better(metric) else delta
     if beats(better_by, tolerance, k=1.0):
         return delta, "beats equal compute"
     return delta, ("ties equal compute" if better_by >= -tolerance else "worse than equal compute")
@@ -135,20 +136,39 @@ def equal_passes(baselines: list[RunSummary], pruned: RunSummary, given: dict, k
     return {"verdict": verdict, "failed": failed, "metrics": metrics}
 
 
-def equal_compute(
-    baselines: list[RunSummary], pruned: RunSummary, same_compute: list[RunSummary], given: dict, k: float
-) -> dict:
-    """The pruned run against full training of the same samples forwarded: the closest of the given
-    same-compute runs, else the baseline runs' own held-out curves read at that many samples."""
-    if same_compute:
-        # the pruned run's own seed first: same initialisation and draws, so the difference is the selection's
-        paired = [r for r in same_compute if r.seed == pruned.seed] or same_compute
-        match = min(paired, key=lambda r: abs(r.samples_forwarded - pruned.samples_forwarded))
-        source = (
-            f"full run {match.name} ({match.samples_forwarded} samples forwarded vs "
-            f"{pruned.samples_forwarded}; quality from {match.metrics_source})"
+def frontier_references(fulls: list[RunSummary], pruned: RunSummary) -> dict[str, float]:
+    """Per metric of `pruned`: Full of its seed at its samples forwarded, read off that seed's fitted
+    Full frontier (`fulls`: Full runs of any schedule length), the one reading of equal compute;
+    metrics whose seed has no Full run, or Full at one length only (no frontier), are left out."""
+    found = {}
+    for metric in PRIMARY_METRICS:
+        if metric not in pruned.metrics:
+            continue
+        read = equal_compute_references(
+            full_points(fulls, metric), {pruned.seed: float(pruned.samples_forwarded)}, lower_is_better(metric)
         )
-        references = {m: [match.metrics[m]] for m in match.metrics}
+        if pruned.seed in read:
+            found[metric] = read[pruned.seed]
+    return found
+
+
+def equal_compute(
+    baselines: list[RunSummary], pruned: RunSummary, fulls: list[RunSummary], given: dict, k: float
+) -> dict:
+    """The pruned run against full training of the same samples forwarded: its seed's Full frontier
+    (`fulls`: the baseline, same-compute and frontier runs, fitted as pipelines/report/frontier.py
+    fits them) read at that compute, so that equal compute and equal quality are one reading; where
+    the seed has no frontier (Full at one length only), the baseline runs' own held-out curves read at
+    that many samples."""
+    references = {m: [v] for m, v in frontier_references([r for r in fulls if r.pruner == "full"], pruned).items()}
+    on_frontier = bool(references)
+    if on_frontier:
+        runs = sorted({r.name for r in fulls if r.pruner == "full" and r.seed == pruned.seed})
+        source = (
+            f"Full of seed {pruned.seed} at {pruned.samples_forwarded} samples forwarded, read off its fitted "
+            f"frontier ({len(runs)} Full runs of the seed: {', '.join(runs)}; one shape over the seeds plus a level "
+            f"per seed, the best Full at or below that compute)"
+        )
         values, value_source = pruned.metrics, f"{pruned.quality_from}, {pruned.metrics_source}"
     else:
         source = (
@@ -159,7 +179,7 @@ def equal_compute(
         # read as the reference is: the training log's held-out records (the loop's samples and weights),
         # whatever the equal-passes section read
         value_source = f"{LOGGED}, metrics.jsonl, last pass held-out"
-        references, values = {}, held_out_metrics(pruned.trajectory[-1]) if pruned.trajectory else {}
+        values = held_out_metrics(pruned.trajectory[-1]) if pruned.trajectory else {}
         for metric in values:
             read = [trajectory_value(b, metric, pruned.samples_forwarded) for b in baselines]
             if all(v is not None for v in read):
@@ -172,7 +192,7 @@ def equal_compute(
         # the seeds' spread of the very numbers compared: final evaluations, or final logged held-out
         finals = (
             [b.metrics for b in baselines]
-            if same_compute
+            if on_frontier
             else [held_out_metrics(b.trajectory[-1]) for b in baselines if b.trajectory]
         )
         noise = [m[metric] for m in finals if metric in m]
@@ -418,7 +438,7 @@ def compare_runs(
         # the final quality the equal-passes and equal-quality sections read, per run (one kind: check_one_source)
         "quality_sources": quality_sources(base + runs + same + curve),
         "equal_passes": {r.name: equal_passes(base, r, given, k) for r in runs},
-        "equal_compute": {r.name: equal_compute(base, r, same, given, k) for r in runs},
+        "equal_compute": {r.name: equal_compute(base, r, base + same + curve, given, k) for r in runs},
         "cost": {r.name: cost(base, r) for r in base + runs},
         "equal_quality": equal_quality(
             base + same + curve, runs, unit=float(np.mean([b.samples_forwarded for b in base])) or 1.0

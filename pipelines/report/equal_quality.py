@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS
+from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
 from prunepipe.pipelines.report.frontier import (
     IsoQuality,
     fit_frontier,
@@ -34,19 +34,23 @@ def setting_name(runs: list[RunSummary]) -> str:
     return stems.pop() if len(stems) == 1 else " + ".join(r.name for r in runs)
 
 
-def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float = 1.0) -> dict:
+def equal_quality(
+    fulls: list[RunSummary], pruned: list[RunSummary], unit: float = 1.0, metrics: list[str] | None = None
+) -> dict:
     """{"runs": {name: {metric: per-seed answer}}, "settings": [one per setting with its seeds' summary
     per metric], "missing": seeds of pruned runs without any Full run}. `unit`: the samples forwarded
-    that read as 100% (the baseline's)."""
+    that read as 100% (the baseline's); `metrics`: those judged (default: every primary metric; a
+    `metric@split` reads as its metric)."""
+    metrics = list(PRIMARY_METRICS) if metrics is None else metrics
     full_runs = [r for r in fulls if r.pruner == "full"]
     per_run: dict[str, dict] = {r.name: {} for r in pruned}
     missing = sorted({r.seed for r in pruned} - {r.seed for r in full_runs})
-    for metric in PRIMARY_METRICS:
+    for metric in metrics:
         frontiers = full_points(full_runs, metric)
         measured = [r for r in pruned if metric in r.metrics and r.seed in frontiers]
         if not measured:
             continue
-        lower = not PRIMARY_METRICS[metric]
+        lower = lower_is_better(metric)
         model = fit_frontier(frontiers, lower)
         for run in measured:  # runs of several settings may share a seed: each is read on its own
             found = savings_over_seeds(frontiers, {run.seed: (run.samples_forwarded, run.metrics[metric])}, lower)[
@@ -72,7 +76,7 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float
             "repeated_seeds": len(set(seeds)) < len(seeds),
             "metrics": {},
         }
-        for metric in PRIMARY_METRICS:
+        for metric in metrics:
             measured = {
                 r.seed: (float(r.samples_forwarded), float(r.metrics[metric]))
                 for r in runs
@@ -80,12 +84,12 @@ def equal_quality(fulls: list[RunSummary], pruned: list[RunSummary], unit: float
             }
             if measured and not entry["repeated_seeds"]:
                 entry["metrics"][metric] = saving_summary(
-                    full_points(full_runs, metric), measured, not PRIMARY_METRICS[metric], unit=unit
+                    full_points(full_runs, metric), measured, lower_is_better(metric), unit=unit
                 )
             elif measured:  # seeds repeated: no jackknife over seeds, the plain t interval (noted)
                 fields = IsoQuality.__dataclass_fields__
                 answers = [per_run[r.name][metric] for r in runs if metric in per_run[r.name]]
-                where = fit_frontier(full_points(full_runs, metric), not PRIMARY_METRICS[metric]).where_best(unit)
+                where = fit_frontier(full_points(full_runs, metric), lower_is_better(metric)).where_best(unit)
                 entry["metrics"][metric] = {
                     **summarise_savings([IsoQuality(**{k: a[k] for k in fields}) for a in answers], **where),
                     "seeds": [a["seed"] for a in answers],

@@ -95,6 +95,38 @@ def iso_quality(points: list[tuple[float, float]], compute: float, value: float,
     return IsoQuality(float(compute), float(iso), float(1.0 - compute / iso), kind, monotone, len(xs))
 
 
+def quality_at(points: list[tuple[float, float]], compute: float, lower_is_better: bool) -> float | None:
+    """Full at equal compute: the quality this seed's Full frontier `points` (compute, quality) reaches
+    at `compute`, the best Full at or below it (the envelope iso_quality inverts), linear between its
+    points, so that a run better than this value is a run with a positive saving at equal quality.
+    Beyond the ends the nearest end's value, never a slope extended: above the longest Full that is
+    the best Full at or below the compute; below the cheapest it is Full of a little more compute (an
+    equal-compute run rounded to whole passes), a reference harder to beat. None with fewer than two
+    lengths: one point is no frontier."""
+    xs, ys, _ = envelope(points, lower_is_better)
+    if len(xs) < 2:
+        return None
+    return float(np.interp(compute, xs, ys))
+
+
+def equal_compute_references(
+    frontiers: dict[int, list[tuple[float, float]]], runs: dict[int, float], lower_is_better: bool
+) -> dict[int, float]:
+    """Per seed of `runs` (seed -> compute): its Full at that compute, read off its curve of the
+    shape-plus-level model (quality_at). Seeds without a Full run, or whose curve has one length, are
+    left out."""
+    if not frontiers:
+        return {}
+    model = fit_frontier(frontiers, lower_is_better)
+    found = {}
+    for seed, compute in sorted(runs.items()):
+        if seed in frontiers:
+            value = quality_at(model.curve(seed), compute, lower_is_better)
+            if value is not None:
+                found[seed] = value
+    return found
+
+
 @dataclass
 class FrontierModel:
     """Full's quality as shape(length) + level(seed): `computes` ascending, the fitted `shape` there,

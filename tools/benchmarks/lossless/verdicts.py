@@ -1,6 +1,8 @@
-"""The lossless benchmark's verdicts: run-to-run noise from the Full seeds, each pruned run's distance
-from Full at equal passes and from Full trained for the same samples forwarded (in seed standard
-deviations), whether Full had converged, and the targets met or missed. Pure functions of the runs'
+"""The lossless benchmark's verdicts, read by `prunepipe compare`'s functions: the benchmark's runs become
+compare's records (tools/benchmarks/lossless/records.py) and each verdict is compare's (equal passes,
+equal compute off each seed's fitted Full frontier, compute saved at equal quality), with the
+benchmark's bookkeeping around them: run-to-run noise from the Full seeds, distances in seed standard
+deviations, whether Full had converged, and the targets met or missed. Pure functions of the runs'
 recorded numbers (tools/benchmarks/lossless/run.py runs them)."""
 
 from __future__ import annotations
@@ -10,16 +12,25 @@ import math
 import numpy as np
 
 from prunepipe.pipelines.evaluation.records import lower_is_better
-from prunepipe.pipelines.report.frontier import AT_LEAST, AT_MOST, interval_text, paired_difference, saving_summary
+from prunepipe.pipelines.report.compare import equal_compute, equal_passes, judge, judge_equal_compute
+from prunepipe.pipelines.report.equal_quality import equal_quality, full_points
+from prunepipe.pipelines.report.frontier import (
+    AT_LEAST,
+    AT_MOST,
+    equal_compute_references,
+    interval_text,
+    paired_difference,
+)
 from prunepipe.pipelines.report.lossless import LOSSLESS_K, in_noise_units
 from prunepipe.tools.benchmarks.lossless.plan import TaskPlan
+from prunepipe.tools.benchmarks.lossless.records import PRUNED_ROLES, full_summaries, run_name, summary
 
 TARGET_SAVING = {
     "infobatch": 0.25,
     "ted": 0.30,
 }  # the targets: converged regime, lossless (pipelines/report/lossless.py)
 TARGET_ISO_SAVING = 0.25  # the pays suite: compute saved at equal quality, with the 95% CI above 0
-FULL_ROLES = ("full", "frontier", "equal_compute")  # Full runs of some schedule length: frontier points
+BEATS = "beats equal compute"  # compare's word for a run better than Full at its compute by > K seed std
 
 
 def seed_stats(values: list[float]) -> tuple[float, float]:
@@ -35,25 +46,6 @@ def delta_in_std(value: float, reference: float, std: float, lower: bool) -> flo
     return in_noise_units(value - reference if lower else reference - value, std)
 
 
-def lossless(value: float, full_mean: float, full_std: float, lower: bool) -> bool:
-    """Within LOSSLESS_K Full seed stds of Full's mean at equal passes (or better): compare's rule."""
-    return delta_in_std(value, full_mean, full_std, lower) <= LOSSLESS_K
-
-
-def beats_equal_compute(value: float, equal_compute: float, full_std: float, lower: bool) -> bool:
-    """Better than Full trained for the same samples forwarded by more than LOSSLESS_K Full seed stds."""
-    return delta_in_std(value, equal_compute, full_std, lower) < -LOSSLESS_K
-
-
-def interpolate_frontier(points: list[tuple[float, float]], samples: float) -> float | None:
-    """Quality of Full at `samples` forwarded, linear between Full runs with their own schedules."""
-    points = sorted(points)
-    if len(points) < 2 or not points[0][0] <= samples <= points[-1][0]:
-        return None
-    xs, ys = zip(*points)
-    return float(np.interp(samples, xs, ys))
-
-
 def schedule_groups(results: list[dict], plans: list[TaskPlan]):
     """(plan, schedule, its runs, its Full seed runs, its metric names main first) of every schedule
     that has Full runs."""
@@ -67,7 +59,9 @@ def schedule_groups(results: list[dict], plans: list[TaskPlan]):
 
 
 def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
-    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts."""
+    """One row per run, per task and schedule, with cost, quality, deltas in seed std and verdicts: a
+    pruned run's are compare's, at equal passes against the Full seeds and at equal compute against
+    its seed's fitted Full frontier (every Full run of the schedule, any length)."""
     rows = []
     for plan, schedule, group, fulls, metric_names in schedule_groups(results, plans):
         stats = {
@@ -75,13 +69,8 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
         }
         wall_full = float(np.mean([r["wall_seconds"] for r in fulls]))
         sf_full = float(np.mean([r["samples_forwarded"] for r in fulls]))
-        full0 = next(r for r in fulls if r["seed"] == 0)
-        frontier = [
-            (r["samples_forwarded"], r["metrics"][plan.main])
-            for r in group
-            if r["role"] in ("equal_compute",) or r is full0
-        ]
-        equal = {(r["compute_of"], r["seed"]): r for r in group if r["role"] == "equal_compute"}
+        baselines = [summary(r) for r in fulls]
+        frontier = full_summaries(group)
         mean, std = stats[plan.main]
         lower = lower_is_better(plan.main)
         for r in group:
@@ -94,6 +83,7 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 "label": r["label"],
                 "role": r["role"],
                 "seed": r["seed"],
+                "key": r["key"],
                 "samples_forwarded": r["samples_forwarded"],
                 "compute": r["samples_forwarded"] / sf_full,
                 "optimizer_steps": r["optimizer_steps"],
@@ -112,18 +102,16 @@ def summarise(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 "pruner_overhead": sum(r["pruner_seconds"].values()) / max(r["wall_seconds"], 1e-9),
                 "step_ms": 1000 * r["wall_seconds"] / max(r["optimizer_steps"], 1),
             }
-            if r["role"] in ("pruned", "ablation"):
-                value = r["metrics"][plan.main]
-                row["lossless"] = lossless(value, mean, std, lower)
-                if (r["label"], r["seed"]) in equal:
-                    reference, how = equal[(r["label"], r["seed"])]["metrics"][plan.main], "run"
-                else:
-                    reference, how = interpolate_frontier(frontier, r["samples_forwarded"]), "interpolated"
-                row["equal_compute_value"], row["equal_compute_how"] = reference, how
-                row["equal_compute_delta"] = delta_in_std(value, reference, std, lower)
-                row["beats_equal_compute"] = (
-                    beats_equal_compute(value, reference, std, lower) if reference is not None else None
-                )
+            if r["role"] in PRUNED_ROLES:
+                run = summary(r)
+                passes = equal_passes(baselines, run, {}, LOSSLESS_K)["metrics"].get(plan.main)
+                compute = equal_compute(baselines, run, frontier, {}, LOSSLESS_K)["metrics"].get(plan.main)
+                row["lossless"] = passes["verdict"] == "lossless" if passes else None
+                reference = compute["reference"] if compute else None
+                row["equal_compute_value"], row["equal_compute_how"] = reference, "frontier"
+                row["equal_compute_delta"] = delta_in_std(r["metrics"][plan.main], reference, std, lower)
+                row["equal_compute_verdict"] = compute["verdict"] if compute else "not measured"
+                row["beats_equal_compute"] = compute["verdict"] == BEATS if compute else None
             rows.append(row)
     return rows
 
@@ -135,33 +123,29 @@ def pooled_std(a: list[float], b: list[float]) -> float:
     return math.sqrt((np.var(a, ddof=1) + np.var(b, ddof=1)) / 2)
 
 
-def seed_frontiers(group: list[dict], metric: str, full_compute: float) -> dict[int, list[tuple[float, float]]]:
-    """Per seed, its Full runs of every schedule length as (compute, quality) points, compute as a
-    fraction of Full's samples forwarded at the full schedule; a run that serves as several roles
-    (a frontier point that is also an arm's equal-compute run) counts once."""
-    points: dict[int, dict[str, tuple[float, float]]] = {}
-    for r in group:
-        if r["role"] in FULL_ROLES and r["metrics"].get(metric) is not None:
-            points.setdefault(r["seed"], {})[r["key"]] = (r["samples_forwarded"] / full_compute, r["metrics"][metric])
-    return {seed: sorted(found.values()) for seed, found in points.items()}
-
-
 def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
     """Per task, schedule and pruner setting run at several seeds, for each metric:
-    - the compute saved at equal quality: per seed, where that seed's Full frontier (Full at every
-      schedule length run: the full schedule, the frontier, the equal-compute runs) reaches the
-      setting's quality (pipelines/report/frontier.py), with the mean's t interval over seeds;
-    - paired differences (same seed) against Full at equal passes and at equal compute (the seed's
-      equal-compute run, else its frontier interpolated there), with t intervals;
-    - the seed means and deltas in pooled std, as before (positive = worse): lossless = within 1
-      LOSSLESS_K pooled stds of Full at equal passes, pays = better than equal-compute Full by more than it."""
+    - the compute saved at equal quality: compare's reading (pipelines/report/equal_quality.py), per
+      seed where that seed's fitted Full frontier (Full at every schedule length run: the full
+      schedule, the frontier, the equal-compute runs) reaches the setting's quality, with the mean's
+      interval over seeds;
+    - Full at equal compute: the same frontier read at each seed's compute, paired (same seed) and
+      as a seed mean;
+    - the seed means against Full at equal passes and at equal compute in pooled std (positive =
+      worse), judged by compare's rule: lossless = within LOSSLESS_K pooled stds of Full at equal
+      passes, pays = better than Full at equal compute by more than it."""
     rows = []
     seeded = [p for p in plans if len(p.pruned_seeds) > 1]
     for plan, schedule, group, fulls, metrics in schedule_groups(results, seeded):
         full_compute = float(np.mean([r["samples_forwarded"] for r in fulls]))
-        for label in dict.fromkeys(r["label"] for r in group if r["role"] in ("pruned", "ablation")):
-            mine = [r for r in group if r["label"] == label and r["role"] in ("pruned", "ablation")]
+        frontier = full_summaries(group)
+        pruned = [summary(r) for r in group if r["role"] in PRUNED_ROLES]
+        read = equal_quality(frontier, pruned, unit=full_compute, metrics=metrics)
+        settings = {tuple(s["runs"]): s for s in read["settings"]}
+        for label in dict.fromkeys(r["label"] for r in group if r["role"] in PRUNED_ROLES):
+            mine = [r for r in group if r["label"] == label and r["role"] in PRUNED_ROLES]
             equal = [r for r in group if r["role"] == "equal_compute" and r["compute_of"] == label]
+            setting = settings.get(tuple(run_name(r) for r in mine), {"metrics": {}})
             row = {
                 "task": plan.task,
                 "data": plan.data,
@@ -178,70 +162,54 @@ def arms(results: list[dict], plans: list[TaskPlan]) -> list[dict]:
                 "metrics": {},
             }
             for metric in metrics:
-                lower = lower_is_better(metric)
-                values = [r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None]
-                full = [r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None]
-                same = [r["metrics"][metric] for r in equal if r["metrics"].get(metric) is not None]
-                if len(values) < 2:
+                cell = arm_cell(mine, fulls, frontier, metric)
+                if cell is None:
                     continue
-                cell = {
-                    "mean": float(np.mean(values)),
-                    "std": float(np.std(values, ddof=1)),
-                    "n": len(values),
-                    "full_mean": float(np.mean(full)) if full else float("nan"),
-                    "equal_compute_mean": float(np.mean(same)) if same else float("nan"),
+                cell["frontier_points"] = {
+                    str(seed): len(points) for seed, points in sorted(full_points(frontier, metric).items())
                 }
-                cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], pooled_std(values, full), lower)
-                cell["delta_compute"] = delta_in_std(
-                    cell["mean"], cell["equal_compute_mean"], pooled_std(values, same), lower
-                )
-                cell["lossless"] = (
-                    bool(cell["delta_passes"] <= LOSSLESS_K) if math.isfinite(cell["delta_passes"]) else None
-                )
-                cell["pays"] = (
-                    bool(cell["delta_compute"] < -LOSSLESS_K) if math.isfinite(cell["delta_compute"]) else None
-                )
-                cell.update(
-                    paired_and_saved(
-                        mine, fulls, equal, seed_frontiers(group, metric, full_compute), metric, full_compute, lower
-                    )
-                )
+                cell["saving"] = setting["metrics"].get(metric)
                 row["metrics"][metric] = cell
             rows.append(row)
     return rows
 
 
-def paired_and_saved(
-    mine: list[dict],
-    fulls: list[dict],
-    equal: list[dict],
-    frontiers: dict,
-    metric: str,
-    full_compute: float,
-    lower: bool,
-) -> dict:
-    """A setting's seeds paired with their own Full: the differences at equal passes and at equal
-    compute, and the compute saved at equal quality (None where no seed has a frontier)."""
+def arm_cell(mine: list[dict], fulls: list[dict], frontier: list, metric: str) -> dict | None:
+    """One setting's seeds on one metric against Full at equal passes (the Full seeds) and at equal
+    compute (each seed's fitted frontier at that seed's compute): seed means, pooled-std deltas and
+    compare's verdicts on them, and the paired differences. None with fewer than 2 seeds measured."""
+    lower = lower_is_better(metric)
     value = {r["seed"]: r["metrics"][metric] for r in mine if r["metrics"].get(metric) is not None}
-    compute = {r["seed"]: r["samples_forwarded"] / full_compute for r in mine}
+    if len(value) < 2:
+        return None
+    compute = {r["seed"]: float(r["samples_forwarded"]) for r in mine if r["seed"] in value}
     at_passes = {r["seed"]: r["metrics"][metric] for r in fulls if r["metrics"].get(metric) is not None}
-    at_compute, how = {}, {}
-    for seed in value:
-        run = next((r for r in equal if r["seed"] == seed and r["metrics"].get(metric) is not None), None)
-        if run is not None:
-            at_compute[seed], how[seed] = run["metrics"][metric], "run"
-        elif len(frontiers.get(seed, [])) >= 2:
-            read = interpolate_frontier(frontiers[seed], compute[seed])
-            if read is not None:
-                at_compute[seed], how[seed] = read, "interpolated"
-    found = {
-        "paired_passes": paired_difference(value, at_passes, lower),
-        "paired_compute": paired_difference(value, at_compute, lower),
-        "paired_compute_how": sorted(set(how.values())),
-        "frontier_points": {str(seed): len(points) for seed, points in sorted(frontiers.items())},
-        "saving": saving_summary(frontiers, {seed: (compute[seed], value[seed]) for seed in value}, lower),
+    at_compute = equal_compute_references(full_points(frontier, metric), compute, lower)
+    values, full, same = list(value.values()), list(at_passes.values()), list(at_compute.values())
+    cell = {
+        "mean": float(np.mean(values)),
+        "std": float(np.std(values, ddof=1)),
+        "n": len(values),
+        "full_mean": float(np.mean(full)) if full else float("nan"),
+        "equal_compute_mean": float(np.mean(same)) if same else float("nan"),
     }
-    return found
+    noise_passes, noise_compute = pooled_std(values, full), pooled_std(values, same)
+    cell["delta_passes"] = delta_in_std(cell["mean"], cell["full_mean"], noise_passes, lower)
+    cell["delta_compute"] = delta_in_std(cell["mean"], cell["equal_compute_mean"], noise_compute, lower)
+    cell["lossless"] = (
+        judge(metric, cell["full_mean"], cell["mean"], LOSSLESS_K * noise_passes)[1] == "lossless"
+        if math.isfinite(cell["delta_passes"])
+        else None
+    )
+    cell["pays"] = (
+        judge_equal_compute(metric, cell["equal_compute_mean"], cell["mean"], LOSSLESS_K * noise_compute)[1] == BEATS
+        if math.isfinite(cell["delta_compute"])
+        else None
+    )
+    cell["paired_passes"] = paired_difference(value, at_passes, lower)
+    cell["paired_compute"] = paired_difference(value, at_compute, lower)
+    cell["paired_compute_how"] = ["frontier"] if at_compute else []
+    return cell
 
 
 def saving_targets(arm_rows: list[dict]) -> list[dict]:
