@@ -232,7 +232,7 @@ def evaluate(
     import io
 
     from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, ProbeConfig, ReplicationConfig
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.trained import evaluate_checkpoint
 
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
