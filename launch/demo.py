@@ -16,8 +16,8 @@ import os
 
 from prunepipe.launch.configs import CONFIGS
 from prunepipe.pipelines.config import load_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.report.compare import compare_runs
+from prunepipe.pipelines.trained import evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.commands.shards import write_shards
 

@@ -206,7 +206,7 @@ def test_checkpoints_verify_lists_each_checkpoint(runs, capsys):
 
 
 def test_evaluating_latest_skips_a_damaged_checkpoint(runs, capsys):
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.trained import evaluate_checkpoint
 
     run_dir = copy_of_stopped(runs, "eval_damaged")
     damage(os.path.join(latest_checkpoint(run_dir), WEIGHTS), "truncate")

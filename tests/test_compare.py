@@ -14,9 +14,9 @@ from eval_runs import one_torch_thread, session_dir, tiny_run
 
 from prunepipe.launch.cli import main as cli_main
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.report.compare import compare_runs, parse_tolerances, tolerance_for
 from prunepipe.pipelines.report.plots import checkpoint_scores
+from prunepipe.pipelines.trained import evaluate_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,8 +15,8 @@ from test_trainer import ROOT, assert_states_equal, straight_and_resumed
 from prunepipe.pipelines.checkpoint.store import latest_checkpoint, load_checkpoint_states
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.tasks.diffusion.from_export import sample
+from prunepipe.pipelines.trained import evaluate_checkpoint
 
 CONFIG = os.path.join(ROOT, "configs", "ldm_dit_tiny_infobatch.yaml")
 TINY_DIT = ["data.batch_size=64", "data.val_batches=1", "log_every=5"]

@@ -13,7 +13,8 @@ from test_trainer import ROOT, TINY_MAE
 
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import EvalRecordExistsError, evaluate_checkpoint
+from prunepipe.pipelines.evaluation.runner import EvalRecordExistsError
+from prunepipe.pipelines.trained import evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 
 QUICK = ["probe.enabled=false", "val_samples=64"]

@@ -87,7 +87,7 @@ def test_a_text_run_on_web_latents_without_inception_weights_writes_what_it_can(
 
 
 def test_fid_of_a_text_run_on_latents_compares_with_the_images_their_index_records(web_run, bucketed):  # noqa: F811
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.trained import evaluate_checkpoint
 
     images = ShardIndex.load(os.path.join(bucketed, "val")).meta["source"]
     assert ShardIndex.load(images).meta.get("latent_shape") is None, "index.json records the image shards"

@@ -14,8 +14,8 @@ from eval_runs import feature_net, one_torch_thread, session_dir, tiny_run, trai
 
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.evaluation.sampling import generate_images
+from prunepipe.pipelines.trained import evaluate_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")

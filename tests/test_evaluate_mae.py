@@ -22,7 +22,7 @@ from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.evaluation.config import ProbeConfig
 from prunepipe.pipelines.evaluation.probe import encoder_features, fit_probe
 from prunepipe.pipelines.evaluation.reconstruction import fixed_mask_noise, reconstruct, reconstruction_metrics
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+from prunepipe.pipelines.trained import evaluate_checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")

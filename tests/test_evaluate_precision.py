@@ -15,8 +15,9 @@ import torch
 from eval_runs import ROOT, TINY_MAE, one_torch_thread, session_dir, tiny_run, trained_task
 
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import Evaluator, evaluate_checkpoint, weights_for_eval
+from prunepipe.pipelines.evaluation.runner import Evaluator, weights_for_eval
 from prunepipe.pipelines.report.compare import compare_runs
+from prunepipe.pipelines.trained import evaluate_checkpoint
 
 QUICK = ["probe.enabled=false", "val_samples=90"]
 

@@ -297,7 +297,7 @@ def test_an_array_of_torchrun_jobs_and_sbatch_tasks_without_srun_are_refused_say
 
 
 def test_temporary_names_carry_host_and_pid_and_differ_at_every_call():
-    from prunepipe.pipelines.data.writer_names import host_id, temporary_name
+    from prunepipe.pipelines.writer_names import host_id, temporary_name
 
     first, second = temporary_name("/x/index.json"), temporary_name("/x/index.json")
     assert first != second

@@ -1,6 +1,6 @@
 """The folder tree is the architecture (docs/design.md, "Layout"): every module imports alone, no
-module import circle exists, each folder imports only what docs/design.md's table "Who may import
-whom" allows, and no module repeats its folder's name as a prefix."""
+import circle exists between modules nor between sub-packages, each folder imports only what
+docs/design.md's table "Who may import whom" allows, and no module repeats its folder's name as a prefix."""
 
 from __future__ import annotations
 
@@ -152,6 +152,62 @@ def test_no_module_import_circle():
 def test_find_cycle_sees_a_circle_through_function_level_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def sub_package(path: str) -> str:
+    """The unit of docs/design.md's "no circle between sub-packages": a folder of pipelines/ or tools/,
+    a module directly in pipelines/, pruning/, launch/ (a path or a folder `x/` of the repository)."""
+    parts = path.rstrip("/").removesuffix(".py").split("/")
+    if parts[0] in ("pipelines", "tools") and len(parts) > 1 and parts[1] != "__init__":
+        return f"{parts[0]}/{parts[1]}"
+    return parts[0]
+
+
+def sub_package_graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> {unit it imports: ["module imports module", ...]}, from every import statement of
+    every module (inside functions too); a unit's imports of itself left out."""
+    modules, graph = project_modules(), import_graph()
+    units: dict[str, dict[str, list[str]]] = {}
+    for dotted, targets in graph.items():
+        unit = sub_package(modules[dotted])
+        edges = units.setdefault(unit, {})
+        for target in sorted(targets):
+            if sub_package(modules[target]) != unit:
+                edges.setdefault(sub_package(modules[target]), []).append(
+                    f"{modules[dotted]} imports {modules[target]}"
+                )
+    return units
+
+
+def test_no_import_circle_between_sub_packages():
+    units = sub_package_graph()
+    cycle = find_cycle({unit: set(edges) for unit, edges in units.items()})
+    if cycle is not None:
+        why = [f"  {a} -> {b}: {'; '.join(units[a][b][:3])}" for a, b in zip(cycle, cycle[1:])]
+        raise AssertionError("sub-packages in an import circle: " + " -> ".join(cycle) + "\n" + "\n".join(why))
+
+
+def test_sub_packages_are_folders_and_the_modules_of_pipelines():
+    assert sub_package("pipelines/evaluation/runner.py") == "pipelines/evaluation"
+    assert sub_package("pipelines/tasks/diffusion/dit.py") == "pipelines/tasks"
+    assert sub_package("pipelines/trained.py") == "pipelines/trained"
+    assert sub_package("pipelines/__init__.py") == sub_package("pipelines/") == "pipelines"
+    assert sub_package("tools/benchmarks/lossless/run.py") == sub_package("tools/benchmarks/") == "tools/benchmarks"
+    assert sub_package("launch/cli/bench.py") == "launch"
+    assert sub_package("pruning/bitmap.py") == "pruning"
+
+
+def test_the_rules_of_docs_design_allow_no_circle_between_sub_packages():
+    units = {sub_package(path) for path in project_modules().values()}
+    allowed: dict[str, set[str]] = {}
+    for unit, targets in import_rules().items():
+        for target in targets:  # a folder allows every unit in it (`pipelines/`: all of pipelines)
+            reached = (
+                {u for u in units if (u + "/").startswith(target)} if target.endswith("/") else {sub_package(target)}
+            )
+            allowed.setdefault(sub_package(unit), set()).update(reached - {sub_package(unit)})
+    cycle = find_cycle(allowed)
+    assert cycle is None, "docs/design.md's table allows an import circle: " + " -> ".join(cycle)
 
 
 def import_rules() -> dict[str, list[str]]:

@@ -10,9 +10,9 @@ from test_trainer import ROOT, TINY_MAE
 
 from prunepipe.pipelines.config import load_config
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.progress import pass_label, position_label
 from prunepipe.pipelines.report.runs import read_metrics
+from prunepipe.pipelines.trained import evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 
 

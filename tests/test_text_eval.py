@@ -24,8 +24,9 @@ from prunepipe.pipelines.data.splits import read_captions
 from prunepipe.pipelines.evaluation.clip_score import clip_score_metric, load_clip, scoring
 from prunepipe.pipelines.evaluation.config import load_eval_config
 from prunepipe.pipelines.evaluation.fid import uint8_rgb
-from prunepipe.pipelines.evaluation.runner import Evaluator, evaluate_checkpoint
+from prunepipe.pipelines.evaluation.runner import Evaluator
 from prunepipe.pipelines.evaluation.sampling import generate_images
+from prunepipe.pipelines.trained import evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.commands.captioned import digit_caption
 from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_clip

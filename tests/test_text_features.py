@@ -26,11 +26,11 @@ from prunepipe.pipelines.data.decode import TEXT_FEATURES_FIELD, SampleDecoder
 from prunepipe.pipelines.data.shards import TEXT_NULL_FILE, BadInputError, ShardIndex, read_shard
 from prunepipe.pipelines.data.splits import read_captions, read_split
 from prunepipe.pipelines.evaluation.config import load_eval_config
-from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
 from prunepipe.pipelines.evaluation.sampling import generate_images
 from prunepipe.pipelines.tasks.build import build_task, text_reading
 from prunepipe.pipelines.tasks.diffusion.text import TextEncoder
 from prunepipe.pipelines.tasks.randomness import SampleRandomness
+from prunepipe.pipelines.trained import evaluate_checkpoint
 from prunepipe.pipelines.training.loop import train
 from prunepipe.tools.commands.latents import encode_shards
 from prunepipe.tools.fixtures.tiny_text_encoder import write_tiny_text_encoder

@@ -62,7 +62,7 @@ def _eval(args) -> None:
     run_cfg = load_config(os.path.join(run_dir, "config.yaml"))
     eval_cfg = load_eval_config(getattr(run_cfg, "eval", None) or EvalConfig(), args.eval_config, overrides)
     plan_evaluation(run_cfg, eval_cfg, run_dir if args.checkpoint == "latest" else "")
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.trained import evaluate_checkpoint
 
     record = evaluate_checkpoint(
         run_dir,

@@ -11,6 +11,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
+from prunepipe.pipelines.atomic_write import atomic_write_json
+
 MANIFEST = "manifest.json"
 # 1: accelerate's save_state (model.safetensors, optimizer.bin), written by rank 0; 2: the model, optimizer and
 # EMA weights through torch.distributed.checkpoint, written by every rank (sharded.py). Both verify; only 2 resumes.
@@ -44,16 +46,12 @@ def write_manifest(folder: str, step: int, known: dict[str, dict] | None = None)
         for name in sorted(names):
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
-            if relative in (MANIFEST, MANIFEST + ".tmp"):
+            if relative == MANIFEST or relative.startswith(MANIFEST + "."):  # it, or its temporary
                 continue
             files[relative] = known[relative] if relative in known else file_entry(path)
     body = {"format": FORMAT, "step": step, "files": files}
     path = os.path.join(folder, MANIFEST)
-    with open(path + ".tmp", "w") as f:
-        json.dump({**body, "self_crc32": _self_crc(body)}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    atomic_write_json(path, {**body, "self_crc32": _self_crc(body)}, indent=1, sort_keys=True)
     return path
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
+from prunepipe.pipelines.atomic_write import sync_directory
 from prunepipe.pipelines.checkpoint.manifest import FORMAT, file_entry, manifest_format, verify, write_manifest
 from prunepipe.pipelines.checkpoint.parts import EMA, POSITION, PRUNER, CheckpointParts, read_part
 from prunepipe.pipelines.checkpoint.pruner_state import resolve_tables
@@ -199,7 +200,7 @@ def _seal(tmp: str, final: str, step: int, known: dict) -> None:
         shutil.rmtree(aside)
     else:
         os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    sync_directory(os.path.dirname(final))
 
 
 def _attempt(action) -> BaseException | None:
@@ -251,20 +252,12 @@ def abandon_newer(run_dir: str, resumed: str, say: Callable[[str], None] = print
     os.makedirs(aside, exist_ok=True)
     for folder in newer:
         os.replace(folder, os.path.join(aside, os.path.basename(folder)))
-    _fsync_dir(checkpoints_dir(run_dir))
+    sync_directory(checkpoints_dir(run_dir))
     say(
         f"rolled back to {os.path.basename(resumed)}: {len(newer)} newer checkpoint(s) "
         f"({', '.join(os.path.basename(f) for f in newer)}) moved to {aside}"
     )
     return aside
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint_states(checkpoint: str, read_model: bool = True, read_tables: bool = True) -> dict:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_open, atomic_write_json
 from prunepipe.pipelines.data.shards import INDEX_NAME
 from prunepipe.pipelines.data.side_tables import FORMAT, KINDS, check_made_for, existing_table, index_fingerprint
 
@@ -158,10 +159,7 @@ def check_side_header(path: str, group_of: np.ndarray, header: dict) -> None:
 def write_group_table(path: str, group_of: np.ndarray, header: dict) -> str:
     """`group_of` as int32 at `path` and `header` beside it, each written whole before it is renamed."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
+    with atomic_open(path, "wb") as f:
         np.save(f, np.asarray(group_of, dtype=np.int32))
-    os.replace(path + ".tmp", path)
-    with open(header_path(path) + ".tmp", "w") as f:
-        json.dump(header, f, indent=1)
-    os.replace(header_path(path) + ".tmp", header_path(path))
+    atomic_write_json(header_path(path), header, indent=1)
     return path

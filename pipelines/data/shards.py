@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_write_json
 from prunepipe.pipelines.data.remote import (
     NOTHING_EXPECTED,
     Expected,
@@ -185,13 +186,9 @@ class ShardIndex:
                 shard["bucket"] = int(bucket)
             shards.append(shard)
         path = os.path.join(folder, INDEX_NAME)
-        from prunepipe.pipelines.data.writer_names import temporary_name
-
-        # two processes (two hosts, or two containers of one PID) sealing a job's last shards at once may both write it
-        tmp = temporary_name(path)
-        with open(tmp, "w") as f:
-            json.dump({"shards": shards, **meta}, f, indent=1)
-        os.replace(tmp, path)
+        # two processes (two hosts, or two containers of one PID) sealing a job's last shards at once may both
+        # write it: each into a temporary of its own
+        atomic_write_json(path, {"shards": shards, **meta}, indent=1)
         return path
 
 

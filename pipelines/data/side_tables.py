@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_write_json
 from prunepipe.pipelines.data.shards import INDEX_NAME, read_index_json
-from prunepipe.pipelines.data.writer_names import temporary_name
 
 FORMAT = "prunepipe-side-table"
 KINDS = {"embeddings": np.dtype("float16"), "groups": np.dtype("int32")}
@@ -61,12 +61,7 @@ def table_paths(shards_dir: str, kind: str, name: str) -> tuple[str, str]:
 def write_json(path: str, data: dict) -> None:
     """`data` as JSON at `path`, atomically (a reader sees the old file or the new one)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = temporary_name(path)  # a writer of its own: another process, host or thread may write the same file
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data, indent=1)  # a temporary of its own: another process, host or thread may write it
 
 
 def make_header(shards_dir: str, kind: str, shape: tuple[int, ...], **made_by) -> dict:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
+from prunepipe.pipelines.atomic_write import atomic_open
 from prunepipe.pipelines.data.shards import index_file
 from prunepipe.pipelines.data.splits import read_split
 from prunepipe.pipelines.evaluation.config import FIDConfig
@@ -242,17 +243,16 @@ def reference_statistics(
         raise RuntimeError(f"{folder}: FID reference read {stats.num_samples} images, expected {count}")
     if rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(
-            tmp,
-            features_sum=stats.features_sum.numpy(),
-            cov_sum=stats.cov_sum.numpy(),
-            num_samples=stats.num_samples,
-            identity=net.identity,
-            resolution=resolution,
-            folder=os.path.abspath(folder),
-        )
-        os.replace(tmp, path)
+        with atomic_open(path, "wb") as f:  # a file, not a name: np.savez would add `.npz` to a name
+            np.savez(
+                f,
+                features_sum=stats.features_sum.numpy(),
+                cov_sum=stats.cov_sum.numpy(),
+                num_samples=stats.num_samples,
+                identity=net.identity,
+                resolution=resolution,
+                folder=os.path.abspath(folder),
+            )
     return stats, path, False
 
 

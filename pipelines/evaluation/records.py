@@ -4,8 +4,9 @@ records, written atomically, and the metrics `prunepipe compare` judges. No mode
 
 from __future__ import annotations
 
-import json
 import os
+
+from prunepipe.pipelines.atomic_write import atomic_write_json
 
 EVAL_DIR = "eval"
 
@@ -40,10 +41,7 @@ def write_record(run_dir: str, record: dict) -> str:
     """eval/step_XXXXXX[_raw].json, written atomically."""
     path = record_path(run_dir, record)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_json(path, record, indent=1)
     return path
 
 

@@ -9,12 +9,12 @@ says per run and per section which it read.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_write_json, atomic_write_text
 from prunepipe.pipelines.evaluation.records import PRIMARY_METRICS, lower_is_better
 from prunepipe.pipelines.report.equal_quality import equal_quality, full_points
 from prunepipe.pipelines.report.frontier import equal_compute_references
@@ -450,9 +450,9 @@ def compare_runs(
     report["notes"] += equal_quality_notes(report["equal_quality"], runs)
     report["plots"] = write_plots(base, runs, out, report["equal_quality"]) if plots else []
     report["markdown"] = render_markdown(report)
-    with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(report["markdown"])
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump({k_: v for k_, v in report.items() if k_ != "markdown"}, f, indent=1)
+    atomic_write_text(os.path.join(out, "report.md"), report["markdown"])
+    atomic_write_json(
+        os.path.join(out, "report.json"), {k_: v for k_, v in report.items() if k_ != "markdown"}, indent=1
+    )
     report["out"] = out
     return report

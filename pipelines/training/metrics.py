@@ -25,6 +25,7 @@ import os
 import re
 import time
 
+from prunepipe.pipelines.atomic_write import atomic_open
 from prunepipe.pipelines.config import RunConfig, latent_shard_notes, to_yaml
 from prunepipe.pipelines.data.description import DataDescription
 from prunepipe.pipelines.progress import pass_label
@@ -105,10 +106,8 @@ class MetricsLog:
             return 0
         with open(os.path.join(os.path.dirname(self.path), SUPERSEDED_FILE), "ab") as f:
             f.writelines(moved)
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
+        with atomic_open(self.path, "wb") as f:
             f.writelines(kept)
-        os.replace(tmp, self.path)
         return len(moved)
 
     def _append(self, record: dict) -> None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from prunepipe.pipelines.atomic_write import atomic_write_bytes
 from prunepipe.pipelines.evaluation.previews import Preview, png_bytes
 from prunepipe.pipelines.ranks import on_every_rank
 from prunepipe.pipelines.training.trackers import log_picture
@@ -83,18 +84,10 @@ class Previews:
             record["prompts"] = self.preview.captions
         record["seconds"] = seconds
         try:
-            write_atomically(path, png_bytes(picture))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write_bytes(path, png_bytes(picture))
         except OSError as e:  # a preview is not worth the run: say so and train on
             print(f"prunepipe: preview at step {step} not written: {e}", flush=True)
         self.metrics.write(record)
         log_picture(self.accelerator, "preview", picture, step)
         return seconds
-
-
-def write_atomically(path: str, content: bytes) -> None:
-    """`content` at `path`, whole or not at all: written beside it, then renamed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as f:
-        f.write(content)
-    os.replace(temporary, path)

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_open
 from prunepipe.pipelines.data.side_tables import make_header, open_embeddings, table_paths, write_json
 from prunepipe.tools.commands.group_picture import draw_groups
 from prunepipe.tools.commands.near_duplicates import group_stats, near_duplicate_groups
@@ -73,8 +74,8 @@ def dedup_shards(
     for stale in (header_path, array_path):  # the old table is unreadable from now on, not half replaced
         if os.path.exists(stale):
             os.remove(stale)
-    np.save(array_path + ".partial.npy", groups)
-    os.replace(array_path + ".partial.npy", array_path)
+    with atomic_open(array_path, "wb", suffix=".partial") as f:  # a killed writer's: remove_gone_partials
+        np.save(f, groups)
     write_json(header_path, make_header(shards_dir, "groups", groups.shape, **made_by))
     cluster_sizes = found.cluster_sizes
     report = {

@@ -18,6 +18,7 @@ import shutil
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_open, move_into_place
 from prunepipe.pipelines.data.decode import SampleDecoder
 from prunepipe.pipelines.data.remote import ReadRetry, ShardReadError
 from prunepipe.pipelines.data.shards import DEFAULT_RETRY, BadInputError, ShardIndex, read_shard
@@ -116,7 +117,7 @@ class EmbeddingWriter:
                 "file": os.path.basename(self.missing_path) if len(missing) else None,
             },
         )
-        os.replace(self.partial_path, self.array_path)
+        move_into_place(self.partial_path, self.array_path)
         write_json(self.header_path, header)
         return self.array_path
 
@@ -192,10 +193,8 @@ def embed_shard(
         if len(batch) == batch_size:
             run_batch()
     run_batch()
-    tmp = partial_path(part)
-    with open(tmp, "wb") as f:  # a file, not a name: np.save would add `.npy` to the name
+    with atomic_open(part, "wb", suffix=".partial") as f:  # a file, not a name: np.save would add `.npy` to a name
         np.save(f, rows)
-    os.replace(tmp, part)
     return {
         "count": count,
         "successes": count - len(missing),

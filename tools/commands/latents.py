@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
+from prunepipe.pipelines.atomic_write import atomic_open, move_into_place
 from prunepipe.pipelines.checkpoint.manifest import file_crc32
 from prunepipe.pipelines.data.decode import (
     CAPTION_FIELD,
@@ -433,7 +434,7 @@ def encode_shard(
         raise
     for tar in tars.values():
         tar.writer.close()
-        os.replace(partial_path(tar.path), tar.path)
+        move_into_place(partial_path(tar.path), tar.path)
     record = {
         "count": count,
         "successes": sum(tar.written for tar in tars.values()),
@@ -492,10 +493,10 @@ def _write_index(
     if encoder is not None:
         null = real_tokens(encoder.encode([""], device), dtype, ["(the empty caption)"])[0]
         null_path = os.path.join(out_folder, TEXT_NULL_FILE)
-        tmp = partial_path(null_path)  # a killed writer's is removed by the next run, as a shard's
-        with open(tmp, "wb") as f:  # a file, not a name: np.save would add `.npy` to the name
+        # a file, not a name (np.save would add `.npy` to a name); a killed writer's partial is removed by
+        # the next run, as a shard's
+        with atomic_open(null_path, "wb", suffix=".partial") as f:
             np.save(f, null, allow_pickle=False)
-        os.replace(tmp, null_path)
         text_meta = {"text_encoder": encoder.identity(), "text_width": encoder.hidden_size}
     fields = sorted({field for seal in seals for field in seal["fields"]})
     path = ShardIndex.write(

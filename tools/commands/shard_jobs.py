@@ -35,7 +35,7 @@ from typing import Callable
 from prunepipe.pipelines.data.remote import ShardReadError
 from prunepipe.pipelines.data.shards import BadInputError
 from prunepipe.pipelines.data.side_tables import write_json
-from prunepipe.pipelines.data.writer_names import PROCESS_TOKEN, host_id, writer_tag, written_here
+from prunepipe.pipelines.writer_names import PROCESS_TOKEN, host_id, writer_tag, written_here
 
 SEAL_SUFFIX = "_stats.json"  # img2dataset's NNNNN_stats.json beside NNNNN.tar: `shards index` reads it too
 WAIT_HOURS = 6.0  # how long a torchrun rank waits in the final barrier for the slowest rank's part

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_write_text
 from prunepipe.pipelines.report.frontier import interval_text, percent
 from prunepipe.pipelines.report.lossless import LOSSLESS_K
 from prunepipe.tools.benchmarks.lossless.plan import TaskPlan
@@ -564,5 +565,4 @@ def write_markdown(path: str, mode: str, body: str) -> None:
     else:
         text = block + "\n"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    atomic_write_text(path, text)

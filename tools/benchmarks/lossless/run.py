@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prunepipe.pipelines.atomic_write import atomic_write_json
 from prunepipe.pipelines.report.runs import read_metrics
 from prunepipe.tools.benchmarks.lossless.plan import (
     RunSpec,
@@ -231,7 +232,7 @@ def evaluate(
     import io
 
     from prunepipe.pipelines.evaluation.config import EvalConfig, FIDConfig, ProbeConfig, ReplicationConfig
-    from prunepipe.pipelines.evaluation.runner import evaluate_checkpoint
+    from prunepipe.pipelines.trained import evaluate_checkpoint
 
     # Raw weights: the EMA (decay 0.999) of runs this short lags far behind and would judge the EMA's
     # warmup, not the pruner. Probe: 10 labelled images per class, because on digits random encoder
@@ -515,8 +516,7 @@ def write_report(results: list[dict], plans: list[TaskPlan], meta: dict, out: st
         saving_targets(report["arms"]) if mode.startswith("pays_") else targets(rows, flat, report["timing_rows"])
     )
     report["markdown"] = render(report)
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1, default=float)
+    atomic_write_json(json_path, report, indent=1, default=float)
     write_markdown(markdown_path(out, mode), mode, page(mode, report["markdown"], json_path, out))
     return report
 
