@@ -41,32 +41,30 @@ def build_unet(cfg: DiffusionConfig, shape: BackboneInput) -> nn.Module:
     )
 
 
+def _transformer_sizes(cfg: DiffusionConfig, shape: BackboneInput) -> dict:
+    """What both transformers take from ldm.dit and the input's shape."""
+    return {
+        "sample_size": shape.sample_size,
+        "in_channels": shape.in_channels,
+        "depth": cfg.dit.depth,
+        "width": cfg.dit.width,
+        "heads": cfg.dit.heads,
+        "patch_size": cfg.dit.patch_size,
+    }
+
+
 def build_class_dit(cfg: DiffusionConfig, shape: BackboneInput) -> nn.Module:
     """The DiT of ldm.dit.preset (dit.py), unconditional or class-conditional."""
-    return build_dit(
-        cfg.dit.preset,
-        sample_size=shape.sample_size,
-        in_channels=shape.in_channels,
-        num_classes=cfg.num_classes,
-        depth=cfg.dit.depth,
-        width=cfg.dit.width,
-        heads=cfg.dit.heads,
-        patch_size=cfg.dit.patch_size,
-    )
+    return build_dit(cfg.dit.preset, num_classes=cfg.num_classes, **_transformer_sizes(cfg, shape))
 
 
 def build_text_conditional_dit(cfg: DiffusionConfig, shape: BackboneInput) -> nn.Module:
     """The PixArt transformer at ldm.dit.preset's size (pixart.py), reading the text features."""
     return build_text_dit(
         cfg.dit.preset,
-        sample_size=shape.sample_size,
-        in_channels=shape.in_channels,
         caption_channels=shape.caption_channels,
-        depth=cfg.dit.depth,
-        width=cfg.dit.width,
-        heads=cfg.dit.heads,
-        patch_size=cfg.dit.patch_size,
         size_conditions=cfg.dit.size_conditions,
+        **_transformer_sizes(cfg, shape),
     )
 
 
